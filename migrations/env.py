@@ -1,0 +1,26 @@
+"""Alembic environment: target metadata is motir_celery.models, URL from motir settings."""
+
+from alembic import context
+from sqlalchemy import create_engine, pool
+
+import motir_celery.migrate  # noqa: F401  (registers the RLS comparator)
+from motir_celery.models import Base
+
+config = context.config
+
+
+def run_migrations_online() -> None:
+    engine = create_engine(config.get_main_option("sqlalchemy.url"), poolclass=pool.NullPool)
+    with engine.connect() as connection:
+        context.configure(connection=connection, target_metadata=Base.metadata, compare_type=True)
+        with context.begin_transaction():
+            context.run_migrations()
+    engine.dispose()
+
+
+if context.is_offline_mode():
+    context.configure(url=config.get_main_option("sqlalchemy.url"), target_metadata=Base.metadata, literal_binds=True)
+    with context.begin_transaction():
+        context.run_migrations()
+else:
+    run_migrations_online()

@@ -1,0 +1,1 @@
+"""motir-celery."""

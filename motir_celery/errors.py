@@ -1,0 +1,68 @@
+"""The exceptions motir-celery raises or understands. Layer 1: imports nothing of ours."""
+
+from __future__ import annotations
+
+__all__ = [
+    "MotirError",
+    "ConfigurationError",
+    "JobDefinitionError",
+    "UnknownJobError",
+    "PayloadError",
+    "StepOutputError",
+    "WorkspaceError",
+    "NonRetriableError",
+    "RetryAfterError",
+    "LostClaim",
+    "RunCancelled",
+]
+
+
+class MotirError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class ConfigurationError(MotirError):
+    """A setting is missing or malformed; the message names the variable."""
+
+
+class JobDefinitionError(MotirError):
+    """``define_job`` was called with something that cannot work."""
+
+
+class UnknownJobError(MotirError):
+    """A job id that no ``define_job`` in this process registered."""
+
+
+class PayloadError(MotirError, ValueError):
+    """Event data that is not JSON, or too large. Raised before anything is written."""
+
+
+class StepOutputError(MotirError, TypeError):
+    """A step returned a value that cannot be stored as JSON."""
+
+
+class WorkspaceError(MotirError, ValueError):
+    """A workspace id that cannot be used as one."""
+
+
+class NonRetriableError(MotirError):
+    """Raise from a handler to fail the run now: no retry, straight to the DLQ."""
+
+
+class RetryAfterError(MotirError):
+    """Raise from a handler to retry after ``delay`` seconds (charges an attempt)."""
+
+    def __init__(self, delay: float, message: str = "") -> None:
+        if delay < 0:
+            raise ValueError(f"RetryAfterError delay must be >= 0, got {delay!r}")
+        super().__init__(message or f"retry requested in {delay}s")
+        self.delay = float(delay)
+
+
+class LostClaim(MotirError):
+    """This worker no longer holds the run: its lease was reclaimed or the run was
+    cancelled. Every further write is refused by the database, so the execution stops."""
+
+
+class RunCancelled(LostClaim):
+    """The run was cancelled; the execution stops at its step boundary."""

@@ -1,0 +1,120 @@
+"""Settings, read from the environment once per process and validated.
+
+Every knob has one environment variable. A malformed value is an error that
+names the variable, so a typo in a deployment fails at start-up, not at the
+first run that needs the value.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Mapping
+
+from .errors import ConfigurationError
+
+__all__ = ["Settings", "get_settings", "reset_settings"]
+
+
+@dataclass(frozen=True)
+class Settings:
+    #: Engine connection (dispatcher, claim, step writes, sweeper). In
+    #: production this logs in as the engine role; in development it is
+    #: whatever owns the database.
+    database_url: str | None = None
+    #: Connection for RLS-enforced reads (CLI, dashboard, user code). Unset:
+    #: the engine URL is reused and each transaction does SET LOCAL ROLE to
+    #: ``app_role``, which needs membership in that role.
+    app_database_url: str | None = None
+    #: Connection that owns the schema, for ``motir migrate``. Unset: the engine URL.
+    migrate_database_url: str | None = None
+    broker_url: str | None = None
+    result_backend: str | None = None
+    #: Modules that define jobs, imported by workers, beat and the CLI.
+    imports: tuple[str, ...] = ()
+    app_role: str = "motir_app"
+    engine_role: str = "motir_engine"
+    #: How long a claim holds a run without a heartbeat.
+    lease_seconds: float = 60.0
+    #: Sweeper period (reclaim expired leases, re-publish lost messages).
+    sweep_interval: float = 10.0
+    #: A due queued run whose message is older than this is re-published.
+    republish_after: float = 60.0
+    #: Largest accepted JSON payload (event data, step output), in bytes.
+    max_payload_bytes: int = 1_000_000
+    pool_size: int = 5
+    extra: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
+        env = os.environ if env is None else env
+        return cls(
+            database_url=_url(env, "MOTIR_DATABASE_URL"),
+            app_database_url=_url(env, "MOTIR_APP_DATABASE_URL"),
+            migrate_database_url=_url(env, "MOTIR_MIGRATE_DATABASE_URL"),
+            broker_url=env.get("CELERY_BROKER_URL") or None,
+            result_backend=env.get("CELERY_RESULT_BACKEND") or None,
+            imports=tuple(m.strip() for m in env.get("MOTIR_IMPORTS", "").split(",") if m.strip()),
+            app_role=_identifier(env, "MOTIR_APP_ROLE", "motir_app"),
+            engine_role=_identifier(env, "MOTIR_ENGINE_ROLE", "motir_engine"),
+            lease_seconds=_positive(env, "MOTIR_LEASE_SECONDS", 60.0),
+            sweep_interval=_positive(env, "MOTIR_SWEEP_INTERVAL", 10.0),
+            republish_after=_positive(env, "MOTIR_REPUBLISH_AFTER", 60.0),
+            max_payload_bytes=int(_positive(env, "MOTIR_MAX_PAYLOAD_BYTES", 1_000_000)),
+            pool_size=int(_positive(env, "MOTIR_POOL_SIZE", 5)),
+        )
+
+    def require_database_url(self) -> str:
+        if not self.database_url:
+            raise ConfigurationError(
+                "MOTIR_DATABASE_URL is not set: point it at Postgres "
+                "(postgresql+psycopg://user@host/db), or run through `make run` / "
+                "`python -m motir_celery.embedded` to start an embedded one"
+            )
+        return self.database_url
+
+
+def _url(env: Mapping[str, str], name: str) -> str | None:
+    value = env.get(name, "").strip()
+    if not value:
+        return None
+    if "://" not in value:
+        raise ConfigurationError(f"{name}={value!r} is not a URL (expected postgresql+psycopg://...)")
+    scheme = value.split("://", 1)[0]
+    if not scheme.startswith("postgres"):
+        raise ConfigurationError(f"{name} must be a PostgreSQL URL, got scheme {scheme!r}")
+    # psycopg 3 is the driver; a bare postgresql:// would make SQLAlchemy look for psycopg2.
+    if scheme in ("postgres", "postgresql"):
+        value = "postgresql+psycopg://" + value.split("://", 1)[1]
+    return value
+
+
+def _positive(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigurationError(f"{name}={raw!r} is not a number") from None
+    if value <= 0:
+        raise ConfigurationError(f"{name}={raw!r} must be greater than zero")
+    return value
+
+
+def _identifier(env: Mapping[str, str], name: str, default: str) -> str:
+    value = env.get(name, "").strip() or default
+    if not value.replace("_", "").isalnum() or value[0].isdigit():
+        raise ConfigurationError(f"{name}={value!r} is not a plain SQL identifier")
+    return value
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings.from_env()
+
+
+def reset_settings() -> None:
+    """Forget the cached settings (tests, and processes that change their env)."""
+    get_settings.cache_clear()
