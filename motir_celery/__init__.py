@@ -1,1 +1,133 @@
-"""motir-celery."""
+"""motir-celery: durable jobs on the Celery you already run; Postgres holds the truth.
+
+Public surface::
+
+    from motir_celery import define_job, send_event, RetryPolicy
+
+    @define_job("orders.fulfil", event="order.paid", retry_policy="transient")
+    def fulfil(event, step):
+        invoice = step.run("invoice", make_invoice, event.data["order_id"])
+        step.run("email", send_receipt, invoice)
+
+    send_event("order.paid", {"order_id": 42, "workspace_id": "acme"})
+
+``celery -A motir_celery worker`` runs the default app, built on first access
+from the environment. ``attach(app)`` hosts the engine on your own app instead.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from .errors import (
+    ConfigurationError,
+    JobDefinitionError,
+    LostClaim,
+    MotirError,
+    NonRetriableError,
+    PayloadError,
+    RetryAfterError,
+    RunCancelled,
+    StepOutputError,
+    UnknownJobError,
+    WorkspaceError,
+)
+from .jobs import define_job
+from .retries import RetryPolicy
+
+if TYPE_CHECKING:
+    from celery import Celery
+    from sqlalchemy.orm import Session
+
+    from .dlq import ReplayResult
+    from .events import SendResult
+    from .queue import AlreadyQueued, Queued
+
+__all__ = [
+    "define_job",
+    "send_event",
+    "replay_dlq",
+    "cancel_run",
+    "enqueue_scheduled",
+    "attach",
+    "RetryPolicy",
+    "MotirError",
+    "ConfigurationError",
+    "JobDefinitionError",
+    "UnknownJobError",
+    "PayloadError",
+    "StepOutputError",
+    "WorkspaceError",
+    "NonRetriableError",
+    "RetryAfterError",
+    "LostClaim",
+    "RunCancelled",
+]
+
+
+def _publish(app: "Celery | None" = None):  # type: ignore[no-untyped-def]
+    from .celery_app import default_app, publisher
+
+    return publisher(app or default_app())
+
+
+def send_event(
+    name: str,
+    data: Any,
+    *,
+    workspace_id: str | None = None,
+    idempotency_key: str | None = None,
+    session: "Session | None" = None,
+    app: "Celery | None" = None,
+) -> "SendResult":
+    """Record an event and start one run per subscribing job (see ``events.send_event``).
+
+    Messages go through ``app`` (default: the engine's own Celery app), after commit.
+    """
+    from . import events
+
+    return events.send_event(
+        name, data, workspace_id=workspace_id, idempotency_key=idempotency_key, session=session,
+        publish=_publish(app),
+    )
+
+
+def replay_dlq(dlq_id: "uuid.UUID | str", *, actor: str, idempotency_key: str | None = None,
+               app: "Celery | None" = None) -> "ReplayResult":
+    """Replay a dead-lettered run for its job only; audited as ``actor``."""
+    from . import dlq
+
+    return dlq.replay_dlq(dlq_id, actor=actor, idempotency_key=idempotency_key, publish=_publish(app))
+
+
+def cancel_run(run_id: "uuid.UUID | str") -> bool:
+    """Cancel a queued or running run; a running one stops at its next step boundary."""
+    from . import queue
+    from .db import engine_connection
+
+    with engine_connection() as conn:
+        return queue.cancel(conn, uuid.UUID(str(run_id)))
+
+
+def enqueue_scheduled(job_id: str, scheduled_for: Any, *, app: "Celery | None" = None) -> "Queued | AlreadyQueued":
+    """Create the run of cron job ``job_id`` for slot ``scheduled_for`` (once, however often called)."""
+    from .beat import enqueue_slot
+
+    return enqueue_slot(job_id, scheduled_for, publish=_publish(app))
+
+
+def attach(app: "Celery") -> "Celery":
+    """Host the engine on your own Celery app (tasks ``motir.<job_id>``, sweeper, imports)."""
+    from .celery_app import attach as _attach
+
+    return _attach(app)
+
+
+def __getattr__(name: str) -> Any:
+    # `celery -A motir_celery` looks up `motir_celery.app`: built on first access only.
+    if name in ("app", "celery"):
+        from .celery_app import default_app
+
+        return default_app()
+    raise AttributeError(f"module 'motir_celery' has no attribute {name!r}")

@@ -73,8 +73,21 @@ def dispose_engines() -> None:
             del _engines[(url, pid)]
 
 
+_inherited: list[Engine] = []
+
+
+def _after_fork_in_child() -> None:
+    # The parent's pooled sockets must be neither used nor closed here (closing
+    # one would end the parent's session): keep the engines referenced so they
+    # are never garbage-collected, and start from an empty cache.
+    global _lock
+    _inherited.extend(_engines.values())
+    _engines.clear()
+    _lock = threading.Lock()
+
+
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=lambda: _engines.clear())
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @contextmanager

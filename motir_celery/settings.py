@@ -31,6 +31,8 @@ class Settings:
     migrate_database_url: str | None = None
     broker_url: str | None = None
     result_backend: str | None = None
+    #: Celery queue of the default app (routing per job: Celery's task_routes).
+    queue: str = "celery"
     #: Modules that define jobs, imported by workers, beat and the CLI.
     imports: tuple[str, ...] = ()
     app_role: str = "motir_app"
@@ -55,6 +57,7 @@ class Settings:
             migrate_database_url=_url(env, "MOTIR_MIGRATE_DATABASE_URL"),
             broker_url=env.get("CELERY_BROKER_URL") or None,
             result_backend=env.get("CELERY_RESULT_BACKEND") or None,
+            queue=env.get("MOTIR_QUEUE", "").strip() or "celery",
             imports=tuple(m.strip() for m in env.get("MOTIR_IMPORTS", "").split(",") if m.strip()),
             app_role=_identifier(env, "MOTIR_APP_ROLE", "motir_app"),
             engine_role=_identifier(env, "MOTIR_ENGINE_ROLE", "motir_engine"),

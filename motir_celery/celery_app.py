@@ -1,0 +1,157 @@
+"""The Celery adapter: the default app, ``attach(app)``, per-job tasks, publishing.
+
+Each job becomes a task named ``motir.<job_id>``, so Flower lists runs per job
+and ``task_routes`` can send a job to its own queue. A message carries the run
+id only (plus the job id for routing and display); Postgres holds the rest.
+
+Defaults this module sets on the apps it hosts, and why:
+
+* ``task_acks_late`` + ``task_reject_on_worker_lost`` — a message is
+  acknowledged after the run settles, and a worker killed mid-run hands the
+  message back. The claim makes the redelivery harmless.
+* ``worker_prefetch_multiplier = 1`` — a worker reserves one message per
+  process; a prefetched message would sit behind a long run.
+* task events on — Flower shows each run as it happens.
+
+The default app is built on first use (``motir_celery.app``), never at import,
+and reads everything from the environment (``settings.py``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import logging
+import os
+import threading
+import uuid
+from dataclasses import asdict
+from typing import Any
+
+from celery import Celery, bootsteps
+
+from . import runner, sweeper
+from .errors import ConfigurationError
+from .jobs import Job, on_job_defined
+from .runner import Publish
+from .settings import Settings, get_settings
+
+__all__ = ["create_app", "attach", "default_app", "publisher"]
+
+log = logging.getLogger("motir_celery.celery")
+
+_default: Celery | None = None
+_default_lock = threading.Lock()
+
+
+def default_app() -> Celery:
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = create_app()
+        return _default
+
+
+def create_app(settings: Settings | None = None, *, main: str = "motir_celery") -> Celery:
+    settings = settings or get_settings()
+    if not settings.broker_url:
+        raise ConfigurationError(
+            "CELERY_BROKER_URL is not set: point it at Redis or RabbitMQ, or run through "
+            "`make run` / `python -m motir_celery.embedded env` to start an embedded Redis"
+        )
+    app = Celery(main, set_as_current=False)
+    app.conf.update(
+        broker_url=settings.broker_url,
+        result_backend=settings.result_backend,
+        task_ignore_result=settings.result_backend is None,
+        task_default_queue=settings.queue,
+        broker_connection_retry_on_startup=True,
+        timezone="UTC",
+        enable_utc=True,
+    )
+    return attach(app, settings=settings)
+
+
+def attach(app: Celery, *, settings: Settings | None = None) -> Celery:
+    """Host the engine on ``app``: register every job (and every later one) as a task,
+    run the sweeper in its workers, and import ``MOTIR_IMPORTS`` there."""
+    settings = settings or get_settings()
+    if app.conf.get("motir_attached"):
+        return app
+    app.conf.motir_attached = True
+    for key, value in {
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+    }.items():
+        # Ours are defaults: a setting the user made on their own app wins.
+        if key not in app.conf.changes:
+            app.conf[key] = value
+    app.conf.imports = tuple(app.conf.imports or ()) + tuple(settings.imports)
+    app.steps["worker"].add(SweeperStep)
+    on_job_defined(lambda job: _register(app, job))
+    # The beat scheduler and the CLI need the jobs without a worker's imports.
+    for module in settings.imports:
+        importlib.import_module(module)
+    return app
+
+
+def _register(app: Celery, job: Job) -> None:
+    if job.task_name in app.tasks:
+        return
+    options = {k: job.options[k] for k in ("queue", "priority", "time_limit", "soft_time_limit") if k in job.options}
+
+    def run_job(self: Any, run_id: str, *_: Any) -> dict[str, str]:
+        worker = f"{self.request.hostname or 'worker'}/{os.getpid()}"
+        return asdict(runner.execute(run_id, job_id=job.id, worker=worker, publish=publisher(self.app)))
+
+    run_job.__name__ = run_job.__qualname__ = "run_" + re.sub(r"\W", "_", job.id)
+    run_job.__doc__ = f"Run of motir job {job.id!r}: claim, steps, settle."
+    app.task(name=job.task_name, bind=True, acks_late=True, reject_on_worker_lost=True, **options)(run_job)
+
+
+def publisher(app: Celery) -> Publish:
+    """The publish callable the core is handed: one message per run, by task name."""
+
+    def publish(run_id: uuid.UUID, job_id: str, countdown: float = 0.0) -> None:
+        from .jobs import task_name
+
+        app.send_task(
+            task_name(job_id),
+            args=[str(run_id)],
+            countdown=countdown or None,
+            argsrepr=f"{job_id} run={run_id}",
+        )
+
+    return publish
+
+
+class SweeperStep(bootsteps.StartStopStep):
+    """Runs the sweeper in a thread of the worker's main process."""
+
+    label = "motir sweeper"
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, worker: Any) -> None:
+        settings = get_settings()
+        publish = publisher(worker.app)
+
+        def loop() -> None:
+            while not self._stop.wait(settings.sweep_interval):
+                try:
+                    sweeper.sweep(publish, settings=settings)
+                except Exception:  # noqa: BLE001 — a database or broker blip: next period
+                    log.warning("sweep failed", exc_info=True)
+
+        self._thread = threading.Thread(target=loop, name="motir-sweeper", daemon=True)
+        self._thread.start()
+
+    def stop(self, worker: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)

@@ -1,0 +1,162 @@
+"""``send_event``: write the event and its runs in one transaction, publish after commit.
+
+Fan-out is ``INSERT … ON CONFLICT (event_id, job_id) DO NOTHING``: dispatching
+an event twice creates no second run. Subscribers come from the job registry
+of the sending process, so a process that sends events imports the job modules
+(``MOTIR_IMPORTS``) just as workers do.
+
+Publishing happens strictly **after** the commit that created the rows: a
+message can then never name a run that does not exist (or that a rollback
+removed). A crash between the commit and the publish leaves a queued run with
+no message; the sweeper re-publishes it.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from sqlalchemy import Connection, event as sa_event, text
+from sqlalchemy.orm import Session
+
+from . import queue
+from .db import get_engine, validate_workspace_id
+from .errors import PayloadError
+from .jobs import Job, subscribers
+from .runner import Publish
+from .settings import Settings, get_settings
+
+__all__ = ["SendResult", "send_event", "dispatch_event", "publish_after_commit"]
+
+
+@dataclass(frozen=True)
+class SendResult:
+    #: The new event's id; the existing event's id when ``deduplicated``.
+    event_id: uuid.UUID | None
+    #: One entry per subscribing job: ``Queued(run_id)`` or ``AlreadyQueued``.
+    runs: list[queue.Queued | queue.AlreadyQueued] = field(default_factory=list)
+    #: The idempotency key was already used for this event name: nothing was written.
+    deduplicated: bool = False
+
+    @property
+    def run_ids(self) -> list[uuid.UUID]:
+        return [r.run_id for r in self.runs if isinstance(r, queue.Queued)]
+
+
+def _validate(name: Any, data: Any, workspace_id: Any, idempotency_key: Any, limit: int) -> tuple[str, str | None]:
+    if not isinstance(name, str) or not name.strip() or len(name) > 200:
+        raise PayloadError(f"event name must be a non-empty string of at most 200 characters, got {name!r}")
+    try:
+        encoded = json.dumps(data, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise PayloadError(f"data of event {name!r} is not JSON ({type(data).__name__}): {exc}") from None
+    if "\\u0000" in encoded:
+        raise PayloadError(f"data of event {name!r} contains a NUL character, which Postgres jsonb cannot store")
+    if len(encoded) > limit:
+        raise PayloadError(f"data of event {name!r} is {len(encoded)} bytes of JSON, over the {limit}-byte limit")
+    if workspace_id is None and isinstance(data, dict) and data.get("workspace_id") is not None:
+        workspace_id = data["workspace_id"]
+    workspace_id = validate_workspace_id(workspace_id)
+    if idempotency_key is not None and (not isinstance(idempotency_key, str) or not idempotency_key):
+        raise PayloadError(f"idempotency_key must be a non-empty string, got {idempotency_key!r}")
+    return encoded, workspace_id
+
+
+def write_event(conn: Connection, name: str, encoded: str, workspace_id: str | None,
+           idempotency_key: str | None, jobs: Sequence[Job]) -> SendResult:
+    event_id = queue.insert_event(conn, name, encoded, workspace_id, idempotency_key)
+    if event_id is None:
+        existing = conn.execute(
+            text("SELECT id FROM job_event WHERE name = :name AND idempotency_key = :key"),
+            {"name": name, "key": idempotency_key},
+        ).scalar()
+        return SendResult(existing, [], deduplicated=True)
+    runs = queue.fan_out(conn, event_id, [(j.id, j.retry_policy.max_attempts, j.retry_policy.name) for j in jobs])
+    return SendResult(event_id, runs)
+
+
+def send_event(
+    name: str,
+    data: Any,
+    *,
+    workspace_id: str | None = None,
+    idempotency_key: str | None = None,
+    session: Session | None = None,
+    publish: Publish | None = None,
+    jobs: Sequence[Job] | None = None,
+    settings: Settings | None = None,
+) -> SendResult:
+    """Record event ``name`` and create one run per subscribing job.
+
+    With ``session``, the rows are written in that session's transaction and
+    the messages are published only if it commits. ``jobs`` restricts the
+    fan-out (DLQ replay re-emits an event for one job only).
+    """
+    settings = settings or get_settings()
+    encoded, workspace_id = _validate(name, data, workspace_id, idempotency_key, settings.max_payload_bytes)
+    targets = subscribers(name) if jobs is None else list(jobs)
+    if session is not None:
+        result = write_event(session.connection(), name, encoded, workspace_id, idempotency_key, targets)
+        publish_after_commit(session, result.runs, publish)
+        return result
+    with get_engine(settings=settings).begin() as conn:
+        result = write_event(conn, name, encoded, workspace_id, idempotency_key, targets)
+    _publish(result.runs, publish)
+    return result
+
+
+def dispatch_event(event_id: uuid.UUID, *, publish: Publish | None = None,
+                   settings: Settings | None = None) -> list[queue.Queued | queue.AlreadyQueued]:
+    """Fan an already-recorded event out to its subscribers again (idempotent)."""
+    with get_engine(settings=settings).begin() as conn:
+        name = conn.execute(text("SELECT name FROM job_event WHERE id = :id"), {"id": event_id}).scalar_one()
+        jobs = subscribers(name)
+        runs = queue.fan_out(conn, event_id, [(j.id, j.retry_policy.max_attempts, j.retry_policy.name) for j in jobs])
+    _publish(runs, publish)
+    return runs
+
+
+def _publish(runs: Sequence[queue.Queued | queue.AlreadyQueued], publish: Publish | None) -> None:
+    if publish is None:
+        return
+    for run in runs:
+        if isinstance(run, queue.Queued):
+            publish(run.run_id, run.job_id, 0.0)
+
+
+_PENDING = "motir_celery.pending_publish"
+
+
+def publish_after_commit(session: Session, runs: Sequence[queue.Queued | queue.AlreadyQueued],
+                         publish: Publish | None) -> None:
+    """Publish ``runs`` when ``session`` commits; forget them if it rolls back."""
+    if publish is None:
+        return
+    pending: list[tuple[Publish, queue.Queued | queue.AlreadyQueued]] | None = session.info.get(_PENDING)
+    if pending is None:
+        pending = session.info[_PENDING] = []
+
+        def after_commit(sess: Session) -> None:
+            items = sess.info.pop(_PENDING, [])
+            _drop_listeners(sess)
+            for fn, run in items:
+                _publish([run], fn)
+
+        def after_rollback(sess: Session) -> None:
+            sess.info.pop(_PENDING, None)
+            _drop_listeners(sess)
+
+        def _drop_listeners(sess: Session) -> None:
+            sa_event.remove(sess, "after_commit", after_commit)
+            sa_event.remove(sess, "after_soft_rollback", after_soft_rollback)
+
+        def after_soft_rollback(sess: Session, previous_transaction: Any) -> None:
+            # Only the outermost rollback discards the rows (a savepoint rollback may not).
+            if previous_transaction.parent is None:
+                after_rollback(sess)
+
+        sa_event.listen(session, "after_commit", after_commit)
+        sa_event.listen(session, "after_soft_rollback", after_soft_rollback)
+    pending.extend((publish, run) for run in runs)

@@ -1,0 +1,477 @@
+"""The queue repository: every hot statement of the engine, written out plainly.
+
+Each function is one round trip. Claim, step write and settle are the hot path
+(a run of k new steps costs k + 2 statements and k + 2 commits); enqueue and
+sweep are the rest. Rules that hold for every statement here:
+
+* **The database decides.** "Already done?" is a unique constraint
+  (``ON CONFLICT DO NOTHING``) or a conditional ``UPDATE``, never a read then a
+  write. A conflict comes back as an ordinary value, not an exception.
+* **Fenced.** Every write a worker makes on a run it holds is conditional on
+  ``claim_token``; a worker whose lease was reclaimed writes nothing.
+* **One clock.** "Due", "expired" and every stored instant use the database's
+  ``now()``; Python only ever binds *durations* (lease length, backoff),
+  never an instant read from its own clock.
+
+Functions take a ``Connection`` and leave the transaction to the caller: the
+runner commits each statement on its own, ``send_event(session=...)`` writes
+inside the caller's transaction.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Sequence
+
+from sqlalchemy import Connection, text
+
+__all__ = [
+    "Claim",
+    "Queued",
+    "AlreadyQueued",
+    "insert_event",
+    "fan_out",
+    "enqueue_scheduled",
+    "claim",
+    "store_step",
+    "renew_lease",
+    "settle_succeeded",
+    "settle_retry",
+    "settle_failed",
+    "reclaim_expired",
+    "republish_due",
+    "cancel",
+]
+
+
+@dataclass(frozen=True)
+class Queued:
+    """A new run was created; publish ``run_id`` after the transaction commits."""
+
+    run_id: uuid.UUID
+    job_id: str
+
+
+@dataclass(frozen=True)
+class AlreadyQueued:
+    """The run already exists (same event and job, or same cron slot); nothing written."""
+
+    job_id: str
+
+
+@dataclass(frozen=True)
+class Claim:
+    run_id: uuid.UUID
+    job_id: str
+    token: uuid.UUID
+    attempt: int
+    max_attempts: int
+    workspace_id: str | None
+    event_id: uuid.UUID | None
+    event_name: str
+    event_data: Any
+    scheduled_for: datetime | None
+    steps: dict[str, Any]
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), allow_nan=False)
+
+
+# --- enqueue ------------------------------------------------------------------------
+
+_INSERT_EVENT = text(
+    """
+    INSERT INTO job_event (name, data, workspace_id, idempotency_key)
+    VALUES (:name, CAST(:data AS jsonb), :workspace_id, :key)
+    -- (name, idempotency_key) is unique; NULL keys never conflict.
+    ON CONFLICT (name, idempotency_key) DO NOTHING
+    RETURNING id
+    """
+)
+
+
+def insert_event(
+    conn: Connection, name: str, data_json: str, workspace_id: str | None, idempotency_key: str | None
+) -> uuid.UUID | None:
+    """Write the event; ``None`` when its idempotency key was already used for this name."""
+    return conn.execute(
+        _INSERT_EVENT, {"name": name, "data": data_json, "workspace_id": workspace_id, "key": idempotency_key}
+    ).scalar()
+
+
+_FAN_OUT = text(
+    """
+    INSERT INTO job_queue (event_id, job_id, event_name, workspace_id, max_attempts, retry_policy)
+    SELECT e.id, s.job_id, e.name, e.workspace_id, s.max_attempts, s.retry_policy
+    FROM job_event e,
+         unnest(CAST(:job_ids AS text[]), CAST(:max_attempts AS int[]), CAST(:policies AS text[]))
+           AS s(job_id, max_attempts, retry_policy)
+    WHERE e.id = :event_id
+    -- one run per (event, job): dispatching the same event twice adds nothing.
+    ON CONFLICT (event_id, job_id) DO NOTHING
+    RETURNING id, job_id
+    """
+)
+
+
+def fan_out(
+    conn: Connection, event_id: uuid.UUID, jobs: Sequence[tuple[str, int, str]]
+) -> list[Queued | AlreadyQueued]:
+    """One run per ``(job_id, max_attempts, policy_name)`` for the event, deduplicated."""
+    if not jobs:
+        return []
+    rows = conn.execute(
+        _FAN_OUT,
+        {
+            "event_id": event_id,
+            "job_ids": [j[0] for j in jobs],
+            "max_attempts": [j[1] for j in jobs],
+            "policies": [j[2] for j in jobs],
+        },
+    ).all()
+    created = {row.job_id: row.id for row in rows}
+    return [Queued(created[j[0]], j[0]) if j[0] in created else AlreadyQueued(j[0]) for j in jobs]
+
+
+_ENQUEUE_SCHEDULED = text(
+    """
+    INSERT INTO job_queue (job_id, scheduled_for, event_name, workspace_id, max_attempts, retry_policy)
+    -- scheduled_for is bound from Python, and that is safe: it is a cron slot
+    -- computed from (expression, zone, the database's now()), not a reading of
+    -- this process's clock, so every beat binds the same instant for one slot.
+    VALUES (:job_id, :scheduled_for, :event_name, NULL, :max_attempts, :policy)
+    -- one run per (job, slot), however many beats tick it.
+    ON CONFLICT (job_id, scheduled_for) DO NOTHING
+    RETURNING id
+    """
+)
+
+
+def enqueue_scheduled(
+    conn: Connection, job_id: str, scheduled_for: datetime, *, max_attempts: int, policy: str
+) -> Queued | AlreadyQueued:
+    if scheduled_for.tzinfo is None:
+        raise ValueError("scheduled_for must be timezone-aware")
+    run_id = conn.execute(
+        _ENQUEUE_SCHEDULED,
+        {
+            "job_id": job_id,
+            "scheduled_for": scheduled_for,
+            "event_name": f"scheduled.{job_id}",
+            "max_attempts": max_attempts,
+            "policy": policy,
+        },
+    ).scalar()
+    return Queued(run_id, job_id) if run_id is not None else AlreadyQueued(job_id)
+
+
+# --- claim ------------------------------------------------------------------------
+
+_CLAIM = text(
+    """
+    WITH claimed AS (
+      UPDATE job_queue
+      SET state = 'running',
+          attempts = attempts + 1,             -- charged now: a run that kills its worker still spends attempts
+          claim_token = gen_random_uuid(),     -- fences every later write to this holder
+          claimed_by = :worker,
+          lease_expires_at = now() + make_interval(secs => :lease)
+      WHERE id = :run_id
+        AND job_id = :job_id                   -- a message for another job's run (misrouted, forged) claims nothing
+        AND state = 'queued'                   -- running: someone holds it; final: done. Either way a stale message.
+        AND run_at <= now()                    -- not due yet (backoff): the sweeper publishes it again when it is
+      RETURNING id, job_id, claim_token, attempts, max_attempts, workspace_id, event_id, event_name, scheduled_for
+    ), ledger AS (
+      INSERT INTO job_run (run_id, attempt, workspace_id, job_id, event_name, worker)
+      SELECT id, attempts, workspace_id, job_id, event_name, :worker FROM claimed
+    )
+    SELECT c.*, e.data AS event_data,
+           -- memoized steps in the same round trip (snapshot taken before this claim: prior attempts' steps)
+           (SELECT coalesce(jsonb_object_agg(s.step_id, s.output), '{}'::jsonb)
+              FROM job_step s WHERE s.run_id = c.id) AS steps
+    FROM claimed c LEFT JOIN job_event e ON e.id = c.event_id
+    """
+)
+
+
+def claim(conn: Connection, run_id: uuid.UUID, *, job_id: str, worker: str, lease_seconds: float) -> Claim | None:
+    """Move a queued, due run to running for this worker; ``None`` if it is not ours to run."""
+    row = conn.execute(
+        _CLAIM, {"run_id": run_id, "job_id": job_id, "worker": worker, "lease": lease_seconds}
+    ).one_or_none()
+    if row is None:
+        return None
+    return Claim(
+        run_id=row.id,
+        job_id=row.job_id,
+        token=row.claim_token,
+        attempt=row.attempts,
+        max_attempts=row.max_attempts,
+        workspace_id=row.workspace_id,
+        event_id=row.event_id,
+        event_name=row.event_name,
+        event_data=row.event_data,
+        scheduled_for=row.scheduled_for,
+        steps=row.steps,
+    )
+
+
+# --- step write and heartbeat --------------------------------------------------------
+
+_STORE_STEP = text(
+    """
+    INSERT INTO job_step (run_id, step_id, workspace_id, output, attempt, started_at)
+    SELECT q.id, :step_id, q.workspace_id, CAST(:output AS jsonb), q.attempts,
+           now() - make_interval(secs => :elapsed)
+    FROM job_queue q
+    WHERE q.id = :run_id
+      AND q.claim_token = :token               -- fence: only the current holder writes
+      AND q.state = 'running'                  -- a cancelled run stops at its next step boundary
+    -- FOR SHARE: a concurrent reclaim or cancel waits for this insert to commit, or
+    -- this insert re-checks the fence against the reclaimed row and writes nothing.
+    FOR SHARE OF q
+    ON CONFLICT (run_id, step_id) DO NOTHING
+    RETURNING 1
+    """
+)
+
+
+def store_step(
+    conn: Connection, claim_: Claim, step_id: str, output_json: str, elapsed: float
+) -> bool:
+    """Store a step's result; ``False`` when the fence refused it (lost claim or cancelled)."""
+    return (
+        conn.execute(
+            _STORE_STEP,
+            {
+                "run_id": claim_.run_id,
+                "token": claim_.token,
+                "step_id": step_id,
+                "output": output_json,
+                "elapsed": elapsed,
+            },
+        ).scalar()
+        is not None
+    )
+
+
+_RENEW_LEASE = text(
+    """
+    UPDATE job_queue SET lease_expires_at = now() + make_interval(secs => :lease)
+    WHERE id = :run_id AND claim_token = :token AND state = 'running'   -- fence
+    RETURNING 1
+    """
+)
+
+
+def renew_lease(conn: Connection, claim_: Claim, lease_seconds: float) -> bool:
+    return (
+        conn.execute(_RENEW_LEASE, {"run_id": claim_.run_id, "token": claim_.token, "lease": lease_seconds}).scalar()
+        is not None
+    )
+
+
+_RUN_STATE = text("SELECT state, claim_token = :token AS ours FROM job_queue WHERE id = :run_id")
+
+
+def why_fenced(conn: Connection, claim_: Claim) -> str:
+    """Cold path after a refused write: 'cancelled', 'lost' (reclaimed) or 'held' (still ours)."""
+    row = conn.execute(_RUN_STATE, {"run_id": claim_.run_id, "token": claim_.token}).one_or_none()
+    if row is None:
+        return "lost"
+    if row.state == "cancelled":
+        return "cancelled"
+    return "held" if row.ours else "lost"
+
+
+def stored_output(conn: Connection, claim_: Claim, step_id: str) -> Any:
+    return conn.execute(
+        text("SELECT output FROM job_step WHERE run_id = :run_id AND step_id = :step_id"),
+        {"run_id": claim_.run_id, "step_id": step_id},
+    ).scalar_one()
+
+
+# --- settle ---------------------------------------------------------------------
+
+_SETTLE_SUCCEEDED = text(
+    """
+    WITH settled AS (
+      UPDATE job_queue
+      SET state = 'succeeded', result = CAST(:result AS jsonb), finished_at = now(),
+          claim_token = NULL, lease_expires_at = NULL
+      WHERE id = :run_id AND claim_token = :token AND state = 'running'   -- fence
+      RETURNING id, attempts
+    )
+    UPDATE job_run r SET outcome = 'succeeded', finished_at = now()
+    FROM settled s WHERE r.run_id = s.id AND r.attempt = s.attempts
+    RETURNING 1
+    """
+)
+
+
+def settle_succeeded(conn: Connection, claim_: Claim, result_json: str) -> bool:
+    return (
+        conn.execute(_SETTLE_SUCCEEDED, {"run_id": claim_.run_id, "token": claim_.token, "result": result_json}).scalar()
+        is not None
+    )
+
+
+_SETTLE_RETRY = text(
+    """
+    WITH settled AS (
+      UPDATE job_queue
+      SET state = 'queued',
+          run_at = now() + make_interval(secs => :delay),   -- the backoff, on the database's clock
+          dispatched_at = now(),                            -- the caller publishes right after commit
+          claim_token = NULL, claimed_by = NULL, lease_expires_at = NULL
+      WHERE id = :run_id AND claim_token = :token AND state = 'running'   -- fence
+      RETURNING id, attempts
+    )
+    UPDATE job_run r SET outcome = 'retrying', finished_at = now(), error = CAST(:error AS jsonb)
+    FROM settled s WHERE r.run_id = s.id AND r.attempt = s.attempts
+    RETURNING 1
+    """
+)
+
+
+def settle_retry(conn: Connection, claim_: Claim, error_json: str, delay: float) -> bool:
+    return (
+        conn.execute(
+            _SETTLE_RETRY, {"run_id": claim_.run_id, "token": claim_.token, "error": error_json, "delay": delay}
+        ).scalar()
+        is not None
+    )
+
+
+# The DLQ row copies what an operator needs to act after the run and event are
+# purged. Shared by the two ways a run fails for good: a worker settling its last
+# attempt, and the sweeper reclaiming a run whose last attempt lost its lease.
+_DLQ_INSERT = """
+    INSERT INTO job_run_dlq (run_id, workspace_id, function_id, event_id, event_name, event_data,
+                             idempotency_key, failure, attempts, first_failed_at)
+    SELECT f.id, f.workspace_id, f.job_id, f.event_id, f.event_name,
+           coalesce(e.data, jsonb_build_object('scheduled_for', f.scheduled_for)),
+           e.idempotency_key, f.failure, f.attempts,
+           coalesce((SELECT min(r.finished_at) FROM job_run r
+                     WHERE r.run_id = f.id AND r.outcome IN ('retrying', 'lost')), now())
+    FROM failed f LEFT JOIN job_event e ON e.id = f.event_id
+"""
+
+_SETTLE_FAILED = text(
+    """
+    WITH failed AS (
+      UPDATE job_queue
+      SET state = 'failed', finished_at = now(), claim_token = NULL, lease_expires_at = NULL
+      WHERE id = :run_id AND claim_token = :token AND state = 'running'   -- fence
+      RETURNING id, workspace_id, job_id, event_id, event_name, scheduled_for, attempts,
+                CAST(:error AS jsonb) AS failure
+    ), ledger AS (
+      UPDATE job_run r SET outcome = 'failed', finished_at = now(), error = CAST(:error AS jsonb)
+      FROM failed f WHERE r.run_id = f.id AND r.attempt = f.attempts
+    ), dlq AS ("""
+    + _DLQ_INSERT
+    + """
+      RETURNING id
+    )
+    -- one statement, one transaction: a failed run without its DLQ row (or the
+    -- reverse) cannot exist, whatever crashes when.
+    SELECT id FROM dlq
+    """
+)
+
+
+def settle_failed(conn: Connection, claim_: Claim, error_json: str) -> uuid.UUID | None:
+    """Mark the run failed and write its DLQ row; returns the DLQ id (None if fenced)."""
+    return conn.execute(_SETTLE_FAILED, {"run_id": claim_.run_id, "token": claim_.token, "error": error_json}).scalar()
+
+
+# --- sweep ----------------------------------------------------------------------
+
+_RECLAIM_EXPIRED = text(
+    """
+    WITH expired AS (
+      SELECT id FROM job_queue
+      WHERE state = 'running'
+        AND lease_expires_at < now()           -- the holder stopped renewing: died, hung or partitioned
+      ORDER BY lease_expires_at                -- served by ix_job_queue_leases
+      LIMIT :batch
+      FOR UPDATE SKIP LOCKED                   -- a second sweeper takes other rows, never the same ones
+    ), reclaimed AS (
+      UPDATE job_queue q
+      SET state = CASE WHEN q.attempts >= q.max_attempts THEN 'failed' ELSE 'queued' END,
+          finished_at = CASE WHEN q.attempts >= q.max_attempts THEN now() END,
+          run_at = now(), dispatched_at = now(),
+          claim_token = NULL, claimed_by = NULL, lease_expires_at = NULL
+      FROM expired x WHERE q.id = x.id
+      RETURNING q.id, q.state, q.workspace_id, q.job_id, q.event_id, q.event_name, q.scheduled_for,
+                q.attempts, jsonb_build_object('type', 'LeaseExpired', 'message',
+                  'the worker stopped renewing its lease (killed, crashed or hung)') AS failure
+    ), ledger AS (
+      UPDATE job_run r SET outcome = 'lost', finished_at = now(), error = x.failure
+      FROM reclaimed x WHERE r.run_id = x.id AND r.attempt = x.attempts
+    ), failed AS (
+      SELECT * FROM reclaimed WHERE state = 'failed'
+    ), dlq AS ("""
+    + _DLQ_INSERT
+    + """
+    )
+    SELECT id, job_id, state FROM reclaimed
+    """
+)
+
+
+def reclaim_expired(conn: Connection, *, batch: int = 500) -> list[tuple[uuid.UUID, str, str]]:
+    """Requeue (or fail into the DLQ) runs whose lease expired; returns (run_id, job_id, new_state)."""
+    return [tuple(r) for r in conn.execute(_RECLAIM_EXPIRED, {"batch": batch})]  # type: ignore[misc]
+
+
+_REPUBLISH_DUE = text(
+    """
+    WITH lost AS (
+      SELECT id FROM job_queue
+      WHERE state = 'queued'
+        AND run_at <= now()                                         -- due
+        AND dispatched_at < now() - make_interval(secs => :after)  -- and its last message is old: probably lost
+      ORDER BY run_at                                               -- served by ix_job_queue_due
+      LIMIT :batch                                                  -- a deep backlog is re-sent in slices, not flooded
+      FOR UPDATE SKIP LOCKED
+    )
+    UPDATE job_queue q SET dispatched_at = now()
+    FROM lost WHERE q.id = lost.id
+    RETURNING q.id, q.job_id
+    """
+)
+
+
+def republish_due(conn: Connection, *, after_seconds: float, batch: int = 500) -> list[tuple[uuid.UUID, str]]:
+    """Runs due whose message is older than ``after_seconds``: publish each again after commit."""
+    return [tuple(r) for r in conn.execute(_REPUBLISH_DUE, {"after": after_seconds, "batch": batch})]  # type: ignore[misc]
+
+
+# --- cancel ---------------------------------------------------------------------
+
+_CANCEL = text(
+    """
+    WITH cancelled AS (
+      UPDATE job_queue
+      SET state = 'cancelled', finished_at = now(), claim_token = NULL, lease_expires_at = NULL
+      WHERE id = :run_id
+        AND state IN ('queued', 'running')     -- a finished run stays as it ended
+      RETURNING id, attempts
+    ), ledger AS (
+      UPDATE job_run r SET outcome = 'cancelled', finished_at = now()
+      FROM cancelled c WHERE r.run_id = c.id AND r.attempt = c.attempts AND r.outcome = 'running'
+    )
+    SELECT count(*) FROM cancelled
+    """
+)
+
+
+def cancel(conn: Connection, run_id: uuid.UUID) -> bool:
+    """Cancel a queued or running run. A running one stops at its next step
+    boundary: the claim token is cleared, so its next write is refused."""
+    return bool(conn.execute(_CANCEL, {"run_id": run_id}).scalar())

@@ -1,0 +1,197 @@
+"""Fixtures: a fresh migrated database per test session, real Celery workers.
+
+The services come from the environment, exactly as the README's `make test`
+provides them (the machine's, or embedded ones it started):
+
+* ``MOTIR_DATABASE_URL`` — a Postgres server; the session creates its own
+  database on it, migrates it from empty, and drops it at the end.
+* ``CELERY_BROKER_URL`` — Redis (or RabbitMQ); each session uses a queue of
+  its own so concurrent or leftover messages never reach its workers.
+* ``MOTIR_TEST_AMQP_URL`` — RabbitMQ, for the tests that run the engine on it
+  too. CI sets it and the tests fail without it there; on a laptop without
+  RabbitMQ those tests are skipped with a reason.
+
+A missing database or broker fails the session with a message; it never skips.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from sqlalchemy import create_engine, make_url, text
+from sqlalchemy.engine import Engine
+
+from motir_celery import settings as motir_settings
+from motir_celery.db import dispose_engines
+
+ROOT = Path(__file__).resolve().parent.parent
+SESSION = uuid.uuid4().hex[:8]
+
+
+def _require(name: str) -> str:
+    value = os.environ.get(name)
+    if not value:
+        pytest.exit(
+            f"{name} is not set. Run the suite with `make test` (it starts embedded Postgres and "
+            f"Redis when the variables are unset), or export {name} yourself.",
+            returncode=3,
+        )
+    return value
+
+
+@pytest.fixture(scope="session")
+def database_url() -> Iterator[str]:
+    _require("MOTIR_DATABASE_URL")
+    server = make_url(motir_settings.Settings.from_env().require_database_url())
+    name = f"motir_test_{SESSION}"
+    admin = create_engine(server, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+    except Exception as exc:  # noqa: BLE001
+        pytest.exit(f"cannot create the test database on {server.render_as_string()}: {exc}", returncode=3)
+    url = server.set(database=name).render_as_string(hide_password=False)
+    os.environ["MOTIR_DATABASE_URL"] = url
+    motir_settings.reset_settings()
+    from motir_celery.migrate import upgrade
+
+    upgrade(url)
+    # The tests' own ledger of executed step bodies, in a schema Alembic does not compare.
+    with create_engine(url).begin() as conn:
+        conn.execute(text(
+            "CREATE SCHEMA test; CREATE TABLE test.side_effect ("
+            " id bigserial PRIMARY KEY, run_id text NOT NULL, step text NOT NULL,"
+            " attempt int, pid int, at timestamptz NOT NULL DEFAULT now())"
+        ))
+    yield url
+    dispose_engines()
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def engine(database_url: str) -> Engine:
+    from motir_celery.db import get_engine
+
+    return get_engine(database_url)
+
+
+@pytest.fixture(scope="session")
+def broker_url() -> str:
+    url = _require("CELERY_BROKER_URL")
+    os.environ["MOTIR_QUEUE"] = f"motir-test-{SESSION}"
+    motir_settings.reset_settings()
+    return url
+
+
+@pytest.fixture(scope="session")
+def amqp_url() -> str:
+    url = os.environ.get("MOTIR_TEST_AMQP_URL")
+    if not url:
+        if os.environ.get("CI"):
+            pytest.fail("MOTIR_TEST_AMQP_URL is not set in CI: .ci/run must provide RabbitMQ")
+        pytest.skip("RabbitMQ end-to-end tests need MOTIR_TEST_AMQP_URL (set by .ci/run; CI never skips them)")
+    return url
+
+
+@pytest.fixture(autouse=True)
+def _clean_tables(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Tests that use the database start from empty tables."""
+    if "database_url" in request.fixturenames or "engine" in request.fixturenames:
+        from motir_celery.db import get_engine
+
+        with get_engine(os.environ["MOTIR_DATABASE_URL"]).begin() as conn:
+            conn.execute(text(
+                "TRUNCATE job_run_dlq, job_step, job_run, job_queue, job_event, test.side_effect CASCADE"
+            ))
+    yield
+
+
+def count_effects(eng: Engine, run_id: object, step: str | None = None) -> int:
+    """How many times a step body really ran (tests.jobs records each execution)."""
+    sql = "SELECT count(*) FROM test.side_effect WHERE run_id = :r" + (" AND step = :s" if step else "")
+    with eng.connect() as conn:
+        return int(conn.execute(text(sql), {"r": str(run_id), "s": step}).scalar_one())
+
+
+class Worker:
+    def __init__(self, proc: subprocess.Popen[bytes], log: Path) -> None:
+        self.proc, self.log = proc, log
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the whole process group: the main process and its pool children."""
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@contextmanager
+def celery_worker(tmp_path: Path, *, broker: str, concurrency: int = 2, pool: str = "prefork",
+                  env: dict[str, str] | None = None, name: str = "w", lease: float | None = None,
+                  sweep_interval: float = 1.0) -> Iterator[Worker]:
+    """A real `celery -A motir_celery worker` process, ready to consume when yielded."""
+    log = tmp_path / f"worker-{name}-{uuid.uuid4().hex[:6]}.log"
+    child_env = dict(os.environ)
+    child_env.update({
+        "CELERY_BROKER_URL": broker,
+        "MOTIR_IMPORTS": "tests.jobs",
+        "MOTIR_SWEEP_INTERVAL": str(sweep_interval),
+        "MOTIR_REPUBLISH_AFTER": child_env.get("MOTIR_REPUBLISH_AFTER", "5"),
+        "PYTHONPATH": str(ROOT),
+    })
+    if lease is not None:
+        child_env["MOTIR_LEASE_SECONDS"] = str(lease)
+    child_env.update(env or {})
+    cmd = [sys.executable, "-m", "celery", "-A", "motir_celery", "worker", "-l", "INFO",
+           "-c", str(concurrency), "-P", pool, "-n", f"{name}-{uuid.uuid4().hex[:6]}@%h",
+           "-Q", child_env.get("MOTIR_QUEUE", "celery"), "--without-gossip", "--without-mingle"]
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=child_env, cwd=ROOT,
+                                start_new_session=True)
+    worker = Worker(proc, log)
+    try:
+        deadline = time.monotonic() + 60
+        while "ready." not in worker.output():
+            if proc.poll() is not None:
+                raise RuntimeError(f"celery worker exited with {proc.returncode}:\n{worker.output()[-4000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"celery worker not ready after 60s:\n{worker.output()[-4000:]}")
+            time.sleep(0.1)
+        yield worker
+    finally:
+        worker.kill(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            worker.kill(signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+def wait_for(predicate, timeout: float = 30.0, interval: float = 0.1, what: str = "condition"):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def run_state(eng: Engine, run_id: object) -> str | None:
+    with eng.connect() as conn:
+        return conn.execute(text("SELECT state FROM job_queue WHERE id = :id"), {"id": run_id}).scalar()

@@ -1,0 +1,97 @@
+"""Jobs the test workers import (MOTIR_IMPORTS=tests.jobs).
+
+Every step body records its execution in ``test.side_effect`` through a
+connection of its own, committed at once, so a body that ran and was then
+interrupted still counts: the tests count real executions, not stored results.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import psycopg
+
+from motir_celery import NonRetriableError, RetryPolicy, define_job
+
+FAST = RetryPolicy(max_attempts=3, backoff=0.2, factor=1.0, jitter=0.0, name="fast")
+
+
+def _dsn() -> str:
+    url = os.environ["MOTIR_DATABASE_URL"]
+    return url.replace("postgresql+psycopg://", "postgresql://", 1)
+
+
+def record(event: Any, step_name: str, attempt: int | None = None) -> None:
+    with psycopg.connect(_dsn(), autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO test.side_effect (run_id, step, attempt, pid) VALUES (%s, %s, %s, %s)",
+            (event.run_id, step_name, attempt or event.attempt, os.getpid()),
+        )
+
+
+def recorded(key: str, step_name: str) -> bool:
+    with psycopg.connect(_dsn(), autocommit=True) as conn:
+        return conn.execute(
+            "SELECT 1 FROM test.side_effect WHERE run_id = %s AND step = %s", (key, step_name)
+        ).fetchone() is not None
+
+
+def _effect(event: Any, name: str, value: Any, sleep: float = 0.0) -> Any:
+    record(event, name)
+    if sleep:
+        time.sleep(sleep)
+    return value
+
+
+@define_job("test.three-steps", event="test.three", retry_policy=FAST)
+def three_steps(event: Any, step: Any) -> Any:
+    a = step.run("a", _effect, event, "a", {"n": 1})
+    b = step.run("b", _effect, event, "b", {"n": a["n"] + 1})
+    c = step.run("c", _effect, event, "c", {"n": b["n"] + 1})
+    return {"total": a["n"] + b["n"] + c["n"]}
+
+
+@define_job("test.fail-after-two", event="test.flaky", retry_policy=FAST)
+def fail_after_two(event: Any, step: Any) -> Any:
+    step.run("a", _effect, event, "a", 1)
+    step.run("b", _effect, event, "b", 2)
+    if step.attempt == 1:
+        raise RuntimeError("first attempt fails after step b")
+    step.run("c", _effect, event, "c", 3)
+    return "ok"
+
+
+@define_job("test.slow", event="test.slow", retry_policy=FAST)
+def slow(event: Any, step: Any) -> Any:
+    step.run("a", _effect, event, "a", "a")
+    step.run("b", _effect, event, "b", "b", float(event.data.get("sleep", 0)))
+    step.run("c", _effect, event, "c", "c")
+    return "done"
+
+
+@define_job("test.doomed", event="test.doomed", retry_policy=RetryPolicy(max_attempts=2, backoff=0.1, jitter=0))
+def doomed(event: Any, step: Any) -> Any:
+    step.run("a", _effect, event, "a", 1)
+    raise RuntimeError("always fails")
+
+
+@define_job("test.refuses", event="test.refuses", retry_policy=FAST)
+def refuses(event: Any, step: Any) -> Any:
+    raise NonRetriableError("bad input, retrying will not help")
+
+
+# Two subscribers of one event: one succeeds, one fails until a switch is set.
+@define_job("test.mixed-ok", event="test.mixed", retry_policy="none")
+def mixed_ok(event: Any, step: Any) -> Any:
+    step.run("ok", _effect, event, "ok", True)
+    return "ok"
+
+
+@define_job("test.mixed-fail", event="test.mixed", retry_policy="none")
+def mixed_fail(event: Any, step: Any) -> Any:
+    step.run("try", _effect, event, "try", True)
+    if not recorded(event.data["switch"], "fixed"):
+        raise RuntimeError("the dependency is broken")
+    return "fixed"

@@ -1,0 +1,107 @@
+"""The engine through a real `celery worker` process and a real broker."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+from sqlalchemy import text
+
+import tests.jobs  # noqa: F401  (registers the jobs in this process too, for send_event)
+from motir_celery import send_event
+from motir_celery.celery_app import create_app, publisher
+from motir_celery.settings import get_settings
+from tests.conftest import celery_worker, count_effects, run_state, wait_for
+
+
+def _final(engine, run_id, timeout=60.0):  # type: ignore[no-untyped-def]
+    return wait_for(
+        lambda: (s := run_state(engine, run_id)) in ("succeeded", "failed", "cancelled") and s,
+        timeout=timeout, what=f"run {run_id} to finish",
+    )
+
+
+@pytest.fixture(params=["redis", "amqp"])
+def broker(request: pytest.FixtureRequest, broker_url: str) -> str:
+    if request.param == "amqp":
+        return str(request.getfixturevalue("amqp_url"))
+    return broker_url
+
+
+def test_three_step_job_runs_end_to_end_on_a_real_worker(engine, broker, tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("CELERY_BROKER_URL", broker)
+    app = create_app(get_settings().__class__.from_env())
+    with celery_worker(tmp_path, broker=broker):
+        result = send_event("test.three", {"workspace_id": "acme"}, app=app)
+        (run_id,) = result.run_ids
+        assert _final(engine, run_id) == "succeeded"
+    with engine.connect() as conn:
+        steps = conn.execute(text("SELECT step_id, output FROM job_step WHERE run_id = :r ORDER BY step_id"),
+                             {"r": run_id}).all()
+        attempts = conn.execute(text("SELECT attempt, outcome, worker FROM job_run WHERE run_id = :r"),
+                                {"r": run_id}).all()
+        run = conn.execute(text("SELECT result, workspace_id FROM job_queue WHERE id = :r"), {"r": run_id}).one()
+    assert [(s.step_id, s.output) for s in steps] == [("a", {"n": 1}), ("b", {"n": 2}), ("c", {"n": 3})]
+    assert [(a.attempt, a.outcome) for a in attempts] == [(1, "succeeded")]
+    assert attempts[0].worker
+    assert run.result == {"total": 6} and run.workspace_id == "acme"
+
+
+def test_retry_does_not_repeat_completed_steps(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
+    with celery_worker(tmp_path, broker=broker_url):
+        (run_id,) = send_event("test.flaky", {}).run_ids
+        assert _final(engine, run_id) == "succeeded"
+    assert count_effects(engine, run_id, "a") == 1
+    assert count_effects(engine, run_id, "b") == 1
+    assert count_effects(engine, run_id, "c") == 1
+    with engine.connect() as conn:
+        outcomes = conn.execute(text("SELECT outcome FROM job_run WHERE run_id = :r ORDER BY attempt"),
+                                {"r": run_id}).scalars().all()
+    assert outcomes == ["retrying", "succeeded"]
+
+
+def test_same_run_published_five_times_concurrently_runs_its_body_once(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
+    from motir_celery import events
+
+    app = create_app()
+    publish = publisher(app)
+    with celery_worker(tmp_path, broker=broker_url, concurrency=4):
+        # Write the run without publishing, then publish its id five times at once.
+        (run_id,) = events.send_event("test.slow", {"sleep": 1}, publish=None).run_ids
+        barrier = threading.Barrier(5)
+
+        def fire() -> None:
+            barrier.wait()
+            publish(run_id, "test.slow", 0.0)
+
+        threads = [threading.Thread(target=fire) for _ in range(5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert _final(engine, run_id) == "succeeded"
+        time.sleep(1.0)  # let the four duplicates be consumed (and refused by the claim)
+    assert count_effects(engine, run_id) == 3  # a, b, c: each body once
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM job_run WHERE run_id = :r"), {"r": run_id}).scalar() == 1
+
+
+def test_killed_worker_run_is_finished_by_another_without_redoing_steps(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
+    with celery_worker(tmp_path, broker=broker_url, name="doomed", lease=2.0) as first:
+        (run_id,) = send_event("test.slow", {"sleep": 30}).run_ids
+        wait_for(lambda: count_effects(engine, run_id, "b") == 1, what="step b to start")
+        first.kill(signal.SIGKILL)
+    with celery_worker(tmp_path, broker=broker_url, name="rescuer", lease=2.0):
+        # The lease (2 s) expires, the rescuer's sweeper requeues the run and publishes it.
+        with engine.begin() as conn:  # the second attempt must not sleep 30 s again
+            conn.execute(text("UPDATE job_event SET data = '{\"sleep\": 0}'"))
+        assert _final(engine, run_id) == "succeeded"
+    assert count_effects(engine, run_id, "a") == 1  # stored before the kill: never again
+    assert count_effects(engine, run_id, "b") == 2  # interrupted before its store: runs again
+    assert count_effects(engine, run_id, "c") == 1
+    with engine.connect() as conn:
+        outcomes = conn.execute(text("SELECT outcome FROM job_run WHERE run_id = :r ORDER BY attempt"),
+                                {"r": run_id}).scalars().all()
+    assert outcomes == ["lost", "succeeded"]
