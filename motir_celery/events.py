@@ -127,6 +127,7 @@ def _publish(runs: Sequence[queue.Queued | queue.AlreadyQueued], publish: Publis
 
 
 _PENDING = "motir_celery.pending_publish"
+_HOOKED = "motir_celery.publish_hooked"
 
 
 def publish_after_commit(session: Session, runs: Sequence[queue.Queued | queue.AlreadyQueued],
@@ -134,29 +135,21 @@ def publish_after_commit(session: Session, runs: Sequence[queue.Queued | queue.A
     """Publish ``runs`` when ``session`` commits; forget them if it rolls back."""
     if publish is None:
         return
-    pending: list[tuple[Publish, queue.Queued | queue.AlreadyQueued]] | None = session.info.get(_PENDING)
-    if pending is None:
-        pending = session.info[_PENDING] = []
+    session.info.setdefault(_PENDING, []).extend((publish, run) for run in runs)
+    if session.info.get(_HOOKED):
+        return
+    session.info[_HOOKED] = True
+    # Listeners stay for the session's life (removing one while SQLAlchemy
+    # dispatches the event is refused); they act only on what is pending.
 
-        def after_commit(sess: Session) -> None:
-            items = sess.info.pop(_PENDING, [])
-            _drop_listeners(sess)
-            for fn, run in items:
-                _publish([run], fn)
+    def after_commit(sess: Session) -> None:
+        for fn, run in sess.info.pop(_PENDING, []):
+            _publish([run], fn)
 
-        def after_rollback(sess: Session) -> None:
+    def after_soft_rollback(sess: Session, previous_transaction: Any) -> None:
+        # Only the outermost rollback discards the rows (a savepoint rollback may not).
+        if previous_transaction.parent is None:
             sess.info.pop(_PENDING, None)
-            _drop_listeners(sess)
 
-        def _drop_listeners(sess: Session) -> None:
-            sa_event.remove(sess, "after_commit", after_commit)
-            sa_event.remove(sess, "after_soft_rollback", after_soft_rollback)
-
-        def after_soft_rollback(sess: Session, previous_transaction: Any) -> None:
-            # Only the outermost rollback discards the rows (a savepoint rollback may not).
-            if previous_transaction.parent is None:
-                after_rollback(sess)
-
-        sa_event.listen(session, "after_commit", after_commit)
-        sa_event.listen(session, "after_soft_rollback", after_soft_rollback)
-    pending.extend((publish, run) for run in runs)
+    sa_event.listen(session, "after_commit", after_commit)
+    sa_event.listen(session, "after_soft_rollback", after_soft_rollback)

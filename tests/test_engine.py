@@ -1,0 +1,398 @@
+"""The engine core against a real Postgres, executed in-process.
+
+What a Celery worker adds (delivery, acks, kills) is in test_worker_e2e.py;
+here the runner is called directly so each database property is asserted
+precisely: fences, settles, the DLQ transaction, replay, cancellation.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+import tests.jobs  # noqa: F401  (registers the test jobs)
+from motir_celery import dlq, events, queue, runner, sweeper
+from motir_celery.errors import JobDefinitionError, PayloadError, RetryAfterError, StepOutputError
+from motir_celery.jobs import define_job
+from tests.conftest import count_effects, run_state
+
+
+class Published(list):  # type: ignore[type-arg]
+    """A publish callable that records (run_id, job_id, countdown)."""
+
+    def __call__(self, run_id: uuid.UUID, job_id: str, countdown: float = 0.0) -> None:
+        self.append((run_id, job_id, countdown))
+
+
+def execute(run_id: Any, job_id: str, publish: Any = None, worker: str = "test/1") -> runner.Outcome:
+    return runner.execute(run_id, job_id=job_id, worker=worker, publish=publish)
+
+
+def one(engine, sql: str, **params: Any) -> Any:  # type: ignore[no-untyped-def]
+    with engine.connect() as conn:
+        return conn.execute(text(sql), params).one()
+
+
+def claim(engine, run_id: uuid.UUID, job_id: str, worker: str = "w") -> queue.Claim | None:  # type: ignore[no-untyped-def]
+    with engine.begin() as conn:
+        return queue.claim(conn, run_id, job_id=job_id, worker=worker, lease_seconds=30)
+
+
+def expire_lease(engine, run_id: uuid.UUID) -> None:  # type: ignore[no-untyped-def]
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE job_queue SET lease_expires_at = now() - interval '1 second' WHERE id = :id"),
+                     {"id": run_id})
+
+
+# --- send_event and fan-out ---------------------------------------------------------
+
+
+def test_event_with_two_subscribers_makes_two_runs_and_redispatch_makes_none(engine):  # type: ignore[no-untyped-def]
+    published = Published()
+    result = events.send_event("test.mixed", {"switch": "x"}, publish=published)
+    assert sorted(r.job_id for r in result.runs) == ["test.mixed-fail", "test.mixed-ok"]
+    assert len(result.run_ids) == 2 and len(published) == 2
+    again = events.dispatch_event(result.event_id, publish=published)
+    assert all(isinstance(r, queue.AlreadyQueued) for r in again)
+    assert len(published) == 2
+    assert one(engine, "SELECT count(*) FROM job_queue")[0] == 2
+
+
+def test_workspace_comes_from_the_payload_when_not_given(engine):  # type: ignore[no-untyped-def]
+    result = events.send_event("test.three", {"workspace_id": "acme"})
+    assert one(engine, "SELECT workspace_id FROM job_queue WHERE id = :id", id=result.run_ids[0])[0] == "acme"
+    assert one(engine, "SELECT workspace_id FROM job_event WHERE id = :id", id=result.event_id)[0] == "acme"
+
+
+def test_reused_idempotency_key_writes_nothing_and_says_so(engine):  # type: ignore[no-untyped-def]
+    first = events.send_event("test.three", {}, idempotency_key="k1")
+    second = events.send_event("test.three", {"other": 1}, idempotency_key="k1")
+    assert not first.deduplicated and second.deduplicated
+    assert second.event_id == first.event_id and second.runs == []
+    assert one(engine, "SELECT count(*) FROM job_event")[0] == 1
+    assert one(engine, "SELECT count(*) FROM job_queue")[0] == 1
+
+
+@pytest.mark.parametrize("data", [{1, 2}, {"when": object()}, float("nan"), {"s": "nul\x00byte"}])
+def test_non_json_payload_is_refused_before_anything_is_written(engine, data):  # type: ignore[no-untyped-def]
+    with pytest.raises(PayloadError, match="test.three"):
+        events.send_event("test.three", data)
+    assert one(engine, "SELECT count(*) FROM job_event")[0] == 0
+
+
+def test_payload_over_the_size_limit_is_refused(engine, monkeypatch):  # type: ignore[no-untyped-def]
+    from motir_celery.settings import Settings
+
+    small = Settings.from_env({**__import__("os").environ, "MOTIR_MAX_PAYLOAD_BYTES": "100"})
+    with pytest.raises(PayloadError, match="over the 100-byte limit"):
+        events.send_event("test.three", {"blob": "x" * 200}, settings=small)
+
+
+def test_send_event_in_a_rolled_back_session_writes_and_publishes_nothing(engine):  # type: ignore[no-untyped-def]
+    published = Published()
+    with Session(engine) as session:
+        with session.begin():
+            events.send_event("test.three", {"n": 1}, session=session, publish=published)
+            assert published == []  # nothing before the commit
+            session.rollback()
+    assert published == []
+    assert one(engine, "SELECT count(*) FROM job_event")[0] == 0
+    assert one(engine, "SELECT count(*) FROM job_queue")[0] == 0
+
+
+def test_send_event_in_a_session_publishes_only_after_commit(engine):  # type: ignore[no-untyped-def]
+    seen_at_publish: list[str | None] = []
+
+    def publish(run_id: uuid.UUID, job_id: str, countdown: float = 0.0) -> None:
+        # Another connection must already see the row: the commit happened first.
+        seen_at_publish.append(run_state(engine, run_id))
+
+    with Session(engine) as session:
+        with session.begin():
+            result = events.send_event("test.three", {"n": 1}, session=session, publish=publish)
+            session.execute(text("SELECT 1"))
+            assert seen_at_publish == []
+    assert seen_at_publish == ["queued"]
+    assert run_state(engine, result.run_ids[0]) == "queued"
+
+
+# --- claim and steps --------------------------------------------------------------
+
+
+def test_a_run_not_yet_due_is_not_claimed(engine):  # type: ignore[no-untyped-def]
+    (run_id,) = events.send_event("test.three", {}).run_ids
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE job_queue SET run_at = now() + interval '1 hour' WHERE id = :id"), {"id": run_id})
+    assert execute(run_id, "test.three-steps").state == "skipped"
+    assert run_state(engine, run_id) == "queued"
+    assert one(engine, "SELECT attempts FROM job_queue WHERE id = :id", id=run_id)[0] == 0
+
+
+def test_a_message_naming_another_job_or_a_forged_id_claims_nothing(engine):  # type: ignore[no-untyped-def]
+    (run_id,) = events.send_event("test.three", {}).run_ids
+    assert execute(run_id, "test.slow").state == "skipped"
+    assert execute(uuid.uuid4(), "test.three-steps").state == "skipped"
+    assert execute("not-a-uuid'; DROP TABLE job_queue;--", "test.three-steps").state == "skipped"
+    assert run_state(engine, run_id) == "queued"
+
+
+def test_repeated_step_ids_get_a_counter_and_the_separator_is_reserved(engine):  # type: ignore[no-untyped-def]
+    calls: list[int] = []
+
+    @define_job("test.repeats", event="test.repeats")
+    def repeats(event: Any, step: Any) -> Any:
+        values = [step.run("charge", lambda i=i: calls.append(i) or i) for i in range(3)]
+        with pytest.raises(ValueError, match="reserved"):
+            step.run("charge:1", lambda: 99)
+        return values
+
+    (run_id,) = events.send_event("test.repeats", {}).run_ids
+    assert execute(run_id, "test.repeats").state == "succeeded"
+    with engine.connect() as conn:
+        ids = conn.execute(text("SELECT step_id FROM job_step WHERE run_id = :r ORDER BY step_id"),
+                           {"r": run_id}).scalars().all()
+    assert ids == ["charge", "charge:1", "charge:2"]
+    assert calls == [0, 1, 2]
+
+
+def test_non_json_step_result_fails_the_run_with_the_step_and_type_named(engine):  # type: ignore[no-untyped-def]
+    @define_job("test.bad-output", event="test.bad-output")
+    def bad_output(event: Any, step: Any) -> Any:
+        return step.run("make-set", lambda: {1, 2})
+
+    (run_id,) = events.send_event("test.bad-output", {}).run_ids
+    assert execute(run_id, "test.bad-output").state == "failed"  # deterministic: no retry
+    failure = one(engine, "SELECT failure FROM job_run_dlq WHERE run_id = :r", r=run_id)[0]
+    assert failure["type"].endswith("StepOutputError")
+    assert "'make-set'" in failure["message"] and "set" in failure["message"]
+    assert isinstance(StepOutputError("x"), TypeError)
+
+
+def test_a_zombie_whose_lease_was_reclaimed_can_neither_write_a_step_nor_settle(engine):  # type: ignore[no-untyped-def]
+    (run_id,) = events.send_event("test.three", {}).run_ids
+    zombie = claim(engine, run_id, "test.three-steps", worker="zombie")
+    assert zombie is not None
+    expire_lease(engine, run_id)
+    assert sweeper.sweep(None).requeued == 1
+    rescuer = claim(engine, run_id, "test.three-steps", worker="rescuer")
+    assert rescuer is not None and rescuer.token != zombie.token
+    with engine.begin() as conn:
+        assert queue.store_step(conn, zombie, "a", '"zombie"', 0.0) is False
+        assert queue.renew_lease(conn, zombie, 30) is False
+        assert queue.settle_succeeded(conn, zombie, '"zombie"') is False
+        assert queue.settle_failed(conn, zombie, '{"type": "x"}') is None
+        assert queue.settle_retry(conn, zombie, '{"type": "x"}', 0) is False
+    with engine.begin() as conn:
+        assert queue.store_step(conn, rescuer, "a", '"rescuer"', 0.0) is True
+        assert queue.settle_succeeded(conn, rescuer, '"done"') is True
+    assert one(engine, "SELECT output FROM job_step WHERE run_id = :r", r=run_id)[0] == "rescuer"
+    assert run_state(engine, run_id) == "succeeded"
+
+
+def test_a_reclaim_racing_a_step_write_never_loses_the_stored_step(engine):  # type: ignore[no-untyped-def]
+    """The step write locks the run row (FOR SHARE): a concurrent reclaim skips the row
+    (SKIP LOCKED) or, holding it first, makes the write re-check its fence and refuse.
+    Either way the next claim's memo preload agrees with what was stored."""
+    for _ in range(20):
+        (run_id,) = events.send_event("test.three", {}).run_ids
+        holder = claim(engine, run_id, "test.three-steps")
+        assert holder is not None
+        expire_lease(engine, run_id)
+        barrier = threading.Barrier(2)
+        stored: list[bool] = []
+
+        def write() -> None:
+            barrier.wait()
+            with engine.begin() as conn:
+                stored.append(queue.store_step(conn, holder, "a", '"v"', 0.0))
+
+        def reclaim() -> None:
+            barrier.wait()
+            sweeper.sweep(None)
+
+        threads = [threading.Thread(target=write), threading.Thread(target=reclaim)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        sweeper.sweep(None)  # if the first sweep skipped the locked row, this one reclaims it
+        new = claim(engine, run_id, "test.three-steps")
+        assert new is not None
+        assert ("a" in new.steps) == stored[0]
+
+
+def test_retry_after_error_requeues_at_the_requested_time_on_the_database_clock(engine):  # type: ignore[no-untyped-def]
+    @define_job("test.retry-after", event="test.retry-after")
+    def retry_after(event: Any, step: Any) -> Any:
+        raise RetryAfterError(120)
+
+    published = Published()
+    (run_id,) = events.send_event("test.retry-after", {}).run_ids
+    assert execute(run_id, "test.retry-after", publish=published).state == "retrying"
+    row = one(engine, "SELECT state, extract(epoch FROM run_at - now()) AS wait FROM job_queue WHERE id = :r", r=run_id)
+    assert row.state == "queued" and 110 < row.wait <= 120
+    # 120 s is beyond MOTIR_REPUBLISH_AFTER's default: the sweeper publishes it when due, not a countdown.
+    assert published == []
+
+
+def test_cancelling_a_queued_run_means_it_never_starts(engine):  # type: ignore[no-untyped-def]
+    from motir_celery import cancel_run
+
+    (run_id,) = events.send_event("test.three", {}).run_ids
+    assert cancel_run(run_id) is True
+    assert execute(run_id, "test.three-steps").state == "skipped"
+    assert run_state(engine, run_id) == "cancelled"
+    assert cancel_run(run_id) is False  # a finished run stays as it ended
+
+
+def test_cancelling_a_running_run_stops_it_at_the_next_step_boundary(engine):  # type: ignore[no-untyped-def]
+    from motir_celery import cancel_run
+
+    reached: list[str] = []
+
+    @define_job("test.cancellable", event="test.cancellable")
+    def cancellable(event: Any, step: Any) -> Any:
+        step.run("first", lambda: reached.append("first") or 1)
+        cancel_run(event.run_id)  # as if an operator cancelled while the step ran
+        step.run("second", lambda: reached.append("second") or 2)
+        step.run("third", lambda: reached.append("third") or 3)
+
+    (run_id,) = events.send_event("test.cancellable", {}).run_ids
+    assert execute(run_id, "test.cancellable").state == "cancelled"
+    assert reached == ["first", "second"]  # the body in flight finishes; its result is not stored
+    with engine.connect() as conn:
+        steps = conn.execute(text("SELECT step_id FROM job_step WHERE run_id = :r"), {"r": run_id}).scalars().all()
+        outcome = conn.execute(text("SELECT outcome FROM job_run WHERE run_id = :r"), {"r": run_id}).scalar()
+    assert steps == ["first"] and outcome == "cancelled"
+    assert run_state(engine, run_id) == "cancelled"
+
+
+# --- failure, DLQ and replay ----------------------------------------------------
+
+
+def test_failure_beyond_the_retry_budget_leaves_a_failed_run_and_its_dlq_row(engine):  # type: ignore[no-untyped-def]
+    published = Published()
+    result = events.send_event("test.doomed", {"order": 7}, workspace_id="acme", idempotency_key="doom-1")
+    (run_id,) = result.run_ids
+    assert execute(run_id, "test.doomed", publish=published).state == "retrying"
+    assert published == [(run_id, "test.doomed", pytest.approx(0.1))]
+    with engine.begin() as conn:  # skip the backoff
+        conn.execute(text("UPDATE job_queue SET run_at = now() WHERE id = :r"), {"r": run_id})
+    assert execute(run_id, "test.doomed").state == "failed"
+    run = one(engine, "SELECT state, attempts, finished_at FROM job_queue WHERE id = :r", r=run_id)
+    entry = one(engine, "SELECT * FROM job_run_dlq WHERE run_id = :r", r=run_id)
+    assert run.state == "failed" and run.attempts == 2 and run.finished_at is not None
+    assert entry.function_id == "test.doomed" and entry.event_name == "test.doomed"
+    assert entry.event_data == {"order": 7} and entry.workspace_id == "acme"
+    assert entry.attempts == 2 and entry.idempotency_key == "doom-1"
+    assert entry.failure["message"] == "always fails"
+    assert entry.first_failed_at < entry.last_failed_at
+    assert count_effects(engine, run_id, "a") == 1  # step a was memoized across the retry
+
+
+def test_failed_run_and_dlq_row_are_one_transaction(engine):  # type: ignore[no-untyped-def]
+    """Make the DLQ insert fail inside the settle: the run must not be marked failed either."""
+    (run_id,) = events.send_event("test.refuses", {}).run_ids
+    with engine.begin() as conn:
+        conn.execute(text("""
+            CREATE FUNCTION test.crash() RETURNS trigger LANGUAGE plpgsql AS
+              $$ BEGIN RAISE EXCEPTION 'simulated crash while writing the DLQ row'; END $$;
+            CREATE TRIGGER crash BEFORE INSERT ON job_run_dlq FOR EACH ROW EXECUTE FUNCTION test.crash();
+        """))
+    try:
+        with pytest.raises(Exception, match="simulated crash"):
+            execute(run_id, "test.refuses")
+        row = one(engine, "SELECT state, (SELECT count(*) FROM job_run_dlq) AS dlq FROM job_queue WHERE id = :r",
+                  r=run_id)
+        assert (row.state, row.dlq) == ("running", 0)  # neither half happened
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text("DROP TRIGGER crash ON job_run_dlq; DROP FUNCTION test.crash()"))
+    # Its lease runs out; the sweeper finds the attempts spent and writes both halves together.
+    expire_lease(engine, run_id)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE job_queue SET max_attempts = 1 WHERE id = :r"), {"r": run_id})
+    assert sweeper.sweep(None).failed == 1
+    row = one(engine, "SELECT state, (SELECT count(*) FROM job_run_dlq WHERE run_id = :r) AS dlq "
+                      "FROM job_queue WHERE id = :r", r=run_id)
+    assert (row.state, row.dlq) == ("failed", 1)
+
+
+def test_non_retriable_error_goes_straight_to_the_dlq(engine):  # type: ignore[no-untyped-def]
+    (run_id,) = events.send_event("test.refuses", {}).run_ids
+    assert execute(run_id, "test.refuses").state == "failed"
+    assert one(engine, "SELECT attempts FROM job_queue WHERE id = :r", r=run_id)[0] == 1
+    assert one(engine, "SELECT count(*) FROM job_run_dlq WHERE run_id = :r", r=run_id)[0] == 1
+
+
+def _fail_mixed(engine, switch: str, key: str | None = None):  # type: ignore[no-untyped-def]
+    result = events.send_event("test.mixed", {"switch": switch}, idempotency_key=key)
+    for r in result.runs:
+        execute(r.run_id, r.job_id)
+    return result, one(engine, "SELECT id FROM job_run_dlq")[0]
+
+
+def test_replay_runs_only_the_failed_job_and_records_the_actor(engine):  # type: ignore[no-untyped-def]
+    from tests.jobs import record
+
+    result, dlq_id = _fail_mixed(engine, "sw-1")
+    ok_run = next(r.run_id for r in result.runs if r.job_id == "test.mixed-ok")
+    record(runner.Event("x", {}, None, None, "sw-1", 1), "fixed")  # the operator fixed the dependency
+    published = Published()
+    replay = dlq.replay_dlq(dlq_id, actor="alice@example.com", publish=published)
+    assert replay.status == "replayed"
+    assert published == [(replay.run_id, "test.mixed-fail", 0.0)]
+    assert execute(replay.run_id, "test.mixed-fail").state == "succeeded"
+    entry = one(engine, "SELECT replayed_at, replayed_by, replay_run_id FROM job_run_dlq WHERE id = :d", d=dlq_id)
+    assert entry.replayed_at is not None and entry.replayed_by == "alice@example.com"
+    assert entry.replay_run_id == replay.run_id
+    assert count_effects(engine, ok_run) == 1  # the subscriber that succeeded did not run again
+    assert one(engine, "SELECT count(*) FROM job_queue WHERE job_id = 'test.mixed-ok'")[0] == 1
+
+
+def test_two_concurrent_replays_of_one_entry_make_one_run(engine):  # type: ignore[no-untyped-def]
+    _, dlq_id = _fail_mixed(engine, "sw-2")
+    barrier = threading.Barrier(2)
+    results: list[dlq.ReplayResult] = []
+
+    def replay(actor: str) -> None:
+        barrier.wait()
+        results.append(dlq.replay_dlq(dlq_id, actor=actor))
+
+    threads = [threading.Thread(target=replay, args=(a,)) for a in ("alice", "bob")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(r.status for r in results) == ["already_replayed", "replayed"]
+    assert one(engine, "SELECT count(*) FROM job_queue WHERE job_id = 'test.mixed-fail'")[0] == 2
+
+
+def test_replay_of_an_idempotency_keyed_event_is_deduplicated_until_given_a_new_key(engine):  # type: ignore[no-untyped-def]
+    _, dlq_id = _fail_mixed(engine, "sw-3", key="order-42")
+    replay = dlq.replay_dlq(dlq_id, actor="alice")
+    assert replay.status == "deduplicated"
+    assert one(engine, "SELECT replayed_at FROM job_run_dlq WHERE id = :d", d=dlq_id)[0] is None
+    again = dlq.replay_dlq(dlq_id, actor="alice", idempotency_key="order-42-replay-1")
+    assert again.status == "replayed" and again.run_id is not None
+
+
+# --- definition-time errors -------------------------------------------------------
+
+
+def test_define_job_refuses_what_cannot_work():
+    with pytest.raises(JobDefinitionError, match="already defined"):
+        define_job("test.three-steps", event="x")(lambda e, s: None)
+    with pytest.raises(JobDefinitionError, match="no trigger"):
+        define_job("test.no-trigger")
+    with pytest.raises(JobDefinitionError, match="unknown retry_policy 'sometimes'"):
+        define_job("test.bad-policy", event="x", retry_policy="sometimes")
+    with pytest.raises(JobDefinitionError, match="invalid cron expression"):
+        define_job("test.bad-cron", cron="61 * * * *")
+    with pytest.raises(JobDefinitionError, match="must be 1-200 characters"):
+        define_job("bad id with spaces", event="x")
