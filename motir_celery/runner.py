@@ -83,24 +83,23 @@ def execute(
         log.warning("dropping message with a malformed run id %r for job %s", run_id, job_id)
         return Outcome(str(run_id), "skipped", "malformed run id")
 
-    with engine.begin() as conn:
-        claim = queue.claim(conn, run_uuid, job_id=job_id, worker=worker, lease_seconds=settings.lease_seconds)
-    if claim is None:
-        # Duplicate or stale delivery, a run not due yet, or a forged id: ack and do nothing.
-        log.debug("run %s of %s not claimable (duplicate, stale, not due or unknown)", run_uuid, job_id)
-        return Outcome(str(run_uuid), "skipped", "not claimable")
+    # One pooled connection for the whole attempt: claim, step writes and settle
+    # are one statement and one commit each, with no checkout (or pre-ping) between.
+    with engine.connect() as conn:
+        with conn.begin():
+            claim = queue.claim(conn, run_uuid, job_id=job_id, worker=worker, lease_seconds=settings.lease_seconds)
+        if claim is None:
+            # Duplicate or stale delivery, a run not due yet, or a forged id: ack and do nothing.
+            log.debug("run %s of %s not claimable (duplicate, stale, not due or unknown)", run_uuid, job_id)
+            return Outcome(str(run_uuid), "skipped", "not claimable")
+        # The heartbeat renews from its own connection, beside the handler's.
+        with _Heartbeat(claim, engine.begin, settings.lease_seconds):
+            return _attempt(claim, conn, publish, settings)
 
-    def connect() -> AbstractContextManager[Connection]:
-        return engine.begin()
 
-    with _Heartbeat(claim, connect, settings.lease_seconds):
-        return _attempt(claim, connect, publish, settings)
-
-
-def _attempt(claim: queue.Claim, connect: Callable[[], AbstractContextManager[Connection]],
-             publish: Publish | None, settings: Settings) -> Outcome:
+def _attempt(claim: queue.Claim, conn: Connection, publish: Publish | None, settings: Settings) -> Outcome:
     run = str(claim.run_id)
-    step = Step(claim, connect, max_bytes=settings.max_payload_bytes)
+    step = Step(claim, conn, max_bytes=settings.max_payload_bytes)
     try:
         job = get_job(claim.job_id)
         event = Event(
@@ -122,27 +121,27 @@ def _attempt(claim: queue.Claim, connect: Callable[[], AbstractContextManager[Co
         log.warning("%s", exc)
         return Outcome(run, "lost", str(exc))
     except (NonRetriableError, StepOutputError, UnknownJobError) as exc:
-        return _fail(claim, connect, exc)
+        return _fail(claim, conn, exc)
     except RetryAfterError as exc:
-        return _retry_or_fail(claim, connect, publish, exc, exc.delay, settings)
+        return _retry_or_fail(claim, conn, publish, exc, exc.delay, settings)
     except Exception as exc:  # noqa: BLE001 — any handler error is a failed attempt
         try:
             delay = get_job(claim.job_id).retry_policy.delay(claim.attempt)
         except UnknownJobError:
             delay = 0.0
-        return _retry_or_fail(claim, connect, publish, exc, delay, settings)
+        return _retry_or_fail(claim, conn, publish, exc, delay, settings)
 
-    with connect() as conn:
+    with conn.begin():
         if not queue.settle_succeeded(conn, claim, encoded):
             return Outcome(run, _fenced_state(conn, claim))
     return Outcome(run, "succeeded")
 
 
-def _retry_or_fail(claim: queue.Claim, connect: Callable[[], AbstractContextManager[Connection]],
-                   publish: Publish | None, exc: BaseException, delay: float, settings: Settings) -> Outcome:
+def _retry_or_fail(claim: queue.Claim, conn: Connection, publish: Publish | None,
+                   exc: BaseException, delay: float, settings: Settings) -> Outcome:
     if claim.attempt >= claim.max_attempts:
-        return _fail(claim, connect, exc)
-    with connect() as conn:
+        return _fail(claim, conn, exc)
+    with conn.begin():
         if not queue.settle_retry(conn, claim, _error(exc), delay):
             return Outcome(str(claim.run_id), _fenced_state(conn, claim))
     log.info("run %s attempt %d failed (%s); retry in %.1fs", claim.run_id, claim.attempt, type(exc).__name__, delay)
@@ -154,9 +153,8 @@ def _retry_or_fail(claim: queue.Claim, connect: Callable[[], AbstractContextMana
     return Outcome(str(claim.run_id), "retrying", f"in {delay:.1f}s")
 
 
-def _fail(claim: queue.Claim, connect: Callable[[], AbstractContextManager[Connection]],
-          exc: BaseException) -> Outcome:
-    with connect() as conn:
+def _fail(claim: queue.Claim, conn: Connection, exc: BaseException) -> Outcome:
+    with conn.begin():
         dlq_id = queue.settle_failed(conn, claim, _error(exc))
         if dlq_id is None:
             return Outcome(str(claim.run_id), _fenced_state(conn, claim))

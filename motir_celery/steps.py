@@ -23,6 +23,8 @@ import json
 import time
 from typing import Any, Callable, TypeVar
 
+from sqlalchemy import Connection
+
 from .errors import LostClaim, RunCancelled, StepOutputError
 from .queue import Claim, store_step, stored_output, why_fenced
 
@@ -48,9 +50,9 @@ def encode_json(value: Any, *, what: str, limit: int) -> str:
 class Step:
     """Handed to every handler as its second argument."""
 
-    def __init__(self, claim: Claim, connect: Callable[[], Any], *, max_bytes: int) -> None:
+    def __init__(self, claim: Claim, conn: Connection, *, max_bytes: int) -> None:
         self._claim = claim
-        self._connect = connect
+        self._conn = conn
         self._memo: dict[str, Any] = dict(claim.steps)
         self._seen: dict[str, int] = {}
         self._max_bytes = max_bytes
@@ -74,7 +76,8 @@ class Step:
         value = fn(*args, **kwargs)
         encoded = encode_json(value, what=f"step {key!r} returned a value that", limit=self._max_bytes)
         elapsed = time.monotonic() - started  # a duration; the instant comes from now() in SQL
-        with self._connect() as conn:
+        conn = self._conn
+        with conn.begin():  # one statement, one commit: the memo is durable before we go on
             stored = store_step(conn, self._claim, key, encoded, elapsed)
             reason = "" if stored else why_fenced(conn, self._claim)
             if reason == "held":
