@@ -147,7 +147,7 @@ def compare_policies(conn: Connection, metadata: MetaData) -> list[tuple[str, An
     tables = list(declared)
     existing = set(conn.execute(text("SELECT tablename FROM pg_tables WHERE schemaname = current_schema()")).scalars())
     live = {(r.tablename, r.policyname): r for r in conn.execute(_LIVE_POLICIES, {"tables": tables})}
-    flags = dict(conn.execute(_RLS_FLAGS, {"tables": tables}).tuples().all())
+    flags = dict(conn.execute(_RLS_FLAGS, {"tables": tables}).all())
     diffs: list[tuple[str, Any]] = []
     for table, policies in declared.items():
         if table not in existing:

@@ -12,7 +12,7 @@ from sqlalchemy import text
 import tests.jobs  # noqa: F401  (registers the jobs in this process too, for send_event)
 from motir_celery import send_event
 from motir_celery.celery_app import create_app, publisher
-from motir_celery.settings import get_settings
+from motir_celery.settings import Settings
 from tests.conftest import celery_worker, count_effects, run_state, wait_for
 
 
@@ -30,9 +30,14 @@ def broker(request: pytest.FixtureRequest, broker_url: str) -> str:
     return broker_url
 
 
-def test_three_step_job_runs_end_to_end_on_a_real_worker(engine, broker, tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+@pytest.fixture
+def app(broker, monkeypatch):  # type: ignore[no-untyped-def]
+    """A Celery app publishing to the broker under test (the worker consumes from the same)."""
     monkeypatch.setenv("CELERY_BROKER_URL", broker)
-    app = create_app(get_settings().__class__.from_env())
+    return create_app(Settings.from_env())
+
+
+def test_three_step_job_runs_end_to_end_on_a_real_worker(engine, broker, app, tmp_path):  # type: ignore[no-untyped-def]
     with celery_worker(tmp_path, broker=broker):
         result = send_event("test.three", {"workspace_id": "acme"}, app=app)
         (run_id,) = result.run_ids
@@ -49,9 +54,9 @@ def test_three_step_job_runs_end_to_end_on_a_real_worker(engine, broker, tmp_pat
     assert run.result == {"total": 6} and run.workspace_id == "acme"
 
 
-def test_retry_does_not_repeat_completed_steps(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
-    with celery_worker(tmp_path, broker=broker_url):
-        (run_id,) = send_event("test.flaky", {}).run_ids
+def test_retry_does_not_repeat_completed_steps(engine, broker, app, tmp_path):  # type: ignore[no-untyped-def]
+    with celery_worker(tmp_path, broker=broker):
+        (run_id,) = send_event("test.flaky", {}, app=app).run_ids
         assert _final(engine, run_id) == "succeeded"
     assert count_effects(engine, run_id, "a") == 1
     assert count_effects(engine, run_id, "b") == 1
@@ -62,12 +67,11 @@ def test_retry_does_not_repeat_completed_steps(engine, broker_url, tmp_path):  #
     assert outcomes == ["retrying", "succeeded"]
 
 
-def test_same_run_published_five_times_concurrently_runs_its_body_once(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
+def test_same_run_published_five_times_concurrently_runs_its_body_once(engine, broker, app, tmp_path):  # type: ignore[no-untyped-def]
     from motir_celery import events
 
-    app = create_app()
     publish = publisher(app)
-    with celery_worker(tmp_path, broker=broker_url, concurrency=4):
+    with celery_worker(tmp_path, broker=broker, concurrency=4):
         # Write the run without publishing, then publish its id five times at once.
         (run_id,) = events.send_event("test.slow", {"sleep": 1}, publish=None).run_ids
         barrier = threading.Barrier(5)
@@ -88,12 +92,12 @@ def test_same_run_published_five_times_concurrently_runs_its_body_once(engine, b
         assert conn.execute(text("SELECT count(*) FROM job_run WHERE run_id = :r"), {"r": run_id}).scalar() == 1
 
 
-def test_killed_worker_run_is_finished_by_another_without_redoing_steps(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
-    with celery_worker(tmp_path, broker=broker_url, name="doomed", lease=2.0) as first:
-        (run_id,) = send_event("test.slow", {"sleep": 30}).run_ids
+def test_killed_worker_run_is_finished_by_another_without_redoing_steps(engine, broker, app, tmp_path):  # type: ignore[no-untyped-def]
+    with celery_worker(tmp_path, broker=broker, name="doomed", lease=2.0) as first:
+        (run_id,) = send_event("test.slow", {"sleep": 30}, app=app).run_ids
         wait_for(lambda: count_effects(engine, run_id, "b") == 1, what="step b to start")
         first.kill(signal.SIGKILL)
-    with celery_worker(tmp_path, broker=broker_url, name="rescuer", lease=2.0):
+    with celery_worker(tmp_path, broker=broker, name="rescuer", lease=2.0):
         # The lease (2 s) expires, the rescuer's sweeper requeues the run and publishes it.
         with engine.begin() as conn:  # the second attempt must not sleep 30 s again
             conn.execute(text("UPDATE job_event SET data = '{\"sleep\": 0}'"))
@@ -105,3 +109,26 @@ def test_killed_worker_run_is_finished_by_another_without_redoing_steps(engine, 
         outcomes = conn.execute(text("SELECT outcome FROM job_run WHERE run_id = :r ORDER BY attempt"),
                                 {"r": run_id}).scalars().all()
     assert outcomes == ["lost", "succeeded"]
+
+
+def test_dlq_replay_through_a_worker_runs_only_the_failed_subscriber(engine, broker, app, tmp_path):  # type: ignore[no-untyped-def]
+    from motir_celery import replay_dlq
+    from tests.jobs import record
+    from motir_celery.runner import Event
+
+    with celery_worker(tmp_path, broker=broker):
+        result = send_event("test.mixed", {"switch": f"e2e-{broker[:4]}"}, app=app)
+        for run_id in result.run_ids:
+            _final(engine, run_id)
+        with engine.connect() as conn:
+            dlq_id, failed_run = conn.execute(text("SELECT id, run_id FROM job_run_dlq")).one()
+            assert run_state(engine, failed_run) == "failed"
+        record(Event("x", {}, None, None, f"e2e-{broker[:4]}", 1), "fixed")
+        replay = replay_dlq(dlq_id, actor="ops@example.com", app=app)
+        assert replay.status == "replayed"
+        assert _final(engine, replay.run_id) == "succeeded"
+    with engine.connect() as conn:
+        per_job = dict(conn.execute(text("SELECT job_id, count(*) FROM job_queue GROUP BY job_id")).all())
+        replayed_by = conn.execute(text("SELECT replayed_by FROM job_run_dlq WHERE id = :d"), {"d": dlq_id}).scalar()
+    assert per_job == {"test.mixed-ok": 1, "test.mixed-fail": 2}
+    assert replayed_by == "ops@example.com"
