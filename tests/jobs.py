@@ -95,3 +95,12 @@ def mixed_fail(event: Any, step: Any) -> Any:
     if not recorded(event.data["switch"], "fixed"):
         raise RuntimeError("the dependency is broken")
     return "fixed"
+
+
+@define_job("test.poison", event="test.poison", retry_policy=RetryPolicy(max_attempts=2, backoff=0, jitter=0))
+def poison(event: Any, step: Any) -> Any:
+    """Kills the worker process that runs it, every time."""
+    import signal
+
+    record(event, "poison")
+    os.kill(os.getpid(), signal.SIGKILL)

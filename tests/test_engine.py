@@ -396,3 +396,63 @@ def test_define_job_refuses_what_cannot_work():
         define_job("test.bad-cron", cron="61 * * * *")
     with pytest.raises(JobDefinitionError, match="must be 1-200 characters"):
         define_job("bad id with spaces", event="x")
+
+
+# --- sweeper ------------------------------------------------------------------
+
+
+def test_heartbeat_keeps_a_long_step_claimed_past_its_lease(engine):  # type: ignore[no-untyped-def]
+    import os
+
+    from motir_celery.settings import Settings
+
+    short = Settings.from_env({**os.environ, "MOTIR_LEASE_SECONDS": "1"})
+    (run_id,) = events.send_event("test.slow", {"sleep": 3}).run_ids
+    stop = threading.Event()
+
+    def sweep_constantly() -> None:
+        while not stop.wait(0.2):
+            sweeper.sweep(None, settings=short)
+
+    t = threading.Thread(target=sweep_constantly)
+    t.start()
+    try:
+        outcome = runner.execute(run_id, job_id="test.slow", worker="w", settings=short)
+    finally:
+        stop.set()
+        t.join()
+    assert outcome.state == "succeeded"
+    with engine.connect() as conn:
+        outcomes = conn.execute(text("SELECT outcome FROM job_run WHERE run_id = :r"), {"r": run_id}).scalars().all()
+    assert outcomes == ["succeeded"]  # never reclaimed: the lease was renewed every ~0.33 s
+
+
+def test_republish_finds_only_old_messages_and_sends_a_deep_backlog_in_slices(engine):  # type: ignore[no-untyped-def]
+    result_ids = [events.send_event("test.three", {"i": i}).run_ids[0] for i in range(30)]
+    with engine.begin() as conn:
+        assert queue.republish_due(conn, after_seconds=60, batch=10) == []  # messages are fresh
+        conn.execute(text("UPDATE job_queue SET dispatched_at = now() - interval '5 minutes'"))
+    with engine.begin() as conn:
+        first = queue.republish_due(conn, after_seconds=60, batch=10)
+    with engine.begin() as conn:
+        second = queue.republish_due(conn, after_seconds=60, batch=10)
+    assert len(first) == 10 and len(second) == 10
+    assert not {r for r, _ in first} & {r for r, _ in second}  # re-stamped: not sent again
+    assert {r for r, _ in first + second} <= set(result_ids)
+
+
+def test_a_run_whose_worker_keeps_dying_ends_in_the_dlq_not_a_loop(engine):  # type: ignore[no-untyped-def]
+    (run_id,) = events.send_event("test.refuses", {}).run_ids
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE job_queue SET max_attempts = 2 WHERE id = :r"), {"r": run_id})
+    for expected in ("queued", "failed"):
+        assert claim(engine, run_id, "test.refuses") is not None  # ...and the worker dies
+        expire_lease(engine, run_id)
+        sweeper.sweep(None)
+        assert run_state(engine, run_id) == expected
+    entry = one(engine, "SELECT attempts, failure FROM job_run_dlq WHERE run_id = :r", r=run_id)
+    assert entry.attempts == 2 and entry.failure["type"] == "LeaseExpired"
+    with engine.connect() as conn:
+        outcomes = conn.execute(text("SELECT outcome FROM job_run WHERE run_id = :r ORDER BY attempt"),
+                                {"r": run_id}).scalars().all()
+    assert outcomes == ["lost", "lost"]

@@ -132,3 +132,25 @@ def test_dlq_replay_through_a_worker_runs_only_the_failed_subscriber(engine, bro
         replayed_by = conn.execute(text("SELECT replayed_by FROM job_run_dlq WHERE id = :d"), {"d": dlq_id}).scalar()
     assert per_job == {"test.mixed-ok": 1, "test.mixed-fail": 2}
     assert replayed_by == "ops@example.com"
+
+
+def test_a_run_whose_message_was_never_published_is_found_by_the_sweeper(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
+    from motir_celery import events
+
+    # A crash between the commit and the publish: the row exists, no message does.
+    (run_id,) = events.send_event("test.three", {}, publish=None).run_ids
+    with celery_worker(tmp_path, broker=broker_url, env={"MOTIR_REPUBLISH_AFTER": "1"}, sweep_interval=0.5):
+        assert _final(engine, run_id) == "succeeded"
+
+
+def test_a_poison_job_that_kills_its_worker_lands_in_the_dlq_and_others_still_run(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
+    with celery_worker(tmp_path, broker=broker_url, lease=1.5, sweep_interval=0.5):
+        (poison,) = send_event("test.poison", {}).run_ids
+        healthy = [send_event("test.three", {"i": i}).run_ids[0] for i in range(5)]
+        assert _final(engine, poison, timeout=60) == "failed"
+        for run_id in healthy:
+            assert _final(engine, run_id) == "succeeded"
+    assert count_effects(engine, poison, "poison") == 2  # its two attempts, then no more
+    with engine.connect() as conn:
+        failure = conn.execute(text("SELECT failure FROM job_run_dlq WHERE run_id = :r"), {"r": poison}).scalar()
+    assert failure["type"] == "LeaseExpired"
