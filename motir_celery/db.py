@@ -127,8 +127,9 @@ def workspace_session(
 ) -> Iterator[Session]:
     """A Session under the app role, scoped to ``workspace_id``; commits on success.
 
-    ``admin=True`` additionally shows system rows (NULL workspace), and with
-    ``workspace_id=None`` it shows only those.
+    ``admin=True`` is the cross-workspace escape hatch of admin tooling (seed
+    001): it shows system rows (NULL workspace) *and every workspace's rows*,
+    whatever ``workspace_id`` says. Without it, ``workspace_id=None`` sees nothing.
     """
     settings = settings or get_settings()
     engine = get_engine(settings.app_database_url or settings.require_database_url(), settings=settings)

@@ -7,6 +7,7 @@ first run that needs the value.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -64,8 +65,8 @@ class Settings:
             lease_seconds=_positive(env, "MOTIR_LEASE_SECONDS", 60.0),
             sweep_interval=_positive(env, "MOTIR_SWEEP_INTERVAL", 10.0),
             republish_after=_positive(env, "MOTIR_REPUBLISH_AFTER", 60.0),
-            max_payload_bytes=int(_positive(env, "MOTIR_MAX_PAYLOAD_BYTES", 1_000_000)),
-            pool_size=int(_positive(env, "MOTIR_POOL_SIZE", 5)),
+            max_payload_bytes=_count(env, "MOTIR_MAX_PAYLOAD_BYTES", 1_000_000),
+            pool_size=_count(env, "MOTIR_POOL_SIZE", 5),
         )
 
     def require_database_url(self) -> str:
@@ -101,9 +102,19 @@ def _positive(env: Mapping[str, str], name: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         raise ConfigurationError(f"{name}={raw!r} is not a number") from None
-    if value <= 0:
-        raise ConfigurationError(f"{name}={raw!r} must be greater than zero")
+    # NaN compares false with everything and would pass `<= 0`; Postgres then
+    # refuses make_interval(secs => NaN or inf) at the first claim, not at start-up.
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigurationError(f"{name}={raw!r} must be a finite number greater than zero")
     return value
+
+
+def _count(env: Mapping[str, str], name: str, default: int) -> int:
+    value = _positive(env, name, default)
+    # int() would truncate silently: MOTIR_POOL_SIZE=0.5 would become 0, "no limit" to SQLAlchemy.
+    if value != int(value):
+        raise ConfigurationError(f"{name}={env.get(name, '').strip()!r} must be a whole number")
+    return int(value)
 
 
 def _identifier(env: Mapping[str, str], name: str, default: str) -> str:

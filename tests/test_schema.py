@@ -1,0 +1,247 @@
+"""The database, not the code, refuses duplicates (DESIGN.md invariants 1 and 2).
+
+Every test here writes straight SQL through the owner connection, so what is
+being proven is the schema: a unique constraint that is missing or has the
+wrong columns makes the duplicate insert succeed and the test fail.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from datetime import datetime, timezone
+from typing import Iterator
+
+import psycopg.errors
+import pytest
+from sqlalchemy import TextClause, create_engine, text
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import IntegrityError
+
+from motir_celery.queue import _RECLAIM_EXPIRED, _REPUBLISH_DUE, AlreadyQueued, Queued, enqueue_scheduled
+
+SLOT = datetime(2030, 1, 1, 9, 0, tzinfo=timezone.utc)
+
+
+def _event(conn: Connection, name: str = "test.event") -> uuid.UUID:
+    return conn.execute(
+        text("INSERT INTO job_event (name, data) VALUES (:n, '{}'::jsonb) RETURNING id"), {"n": name}
+    ).scalar_one()
+
+
+def _run(conn: Connection, job_id: str = "job.a", *, event_id: uuid.UUID | None = None,
+         scheduled_for: datetime | None = None) -> uuid.UUID:
+    return conn.execute(
+        text(
+            "INSERT INTO job_queue (job_id, event_id, scheduled_for, event_name, max_attempts, retry_policy) "
+            "VALUES (:job, :ev, :slot, 'test.event', 3, 'transient') RETURNING id"
+        ),
+        {"job": job_id, "ev": event_id, "slot": scheduled_for},
+    ).scalar_one()
+
+
+def _step(conn: Connection, run_id: uuid.UUID, step_id: str) -> None:
+    conn.execute(
+        text(
+            "INSERT INTO job_step (run_id, step_id, output, attempt, started_at) "
+            "VALUES (:r, :s, '1'::jsonb, 1, now())"
+        ),
+        {"r": run_id, "s": step_id},
+    )
+
+
+def _count(engine: Engine, sql: str, **params: object) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(text(sql), params).scalar_one())
+
+
+def test_duplicate_run_and_step_is_refused_by_the_database(engine: Engine) -> None:
+    with engine.begin() as conn:
+        run_id = _run(conn)
+        _step(conn, run_id, "charge-card")
+        _step(conn, run_id, "send-receipt")  # another step of the same run is fine
+    with pytest.raises(IntegrityError) as err, engine.begin() as conn:
+        _step(conn, run_id, "charge-card")
+    assert isinstance(err.value.orig, psycopg.errors.UniqueViolation)
+    assert _count(engine, "SELECT count(*) FROM job_step WHERE run_id = :r", r=run_id) == 2
+
+
+def test_same_step_id_in_another_run_is_a_different_memo(engine: Engine) -> None:
+    with engine.begin() as conn:
+        _step(conn, _run(conn, "job.a"), "charge-card")
+        _step(conn, _run(conn, "job.b"), "charge-card")
+    assert _count(engine, "SELECT count(*) FROM job_step WHERE step_id = 'charge-card'") == 2
+
+
+def test_duplicate_event_and_job_is_refused_by_the_database(engine: Engine) -> None:
+    with engine.begin() as conn:
+        event_id = _event(conn)
+        _run(conn, "job.a", event_id=event_id)
+        _run(conn, "job.b", event_id=event_id)  # the same event fans out to another job
+    with pytest.raises(IntegrityError) as err, engine.begin() as conn:
+        _run(conn, "job.a", event_id=event_id)
+    assert isinstance(err.value.orig, psycopg.errors.UniqueViolation)
+    assert "uq_job_queue_event_id_job_id" in str(err.value.orig)
+    assert _count(engine, "SELECT count(*) FROM job_queue WHERE event_id = :e", e=event_id) == 2
+
+
+def test_duplicate_job_and_scheduled_slot_is_refused_by_the_database(engine: Engine) -> None:
+    with engine.begin() as conn:
+        _run(conn, "job.cron", scheduled_for=SLOT)
+        _run(conn, "job.cron", scheduled_for=SLOT.replace(hour=10))  # the next slot is another run
+    with pytest.raises(IntegrityError) as err, engine.begin() as conn:
+        _run(conn, "job.cron", scheduled_for=SLOT)
+    assert isinstance(err.value.orig, psycopg.errors.UniqueViolation)
+    assert "uq_job_queue_job_id_scheduled_for" in str(err.value.orig)
+    assert _count(engine, "SELECT count(*) FROM job_queue WHERE job_id = 'job.cron'") == 2
+
+
+def test_event_runs_of_one_job_all_insert_because_null_slots_are_distinct(engine: Engine) -> None:
+    # (job_id, scheduled_for) must not dedup event runs: their slot is NULL.
+    with engine.begin() as conn:
+        for _ in range(3):
+            _run(conn, "job.a", event_id=_event(conn), scheduled_for=None)
+    assert _count(engine, "SELECT count(*) FROM job_queue WHERE job_id = 'job.a' AND scheduled_for IS NULL") == 3
+
+
+def test_cron_runs_of_one_job_all_insert_because_null_events_are_distinct(engine: Engine) -> None:
+    # (event_id, job_id) must not dedup cron runs: their event is NULL.
+    with engine.begin() as conn:
+        for hour in (9, 10, 11):
+            _run(conn, "job.cron", event_id=None, scheduled_for=SLOT.replace(hour=hour))
+    assert _count(engine, "SELECT count(*) FROM job_queue WHERE job_id = 'job.cron' AND event_id IS NULL") == 3
+
+
+def test_same_slot_of_two_cron_jobs_is_two_runs(engine: Engine) -> None:
+    with engine.begin() as conn:
+        _run(conn, "job.cron-a", scheduled_for=SLOT)
+        _run(conn, "job.cron-b", scheduled_for=SLOT)
+    assert _count(engine, "SELECT count(*) FROM job_queue WHERE scheduled_for = :s", s=SLOT) == 2
+
+
+def test_eight_threads_enqueueing_one_slot_at_once_make_exactly_one_run(database_url: str, engine: Engine) -> None:
+    threads = 8
+    racing = create_engine(database_url, pool_size=threads, max_overflow=0, pool_timeout=10)
+    try:
+        # Warm the pool: open every connection first, so the race is the INSERT, not the connect.
+        warm = [racing.connect() for _ in range(threads)]
+        pids = {c.execute(text("SELECT pg_backend_pid()")).scalar_one() for c in warm}
+        for c in warm:
+            c.close()
+        assert len(pids) == threads
+
+        barrier = threading.Barrier(threads, timeout=10)
+        results: list[Queued | AlreadyQueued] = []
+        used_pids: set[int] = set()
+        errors: list[BaseException] = []
+        lock = threading.Lock()
+
+        def racer() -> None:
+            try:
+                with racing.connect() as conn:
+                    pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+                    conn.commit()
+                    barrier.wait()
+                    with conn.begin():
+                        outcome = enqueue_scheduled(conn, "job.cron", SLOT, max_attempts=3, policy="transient")
+                with lock:
+                    results.append(outcome)
+                    used_pids.add(pid)
+            except BaseException as exc:  # noqa: BLE001  (reported below, not swallowed)
+                with lock:
+                    errors.append(exc)
+
+        workers = [threading.Thread(target=racer) for _ in range(threads)]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join(30)
+        assert not errors, errors
+        assert used_pids == pids  # eight sessions really raced, on the warmed connections
+    finally:
+        racing.dispose()
+
+    queued = [r for r in results if isinstance(r, Queued)]
+    already = [r for r in results if isinstance(r, AlreadyQueued)]
+    assert len(queued) == 1 and len(already) == threads - 1
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT id FROM job_queue WHERE job_id = 'job.cron' AND scheduled_for = :s"),
+                            {"s": SLOT}).scalars().all()
+    assert rows == [queued[0].run_id]
+
+
+def test_enqueue_scheduled_refuses_a_naive_slot(engine: Engine) -> None:
+    with engine.begin() as conn, pytest.raises(ValueError, match="timezone-aware"):
+        enqueue_scheduled(conn, "job.cron", SLOT.replace(tzinfo=None), max_attempts=3, policy="transient")
+
+
+# --- the sweeper's indexes ---------------------------------------------------------
+
+ROWS = 60_000
+
+
+def _fill_queue_like_production(conn: Connection) -> None:
+    """60k runs, as a table that keeps its history looks: ~95% finished, a small
+    due backlog whose messages are old, some not yet due, running runs of which
+    half have an expired lease. One INSERT ... SELECT, then ANALYZE."""
+    conn.execute(text(
+        """
+        INSERT INTO job_queue (job_id, event_name, state, run_at, dispatched_at, lease_expires_at,
+                               attempts, max_attempts, retry_policy, claim_token, finished_at)
+        SELECT 'job.' || (i % 20), 'bench', s.state,
+               CASE WHEN s.state = 'queued' AND (i / 40) % 4 = 3
+                    THEN now() + interval '1 hour'                          -- backing off: not due
+                    ELSE now() - make_interval(secs => i) END,              -- due, or long done
+               now() - make_interval(secs => i + 600),                     -- its message is old
+               CASE WHEN s.state = 'running' THEN now() + CASE WHEN (i / 40) % 2 = 0
+                    THEN -make_interval(secs => i % 300 + 1)               -- expired: the worker died
+                    ELSE interval '1 minute' END END,                      -- held
+               1, 3, 'transient',
+               CASE WHEN s.state = 'running' THEN gen_random_uuid() END,
+               CASE WHEN s.state = 'succeeded' THEN now() - make_interval(secs => i) END
+        FROM generate_series(1, :n) AS i,
+             LATERAL (SELECT CASE i % 40 WHEN 0 THEN 'queued' WHEN 1 THEN 'running'
+                                         ELSE 'succeeded' END AS state) AS s
+        """
+    ), {"n": ROWS})
+    conn.execute(text("ANALYZE job_queue"))
+
+
+def _plan_nodes(plan: object) -> Iterator[dict[str, object]]:
+    if isinstance(plan, dict):
+        if "Node Type" in plan:
+            yield plan
+        for value in plan.values():
+            yield from _plan_nodes(value)
+    elif isinstance(plan, list):
+        for item in plan:
+            yield from _plan_nodes(item)
+
+
+def _index_scans(conn: Connection, statement: TextClause, params: dict[str, object]) -> dict[str, str]:
+    """EXPLAIN the statement's own text (bound as the engine binds it): {index name: node type}."""
+    (plan,) = conn.execute(text("EXPLAIN (FORMAT JSON) " + statement.text), params).scalar_one()
+    return {str(n["Index Name"]): str(n["Node Type"]) for n in _plan_nodes(plan) if "Index Name" in n}
+
+
+SWEEPER_QUERIES = {
+    "republish-due": (_REPUBLISH_DUE, {"after": 60.0, "batch": 500}, "ix_job_queue_due"),
+    "reclaim-expired": (_RECLAIM_EXPIRED, {"batch": 500}, "ix_job_queue_leases"),
+}
+
+
+def test_sweeper_queries_use_their_partial_indexes_over_a_large_history(engine: Engine) -> None:
+    with engine.connect() as conn, conn.begin() as tx:  # rolled back: the rows never leave this test
+        _fill_queue_like_production(conn)
+        assert conn.execute(text("SELECT count(*) FROM job_queue")).scalar_one() == ROWS
+        # The planner knows the table is large (and, from the statistics, the backlog small).
+        assert conn.execute(text("SELECT reltuples FROM pg_class WHERE relname = 'job_queue'")).scalar_one() >= ROWS * 0.9
+        for query, (statement, params, index) in SWEEPER_QUERIES.items():
+            scans = _index_scans(conn, statement, params)
+            assert scans.get(index) in ("Index Scan", "Index Only Scan", "Bitmap Index Scan"), (query, scans)
+        # Control: without its index each query reads the same data by a sequential scan,
+        # so the plans above are the indexes earning their place, not the planner's only option.
+        for query, (statement, params, index) in SWEEPER_QUERIES.items():
+            conn.execute(text(f"DROP INDEX {index}"))
+            assert index not in _index_scans(conn, statement, params), query
+        tx.rollback()
