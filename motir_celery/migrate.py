@@ -4,10 +4,11 @@
 The revisions live in the top-level ``migrations/`` folder of a checkout and are
 shipped inside the wheel as ``motir_celery/_migrations``.
 
-Row-level security is schema too: ``compare_rls`` is registered as an Alembic
-autogenerate comparator, so ``alembic check`` fails when a policy was dropped or
-altered by hand, or RLS was disabled on a table, and ``alembic revision
---autogenerate`` writes the statements that put it back.
+Row-level security and partial-index predicates are schema too, but Alembic
+does not compare them: ``compare_extra`` is registered as an autogenerate
+comparator, so ``alembic check`` fails when a policy was dropped or altered by
+hand, RLS was disabled on a table, or a partial index's WHERE changed, and
+``alembic revision --autogenerate`` writes the statements that put it back.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from alembic import command
 from alembic.autogenerate import comparators, renderers
 from alembic.config import Config
 from alembic.operations import MigrateOperation
+from sqlalchemy import Connection, MetaData, text
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.schema import CreateIndex
 
 from . import rls
 from .settings import get_settings
@@ -52,40 +56,84 @@ def check(url: str | None = None) -> None:
     command.check(alembic_config(url))
 
 
-class RlsOp(MigrateOperation):
-    """One RLS difference; rendered into a revision as plain ``op.execute`` DDL."""
+class DriftOp(MigrateOperation):
+    """One difference Alembic does not see by itself (RLS, a partial index's
+    predicate); rendered into a revision as plain ``op.execute`` DDL."""
 
-    def __init__(self, kind: str, subject: Any) -> None:
+    def __init__(self, kind: str, subject: Any, statements: list[str]) -> None:
         self.kind = kind
         self.subject = subject
+        self.statements = statements
 
-    def statements(self) -> list[str]:
-        if self.kind == "enable_rls":
-            return [rls.enable_sql(self.subject)]
-        if self.kind == "add_policy":
-            return [rls.create_policy_sql(self.subject)]
-        if self.kind == "change_policy":
-            p = self.subject
-            return [rls.drop_policy_sql(p.table, p.name), rls.create_policy_sql(p)]
-        table, name = self.subject
-        return [rls.drop_policy_sql(table, name)]
-
-    def reverse(self) -> "RlsOp":
-        # Downgrades of hand-made drift are not meaningful; undo by re-running check.
-        return RlsOp(self.kind, self.subject)
+    def reverse(self) -> "DriftOp":
+        # Hand-made drift has no meaningful downgrade; the upgrade is the repair.
+        return self
 
     def to_diff_tuple(self) -> tuple[Any, ...]:
         return (self.kind, self.subject)
 
 
+def _rls_statements(kind: str, subject: Any) -> list[str]:
+    if kind == "enable_rls":
+        return [rls.enable_sql(subject)]
+    if kind == "add_policy":
+        return [rls.create_policy_sql(subject)]
+    if kind == "change_policy":
+        return [rls.drop_policy_sql(subject.table, subject.name), rls.create_policy_sql(subject)]
+    table, name = subject
+    return [rls.drop_policy_sql(table, name)]
+
+
+_LIVE_PREDICATE = text(
+    "SELECT pg_get_expr(i.indpred, i.indrelid) FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+    "WHERE c.relname = :name AND c.relnamespace = current_schema()::regnamespace"
+)
+
+
+def compare_index_predicates(conn: Connection, metadata: MetaData) -> list[tuple[str, str, list[str]]]:
+    """Partial indexes whose live WHERE differs from the model's.
+
+    Alembic compares an index's columns, not its ``postgresql_where``
+    (sqlalchemy/alembic#750); for a partial *unique* index the predicate is the
+    behaviour. Postgres deparses the declared predicate for us: build the index
+    on an empty temporary copy of the table in a savepoint, read it, roll back.
+    """
+    diffs = []
+    dialect = postgresql.dialect()
+    for table in metadata.tables.values():
+        for index in table.indexes:
+            where = index.dialect_options["postgresql"].get("where")
+            if where is None or index.name is None:
+                continue
+            live = conn.execute(_LIVE_PREDICATE, {"name": index.name}).one_or_none()
+            if live is None:
+                continue  # a missing index is Alembic's own finding
+            predicate = str(where.compile(dialect=dialect, compile_kwargs={"literal_binds": True}))
+            column = next(iter(index.columns)).name
+            with conn.begin_nested() as sp:
+                conn.execute(text(f"CREATE TEMP TABLE motir_probe (LIKE {table.name})"))
+                conn.execute(text(f"CREATE INDEX motir_probe_ix ON motir_probe ({column}) WHERE {predicate}"))
+                declared = conn.execute(
+                    text("SELECT pg_get_expr(indpred, indrelid) FROM pg_index WHERE indexrelid = 'motir_probe_ix'::regclass")
+                ).scalar()
+                sp.rollback()
+            if declared != live[0]:
+                create = str(CreateIndex(index).compile(dialect=dialect))
+                diffs.append(("change_index_predicate", index.name, [f"DROP INDEX {index.name}", create]))
+    return diffs
+
+
 @comparators.dispatch_for("schema")
-def compare_rls(autogen_context: Any, upgrade_ops: Any, schemas: Any) -> None:
+def compare_extra(autogen_context: Any, upgrade_ops: Any, schemas: Any) -> None:
     from .models import Base  # the comparator may be imported before the models
 
-    for kind, subject in rls.compare_policies(autogen_context.connection, Base.metadata):
-        upgrade_ops.ops.append(RlsOp(kind, subject))
+    conn = autogen_context.connection
+    for kind, subject in rls.compare_policies(conn, Base.metadata):
+        upgrade_ops.ops.append(DriftOp(kind, subject, _rls_statements(kind, subject)))
+    for kind, name, statements in compare_index_predicates(conn, Base.metadata):
+        upgrade_ops.ops.append(DriftOp(kind, name, statements))
 
 
-@renderers.dispatch_for(RlsOp)
-def render_rls(autogen_context: Any, op: RlsOp) -> str:
-    return "\n".join(f"op.execute({sql!r})" for sql in op.statements())
+@renderers.dispatch_for(DriftOp)
+def render_drift(autogen_context: Any, op: DriftOp) -> str:
+    return "\n".join(f"op.execute({sql!r})" for sql in op.statements)
