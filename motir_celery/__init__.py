@@ -118,10 +118,12 @@ def enqueue_scheduled(job_id: str, scheduled_for: Any, *, app: "Celery | None" =
 
 
 def attach(app: "Celery") -> "Celery":
-    """Host the engine on your own Celery app (tasks ``motir.<job_id>``, sweeper, imports)."""
-    from .celery_app import attach as _attach
+    """Host the engine on your own Celery app (tasks ``motir.<job_id>``, sweeper,
+    imports); ``send_event`` and ``replay_dlq`` then publish through it."""
+    from .celery_app import attach as _attach, use_as_default
 
-    return _attach(app)
+    use_as_default(_attach(app))
+    return app
 
 
 def __getattr__(name: str) -> Any:

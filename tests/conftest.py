@@ -142,8 +142,8 @@ class Worker:
 @contextmanager
 def celery_worker(tmp_path: Path, *, broker: str, concurrency: int = 2, pool: str = "prefork",
                   env: dict[str, str] | None = None, name: str = "w", lease: float | None = None,
-                  sweep_interval: float = 1.0) -> Iterator[Worker]:
-    """A real `celery -A motir_celery worker` process, ready to consume when yielded."""
+                  sweep_interval: float = 1.0, app: str = "motir_celery") -> Iterator[Worker]:
+    """A real `celery -A <app> worker` process, ready to consume when yielded."""
     log = tmp_path / f"worker-{name}-{uuid.uuid4().hex[:6]}.log"
     child_env = dict(os.environ)
     child_env.update({
@@ -156,7 +156,7 @@ def celery_worker(tmp_path: Path, *, broker: str, concurrency: int = 2, pool: st
     if lease is not None:
         child_env["MOTIR_LEASE_SECONDS"] = str(lease)
     child_env.update(env or {})
-    cmd = [sys.executable, "-m", "celery", "-A", "motir_celery", "worker", "-l", "INFO",
+    cmd = [sys.executable, "-m", "celery", "-A", app, "worker", "-l", "INFO",
            "-c", str(concurrency), "-P", pool, "-n", f"{name}-{uuid.uuid4().hex[:6]}@%h",
            "-Q", child_env.get("MOTIR_QUEUE", "celery"), "--without-gossip", "--without-mingle"]
     with open(log, "wb") as fh:

@@ -1,0 +1,24 @@
+"""The engine hosted on a user's own Celery app (`motir_celery.attach(app)`)."""
+
+from __future__ import annotations
+
+from sqlalchemy import text
+
+import tests.jobs  # noqa: F401  (the job modules, as MOTIR_IMPORTS gives them to the worker)
+from tests.conftest import celery_worker, count_effects, run_state, wait_for
+
+
+def test_attach_hosts_jobs_on_the_users_app_beside_its_own_tasks(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
+    from motir_celery import send_event
+    from tests import user_app
+
+    assert "motir.test.three-steps" in user_app.app.tasks  # jobs became tasks of the user's app
+    assert user_app.app.conf.task_acks_late is True and user_app.app.conf.worker_prefetch_multiplier == 1
+    with celery_worker(tmp_path, broker=broker_url, app="tests.user_app"):
+        (run_id,) = send_event("test.three", {}).run_ids  # publishes through the attached app
+        user_app.add.delay("plain", 2, 3)
+        wait_for(lambda: run_state(engine, run_id) == "succeeded", what="the job on the user's worker")
+        wait_for(lambda: count_effects(engine, "plain", "5") == 1, what="the user's own task")
+    with engine.connect() as conn:
+        worker = conn.execute(text("SELECT worker FROM job_run WHERE run_id = :r"), {"r": run_id}).scalar()
+    assert worker
