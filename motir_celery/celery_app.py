@@ -52,6 +52,13 @@ def default_app() -> Celery:
         return _default
 
 
+def use_as_default(app: Celery) -> None:
+    """Publish through ``app`` from now on (``motir_celery.attach`` calls this)."""
+    global _default
+    with _default_lock:
+        _default = app
+
+
 def create_app(settings: Settings | None = None, *, main: str = "motir_celery") -> Celery:
     settings = settings or get_settings()
     if not settings.broker_url:
