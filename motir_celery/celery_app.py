@@ -45,6 +45,8 @@ _default_lock = threading.Lock()
 
 
 def default_app() -> Celery:
+    """The app ``send_event`` & co. publish through: the one given to
+    ``motir_celery.attach``, else ours, built from the environment on first use."""
     global _default
     with _default_lock:
         if _default is None:
@@ -69,6 +71,11 @@ def create_app(settings: Settings | None = None, *, main: str = "motir_celery") 
     app = Celery(main, set_as_current=False)
     app.conf.update(
         broker_url=settings.broker_url,
+        # Celery lets $CELERY_BROKER_URL beat `broker_url` (conf.broker_url reads the
+        # environment first), so an app built from explicit settings would publish to
+        # whatever the variable says. The read/write URLs are consulted before it.
+        broker_read_url=settings.broker_url,
+        broker_write_url=settings.broker_url,
         result_backend=settings.result_backend,
         task_ignore_result=settings.result_backend is None,
         task_default_queue=settings.queue,
@@ -98,6 +105,12 @@ def attach(app: Celery, *, settings: Settings | None = None) -> Celery:
             app.conf[key] = value
     app.conf.imports = tuple(app.conf.imports or ()) + tuple(settings.imports)
     app.steps["worker"].add(SweeperStep)
+    # `celery beat` fires the cron jobs through our scheduler (beat.py), unless the
+    # user chose a scheduler of their own (then: beat.MotirCronMixin).
+    if "beat_scheduler" not in app.conf.changes and app.conf.beat_scheduler == "celery.beat:PersistentScheduler":
+        app.conf.beat_scheduler = "motir_celery.beat:MotirScheduler"
+    from . import system_jobs  # noqa: F401  (registers system.daily-health-check)
+
     on_job_defined(lambda job: _register(app, job))
     # The beat scheduler and the CLI need the jobs without a worker's imports.
     for module in settings.imports:

@@ -27,6 +27,7 @@ from typing import Any
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
     DateTime,
     ForeignKey,
@@ -113,6 +114,18 @@ class JobQueue(Base):
         Index("ix_job_queue_leases", "lease_expires_at", postgresql_where=text("state = 'running'")),
         # Operator listings (CLI, dashboard): newest runs of a job.
         Index(None, "job_id", "created_at"),
+        # overlap="skip" cron jobs: at most one queued-or-running run per job,
+        # decided by this index inside the INSERT of the next slot (beat.py),
+        # never by a read-then-insert. Partial, so event jobs and overlap="allow"
+        # jobs (skip_overlap false) are never constrained, and its size is the
+        # number of skip jobs in flight. Column list (job_id) of its own: no
+        # other index is on job_id alone, so autogenerate cannot pair them.
+        Index(
+            "uq_job_queue_skip_overlap_active",
+            "job_id",
+            unique=True,
+            postgresql_where=text("skip_overlap AND state IN ('queued', 'running')"),
+        ),
     )
 
     id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True, server_default=NEW_UUID)
@@ -126,6 +139,9 @@ class JobQueue(Base):
     workspace_id: Mapped[str | None] = mapped_column(Text)
     # The cron slot this run is for; NULL for event runs.
     scheduled_for: Mapped[datetime | None] = mapped_column(TZ)
+    # True on every row of an overlap="skip" cron job: puts its active run
+    # under uq_job_queue_skip_overlap_active. False for everything else.
+    skip_overlap: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
     state: Mapped[str] = mapped_column(Text, server_default="queued")
     # Not claimable before this instant (retry backoff, RetryAfterError).
     run_at: Mapped[datetime] = mapped_column(TZ, server_default=NOW)
