@@ -84,9 +84,11 @@ def define_job(
         raise JobDefinitionError(f"job {id!r}: pass event=... or cron=..., not both")
     policy = resolve_policy(retry_policy)
     zone = "UTC"
-    if cron is not None:
-        from .schedule import parse_cron  # croniter only when a cron job exists
+    from .schedule import parse_cron, schedule_options
 
+    # catchup= / overlap= are validated here, at definition time, like the cron itself.
+    schedule_options(id, options, cron=cron is not None)
+    if cron is not None:
         cron, zone = parse_cron(cron, timezone, job_id=id)
 
     def decorate(handler: Callable[[Any, Any], Any]) -> Job:

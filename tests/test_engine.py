@@ -456,3 +456,12 @@ def test_a_run_whose_worker_keeps_dying_ends_in_the_dlq_not_a_loop(engine):  # t
         outcomes = conn.execute(text("SELECT outcome FROM job_run WHERE run_id = :r ORDER BY attempt"),
                                 {"r": run_id}).scalars().all()
     assert outcomes == ["lost", "lost"]
+
+
+def test_schedule_options_are_checked_at_definition_time():
+    with pytest.raises(JobDefinitionError, match="cron jobs only"):
+        define_job("test.overlap-on-event", event="x", overlap="skip")
+    with pytest.raises(JobDefinitionError, match="overlap must be 'allow' or 'skip'"):
+        define_job("test.bad-overlap", cron="* * * * *", overlap="sometimes")
+    with pytest.raises(JobDefinitionError, match="catchup must be"):
+        define_job("test.bad-catchup", cron="* * * * *", catchup="yesterday")
