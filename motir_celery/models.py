@@ -35,11 +35,12 @@ from sqlalchemy import (
     Index,
     Integer,
     MetaData,
+    SmallInteger,
     Text,
     UniqueConstraint,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB, UUID
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 __all__ = ["Base", "JobEvent", "JobQueue", "JobStep", "JobRun", "JobRunDlq", "RUN_STATES", "ATTEMPT_OUTCOMES"]
@@ -47,8 +48,10 @@ __all__ = ["Base", "JobEvent", "JobQueue", "JobStep", "JobRun", "JobRunDlq", "RU
 #: A run's life: queued → running → (succeeded | failed | cancelled), or back to
 #: queued for a retry. Only ``queued`` is claimable.
 RUN_STATES = ("queued", "running", "succeeded", "failed", "cancelled")
-#: How one attempt ended. ``lost``: its lease expired (worker died or hung).
-ATTEMPT_OUTCOMES = ("running", "succeeded", "retrying", "failed", "cancelled", "lost")
+#: How one attempt ended. ``lost``: its lease expired (worker died or hung);
+#: ``suspended``: step.sleep / wait_for_event gave the worker back; ``deferred``:
+#: RateLimited put it back. The last two charge no attempt.
+ATTEMPT_OUTCOMES = ("running", "succeeded", "retrying", "failed", "cancelled", "lost", "suspended", "deferred")
 
 NAMING = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -126,6 +129,30 @@ class JobQueue(Base):
             unique=True,
             postgresql_where=text("skip_overlap AND state IN ('queued', 'running')"),
         ),
+        # singleton_key=: at most one queued-or-running run per (job, key), decided
+        # by this index inside the fan-out INSERT; the key is free again once the
+        # run settles (the row leaves the predicate). Sleeping and waiting runs are
+        # queued, so they keep the key.
+        Index(
+            "uq_job_queue_singleton_active",
+            "job_id",
+            "singleton_key",
+            unique=True,
+            postgresql_where=text("singleton_key IS NOT NULL AND state IN ('queued', 'running')"),
+        ),
+        # concurrency=(limit, key): the claim counts the running runs of one
+        # (job, key) under an advisory lock; this index makes that count read
+        # only the running rows of that key. Column list of its own.
+        Index(
+            "ix_job_queue_concurrency_running",
+            "concurrency_key",
+            "job_id",
+            postgresql_where=text("concurrency_key IS NOT NULL AND state = 'running'"),
+        ),
+        # step.wait_for_event: send_event wakes the runs waiting for its event
+        # name; only waiting runs are indexed.
+        Index("ix_job_queue_waiting", "wait_event", postgresql_where=text("wait_event IS NOT NULL")),
+        CheckConstraint("priority BETWEEN 0 AND 9", name="priority"),
     )
 
     id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True, server_default=NEW_UUID)
@@ -143,6 +170,25 @@ class JobQueue(Base):
     # under uq_job_queue_skip_overlap_active. False for everything else.
     skip_overlap: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
     state: Mapped[str] = mapped_column(Text, server_default="queued")
+    # 0 (default) to 9, higher is more urgent: the order in which a freed
+    # concurrency slot or the sweeper picks queued runs, and the Celery message
+    # priority where the broker supports it.
+    priority: Mapped[int] = mapped_column(SmallInteger, server_default="0")
+    # Computed from the triggering event at fan-out (define_job's
+    # singleton_key= / concurrency= / cancel_on=), NULL when the job has none.
+    singleton_key: Mapped[str | None] = mapped_column(Text)
+    concurrency_key: Mapped[str | None] = mapped_column(Text)
+    cancel_key: Mapped[str | None] = mapped_column(Text)
+    # step.wait_for_event: the event name and the value it must carry at
+    # wait_path; NULL unless the run is suspended waiting.
+    wait_event: Mapped[str | None] = mapped_column(Text)
+    wait_path: Mapped[list[str] | None] = mapped_column(ARRAY(Text))
+    wait_value: Mapped[str | None] = mapped_column(Text)
+    # Times a RateLimited error put the run back without charging an attempt:
+    # waiting its turn is not failing.
+    deferrals: Mapped[int] = mapped_column(Integer, server_default="0")
+    # W3C traceparent active at send_event; the worker's span is its child.
+    traceparent: Mapped[str | None] = mapped_column(Text)
     # Not claimable before this instant (retry backoff, RetryAfterError).
     run_at: Mapped[datetime] = mapped_column(TZ, server_default=NOW)
     # Charged at claim time, so a run that kills its worker still uses up attempts.
