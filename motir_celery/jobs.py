@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 from .errors import JobDefinitionError, UnknownJobError
 from .retries import RetryPolicy, resolve_policy
+from .runspec import RunOptions, run_options
 
 __all__ = ["Job", "define_job", "get_job", "all_jobs", "subscribers", "on_job_defined", "task_name"]
 
@@ -37,6 +38,8 @@ class Job:
     retry_policy: RetryPolicy = field(default_factory=lambda: resolve_policy("transient"))
     #: Extra options for later features and for the Celery task (queue, priority...).
     options: dict[str, Any] = field(default_factory=dict)
+    #: priority, singleton_key, concurrency and cancel_on, validated (runspec.py).
+    run_options: RunOptions = field(default_factory=RunOptions)
 
     @property
     def task_name(self) -> str:
@@ -69,6 +72,9 @@ def define_job(
     ``event`` names the event(s) that start a run; ``cron`` schedules one
     instead (see docs/jobs.md, "Scheduled jobs"). ``retry_policy`` is
     ``"transient"`` (default), ``"idempotent"``, ``"none"`` or a ``RetryPolicy``.
+    Durable-flow options (docs/jobs.md): ``priority=0..9``, ``singleton_key=``,
+    ``concurrency=(limit, key)``, ``cancel_on=[CancelOn(...)]``; cron jobs also
+    take ``catchup=`` and ``overlap=``.
     """
     if not isinstance(id, str) or not JOB_ID.match(id):
         raise JobDefinitionError(
@@ -88,6 +94,7 @@ def define_job(
 
     # catchup= / overlap= are validated here, at definition time, like the cron itself.
     schedule_options(id, options, cron=cron is not None)
+    shaped = run_options(id, options)
     if cron is not None:
         cron, zone = parse_cron(cron, timezone, job_id=id)
 
@@ -95,7 +102,7 @@ def define_job(
         if not callable(handler):
             raise JobDefinitionError(f"job {id!r}: the handler must be callable")
         job = Job(id=id, handler=handler, events=events, cron=cron, timezone=zone,
-                  retry_policy=policy, options=options)
+                  retry_policy=policy, options=options, run_options=shaped)
         with _lock:
             existing = _registry.get(id)
             if existing is not None and _origin(existing.handler) != _origin(handler):

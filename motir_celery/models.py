@@ -245,7 +245,12 @@ class JobRun(Base):
 
     __tablename__ = "job_run"
     __table_args__ = (
-        UniqueConstraint("run_id", "attempt"),
+        # One open attempt per run: settles find the attempt they close by this,
+        # not by number, because a suspended (sleep, wait) or deferred attempt is
+        # not charged and the resumed one carries the same number.
+        Index("uq_job_run_open", "run_id", unique=True, postgresql_where=text("outcome = 'running'")),
+        # The ledger of one run, in order (runs show).
+        Index("ix_job_run_ledger", "run_id", "started_at"),
         CheckConstraint(_in("outcome", ATTEMPT_OUTCOMES), name="outcome"),
     )
 

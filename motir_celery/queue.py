@@ -307,7 +307,7 @@ _SETTLE_SUCCEEDED = text(
       RETURNING id, attempts
     )
     UPDATE job_run r SET outcome = 'succeeded', finished_at = now()
-    FROM settled s WHERE r.run_id = s.id AND r.attempt = s.attempts
+    FROM settled s WHERE r.run_id = s.id AND r.outcome = 'running'   -- the open attempt
     RETURNING 1
     """
 )
@@ -332,7 +332,7 @@ _SETTLE_RETRY = text(
       RETURNING id, attempts
     )
     UPDATE job_run r SET outcome = 'retrying', finished_at = now(), error = CAST(:error AS jsonb)
-    FROM settled s WHERE r.run_id = s.id AND r.attempt = s.attempts
+    FROM settled s WHERE r.run_id = s.id AND r.outcome = 'running'   -- the open attempt
     RETURNING 1
     """
 )
@@ -371,7 +371,7 @@ _SETTLE_FAILED = text(
                 CAST(:error AS jsonb) AS failure
     ), ledger AS (
       UPDATE job_run r SET outcome = 'failed', finished_at = now(), error = CAST(:error AS jsonb)
-      FROM failed f WHERE r.run_id = f.id AND r.attempt = f.attempts
+      FROM failed f WHERE r.run_id = f.id AND r.outcome = 'running'
     ), dlq AS ("""
     + _DLQ_INSERT
     + """
@@ -412,7 +412,7 @@ _RECLAIM_EXPIRED = text(
                   'the worker stopped renewing its lease (killed, crashed or hung)') AS failure
     ), ledger AS (
       UPDATE job_run r SET outcome = 'lost', finished_at = now(), error = x.failure
-      FROM reclaimed x WHERE r.run_id = x.id AND r.attempt = x.attempts
+      FROM reclaimed x WHERE r.run_id = x.id AND r.outcome = 'running'
     ), failed AS (
       SELECT * FROM reclaimed WHERE state = 'failed'
     ), dlq AS ("""
@@ -464,7 +464,7 @@ _CANCEL = text(
       RETURNING id, attempts
     ), ledger AS (
       UPDATE job_run r SET outcome = 'cancelled', finished_at = now()
-      FROM cancelled c WHERE r.run_id = c.id AND r.attempt = c.attempts AND r.outcome = 'running'
+      FROM cancelled c WHERE r.run_id = c.id AND r.outcome = 'running'
     )
     SELECT count(*) FROM cancelled
     """

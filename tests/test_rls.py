@@ -139,8 +139,8 @@ def _insert_one(s: object, table: str, ws: str | None, run_id: uuid.UUID) -> Non
                      "VALUES ('job.write', 'test.write', :ws, 3, 'transient')",
         "job_step": "INSERT INTO job_step (run_id, step_id, workspace_id, output, attempt, started_at) "
                     "VALUES (:r, :step, :ws, '1'::jsonb, 1, now())",
-        "job_run": "INSERT INTO job_run (run_id, attempt, workspace_id, job_id, event_name, worker) "
-                   "VALUES (:r, 99, :ws, 'job.a', 'test.event', 'w1')",
+        "job_run": "INSERT INTO job_run (run_id, attempt, workspace_id, job_id, event_name, worker, outcome) "
+                   "VALUES (:r, 99, :ws, 'job.a', 'test.event', 'w1', 'succeeded')",
         "job_run_dlq": "INSERT INTO job_run_dlq (workspace_id, function_id, event_name, event_data, failure, "
                        "attempts, first_failed_at) "
                        "VALUES (:ws, 'job.a', 'test.event', '{}'::jsonb, '{}'::jsonb, 3, now())",

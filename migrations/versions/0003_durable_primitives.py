@@ -31,6 +31,11 @@ def upgrade() -> None:
     op.create_index('ix_job_queue_concurrency_running', 'job_queue', ['concurrency_key', 'job_id'], unique=False, postgresql_where=sa.text("concurrency_key IS NOT NULL AND state = 'running'"))
     op.create_index('ix_job_queue_waiting', 'job_queue', ['wait_event'], unique=False, postgresql_where=sa.text('wait_event IS NOT NULL'))
     op.create_index('uq_job_queue_singleton_active', 'job_queue', ['job_id', 'singleton_key'], unique=True, postgresql_where=sa.text("singleton_key IS NOT NULL AND state IN ('queued', 'running')"))
+    # Suspended and deferred attempts are not charged, so an attempt number can
+    # repeat in the ledger: uniqueness moves to "one open attempt per run".
+    op.drop_constraint(op.f('uq_job_run_run_id_attempt'), 'job_run', type_='unique')
+    op.create_index('uq_job_run_open', 'job_run', ['run_id'], unique=True, postgresql_where=sa.text("outcome = 'running'"))
+    op.create_index('ix_job_run_ledger', 'job_run', ['run_id', 'started_at'], unique=False)
     # Check constraints are not compared by autogenerate: written by hand, from
     # the same tuples the models use.
     op.create_check_constraint(op.f('ck_job_queue_priority'), 'job_queue', 'priority BETWEEN 0 AND 9')
@@ -39,6 +44,9 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    op.drop_index('ix_job_run_ledger', table_name='job_run')
+    op.drop_index('uq_job_run_open', table_name='job_run', postgresql_where=sa.text("outcome = 'running'"))
+    op.create_unique_constraint(op.f('uq_job_run_run_id_attempt'), 'job_run', ['run_id', 'attempt'])
     op.drop_constraint(op.f('ck_job_run_outcome'), 'job_run', type_='check')
     op.create_check_constraint(op.f('ck_job_run_outcome'), 'job_run', OUTCOMES_0001)
     op.drop_constraint(op.f('ck_job_queue_priority'), 'job_queue', type_='check')
