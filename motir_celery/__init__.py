@@ -27,6 +27,7 @@ from .errors import (
     MotirError,
     NonRetriableError,
     PayloadError,
+    RateLimited,
     RetryAfterError,
     RunCancelled,
     StepOutputError,
@@ -35,6 +36,7 @@ from .errors import (
 )
 from .jobs import define_job
 from .retries import RetryPolicy
+from .runspec import CancelOn
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -52,6 +54,8 @@ __all__ = [
     "enqueue_scheduled",
     "attach",
     "RetryPolicy",
+    "CancelOn",
+    "RateLimited",
     "MotirError",
     "ConfigurationError",
     "JobDefinitionError",
@@ -79,6 +83,7 @@ def send_event(
     workspace_id: str | None = None,
     idempotency_key: str | None = None,
     session: "Session | None" = None,
+    priority: int | None = None,
     app: "Celery | None" = None,
 ) -> "SendResult":
     """Record an event and start one run per subscribing job (see ``events.send_event``).
@@ -89,7 +94,7 @@ def send_event(
 
     return events.send_event(
         name, data, workspace_id=workspace_id, idempotency_key=idempotency_key, session=session,
-        publish=_publish(app),
+        priority=priority, publish=_publish(app),
     )
 
 

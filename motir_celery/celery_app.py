@@ -138,14 +138,35 @@ def publisher(app: Celery) -> Publish:
     def publish(run_id: uuid.UUID, job_id: str, countdown: float = 0.0) -> None:
         from .jobs import task_name
 
+        options: dict[str, Any] = {}
+        priority = _message_priority(app, job_id)
+        if priority is not None:
+            options["priority"] = priority
         app.send_task(
             task_name(job_id),
             args=[str(run_id)],
             countdown=countdown or None,
             argsrepr=f"{job_id} run={run_id}",
+            **options,
         )
 
     return publish
+
+
+def _message_priority(app: Celery, job_id: str) -> int | None:
+    """A job's priority (0-9, higher is more urgent) as the broker spells it.
+
+    RabbitMQ: higher is more urgent, but only on a queue declared with
+    ``x-max-priority`` (Celery's ``task_queue_max_priority``). Redis: kombu
+    sorts 0 first, so the scale is inverted. Priority 0 sends no priority at all.
+    """
+    from .jobs import _registry
+
+    job = _registry.get(job_id)
+    if job is None or not job.run_options.priority:
+        return None
+    scheme = str(app.conf.broker_url or "").split("://", 1)[0]
+    return 9 - job.run_options.priority if scheme.startswith(("redis", "rediss")) else job.run_options.priority
 
 
 class SweeperStep(bootsteps.StartStopStep):

@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 from sqlalchemy import Connection, Engine, create_engine, text
+from sqlalchemy import event as sa_event
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import Session
 
 from .errors import WorkspaceError
@@ -54,14 +57,47 @@ def get_engine(url: str | None = None, *, settings: Settings | None = None) -> E
                     url,
                     pool_size=settings.pool_size,
                     max_overflow=settings.pool_size,
-                    # A database restart leaves dead sockets in the pool; test on checkout.
-                    pool_pre_ping=True,
+                    # Not pool_pre_ping: that is one more round trip on every checkout,
+                    # i.e. on every run. `_ping_when_idle` tests only a connection that
+                    # sat unused in the pool, where a database restart leaves dead sockets.
                     # Every timestamp is timestamptz compared with now(); the session
                     # TimeZone only changes how values print, never what they mean.
                     connect_args={"application_name": "motir-celery"},
                 )
+                _ping_when_idle(engine)
                 _engines[key] = engine
     return engine
+
+
+#: A pooled connection idle for longer than this is pinged before it is handed out.
+PING_AFTER_IDLE_SECONDS = 1.0
+
+
+def _ping_when_idle(engine: Engine) -> None:
+    """Pessimistic disconnect handling, paid only where it can matter.
+
+    A connection checked in less than ``PING_AFTER_IDLE_SECONDS`` ago answered a
+    statement a moment ago; a busy worker (a run every few milliseconds) never
+    pings. One that sat longer is pinged on checkout, and if the ping fails the
+    pool replaces it (``DisconnectionError`` makes the pool connect afresh),
+    just as ``pool_pre_ping`` would. A restart inside that second surfaces as
+    a disconnect on the first statement: SQLAlchemy then invalidates the whole
+    pool, and the runner claims again on a new socket (``runner._claim``).
+    """
+
+    @sa_event.listens_for(engine, "checkin")
+    def _checked_in(dbapi_connection: Any, record: Any) -> None:
+        record.info["motir_idle_since"] = time.monotonic()
+
+    @sa_event.listens_for(engine, "checkout")
+    def _checked_out(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+        since = record.info.pop("motir_idle_since", None)
+        if since is None or time.monotonic() - since < PING_AFTER_IDLE_SECONDS:
+            return  # new, or in use a moment ago
+        try:
+            engine.dialect.do_ping(dbapi_connection)
+        except Exception as exc:  # noqa: BLE001 — any failure means: not this socket
+            raise DisconnectionError(f"pooled connection failed its ping: {exc}") from exc
 
 
 def dispose_engines() -> None:

@@ -29,7 +29,7 @@ from . import queue
 from .db import get_engine
 from .events import write_event
 from .jobs import get_job
-from .runner import Publish
+from .runner import Publish, publish_or_log
 from .settings import Settings, get_settings
 
 __all__ = ["ReplayResult", "replay_dlq", "dismiss_dlq"]
@@ -87,6 +87,7 @@ def replay_dlq(
             result = write_event(
                 conn,
                 row.event_name,
+                row.event_data,
                 json.dumps(row.event_data),
                 row.workspace_id,
                 idempotency_key if idempotency_key is not None else row.idempotency_key,
@@ -99,7 +100,7 @@ def replay_dlq(
             assert isinstance(run, queue.Queued)
             conn.execute(_LINK, {"id": dlq_uuid, "run_id": run.run_id})
     if publish is not None:
-        publish(run.run_id, run.job_id, 0.0)
+        publish_or_log(publish, run.run_id, run.job_id)
     return ReplayResult("replayed", run.run_id, result.event_id)
 
 

@@ -14,6 +14,8 @@ __all__ = [
     "RetryAfterError",
     "LostClaim",
     "RunCancelled",
+    "RateLimited",
+    "Suspended",
 ]
 
 
@@ -66,3 +68,25 @@ class LostClaim(MotirError):
 
 class RunCancelled(LostClaim):
     """The run was cancelled; the execution stops at its step boundary."""
+
+
+class RateLimited(MotirError):
+    """Raise from a handler when a dependency says "not now": the run is put back for
+    ``retry_after`` seconds **without** charging an attempt (counted as a deferral),
+    because waiting one's turn is not failing."""
+
+    def __init__(self, retry_after: float, message: str = "") -> None:
+        if retry_after < 0:
+            raise ValueError(f"RateLimited retry_after must be >= 0, got {retry_after!r}")
+        super().__init__(message or f"rate limited; again in {retry_after}s")
+        self.retry_after = float(retry_after)
+
+
+class Suspended(BaseException):
+    """Internal: step.sleep / step.wait_for_event gave the worker back; the run is
+    already queued again. A BaseException, so a handler's ``except Exception``
+    cannot swallow it."""
+
+    def __init__(self, until: object) -> None:
+        super().__init__(f"suspended until {until}")
+        self.until = until

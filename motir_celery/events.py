@@ -24,9 +24,11 @@ from sqlalchemy.orm import Session
 from . import queue
 from .db import get_engine, validate_workspace_id
 from .errors import PayloadError
-from .jobs import Job, subscribers
-from .runner import Publish
+from .jobs import Job, all_jobs, subscribers
+from .runner import Publish, publish_or_log
+from .runspec import path_of, spec_for, value_at
 from .settings import Settings, get_settings
+from .tracing import current_traceparent
 
 __all__ = ["SendResult", "send_event", "dispatch_event", "publish_after_commit"]
 
@@ -39,6 +41,10 @@ class SendResult:
     runs: list[queue.Queued | queue.AlreadyQueued] = field(default_factory=list)
     #: The idempotency key was already used for this event name: nothing was written.
     deduplicated: bool = False
+    #: Runs that were waiting for this event (step.wait_for_event), due now.
+    woken: list[queue.Queued] = field(default_factory=list)
+    #: Runs this event cancelled (cancel_on).
+    cancelled: list[uuid.UUID] = field(default_factory=list)
 
     @property
     def run_ids(self) -> list[uuid.UUID]:
@@ -64,8 +70,10 @@ def _validate(name: Any, data: Any, workspace_id: Any, idempotency_key: Any, lim
     return encoded, workspace_id
 
 
-def write_event(conn: Connection, name: str, encoded: str, workspace_id: str | None,
-           idempotency_key: str | None, jobs: Sequence[Job]) -> SendResult:
+def write_event(conn: Connection, name: str, data: Any, encoded: str, workspace_id: str | None,
+                idempotency_key: str | None, jobs: Sequence[Job], *, priority: int | None = None,
+                traceparent: str | None = None) -> SendResult:
+    """The event, its runs, and what it does to runs already there — one transaction."""
     event_id = queue.insert_event(conn, name, encoded, workspace_id, idempotency_key)
     if event_id is None:
         existing = conn.execute(
@@ -73,8 +81,24 @@ def write_event(conn: Connection, name: str, encoded: str, workspace_id: str | N
             {"name": name, "key": idempotency_key},
         ).scalar()
         return SendResult(existing, [], deduplicated=True)
-    runs = queue.fan_out(conn, event_id, [(j.id, j.retry_policy.max_attempts, j.retry_policy.name) for j in jobs])
-    return SendResult(event_id, runs)
+    specs = [spec_for(job, data, workspace_id, priority) for job in jobs]
+    runs = queue.fan_out(conn, event_id, specs, traceparent=traceparent)
+    # Runs suspended in step.wait_for_event for this event become due now.
+    woken = [queue.Queued(run_id, job_id) for run_id, job_id in queue.wake_waiters(conn, name, encoded)]
+    cancelled = _cancel_on(conn, name, data)
+    return SendResult(event_id, runs, woken=woken, cancelled=cancelled)
+
+
+def _cancel_on(conn: Connection, name: str, data: Any) -> list[uuid.UUID]:
+    """Jobs with a cancel_on rule for this event: cancel the runs it matches."""
+    cancelled: list[uuid.UUID] = []
+    for job in all_jobs():
+        for rule in job.run_options.cancel_on:
+            key = value_at(data, path_of(rule.match)) if rule.event == name else None
+            if key is not None:
+                within = rule.timeout.total_seconds() if rule.timeout else None
+                cancelled += queue.cancel_by_key(conn, job.id, key, within)
+    return cancelled
 
 
 def send_event(
@@ -86,6 +110,7 @@ def send_event(
     session: Session | None = None,
     publish: Publish | None = None,
     jobs: Sequence[Job] | None = None,
+    priority: int | None = None,
     settings: Settings | None = None,
 ) -> SendResult:
     """Record event ``name`` and create one run per subscribing job.
@@ -96,14 +121,18 @@ def send_event(
     """
     settings = settings or get_settings()
     encoded, workspace_id = _validate(name, data, workspace_id, idempotency_key, settings.max_payload_bytes)
+    if priority is not None and (not isinstance(priority, int) or not 0 <= priority <= 9):
+        raise PayloadError(f"priority must be an integer from 0 to 9, got {priority!r}")
     targets = subscribers(name) if jobs is None else list(jobs)
+    args = (name, data, encoded, workspace_id, idempotency_key, targets)
+    extra = {"priority": priority, "traceparent": current_traceparent()}
     if session is not None:
-        result = write_event(session.connection(), name, encoded, workspace_id, idempotency_key, targets)
-        publish_after_commit(session, result.runs, publish)
+        result = write_event(session.connection(), *args, **extra)
+        publish_after_commit(session, result.runs + result.woken, publish)
         return result
     with get_engine(settings=settings).begin() as conn:
-        result = write_event(conn, name, encoded, workspace_id, idempotency_key, targets)
-    _publish(result.runs, publish)
+        result = write_event(conn, *args, **extra)
+    _publish(result.runs + result.woken, publish)
     return result
 
 
@@ -112,8 +141,9 @@ def dispatch_event(event_id: uuid.UUID, *, publish: Publish | None = None,
     """Fan an already-recorded event out to its subscribers again (idempotent)."""
     with get_engine(settings=settings).begin() as conn:
         name = conn.execute(text("SELECT name FROM job_event WHERE id = :id"), {"id": event_id}).scalar_one()
-        jobs = subscribers(name)
-        runs = queue.fan_out(conn, event_id, [(j.id, j.retry_policy.max_attempts, j.retry_policy.name) for j in jobs])
+        row = conn.execute(text("SELECT data, workspace_id FROM job_event WHERE id = :id"), {"id": event_id}).one()
+        specs = [spec_for(job, row.data, row.workspace_id) for job in subscribers(name)]
+        runs = queue.fan_out(conn, event_id, specs)
     _publish(runs, publish)
     return runs
 
@@ -122,8 +152,10 @@ def _publish(runs: Sequence[queue.Queued | queue.AlreadyQueued], publish: Publis
     if publish is None:
         return
     for run in runs:
-        if isinstance(run, queue.Queued):
-            publish(run.run_id, run.job_id, 0.0)
+        # A refused publish is logged, not raised: the rows are committed and the
+        # sweeper publishes what is left (the broker is away; don't wait per run).
+        if isinstance(run, queue.Queued) and not publish_or_log(publish, run.run_id, run.job_id):
+            break
 
 
 _PENDING = "motir_celery.pending_publish"

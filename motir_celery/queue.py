@@ -28,6 +28,8 @@ from typing import Any, Sequence
 
 from sqlalchemy import Connection, text
 
+from .runspec import RunSpec
+
 __all__ = [
     "Claim",
     "Queued",
@@ -75,6 +77,10 @@ class Claim:
     event_data: Any
     scheduled_for: datetime | None
     steps: dict[str, Any]
+    #: The database's now() at claim time: step.sleep and waits compare with it.
+    db_now: datetime | None = None
+    concurrency_key: str | None = None
+    traceparent: str | None = None
 
 
 def _json(value: Any) -> str:
@@ -86,7 +92,11 @@ def _json(value: Any) -> str:
 _INSERT_EVENT = text(
     """
     INSERT INTO job_event (name, data, workspace_id, idempotency_key)
-    VALUES (:name, CAST(:data AS jsonb), :workspace_id, :key)
+    SELECT :name, CAST(:data AS jsonb), :workspace_id, :key
+    -- A shared lock on the event name, held to commit: a run that starts waiting
+    -- for this name takes it exclusively before its look-back, so it either sees
+    -- this event or is seen by wake_waiters below (step.wait_for_event's race).
+    FROM (SELECT pg_advisory_xact_lock_shared(hashtext('motir.wait:' || :name))) AS wait_fence
     -- (name, idempotency_key) is unique; NULL keys never conflict.
     ON CONFLICT (name, idempotency_key) DO NOTHING
     RETURNING id
@@ -105,36 +115,90 @@ def insert_event(
 
 _FAN_OUT = text(
     """
-    INSERT INTO job_queue (event_id, job_id, event_name, workspace_id, max_attempts, retry_policy)
-    SELECT e.id, s.job_id, e.name, e.workspace_id, s.max_attempts, s.retry_policy
+    INSERT INTO job_queue (event_id, job_id, event_name, workspace_id, max_attempts, retry_policy,
+                           priority, singleton_key, concurrency_key, cancel_key, traceparent)
+    SELECT e.id, s.job_id, e.name, e.workspace_id, s.max_attempts, s.retry_policy,
+           s.priority, s.singleton_key, s.concurrency_key, s.cancel_key, :traceparent
     FROM job_event e,
-         unnest(CAST(:job_ids AS text[]), CAST(:max_attempts AS int[]), CAST(:policies AS text[]))
-           AS s(job_id, max_attempts, retry_policy)
+         unnest(CAST(:job_ids AS text[]), CAST(:max_attempts AS int[]), CAST(:policies AS text[]),
+                CAST(:priorities AS smallint[]), CAST(:singletons AS text[]), CAST(:concurrency AS text[]),
+                CAST(:cancel_keys AS text[]))
+           AS s(job_id, max_attempts, retry_policy, priority, singleton_key, concurrency_key, cancel_key)
     WHERE e.id = :event_id
-    -- one run per (event, job): dispatching the same event twice adds nothing.
-    ON CONFLICT (event_id, job_id) DO NOTHING
+    -- No conflict target: one run per (event, job) — dispatching the same event
+    -- twice adds nothing — and one active run per (job, singleton_key).
+    ON CONFLICT DO NOTHING
     RETURNING id, job_id
     """
 )
 
 
 def fan_out(
-    conn: Connection, event_id: uuid.UUID, jobs: Sequence[tuple[str, int, str]]
+    conn: Connection, event_id: uuid.UUID, specs: Sequence[RunSpec], *, traceparent: str | None = None
 ) -> list[Queued | AlreadyQueued]:
-    """One run per ``(job_id, max_attempts, policy_name)`` for the event, deduplicated."""
-    if not jobs:
+    """One run per spec for the event, deduplicated by the database."""
+    if not specs:
         return []
     rows = conn.execute(
         _FAN_OUT,
         {
             "event_id": event_id,
-            "job_ids": [j[0] for j in jobs],
-            "max_attempts": [j[1] for j in jobs],
-            "policies": [j[2] for j in jobs],
+            "job_ids": [s.job_id for s in specs],
+            "max_attempts": [s.max_attempts for s in specs],
+            "policies": [s.policy for s in specs],
+            "priorities": [s.priority for s in specs],
+            "singletons": [s.singleton_key for s in specs],
+            "concurrency": [s.concurrency_key for s in specs],
+            "cancel_keys": [s.cancel_key for s in specs],
+            "traceparent": traceparent,
         },
     ).all()
     created = {row.job_id: row.id for row in rows}
-    return [Queued(created[j[0]], j[0]) if j[0] in created else AlreadyQueued(j[0]) for j in jobs]
+    return [Queued(created[s.job_id], s.job_id) if s.job_id in created else AlreadyQueued(s.job_id)
+            for s in specs]
+
+
+_WAKE_WAITERS = text(
+    """
+    UPDATE job_queue
+    SET run_at = now(), dispatched_at = now()      -- due now; the caller publishes after commit
+    WHERE wait_event = :name                       -- served by ix_job_queue_waiting
+      AND state = 'queued'                         -- suspended waiting (not cancelled, not running)
+      AND wait_value = (CAST(:data AS jsonb) #>> wait_path)   -- the field the waiter matches on
+    RETURNING id, job_id
+    """
+)
+
+
+def wake_waiters(conn: Connection, name: str, data_json: str) -> list[tuple[uuid.UUID, str]]:
+    """Runs suspended in ``step.wait_for_event`` for this event: make them due now."""
+    return [(r.id, r.job_id) for r in conn.execute(_WAKE_WAITERS, {"name": name, "data": data_json})]
+
+
+_CANCEL_BY_KEY = text(
+    """
+    WITH cancelled AS (
+      UPDATE job_queue
+      SET state = 'cancelled', finished_at = now(), claim_token = NULL, lease_expires_at = NULL,
+          wait_event = NULL
+      WHERE job_id = :job_id
+        AND cancel_key = :key                                   -- the cancel_on rule's field matched
+        AND state IN ('queued', 'running')                      -- a finished run stays as it ended
+        AND (CAST(:within AS float8) IS NULL
+             OR created_at > now() - make_interval(secs => CAST(:within AS float8)))   -- the rule's timeout
+      RETURNING id
+    ), ledger AS (
+      UPDATE job_run r SET outcome = 'cancelled', finished_at = now()
+      FROM cancelled c WHERE r.run_id = c.id AND r.outcome = 'running'
+    )
+    SELECT id FROM cancelled
+    """
+)
+
+
+def cancel_by_key(conn: Connection, job_id: str, key: str, within_seconds: float | None) -> list[uuid.UUID]:
+    """cancel_on: cancel the job's active runs whose triggering event carried ``key``."""
+    return list(conn.execute(_CANCEL_BY_KEY, {"job_id": job_id, "key": key, "within": within_seconds}).scalars())
 
 
 _ENQUEUE_SCHEDULED = text(
@@ -179,17 +243,23 @@ _CLAIM = text(
           attempts = attempts + 1,             -- charged now: a run that kills its worker still spends attempts
           claim_token = gen_random_uuid(),     -- fences every later write to this holder
           claimed_by = :worker,
-          lease_expires_at = now() + make_interval(secs => :lease)
+          lease_expires_at = now() + make_interval(secs => :lease),
+          wait_event = NULL, wait_path = NULL, wait_value = NULL   -- a woken waiter waits no more
       WHERE id = :run_id
         AND job_id = :job_id                   -- a message for another job's run (misrouted, forged) claims nothing
         AND state = 'queued'                   -- running: someone holds it; final: done. Either way a stale message.
         AND run_at <= now()                    -- not due yet (backoff): the sweeper publishes it again when it is
-      RETURNING id, job_id, claim_token, attempts, max_attempts, workspace_id, event_id, event_name, scheduled_for
+        AND (CAST(:limit AS int) IS NULL       -- concurrency=(limit, key): a free slot, counted under
+             OR (SELECT count(*) FROM job_queue r          -- lock_concurrency's advisory lock
+                 WHERE r.concurrency_key = job_queue.concurrency_key AND r.job_id = job_queue.job_id
+                   AND r.state = 'running') < CAST(:limit AS int))
+      RETURNING id, job_id, claim_token, attempts, max_attempts, workspace_id, event_id, event_name, scheduled_for,
+                concurrency_key, traceparent
     ), ledger AS (
       INSERT INTO job_run (run_id, attempt, workspace_id, job_id, event_name, worker)
       SELECT id, attempts, workspace_id, job_id, event_name, :worker FROM claimed
     )
-    SELECT c.*, e.data AS event_data,
+    SELECT c.*, e.data AS event_data, now() AS db_now,
            -- memoized steps in the same round trip (snapshot taken before this claim: prior attempts' steps)
            (SELECT coalesce(jsonb_object_agg(s.step_id, s.output), '{}'::jsonb)
               FROM job_step s WHERE s.run_id = c.id) AS steps
@@ -198,10 +268,26 @@ _CLAIM = text(
 )
 
 
-def claim(conn: Connection, run_id: uuid.UUID, *, job_id: str, worker: str, lease_seconds: float) -> Claim | None:
+_LOCK_CONCURRENCY = text(
+    """
+    SELECT pg_advisory_xact_lock(hashtextextended(job_id || chr(31) || concurrency_key, 0))
+    FROM job_queue WHERE id = :run_id AND concurrency_key IS NOT NULL
+    """
+)
+
+
+def lock_concurrency(conn: Connection, run_id: uuid.UUID) -> None:
+    """Serialise claims of one (job, concurrency key) until this transaction ends, so
+    two workers cannot both count the last free slot (cold path: jobs with concurrency=)."""
+    conn.execute(_LOCK_CONCURRENCY, {"run_id": run_id})
+
+
+def claim(conn: Connection, run_id: uuid.UUID, *, job_id: str, worker: str, lease_seconds: float,
+          concurrency_limit: int | None = None) -> Claim | None:
     """Move a queued, due run to running for this worker; ``None`` if it is not ours to run."""
     row = conn.execute(
-        _CLAIM, {"run_id": run_id, "job_id": job_id, "worker": worker, "lease": lease_seconds}
+        _CLAIM, {"run_id": run_id, "job_id": job_id, "worker": worker, "lease": lease_seconds,
+                 "limit": concurrency_limit}
     ).one_or_none()
     if row is None:
         return None
@@ -217,7 +303,31 @@ def claim(conn: Connection, run_id: uuid.UUID, *, job_id: str, worker: str, leas
         event_data=row.event_data,
         scheduled_for=row.scheduled_for,
         steps=row.steps,
+        db_now=row.db_now,
+        concurrency_key=row.concurrency_key,
+        traceparent=row.traceparent,
     )
+
+
+_NEXT_IN_LINE = text(
+    """
+    WITH next AS (
+      SELECT id FROM job_queue
+      WHERE job_id = :job_id AND concurrency_key = :key
+        AND state = 'queued' AND run_at <= now()   -- waiting for a slot, due
+      ORDER BY priority DESC, run_at               -- priority decides who gets a freed slot
+      LIMIT 1
+      FOR UPDATE SKIP LOCKED
+    )
+    UPDATE job_queue q SET dispatched_at = now() FROM next WHERE q.id = next.id
+    RETURNING q.id
+    """
+)
+
+
+def next_in_line(conn: Connection, job_id: str, key: str) -> uuid.UUID | None:
+    """The queued run that should take a concurrency slot just freed (publish it after commit)."""
+    return conn.execute(_NEXT_IN_LINE, {"job_id": job_id, "key": key}).scalar()
 
 
 # --- step write and heartbeat --------------------------------------------------------
@@ -266,6 +376,98 @@ _RENEW_LEASE = text(
     RETURNING 1
     """
 )
+
+
+_STORE_CLOCK_STEP = text(
+    """
+    INSERT INTO job_step (run_id, step_id, workspace_id, output, attempt, started_at)
+    SELECT q.id, :step_id, q.workspace_id,
+           -- both instants from the database clock (or the caller's absolute instant)
+           jsonb_build_object('since', now(),
+                              'until', coalesce(CAST(:until AS timestamptz),
+                                                now() + make_interval(secs => CAST(:secs AS float8)))),
+           q.attempts, now()
+    FROM job_queue q
+    WHERE q.id = :run_id AND q.claim_token = :token AND q.state = 'running'   -- fence
+    FOR SHARE OF q
+    ON CONFLICT (run_id, step_id) DO NOTHING
+    RETURNING output, now() AS db_now
+    """
+)
+
+
+def store_clock_step(conn: Connection, claim_: Claim, step_id: str, *, seconds: float | None = None,
+                     until: datetime | None = None) -> tuple[Any, datetime] | None:
+    """Memoize {"since": now(), "until": now() + seconds | until} for step.sleep / waits.
+    Returns (output, db_now), or None when fenced."""
+    row = conn.execute(
+        _STORE_CLOCK_STEP,
+        {"run_id": claim_.run_id, "token": claim_.token, "step_id": step_id, "secs": seconds, "until": until},
+    ).one_or_none()
+    return None if row is None else (row.output, row.db_now)
+
+
+_SUSPEND = text(
+    """
+    WITH settled AS (
+      UPDATE job_queue
+      SET state = 'queued',
+          run_at = coalesce(CAST(:until AS timestamptz), now() + make_interval(secs => CAST(:delay AS float8))),
+          attempts = attempts - 1,                -- a sleep, a wait or a rate-limit deferral is not a failure
+          deferrals = deferrals + CAST(:deferred AS int),
+          -- the sweeper publishes it once due: "message older than republish_after" then holds at run_at
+          dispatched_at = coalesce(CAST(:until AS timestamptz), now() + make_interval(secs => CAST(:delay AS float8)))
+                          - make_interval(secs => CAST(:after AS float8)),
+          wait_event = :wait_event, wait_path = CAST(:wait_path AS text[]), wait_value = :wait_value,
+          claim_token = NULL, claimed_by = NULL, lease_expires_at = NULL
+      WHERE id = :run_id AND claim_token = :token AND state = 'running'   -- fence
+      RETURNING id, run_at
+    ), ledger AS (
+      UPDATE job_run r SET outcome = :outcome, finished_at = now(), error = CAST(:error AS jsonb)
+      FROM settled s WHERE r.run_id = s.id AND r.outcome = 'running'
+    )
+    SELECT run_at FROM settled
+    """
+)
+
+
+def suspend(conn: Connection, claim_: Claim, *, outcome: str, until: datetime | None = None,
+            delay: float | None = None, republish_after: float, error_json: str | None = None,
+            wait: tuple[str, list[str], str | None] | None = None) -> datetime | None:
+    """Give the worker back without charging the attempt: queued again at ``until``
+    (or ``now() + delay``). Returns the new run_at, or None when fenced."""
+    name, path, value = wait or (None, None, None)
+    return conn.execute(
+        _SUSPEND,
+        {"run_id": claim_.run_id, "token": claim_.token, "outcome": outcome, "until": until, "delay": delay,
+         "deferred": 1 if outcome == "deferred" else 0, "after": republish_after, "error": error_json,
+         "wait_event": name, "wait_path": path, "wait_value": value},
+    ).scalar()
+
+
+_LOCK_WAIT = text("SELECT pg_advisory_xact_lock(hashtext('motir.wait:' || :name))")
+_FIND_EVENT = text(
+    """
+    SELECT id, name, data, received_at FROM job_event
+    WHERE name = :name
+      AND data #>> CAST(:path AS text[]) = :value   -- the waiter's field, as text
+      AND received_at >= :since                     -- only events since the wait began
+    ORDER BY received_at
+    LIMIT 1
+    """
+)
+
+
+def lock_wait(conn: Connection, name: str) -> None:
+    """Exclusive twin of insert_event's shared lock: after it, every event of ``name``
+    committed so far is visible, and every later one will see this transaction's waiter."""
+    conn.execute(_LOCK_WAIT, {"name": name})
+
+
+def find_event(conn: Connection, name: str, path: list[str], value: str | None, since: datetime) -> Any:
+    if value is None:
+        return None
+    return conn.execute(_FIND_EVENT, {"name": name, "path": path, "value": value, "since": since}).one_or_none()
 
 
 def renew_lease(conn: Connection, claim_: Claim, lease_seconds: float) -> bool:
@@ -458,7 +660,8 @@ _CANCEL = text(
     """
     WITH cancelled AS (
       UPDATE job_queue
-      SET state = 'cancelled', finished_at = now(), claim_token = NULL, lease_expires_at = NULL
+      SET state = 'cancelled', finished_at = now(), claim_token = NULL, lease_expires_at = NULL,
+          wait_event = NULL
       WHERE id = :run_id
         AND state IN ('queued', 'running')     -- a finished run stays as it ended
       RETURNING id, attempts

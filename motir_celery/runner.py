@@ -23,29 +23,59 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
+import time
 import traceback
 import uuid
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-from sqlalchemy import Connection
+from sqlalchemy import Connection, Engine
+from sqlalchemy.exc import DBAPIError
 
 from . import queue
 from .db import get_engine
-from .errors import LostClaim, NonRetriableError, RetryAfterError, RunCancelled, StepOutputError, UnknownJobError
+from .errors import (
+    LostClaim,
+    NonRetriableError,
+    RateLimited,
+    RetryAfterError,
+    RunCancelled,
+    StepOutputError,
+    Suspended,
+    UnknownJobError,
+)
 from .jobs import get_job
 from .settings import Settings, get_settings
 from .steps import Step, encode_json
+from .tracing import run_span
 
-__all__ = ["Event", "Outcome", "execute", "Publish"]
+__all__ = ["Event", "Outcome", "execute", "Publish", "publish_or_log"]
 
 log = logging.getLogger("motir_celery.runner")
 
 #: publish(run_id, job_id, countdown_seconds) — hands a run to the broker.
 Publish = Callable[[uuid.UUID, str, float], None]
+
+
+def publish_or_log(publish: Publish, run_id: uuid.UUID, job_id: str, countdown: float = 0.0) -> bool:
+    """Publish after a commit; a broker that refuses is logged, never raised.
+
+    The row is already committed, so the run exists and the sweeper re-publishes
+    it after ``MOTIR_REPUBLISH_AFTER``. Raising here would tell the caller that
+    something failed which in fact happened — and a caller that retries a
+    ``send_event`` without an idempotency key would then create it twice.
+    """
+    try:
+        publish(run_id, job_id, countdown)
+        return True
+    except Exception:  # noqa: BLE001 — broker down, network blip: the sweeper covers it
+        log.warning("could not publish run %s of %s (committed; the sweeper will re-publish it)",
+                    run_id, job_id, exc_info=True)
+        return False
 
 
 @dataclass(frozen=True)
@@ -84,27 +114,103 @@ def execute(
         return Outcome(str(run_id), "skipped", "malformed run id")
 
     # One pooled connection for the whole attempt: claim, step writes and settle
-    # are one statement and one commit each, with no checkout (or pre-ping) between.
-    with engine.connect() as conn:
-        with conn.begin():
-            claim = queue.claim(conn, run_uuid, job_id=job_id, worker=worker, lease_seconds=settings.lease_seconds)
+    # are one statement and one commit each, with no checkout (or ping) between.
+    conn, claim = _claim(engine, run_uuid, job_id, worker, settings)
+    with conn:
         if claim is None:
             # Duplicate or stale delivery, a run not due yet, or a forged id: ack and do nothing.
             log.debug("run %s of %s not claimable (duplicate, stale, not due or unknown)", run_uuid, job_id)
             return Outcome(str(run_uuid), "skipped", "not claimable")
-        # The heartbeat renews from its own connection, beside the handler's.
-        with _Heartbeat(claim, engine.begin, settings.lease_seconds):
-            return _attempt(claim, conn, publish, settings)
+        # The process's heartbeat thread renews from its own connection, beside the handler's.
+        try:
+            with _heartbeats.hold(claim, engine.begin, settings.lease_seconds), \
+                    run_span(claim.job_id, str(claim.run_id), claim.attempt, claim.traceparent):
+                return _attempt(claim, conn, publish, settings)
+        finally:
+            if claim.concurrency_key is not None:
+                _free_slot(engine, claim, publish)
+
+
+def _free_slot(engine: Engine, claim: queue.Claim, publish: Publish | None) -> None:
+    """concurrency=(limit, key): this run no longer holds its slot (settled,
+    suspended, cancelled or lost) — hand the slot to the next queued run of the key."""
+    try:
+        with engine.begin() as tx:
+            next_run = queue.next_in_line(tx, claim.job_id, claim.concurrency_key or "")
+    except Exception:  # noqa: BLE001 — the sweeper re-publishes waiting runs anyway
+        log.warning("run %s: could not hand its concurrency slot on", claim.run_id, exc_info=True)
+        return
+    if next_run is not None and publish is not None:
+        publish_or_log(publish, next_run, claim.job_id)
+
+
+def _claim_limited(engine: Engine, run_id: uuid.UUID, job_id: str, worker: str, settings: Settings,
+                   limit: int) -> queue.Claim | None:
+    """Claim a run of a job with concurrency=(limit, key): count the key's running
+    runs and claim in one transaction, under the key's advisory lock, so two
+    workers cannot both take the last slot. A refused claim leaves the run
+    queued; the run that frees a slot publishes the next in line."""
+    with engine.begin() as tx:
+        queue.lock_concurrency(tx, run_id)
+        return queue.claim(tx, run_id, job_id=job_id, worker=worker, lease_seconds=settings.lease_seconds,
+                           concurrency_limit=limit)
+
+
+def _claim(engine: Engine, run_id: uuid.UUID, job_id: str, worker: str,
+           settings: Settings) -> tuple[Connection, queue.Claim | None]:
+    """Check out the attempt's connection and claim on it.
+
+    The connection is in autocommit for the attempt: each statement of the hot
+    path is its own transaction, so it costs one round trip instead of three
+    (BEGIN, statement, COMMIT) and still exactly one commit. Nothing on this
+    path needs two statements in one transaction; the ``conn.begin()`` blocks
+    mark the units and are no-ops at the database level.
+
+    A pooled socket that died under us (the database restarted while this
+    worker was busy, so the idle ping in ``db.py`` did not run) fails the claim
+    with a disconnect; SQLAlchemy then invalidates the pool, and we claim once
+    more on a fresh socket. Either the dead claim never reached the server, or
+    it committed and its reply was lost: then the run is ``running`` under a
+    token we never saw, the retry finds it unclaimable, and the sweeper
+    requeues it when the lease expires, attempt charged.
+    """
+    limit = _concurrency_limit(job_id)
+    for last in (False, True):
+        conn = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        try:
+            if limit is not None:
+                return conn, _claim_limited(engine, run_id, job_id, worker, settings, limit)
+            with conn.begin():
+                return conn, queue.claim(conn, run_id, job_id=job_id, worker=worker,
+                                         lease_seconds=settings.lease_seconds)
+        except DBAPIError as exc:
+            conn.close()
+            if last or not exc.connection_invalidated:
+                raise
+            log.info("run %s: connection lost before the claim; claiming on a new one", run_id)
+        except BaseException:
+            conn.close()
+            raise
+    raise AssertionError("unreachable")
+
+
+def _concurrency_limit(job_id: str) -> int | None:
+    try:
+        return get_job(job_id).run_options.concurrency_limit
+    except UnknownJobError:
+        return None  # claimed normally; the attempt then fails with the clear error
 
 
 def _attempt(claim: queue.Claim, conn: Connection, publish: Publish | None, settings: Settings) -> Outcome:
     run = str(claim.run_id)
-    step = Step(claim, conn, max_bytes=settings.max_payload_bytes)
+    event_data = claim.event_data if claim.event_id else {"scheduled_for": _iso(claim.scheduled_for)}
+    step = Step(claim, conn, max_bytes=settings.max_payload_bytes, event_data=event_data, publish=publish,
+                republish_after=settings.republish_after, transaction=get_engine(settings=settings).begin)
     try:
         job = get_job(claim.job_id)
         event = Event(
             name=claim.event_name,
-            data=claim.event_data if claim.event_id else {"scheduled_for": _iso(claim.scheduled_for)},
+            data=event_data,
             id=str(claim.event_id) if claim.event_id else None,
             workspace_id=claim.workspace_id,
             run_id=run,
@@ -114,6 +220,18 @@ def _attempt(claim: queue.Claim, conn: Connection, publish: Publish | None, sett
         result = job.handler(event, step)
         encoded = encode_json(result, what=f"the handler of {claim.job_id!r} returned a value that",
                               limit=settings.max_payload_bytes)
+    except Suspended as exc:
+        # step.sleep / wait_for_event already queued the run again (no attempt charged).
+        return Outcome(run, "suspended", f"until {exc.until}")
+    except RateLimited as exc:
+        with conn.begin():
+            deferred = queue.suspend(conn, claim, outcome="deferred", delay=exc.retry_after, error_json=_error(exc),
+                                     republish_after=settings.republish_after)
+            if deferred is None:
+                return Outcome(run, _fenced_state(conn, claim))
+        if publish is not None and exc.retry_after <= settings.republish_after:
+            publish_or_log(publish, claim.run_id, claim.job_id, exc.retry_after)
+        return Outcome(run, "deferred", f"in {exc.retry_after:.1f}s")
     except RunCancelled:
         log.info("run %s cancelled; stopped at a step boundary", run)
         return Outcome(run, "cancelled")
@@ -149,7 +267,7 @@ def _retry_or_fail(claim: queue.Claim, conn: Connection, publish: Publish | None
     # sweeper once due (a long countdown is what Redis's visibility timeout
     # redelivers in a loop). The claim refuses a message that arrives early.
     if publish is not None and delay <= settings.republish_after:
-        publish(claim.run_id, claim.job_id, delay)
+        publish_or_log(publish, claim.run_id, claim.job_id, delay)
     return Outcome(str(claim.run_id), "retrying", f"in {delay:.1f}s")
 
 
@@ -191,30 +309,79 @@ def _as_uuid(value: uuid.UUID | str) -> uuid.UUID | None:
         return None
 
 
-class _Heartbeat:
-    """Renews the lease (fenced) every third of its length while the handler runs."""
+class _Heartbeats:
+    """One thread per process renews the lease (fenced) of every run the process
+    holds, each every third of its length while its handler runs.
 
-    def __init__(self, claim: queue.Claim, connect: Callable[[], AbstractContextManager[Connection]],
-                 lease: float) -> None:
-        self._claim, self._connect, self._lease = claim, connect, lease
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name=f"motir-heartbeat-{claim.run_id}", daemon=True)
+    Shared rather than a thread per attempt: starting and joining a thread for
+    every run was a measurable part of a short run's cost (docs/performance.md).
+    The thread starts on first use in each process (a prefork child gets its own
+    after the fork) and sleeps until the next renewal is due.
+    """
 
-    def __enter__(self) -> "_Heartbeat":
-        self._thread.start()
-        return self
+    def __init__(self) -> None:
+        self._reset()
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._reset)
 
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+    def _reset(self) -> None:
+        # After a fork the parent's thread does not exist here, and its lock may
+        # have been held at the instant of the fork: start from nothing.
+        self._cond = threading.Condition(threading.Lock())
+        self._held: dict[uuid.UUID, _Held] = {}
+        self._thread: threading.Thread | None = None
+
+    @contextmanager
+    def hold(self, claim: queue.Claim, connect: Callable[[], AbstractContextManager[Connection]],
+             lease: float) -> Iterator[None]:
+        held = _Held(claim, connect, lease, time.monotonic() + lease / 3)
+        with self._cond:
+            self._held[claim.token] = held
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="motir-heartbeat", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._held.pop(claim.token, None)
 
     def _loop(self) -> None:
-        while not self._stop.wait(self._lease / 3):
-            try:
-                with self._connect() as conn:
-                    if not queue.renew_lease(conn, self._claim, self._lease):
-                        log.warning("run %s: lease lost; the next step write will stop this attempt",
-                                    self._claim.run_id)
-                        return
-            except Exception:  # noqa: BLE001 — a database blip: try again next period
-                log.warning("run %s: lease renewal failed", self._claim.run_id, exc_info=True)
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                due = [h for h in self._held.values() if h.next_at <= now]
+                if not due:
+                    wake = min((h.next_at for h in self._held.values()), default=None)
+                    self._cond.wait(None if wake is None else wake - now)
+                    continue
+                for h in due:
+                    h.next_at = now + h.lease / 3
+            for h in due:
+                self._renew(h)
+
+    def _renew(self, held: _Held) -> None:
+        claim = held.claim
+        try:
+            with held.connect() as conn:
+                if queue.renew_lease(conn, claim, held.lease):
+                    return
+        except Exception:  # noqa: BLE001 — a database blip: try again next period
+            log.warning("run %s: lease renewal failed", claim.run_id, exc_info=True)
+            return
+        with self._cond:
+            still_held = self._held.pop(claim.token, None) is not None
+        if still_held:  # not merely settled between our wake-up and the renewal
+            log.warning("run %s: lease lost; the next step write will stop this attempt", claim.run_id)
+
+
+@dataclass
+class _Held:
+    claim: queue.Claim
+    connect: Callable[[], AbstractContextManager[Connection]]
+    lease: float
+    next_at: float
+
+
+_heartbeats = _Heartbeats()

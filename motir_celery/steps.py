@@ -15,18 +15,29 @@ The contract, plainly (docs/jobs.md says the same):
 The store is fenced on the claim token. When it is refused, this worker no
 longer holds the run (its lease was reclaimed, or the run was cancelled):
 ``LostClaim`` / ``RunCancelled`` stop the handler at this step boundary.
+
+Besides ``run``, a step can give its worker back: ``sleep`` / ``sleep_until``
+and ``wait_for_event`` memoize when they started and until when, put the run
+back in the queue (no attempt charged, no process held, no long Celery
+countdown) and resume it from its memoized steps when due. ``send_event``
+emits exactly one event per step across retries.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from typing import Any, Callable, TypeVar
+from datetime import datetime, timedelta
+from contextlib import contextmanager
+from typing import Any, Callable, ContextManager, Iterator, TypeVar
 
 from sqlalchemy import Connection
 
-from .errors import LostClaim, RunCancelled, StepOutputError
+from . import queue
+from .errors import LostClaim, RunCancelled, StepOutputError, Suspended
 from .queue import Claim, store_step, stored_output, why_fenced
+from .runspec import path_of, value_at
+from .tracing import step_span
 
 __all__ = ["Step", "SEPARATOR", "encode_json"]
 
@@ -50,14 +61,28 @@ def encode_json(value: Any, *, what: str, limit: int) -> str:
 class Step:
     """Handed to every handler as its second argument."""
 
-    def __init__(self, claim: Claim, conn: Connection, *, max_bytes: int) -> None:
+    def __init__(self, claim: Claim, conn: Connection, *, max_bytes: int, event_data: Any = None,
+                 publish: Callable[..., None] | None = None, republish_after: float = 60.0,
+                 transaction: Callable[[], ContextManager[Connection]] | None = None) -> None:
         self._claim = claim
+        # The attempt's connection may be in autocommit (one round trip per
+        # statement); what needs several statements in one transaction (a wait's
+        # lock, look-back and suspension) goes through `transaction`.
         self._conn = conn
+        self._transaction = transaction or self._on_own_connection
         self._memo: dict[str, Any] = dict(claim.steps)
         self._seen: dict[str, int] = {}
         self._max_bytes = max_bytes
+        self._event_data = event_data
+        self._publish = publish
+        self._republish_after = republish_after
         #: Step bodies executed (not replayed) in this attempt, for tests and metrics.
         self.executed: list[str] = []
+
+    @contextmanager
+    def _on_own_connection(self) -> Iterator[Connection]:
+        with self._conn.begin():
+            yield self._conn
 
     @property
     def run_id(self) -> str:
@@ -72,10 +97,14 @@ class Step:
         key = self._key(step_id)
         if key in self._memo:
             return self._memo[key]  # type: ignore[no-any-return]
-        started = time.monotonic()
-        value = fn(*args, **kwargs)
-        encoded = encode_json(value, what=f"step {key!r} returned a value that", limit=self._max_bytes)
-        elapsed = time.monotonic() - started  # a duration; the instant comes from now() in SQL
+        with step_span(key):
+            started = time.monotonic()
+            value = fn(*args, **kwargs)
+            encoded = encode_json(value, what=f"step {key!r} returned a value that", limit=self._max_bytes)
+            elapsed = time.monotonic() - started  # a duration; the instant comes from now() in SQL
+            return self._store(key, encoded, elapsed)  # type: ignore[no-any-return]
+
+    def _store(self, key: str, encoded: str, elapsed: float) -> Any:
         conn = self._conn
         with conn.begin():  # one statement, one commit: the memo is durable before we go on
             stored = store_step(conn, self._claim, key, encoded, elapsed)
@@ -85,13 +114,111 @@ class Step:
                 # racing within one attempt): the stored value wins.
                 encoded, stored = json.dumps(stored_output(conn, self._claim, key)), True
         if not stored:
-            if reason == "cancelled":
-                raise RunCancelled(f"run {self.run_id} was cancelled; stopped before storing step {key!r}")
-            raise LostClaim(f"run {self.run_id}: this worker lost its claim; step {key!r} not stored")
+            self._refused(key, reason)
         self.executed.append(key)
         result = json.loads(encoded)
         self._memo[key] = result
-        return result  # type: ignore[no-any-return]
+        return result
+
+    def _refused(self, key: str, reason: str) -> None:
+        if reason == "cancelled":
+            raise RunCancelled(f"run {self.run_id} was cancelled; stopped before storing step {key!r}")
+        raise LostClaim(f"run {self.run_id}: this worker lost its claim; step {key!r} not stored")
+
+    # --- giving the worker back ---------------------------------------------------
+
+    def sleep(self, step_id: str, duration: float | timedelta) -> None:
+        """Sleep ``duration`` (seconds or timedelta) without holding a worker."""
+        seconds = duration.total_seconds() if isinstance(duration, timedelta) else float(duration)
+        if seconds < 0:
+            raise ValueError(f"step.sleep({step_id!r}): duration must be >= 0, got {duration!r}")
+        self._sleep(self._key(step_id), seconds=seconds)
+
+    def sleep_until(self, step_id: str, when: datetime) -> None:
+        """Sleep until the aware instant ``when`` without holding a worker."""
+        if not isinstance(when, datetime) or when.tzinfo is None:
+            raise ValueError(f"step.sleep_until({step_id!r}): an aware datetime is needed, got {when!r}")
+        self._sleep(self._key(step_id), until=when)
+
+    def _sleep(self, key: str, *, seconds: float | None = None, until: datetime | None = None) -> None:
+        window, now = self._clock(key, seconds=seconds, until=until)
+        wake = datetime.fromisoformat(window["until"])
+        if wake > now:
+            self._suspend(until=wake)
+
+    def _clock(self, key: str, *, seconds: float | None = None,
+               until: datetime | None = None) -> tuple[dict[str, str], datetime]:
+        """The memoized {"since", "until"} of a sleep or wait, and the database's now()."""
+        if key in self._memo:
+            assert self._claim.db_now is not None
+            return self._memo[key], self._claim.db_now
+        with self._conn.begin():
+            row = queue.store_clock_step(self._conn, self._claim, key, seconds=seconds, until=until)
+            reason = "" if row is not None else why_fenced(self._conn, self._claim)
+        if row is None:
+            self._refused(key, reason)
+        window, now = row  # type: ignore[misc]
+        self._memo[key] = window
+        return window, now
+
+    def _suspend(self, *, until: datetime, wait: tuple[str, list[str], str | None] | None = None) -> None:
+        with self._conn.begin():
+            run_at = queue.suspend(self._conn, self._claim, outcome="suspended", until=until, wait=wait,
+                                   republish_after=self._republish_after)
+            reason = "" if run_at is not None else why_fenced(self._conn, self._claim)
+        if run_at is None:
+            self._refused("(suspend)", reason)
+        raise Suspended(run_at)
+
+    # --- events ------------------------------------------------------------------
+
+    def send_event(self, step_id: str, name: str, data: Any, *, workspace_id: str | None = None) -> Any:
+        """Emit one event, exactly once for this step across retries: its idempotency
+        key derives from the run and the step, so a body that runs again after an
+        interruption finds the event already sent."""
+        from . import events  # events imports the runner layer; import when used
+
+        key = self._key(step_id)
+        if key in self._memo:
+            return self._memo[key]
+        result = events.send_event(
+            name, data, workspace_id=workspace_id if workspace_id is not None else self._claim.workspace_id,
+            idempotency_key=f"motir.step:{self.run_id}:{key}", publish=self._publish,
+        )
+        encoded = json.dumps({"event_id": str(result.event_id), "deduplicated": result.deduplicated})
+        return self._store(key, encoded, 0.0)
+
+    def wait_for_event(self, step_id: str, *, event: str, match: str,
+                       timeout: float | timedelta) -> dict[str, Any] | None:
+        """Suspend until an event ``event`` arrives whose field ``match`` (e.g.
+        ``"data.order_id"``) equals the triggering event's, or until ``timeout``
+        (then ``None``). Returns {"id", "name", "data"} of the event."""
+        key = self._key(step_id)
+        if key in self._memo:
+            return self._memo[key]  # type: ignore[no-any-return]
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+        path = path_of(match)
+        value = value_at(self._event_data, path)
+        window, now = self._clock(f"{key}{SEPARATOR}wait", seconds=seconds)
+        since, until = datetime.fromisoformat(window["since"]), datetime.fromisoformat(window["until"])
+        found, run_at, reason = None, None, ""
+        with self._transaction() as tx:
+            # The exclusive twin of send_event's shared lock: every event committed so
+            # far is visible to the look-back below, and every later send_event will
+            # see this run's waiter when it wakes waiters. No event falls between.
+            queue.lock_wait(tx, event)
+            row = queue.find_event(tx, event, path, value, since)
+            if row is not None:
+                found = {"id": str(row.id), "name": row.name, "data": row.data}
+            elif now < until:
+                run_at = queue.suspend(tx, self._claim, outcome="suspended", until=until,
+                                       wait=(event, path, value), republish_after=self._republish_after)
+                reason = "" if run_at is not None else why_fenced(tx, self._claim)
+        if reason:
+            self._refused(key, reason)
+        if run_at is not None:
+            raise Suspended(run_at)  # committed: the run waits in the queue, not in this process
+        return self._store(key, json.dumps(found), 0.0)  # type: ignore[no-any-return]
 
     def _key(self, step_id: str) -> str:
         if not isinstance(step_id, str) or not step_id:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from . import queue
 from .db import get_engine
-from .runner import Publish
+from .runner import Publish, publish_or_log
 from .settings import Settings, get_settings
 
 __all__ = ["SweepReport", "sweep"]
@@ -49,8 +49,13 @@ def sweep(publish: Publish | None, *, settings: Settings | None = None, batch: i
         lost = queue.republish_due(conn, after_seconds=settings.republish_after, batch=batch)
     requeued = [(run_id, job_id) for run_id, job_id, state in reclaimed if state == "queued"]
     if publish is not None:
-        for run_id, job_id in requeued + lost:
-            publish(run_id, job_id, 0.0)
+        pending = requeued + lost
+        for i, (run_id, job_id) in enumerate(pending):
+            if not publish_or_log(publish, run_id, job_id):
+                # The broker is away: stop here rather than wait out its retries once per
+                # run. Every row was stamped, so the next re-publish pass takes them.
+                log.warning("sweep: broker unavailable; %d runs left for the next pass", len(pending) - i)
+                break
     report = SweepReport(len(requeued), len(reclaimed) - len(requeued), len(lost))
     if reclaimed or lost:
         log.info("sweep: %s", report)

@@ -104,3 +104,73 @@ def poison(event: Any, step: Any) -> Any:
 
     record(event, "poison")
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+# --- durable primitives (tests/test_primitives.py) -------------------------------
+
+from motir_celery import CancelOn, RateLimited  # noqa: E402
+
+
+def _interval(event: Any, name: str, sleep: float) -> str:
+    """Record start and end of a body with the database clock, to measure overlap."""
+    with psycopg.connect(_dsn(), autocommit=True) as conn:
+        conn.execute("INSERT INTO test.side_effect (run_id, step, pid, at) VALUES (%s, %s, %s, clock_timestamp())",
+                     (event.run_id, f"{name}:start", os.getpid()))
+        time.sleep(sleep)
+        conn.execute("INSERT INTO test.side_effect (run_id, step, pid, at) VALUES (%s, %s, %s, clock_timestamp())",
+                     (event.run_id, f"{name}:end", os.getpid()))
+    return name
+
+
+@define_job("test.sleeper", event="test.sleep", retry_policy=FAST)
+def sleeper(event: Any, step: Any) -> Any:
+    step.run("before", _effect, event, "before", 1)
+    step.sleep("nap", float(event.data["sleep"]))
+    step.run("after", _effect, event, "after", 2)
+    return "rested"
+
+
+@define_job("test.emitter", event="test.emit", retry_policy=FAST)
+def emitter(event: Any, step: Any) -> Any:
+    sent = step.send_event("notify", "test.emitted", {"from": event.run_id})
+    if step.attempt == 1:
+        raise RuntimeError("fail after sending, so the retry replays the send")
+    return sent
+
+
+@define_job("test.waiter", event="test.order", retry_policy=FAST)
+def waiter(event: Any, step: Any) -> Any:
+    step.run("placed", _effect, event, "placed", 1)
+    paid = step.wait_for_event("paid", event="test.paid", match="data.order_id",
+                               timeout=float(event.data.get("timeout", 60)))
+    step.run("done", _effect, event, "done", 2)
+    return paid
+
+
+@define_job("test.cancel-on", event="test.order.placed", retry_policy=FAST,
+            cancel_on=[CancelOn(event="test.order.cancelled", match="data.order_id")])
+def cancel_on_job(event: Any, step: Any) -> Any:
+    step.run("a", _effect, event, "a", 1)
+    step.sleep("wait-a-while", 30)
+    step.run("b", _effect, event, "b", 2)
+
+
+@define_job("test.limited", event="test.limited", retry_policy=FAST, concurrency=(2, "data.tenant"))
+def limited(event: Any, step: Any) -> Any:
+    return step.run("work", _interval, event, "work", float(event.data.get("sleep", 0.5)))
+
+
+@define_job("test.singleton", event="test.singleton", retry_policy=FAST, singleton_key="data.customer")
+def singleton(event: Any, step: Any) -> Any:
+    step.run("work", _effect, event, "work", 1, float(event.data.get("sleep", 0)))
+
+
+@define_job("test.throttled", event="test.throttled", retry_policy=RetryPolicy(max_attempts=1, name="once"))
+def throttled(event: Any, step: Any) -> Any:
+    record(event, "try")
+    with psycopg.connect(_dsn(), autocommit=True) as conn:
+        tries = conn.execute("SELECT count(*) FROM test.side_effect WHERE run_id = %s AND step = 'try'",
+                             (event.run_id,)).fetchone()[0]
+    if tries <= 2:
+        raise RateLimited(0.2)
+    return tries
