@@ -31,7 +31,7 @@ from typing import Any
 from celery import Celery, bootsteps
 
 from . import runner, sweeper
-from .errors import ConfigurationError
+from .errors import ConfigurationError, RunFailed
 from .jobs import Job, on_job_defined
 from .runner import Publish
 from .settings import Settings, get_settings
@@ -125,7 +125,13 @@ def _register(app: Celery, job: Job) -> None:
 
     def run_job(self: Any, run_id: str, *_: Any) -> dict[str, str]:
         worker = f"{self.request.hostname or 'worker'}/{os.getpid()}"
-        return asdict(runner.execute(run_id, job_id=job.id, worker=worker, publish=publisher(self.app)))
+        outcome = runner.execute(run_id, job_id=job.id, worker=worker, publish=publisher(self.app))
+        if outcome.state == "failed":
+            # Settled already (failed + DLQ row, committed). Raising only makes the
+            # task show as FAILURE in Flower and Celery's events; the message is
+            # acknowledged all the same (acks_late acks failures), so it is not redelivered.
+            raise RunFailed(f"run {outcome.run_id} of {job.id} failed for good; DLQ entry {outcome.detail}")
+        return asdict(outcome)
 
     run_job.__name__ = run_job.__qualname__ = "run_" + re.sub(r"\W", "_", job.id)
     run_job.__doc__ = f"Run of motir job {job.id!r}: claim, steps, settle."

@@ -16,6 +16,7 @@ __all__ = [
     "RunCancelled",
     "RateLimited",
     "Suspended",
+    "RunFailed",
 ]
 
 
@@ -90,3 +91,8 @@ class Suspended(BaseException):
     def __init__(self, until: object) -> None:
         super().__init__(f"suspended until {until}")
         self.until = until
+
+
+class RunFailed(MotirError):
+    """Raised by a Celery task after its run failed for good (already in the DLQ),
+    so Flower shows the task as FAILURE. Never raised to user code."""

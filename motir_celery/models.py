@@ -117,6 +117,9 @@ class JobQueue(Base):
         Index("ix_job_queue_leases", "lease_expires_at", postgresql_where=text("state = 'running'")),
         # Operator listings (CLI, dashboard): newest runs of a job.
         Index(None, "job_id", "created_at"),
+        # Retention (purge.py): finished runs older than a cutoff. Only finished
+        # rows are indexed, so queued and running runs cost it nothing.
+        Index("ix_job_queue_finished", "finished_at", postgresql_where=text("finished_at IS NOT NULL")),
         # overlap="skip" cron jobs: at most one queued-or-running run per job,
         # decided by this index inside the INSERT of the next slot (beat.py),
         # never by a read-then-insert. Partial, so event jobs and overlap="allow"

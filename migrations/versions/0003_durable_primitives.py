@@ -1,4 +1,4 @@
-"""durable primitives: priority, singleton, concurrency, waits, deferrals, tracing
+"""durable primitives: priority, singleton, concurrency, waits, deferrals, tracing; retention index
 
 Revision ID: 0003
 Revises: 0002
@@ -36,6 +36,7 @@ def upgrade() -> None:
     op.drop_constraint(op.f('uq_job_run_run_id_attempt'), 'job_run', type_='unique')
     op.create_index('uq_job_run_open', 'job_run', ['run_id'], unique=True, postgresql_where=sa.text("outcome = 'running'"))
     op.create_index('ix_job_run_ledger', 'job_run', ['run_id', 'started_at'], unique=False)
+    op.create_index('ix_job_queue_finished', 'job_queue', ['finished_at'], unique=False, postgresql_where=sa.text('finished_at IS NOT NULL'))
     # Check constraints are not compared by autogenerate: written by hand, from
     # the same tuples the models use.
     op.create_check_constraint(op.f('ck_job_queue_priority'), 'job_queue', 'priority BETWEEN 0 AND 9')
@@ -44,6 +45,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    op.drop_index('ix_job_queue_finished', table_name='job_queue', postgresql_where=sa.text('finished_at IS NOT NULL'))
     op.drop_index('ix_job_run_ledger', table_name='job_run')
     op.drop_index('uq_job_run_open', table_name='job_run', postgresql_where=sa.text("outcome = 'running'"))
     op.create_unique_constraint(op.f('uq_job_run_run_id_attempt'), 'job_run', ['run_id', 'attempt'])
