@@ -25,19 +25,18 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 from celery.beat import PersistentScheduler
-from sqlalchemy import Connection, text
+from sqlalchemy import text
 
 from . import queue
 from .db import engine_connection
 from .errors import JobDefinitionError
 from .jobs import Job, all_jobs, get_job
-from .queue import AlreadyQueued, Queued
+from .queue import AlreadyQueued, OverlapSkipped, Queued
+from .runspec import spec_for
 from .runner import Publish
 from .schedule import ScheduleOptions, is_slot, latest_slot, newest_slots, next_slot, schedule_options
 from .settings import Settings
@@ -52,16 +51,6 @@ SCHEDULER = "motir_celery.beat:MotirScheduler"
 #: Most slots one job may enqueue in one pass (a catch-up window over a dense
 #: schedule); the newest are kept.
 MAX_SLOTS_PER_PASS = 1000
-
-
-@dataclass(frozen=True)
-class OverlapSkipped(AlreadyQueued):
-    """An ``overlap="skip"`` job's slot was not run: another run of the job was queued
-    or running. The skip is recorded as a ``cancelled`` row for the slot (``run_id``),
-    so every beat, now or later, gets the same answer for it."""
-
-    run_id: uuid.UUID
-    blocking_run_id: uuid.UUID | None
 
 
 # --- enqueue ------------------------------------------------------------------------
@@ -97,12 +86,15 @@ def enqueue_slot(
 
 def _enqueue(job: Job, opts: ScheduleOptions, slot: datetime, publish: Publish | None,
              settings: Settings | None) -> Queued | AlreadyQueued:
-    policy = job.retry_policy
+    spec = spec_for(job, {"scheduled_for": slot.isoformat()}, None)
     with engine_connection(settings) as conn:  # commits on exit, before the publish below
-        if opts.overlap == "skip":
-            result = _enqueue_skip_overlap(conn, job.id, slot, max_attempts=policy.max_attempts, policy=policy.name)
-        else:
-            result = queue.enqueue_scheduled(conn, job.id, slot, max_attempts=policy.max_attempts, policy=policy.name)
+        result = queue.enqueue_scheduled(
+            conn, job.id, slot, max_attempts=spec.max_attempts, policy=spec.policy, priority=spec.priority,
+            concurrency_key=spec.concurrency_key, skip_overlap=opts.overlap == "skip",
+        )
+    if isinstance(result, OverlapSkipped):
+        log.info("motir: %s slot %s skipped: run %s of the job is still queued or running",
+                 job.id, slot.isoformat(), result.blocking_run_id)
     if isinstance(result, Queued) and publish is not None:
         publish(result.run_id, result.job_id, 0.0)
     return result
@@ -114,65 +106,6 @@ def _instant(value: datetime | str) -> datetime:
     if not isinstance(value, datetime) or value.tzinfo is None or value.utcoffset() is None:
         raise ValueError(f"scheduled_for must be a timezone-aware datetime, got {value!r}")
     return value
-
-
-# overlap="skip". The decision is the database's, inside the INSERT: the row is
-# inserted with skip_overlap = true, so uq_job_queue_skip_overlap_active (one
-# queued-or-running skip_overlap row per job) refuses it while another run of
-# the job is active. Unlike `INSERT … WHERE NOT EXISTS (active run)`, which two
-# transactions under READ COMMITTED can both pass before either commits, a
-# unique index makes the second inserter wait for the first and then conflict
-# (or proceed if the first rolled back), at any isolation level. REJECTED: an
-# advisory lock + check, which is only as safe as every writer remembering the
-# lock, and is broken under REPEATABLE READ (the check's snapshot predates the
-# wait). No conflict target: both arbiters apply — (job_id, scheduled_for) says
-# "this slot exists", the partial index says "a run is active".
-# (Both statements belong beside queue._ENQUEUE_SCHEDULED; they sit here until
-# queue.py, owned elsewhere, takes them.)
-_ENQUEUE_SKIP_OVERLAP = text(
-    """
-    INSERT INTO job_queue (job_id, scheduled_for, event_name, workspace_id, max_attempts, retry_policy,
-                           skip_overlap)
-    -- scheduled_for is bound from Python: a computed slot, not a clock reading.
-    VALUES (:job_id, :scheduled_for, :event_name, NULL, :max_attempts, :policy, true)
-    ON CONFLICT DO NOTHING
-    RETURNING id
-    """
-)
-
-# The slot was refused. If the slot itself exists, this conflicts too
-# (AlreadyQueued); otherwise the active run blocked it, and the skip is written
-# down as a finished row for the slot, so a beat arriving later (after the
-# blocking run ended) finds the slot taken instead of running it late.
-_RECORD_SKIP = text(
-    """
-    INSERT INTO job_queue (job_id, scheduled_for, event_name, workspace_id, max_attempts, retry_policy,
-                           skip_overlap, state, finished_at, result)
-    VALUES (:job_id, :scheduled_for, :event_name, NULL, :max_attempts, :policy,
-            true, 'cancelled', now(),
-            jsonb_build_object('skipped', 'overlap', 'blocking_run_id',
-              (SELECT id FROM job_queue       -- served by the partial index; NULL if it just ended
-               WHERE job_id = :job_id AND skip_overlap AND state IN ('queued', 'running') LIMIT 1)))
-    ON CONFLICT (job_id, scheduled_for) DO NOTHING
-    RETURNING id, result ->> 'blocking_run_id' AS blocking
-    """
-)
-
-
-def _enqueue_skip_overlap(conn: Connection, job_id: str, slot: datetime, *, max_attempts: int,
-                          policy: str) -> Queued | AlreadyQueued:
-    params = {"job_id": job_id, "scheduled_for": slot, "event_name": f"scheduled.{job_id}",
-              "max_attempts": max_attempts, "policy": policy}
-    run_id = conn.execute(_ENQUEUE_SKIP_OVERLAP, params).scalar()
-    if run_id is not None:
-        return Queued(run_id, job_id)
-    skipped = conn.execute(_RECORD_SKIP, params).one_or_none()
-    if skipped is None:
-        return AlreadyQueued(job_id)
-    blocking = uuid.UUID(skipped.blocking) if skipped.blocking else None
-    log.info("motir: %s slot %s skipped: run %s of the job is still queued or running",
-             job_id, slot.isoformat(), blocking)
-    return OverlapSkipped(job_id, skipped.id, blocking)
 
 
 # --- the beat scheduler -------------------------------------------------------------

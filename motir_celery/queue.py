@@ -34,6 +34,7 @@ __all__ = [
     "Claim",
     "Queued",
     "AlreadyQueued",
+    "OverlapSkipped",
     "insert_event",
     "fan_out",
     "enqueue_scheduled",
@@ -203,34 +204,89 @@ def cancel_by_key(conn: Connection, job_id: str, key: str, within_seconds: float
 
 _ENQUEUE_SCHEDULED = text(
     """
-    INSERT INTO job_queue (job_id, scheduled_for, event_name, workspace_id, max_attempts, retry_policy)
+    INSERT INTO job_queue (job_id, scheduled_for, event_name, workspace_id, max_attempts, retry_policy,
+                           priority, concurrency_key)
     -- scheduled_for is bound from Python, and that is safe: it is a cron slot
     -- computed from (expression, zone, the database's now()), not a reading of
     -- this process's clock, so every beat binds the same instant for one slot.
-    VALUES (:job_id, :scheduled_for, :event_name, NULL, :max_attempts, :policy)
+    VALUES (:job_id, :scheduled_for, :event_name, NULL, :max_attempts, :policy, :priority, :concurrency_key)
     -- one run per (job, slot), however many beats tick it.
     ON CONFLICT (job_id, scheduled_for) DO NOTHING
     RETURNING id
     """
 )
 
+# overlap="skip". The decision is the database's, inside the INSERT: the row is
+# inserted with skip_overlap = true, so uq_job_queue_skip_overlap_active (one
+# queued-or-running skip_overlap row per job) refuses it while another run of
+# the job is active. Unlike `INSERT … WHERE NOT EXISTS (active run)`, which two
+# transactions under READ COMMITTED can both pass before either commits, a
+# unique index makes the second inserter wait for the first and then conflict
+# (or proceed if the first rolled back), at any isolation level. REJECTED: an
+# advisory lock + check, which is only as safe as every writer remembering the
+# lock, and is broken under REPEATABLE READ (the check's snapshot predates the
+# wait). No conflict target: both arbiters apply — (job_id, scheduled_for) says
+# "this slot exists", the partial index says "a run is active".
+_ENQUEUE_SCHEDULED_SKIPPING = text(
+    """
+    INSERT INTO job_queue (job_id, scheduled_for, event_name, workspace_id, max_attempts, retry_policy,
+                           priority, concurrency_key, skip_overlap)
+    VALUES (:job_id, :scheduled_for, :event_name, NULL, :max_attempts, :policy, :priority, :concurrency_key, true)
+    ON CONFLICT DO NOTHING
+    RETURNING id
+    """
+)
+
+# The slot was refused. If the slot itself exists, this conflicts too
+# (AlreadyQueued); otherwise the active run blocked it, and the skip is written
+# down as a finished row for the slot, so a beat arriving later (after the
+# blocking run ended) finds the slot taken instead of running it late.
+_RECORD_SKIP = text(
+    """
+    INSERT INTO job_queue (job_id, scheduled_for, event_name, workspace_id, max_attempts, retry_policy,
+                           skip_overlap, state, finished_at, result)
+    VALUES (:job_id, :scheduled_for, :event_name, NULL, :max_attempts, :policy,
+            true, 'cancelled', now(),
+            jsonb_build_object('skipped', 'overlap', 'blocking_run_id',
+              (SELECT id FROM job_queue       -- served by the partial index; NULL if it just ended
+               WHERE job_id = :job_id AND skip_overlap AND state IN ('queued', 'running') LIMIT 1)))
+    ON CONFLICT (job_id, scheduled_for) DO NOTHING
+    RETURNING id, result ->> 'blocking_run_id' AS blocking
+    """
+)
+
+
+@dataclass(frozen=True)
+class OverlapSkipped(AlreadyQueued):
+    """An ``overlap="skip"`` job's slot was not run: another run of the job was queued
+    or running. The skip is recorded as a ``cancelled`` row for the slot (``run_id``),
+    so every beat, now or later, gets the same answer for it."""
+
+    run_id: uuid.UUID
+    blocking_run_id: uuid.UUID | None
+
 
 def enqueue_scheduled(
-    conn: Connection, job_id: str, scheduled_for: datetime, *, max_attempts: int, policy: str
+    conn: Connection, job_id: str, scheduled_for: datetime, *, max_attempts: int, policy: str,
+    priority: int = 0, concurrency_key: str | None = None, skip_overlap: bool = False,
 ) -> Queued | AlreadyQueued:
+    """The run of one cron slot: ``Queued``, ``AlreadyQueued`` or (skip_overlap) ``OverlapSkipped``."""
     if scheduled_for.tzinfo is None:
         raise ValueError("scheduled_for must be timezone-aware")
-    run_id = conn.execute(
-        _ENQUEUE_SCHEDULED,
-        {
-            "job_id": job_id,
-            "scheduled_for": scheduled_for,
-            "event_name": f"scheduled.{job_id}",
-            "max_attempts": max_attempts,
-            "policy": policy,
-        },
-    ).scalar()
-    return Queued(run_id, job_id) if run_id is not None else AlreadyQueued(job_id)
+    params = {"job_id": job_id, "scheduled_for": scheduled_for, "event_name": f"scheduled.{job_id}",
+              "max_attempts": max_attempts, "policy": policy, "priority": priority,
+              "concurrency_key": concurrency_key}
+    if not skip_overlap:
+        run_id = conn.execute(_ENQUEUE_SCHEDULED, params).scalar()
+        return Queued(run_id, job_id) if run_id is not None else AlreadyQueued(job_id)
+    run_id = conn.execute(_ENQUEUE_SCHEDULED_SKIPPING, params).scalar()
+    if run_id is not None:
+        return Queued(run_id, job_id)
+    skipped = conn.execute(_RECORD_SKIP, params).one_or_none()
+    if skipped is None:
+        return AlreadyQueued(job_id)
+    blocking = uuid.UUID(skipped.blocking) if skipped.blocking else None
+    return OverlapSkipped(job_id, skipped.id, blocking)
 
 
 # --- claim ------------------------------------------------------------------------

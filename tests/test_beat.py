@@ -276,12 +276,11 @@ def test_overlap_skip_decision_waits_for_an_uncommitted_run_of_another_slot(engi
     now = db_now(engine)
     s1, s2 = slot_of(bj.EVERY_1S_SKIP, now, 1), slot_of(bj.EVERY_1S_SKIP, now)
     opts = schedule_options(bj.EVERY_1S_SKIP, get_job(bj.EVERY_1S_SKIP).options)
-    from motir_celery.beat import _enqueue_skip_overlap
 
     assert opts.overlap == "skip"
     with engine.connect() as first:
         tx = first.begin()
-        assert isinstance(_enqueue_skip_overlap(first, bj.EVERY_1S_SKIP, s1, max_attempts=3, policy="transient"),
+        assert isinstance(queue.enqueue_scheduled(first, bj.EVERY_1S_SKIP, s1, max_attempts=3, policy="transient", skip_overlap=True),
                           Queued)
         outcome: list[Any] = []
         second = threading.Thread(target=lambda: outcome.append(enqueue_slot(bj.EVERY_1S_SKIP, s2, publish=None)))
