@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 from . import queue
 from .db import get_engine, validate_workspace_id
 from .errors import PayloadError
-from .jobs import Job, all_jobs, subscribers
+from .jobs import Job, cancelled_by, subscribers
 from .runner import Publish, publish_or_log
 from .runspec import path_of, spec_for, value_at
 from .settings import Settings, get_settings
@@ -92,7 +92,7 @@ def write_event(conn: Connection, name: str, data: Any, encoded: str, workspace_
 def _cancel_on(conn: Connection, name: str, data: Any) -> list[uuid.UUID]:
     """Jobs with a cancel_on rule for this event: cancel the runs it matches."""
     cancelled: list[uuid.UUID] = []
-    for job in all_jobs():
+    for job in cancelled_by(name):
         for rule in job.run_options.cancel_on:
             key = value_at(data, path_of(rule.match)) if rule.event == name else None
             if key is not None:

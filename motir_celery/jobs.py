@@ -19,7 +19,7 @@ from .errors import JobDefinitionError, UnknownJobError
 from .retries import RetryPolicy, resolve_policy
 from .runspec import RunOptions, run_options
 
-__all__ = ["Job", "define_job", "get_job", "all_jobs", "subscribers", "on_job_defined", "task_name"]
+__all__ = ["Job", "define_job", "get_job", "all_jobs", "subscribers", "cancelled_by", "on_job_defined", "task_name"]
 
 JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,199}$")
 
@@ -141,6 +141,12 @@ def all_jobs() -> list[Job]:
 def subscribers(event_name: str) -> list[Job]:
     with _lock:
         return [j for j in sorted(_registry.values(), key=lambda j: j.id) if event_name in j.events]
+
+
+def cancelled_by(event_name: str) -> list[Job]:
+    """Jobs with a cancel_on rule for ``event_name`` (send_event asks on every event)."""
+    with _lock:
+        return [j for j in _registry.values() if any(r.event == event_name for r in j.run_options.cancel_on)]
 
 
 def on_job_defined(listener: Callable[[Job], None]) -> None:
