@@ -25,6 +25,7 @@ import logging
 import os
 import threading
 import uuid
+import weakref
 from dataclasses import asdict
 from typing import Any
 
@@ -118,10 +119,18 @@ def attach(app: Celery, *, settings: Settings | None = None) -> Celery:
     return app
 
 
+_registered: "weakref.WeakKeyDictionary[Celery, set[str]]" = weakref.WeakKeyDictionary()
+
+
 def _register(app: Celery, job: Job) -> None:
-    if job.task_name in app.tasks:
+    # Our own record, not `name in app.tasks`: that would finalize the app early,
+    # and a job re-defined before finalization would be queued twice.
+    names = _registered.setdefault(app, set())
+    if job.task_name in names:
         return
-    options = {k: job.options[k] for k in ("queue", "priority", "time_limit", "soft_time_limit") if k in job.options}
+    names.add(job.task_name)
+    # (priority= is ours, 0-9 higher first; publisher() maps it per broker.)
+    options = {k: job.options[k] for k in ("queue", "time_limit", "soft_time_limit") if k in job.options}
 
     def run_job(self: Any, run_id: str, *_: Any) -> dict[str, str]:
         worker = f"{self.request.hostname or 'worker'}/{os.getpid()}"
