@@ -1,27 +1,31 @@
 """Plain Celery running the same three functions, no durability: the transport's floor.
 
-Completion is counted with one Redis INCR per task (the durable side's
-equivalent is its settle), so the drain can be timed without a result backend.
+Each task records its completion instant (``time.time()``) in a Redis hash,
+one round trip, so the driver can time the drain and the latency without a
+result backend. (The durable side's equivalent is its settle's ``finished_at``.)
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 import redis
 from celery import Celery
 
-from bench.workload import charge, notify, reserve
+from bench.functions import charge, notify, reserve
 
 app = Celery("bench_plain", broker=os.environ["CELERY_BROKER_URL"], set_as_current=False)
 app.conf.update(
+    # The same delivery settings the engine puts on its app.
     task_acks_late=True,
     task_reject_on_worker_lost=True,
     worker_prefetch_multiplier=1,
     task_ignore_result=True,
-    task_default_queue="bench-plain",
+    task_default_queue=os.environ.get("BENCH_PLAIN_QUEUE", "bench-plain"),
+    broker_connection_retry_on_startup=True,
 )
-_counter = redis.Redis.from_url(os.environ.get("BENCH_COUNTER_URL", os.environ["CELERY_BROKER_URL"]))
+_done = redis.Redis.from_url(os.environ.get("BENCH_COUNTER_URL", os.environ["CELERY_BROKER_URL"]))
 
 
 @app.task(name="bench.plain")
@@ -29,4 +33,4 @@ def plain(n: int, key: str) -> None:
     a = reserve(n)
     b = charge(a["reserved"])
     notify(b["charged"])
-    _counter.incr(key)
+    _done.hset(key, str(n), repr(time.time()))

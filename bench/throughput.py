@@ -1,145 +1,217 @@
-"""End-to-end throughput: durable 3-step runs vs plain Celery, measured in the same run.
+"""Throughput and latency of the Celery sides (durable and plain), and pgbench's ceiling.
 
-    make bench-throughput            # or: python -m bench.throughput --runs 2000 --repeat 3
+    python -m bench.throughput --runs 2000 --rounds 3     # this section alone; `python -m bench` runs all
 
-Both sides: one `celery worker` process, prefork, concurrency 2, prefetch 1,
-acks late, on the same broker. The clock starts when the first message is
-published and stops when the last run is final (durable: every run
-``succeeded`` in Postgres; plain: a Redis counter reaches N). Runs for the
-durable side are created beforehand (not timed), so both sides time the same
-thing: publish N messages and drain them. Medians of ``--repeat`` rounds,
-sides alternating so drift on a shared machine hits both.
+Throughput: N runs are queued first (durable: the rows, then one message per
+run through the engine's publisher; plain: N messages), then the workers start
+and drain them. The rate is taken from each run's completion instant (durable:
+``finished_at`` written by the settle; plain: a Redis hash the task writes) over
+the 5%..95% span of the drain (``bench.stats.drain_rate``). Both sides run
+prefork ``celery worker`` processes with prefetch 1 and late acks.
+
+Latency: workers up; one event every ``interval`` seconds; enqueue->completion
+is the completion instant minus the instant just before ``send_event`` (plain:
+before ``send_task``). One host clock for both ends.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
+import re
 import subprocess
-import sys
+import tempfile
 import time
 import uuid
-from contextlib import contextmanager
-from pathlib import Path
-from typing import Iterator
+from typing import Any
 
 import redis
 from sqlalchemy import create_engine, make_url, text
+from sqlalchemy.pool import NullPool
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.common import MOTIR_QUEUE, PLAIN_QUEUE, celery_workers, child_env, purge, truncate, wait_for
+from bench.stats import drain_rate, percentile
 
-
-def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update({"PYTHONPATH": str(ROOT), **extra})
-    return env
-
-
-@contextmanager
-def worker(app: str, queue: str, concurrency: int, env: dict[str, str]) -> Iterator[None]:
-    log = Path(f"/tmp/bench-worker-{queue}.log")
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", app, "worker", "-l", "WARNING", "-c", str(concurrency),
-             "-P", "prefork", "-Q", queue, "-n", f"{queue}@%h", "--without-gossip", "--without-mingle"],
-            stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-        )
-    try:
-        time.sleep(4)  # -l WARNING hides "ready."; give the pool time to fork and connect
-        if proc.poll() is not None:
-            raise RuntimeError(log.read_text())
-        yield
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+_PREQUEUE = text(
+    """
+    WITH ev AS (
+      INSERT INTO job_event (name, data)
+      SELECT :event, jsonb_build_object('n', g) FROM generate_series(1, :n) g
+      RETURNING id, name
+    )
+    INSERT INTO job_queue (event_id, job_id, event_name, max_attempts, retry_policy)
+    SELECT id, :job, name, :max_attempts, :policy FROM ev
+    RETURNING id
+    """
+)
 
 
-def bench_database(server_url: str) -> str:
-    server = make_url(server_url)
-    name = "motir_bench"
-    admin = create_engine(server, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    admin.dispose()
-    url = server.set(database=name).render_as_string(hide_password=False)
-    from motir_celery.migrate import upgrade
-
-    upgrade(url)
-    return url
+def _redis() -> redis.Redis:
+    return redis.Redis.from_url(os.environ.get("BENCH_COUNTER_URL", os.environ["CELERY_BROKER_URL"]))
 
 
-def durable_round(n: int, url: str) -> float:
-    from motir_celery import events
+def prequeue_motir(url: str, n: int, job: str = "bench.three") -> list[uuid.UUID]:
+    """The rows send_event would write for ``n`` events (one statement, not timed), then one message each."""
     from motir_celery.celery_app import default_app, publisher
+    from motir_celery.jobs import get_job
 
-    engine = create_engine(url)
+    policy = get_job(job).retry_policy
+    engine = create_engine(url, poolclass=NullPool)
     with engine.begin() as conn:
-        conn.execute(text("TRUNCATE job_run_dlq, job_step, job_run, job_queue, job_event CASCADE"))
-    run_ids = [events.send_event("bench.three", {"n": i}).run_ids[0] for i in range(n)]  # not timed
-    publish = publisher(default_app())
-    start = time.perf_counter()
-    for run_id in run_ids:
-        publish(run_id, "bench.three", 0.0)
-    while True:
-        with engine.connect() as conn:
-            done = conn.execute(text("SELECT count(*) FROM job_queue WHERE state = 'succeeded'")).scalar_one()
-        if done >= n:
-            break
-        time.sleep(0.05)
-    elapsed = time.perf_counter() - start
+        ids = list(conn.execute(_PREQUEUE, {"event": job, "n": n, "job": job, "max_attempts": policy.max_attempts,
+                                            "policy": policy.name}).scalars())
     engine.dispose()
-    return n / elapsed
+    publish = publisher(default_app())
+    for run_id in ids:
+        publish(run_id, job, 0.0)
+    return ids
 
 
-def plain_round(n: int, broker: str) -> float:
+def _succeeded(url: str) -> int:
+    engine = create_engine(url, poolclass=NullPool)
+    with engine.connect() as conn:
+        return int(conn.execute(text("SELECT count(*) FROM job_queue WHERE state = 'succeeded'")).scalar_one())
+
+
+def motir_round(url: str, n: int, workers: int, concurrency: int, *, timeout: float = 900,
+                env: dict[str, str] | None = None, app: str = "motir_celery") -> float:
+    from motir_celery.celery_app import default_app
+
+    truncate(url)
+    purge(default_app(), MOTIR_QUEUE)
+    prequeue_motir(url, n)
+    engine = create_engine(url, poolclass=NullPool)
+
+    def done() -> bool:
+        with engine.connect() as conn:
+            return conn.execute(text("SELECT count(*) FROM job_queue WHERE state = 'succeeded'")).scalar_one() >= n
+
+    with celery_workers(app, MOTIR_QUEUE, workers, concurrency, env, tag="motir") as procs:
+        wait_for(done, procs, timeout=timeout, tag="motir", poll=0.25)
+    with engine.connect() as conn:
+        finished = list(conn.execute(text(
+            "SELECT extract(epoch FROM finished_at)::float8 FROM job_queue WHERE state = 'succeeded'")).scalars())
+        bad = conn.execute(text("SELECT count(*) FROM job_queue WHERE state <> 'succeeded'")).scalar_one()
+    engine.dispose()
+    if bad:
+        raise RuntimeError(f"{bad} durable runs did not succeed")
+    return drain_rate(finished)
+
+
+def plain_round(n: int, workers: int, concurrency: int, *, timeout: float = 900) -> float:
     from bench.plain_app import app
 
-    counter = redis.Redis.from_url(os.environ.get("BENCH_COUNTER_URL", broker))
+    r = _redis()
     key = f"bench-plain-{uuid.uuid4().hex}"
-    start = time.perf_counter()
+    purge(app, PLAIN_QUEUE)
     for i in range(n):
-        app.send_task("bench.plain", args=[i, key])
-    while int(counter.get(key) or 0) < n:
-        time.sleep(0.05)
-    elapsed = time.perf_counter() - start
-    counter.delete(key)
-    return n / elapsed
+        app.send_task("bench.plain", args=[i, key], queue=PLAIN_QUEUE)
+    try:
+        with celery_workers("bench.plain_app", PLAIN_QUEUE, workers, concurrency, tag="plain") as procs:
+            wait_for(lambda: r.hlen(key) >= n, procs, timeout=timeout, tag="plain", poll=0.25)
+        return drain_rate([float(v) for v in r.hvals(key)])
+    finally:
+        r.delete(key)
+
+
+def motir_latency(url: str, events: int, interval: float, concurrency: int,
+                  env: dict[str, str] | None = None, app: str = "motir_celery") -> dict[str, float]:
+    import motir_celery
+    from motir_celery.celery_app import default_app
+
+    truncate(url)
+    purge(default_app(), MOTIR_QUEUE)
+    engine = create_engine(url, poolclass=NullPool)
+    sent: dict[uuid.UUID, float] = {}
+    with celery_workers(app, MOTIR_QUEUE, 1, concurrency, env, tag="motir-lat") as procs:
+        motir_celery.send_event("bench.three", {"n": -1})
+        wait_for(lambda: _succeeded(url) >= 1, procs, timeout=120, tag="motir-lat")  # workers are up
+        start = time.perf_counter()
+        for i in range(events):
+            t = time.time()
+            sent[motir_celery.send_event("bench.three", {"n": i}).run_ids[0]] = t
+            time.sleep(max(0.0, start + (i + 1) * interval - time.perf_counter()))
+        wait_for(lambda: _succeeded(url) >= events + 1, procs, timeout=120, tag="motir-lat")
+    with engine.connect() as conn:
+        done = dict(conn.execute(text(
+            "SELECT id, extract(epoch FROM finished_at)::float8 FROM job_queue WHERE state = 'succeeded'")).all())
+    engine.dispose()
+    lat = [done[run_id] - t for run_id, t in sent.items()]
+    return {"p50": percentile(lat, 50), "p99": percentile(lat, 99), "n": len(lat)}
+
+
+def plain_latency(events: int, interval: float, concurrency: int) -> dict[str, float]:
+    from bench.plain_app import app
+
+    r = _redis()
+    key = f"bench-plain-lat-{uuid.uuid4().hex}"
+    purge(app, PLAIN_QUEUE)
+    sent: dict[str, float] = {}
+    try:
+        with celery_workers("bench.plain_app", PLAIN_QUEUE, 1, concurrency, tag="plain-lat") as procs:
+            app.send_task("bench.plain", args=[-1, key], queue=PLAIN_QUEUE)
+            wait_for(lambda: r.hlen(key) >= 1, procs, timeout=120, tag="plain-lat")
+            start = time.perf_counter()
+            for i in range(events):
+                sent[str(i)] = time.time()
+                app.send_task("bench.plain", args=[i, key], queue=PLAIN_QUEUE)
+                time.sleep(max(0.0, start + (i + 1) * interval - time.perf_counter()))
+            wait_for(lambda: r.hlen(key) >= events + 1, procs, timeout=120, tag="plain-lat")
+        done = {k.decode(): float(v) for k, v in r.hgetall(key).items()}
+    finally:
+        r.delete(key)
+    lat = [done[i] - t for i, t in sent.items()]
+    return {"p50": percentile(lat, 50), "p99": percentile(lat, 99), "n": len(lat)}
+
+
+def pgbench(url: str, clients: int, seconds: int) -> dict[str, Any]:
+    """Commits/s of a one-row INSERT per transaction at ``clients`` connections: the ceiling."""
+    u = make_url(url)
+    engine = create_engine(url, poolclass=NullPool)
+    with engine.begin() as conn:
+        conn.execute(text("DROP TABLE IF EXISTS bench_pgbench"))
+        conn.execute(text("CREATE TABLE bench_pgbench (id bigserial PRIMARY KEY, v int NOT NULL, "
+                          "at timestamptz NOT NULL DEFAULT now())"))
+    with tempfile.NamedTemporaryFile("w", suffix=".sql", delete=False) as fh:
+        fh.write("INSERT INTO bench_pgbench (v) VALUES (1);\n")
+    env = child_env()
+    if u.password:
+        env["PGPASSWORD"] = u.password
+    try:
+        out = subprocess.run(
+            ["pgbench", "-n", "-c", str(clients), "-j", str(clients), "-T", str(seconds), "-f", fh.name,
+             "-h", u.host or "127.0.0.1", "-p", str(u.port or 5432), "-U", u.username or "postgres", u.database or ""],
+            capture_output=True, text=True, env=env, check=True,
+        ).stdout
+    finally:
+        os.unlink(fh.name)
+        with engine.begin() as conn:
+            conn.execute(text("DROP TABLE IF EXISTS bench_pgbench"))
+        engine.dispose()
+    tps = float(re.search(r"tps = ([0-9.]+)", out).group(1))  # type: ignore[union-attr]
+    return {"tps": tps, "clients": clients}
 
 
 def main() -> None:
+    from bench.__main__ import prepare_environment
+    from bench.stats import median
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=2000)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--rounds", "--repeat", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--concurrency", type=int, default=2)
     args = parser.parse_args()
-
-    broker = os.environ["CELERY_BROKER_URL"]
-    url = bench_database(os.environ["MOTIR_DATABASE_URL"])
-    os.environ.update(MOTIR_DATABASE_URL=url, MOTIR_IMPORTS="bench.workload", MOTIR_QUEUE="bench-motir")
-    from motir_celery.settings import reset_settings
-
-    reset_settings()
-    import bench.workload  # noqa: F401
-
-    durable: list[float] = []
-    plain: list[float] = []
-    with worker("motir_celery", "bench-motir", args.concurrency, _env()), \
-            worker("bench.plain_app", "bench-plain", args.concurrency, _env()):
-        plain_round(100, broker)  # warm both pools
-        durable_round(100, url)
-        for _ in range(args.repeat):
-            durable.append(durable_round(args.runs, url))
-            plain.append(plain_round(args.runs, broker))
-
-    d, p = statistics.median(durable), statistics.median(plain)
-    print(f"\nthroughput, {args.runs} runs x {args.repeat} rounds, 1 worker x concurrency {args.concurrency}, "
-          f"broker {broker.split('://')[0]}")
-    print(f"{'side':<38} {'runs/s (median)':>16} {'rounds':>28}")
-    print(f"{'plain Celery, 3 functions, no durability':<38} {p:>16.1f} {str([round(x) for x in plain]):>28}")
-    print(f"{'motir-celery, 3 durable steps':<38} {d:>16.1f} {str([round(x) for x in durable]):>28}")
-    print(f"ratio durable / plain: {d / p:.2f}")
+    url = prepare_environment()
+    durable, plain = [], []
+    for _ in range(args.rounds):
+        durable.append(motir_round(url, args.runs, args.workers, args.concurrency))
+        plain.append(plain_round(args.runs, args.workers, args.concurrency))
+    d, p = median(durable), median(plain)
+    print(f"throughput, {args.runs} runs x {args.rounds} rounds, {args.workers} worker(s) x concurrency {args.concurrency}")
+    print(f"  plain Celery   {p:8.1f} runs/s  {[round(x) for x in plain]}")
+    print(f"  motir-celery   {d:8.1f} runs/s  {[round(x) for x in durable]}")
+    print(f"  ratio durable / plain: {d / p:.2f}")
 
 
 if __name__ == "__main__":

@@ -1,27 +1,24 @@
-"""The benchmark workload: three trivial steps, each returning a small dict.
+"""The benchmark jobs: what the durable side of every section runs.
 
-The same three functions run as a durable motir job (``bench.three``) and as a
-plain Celery task without durability (``bench.plain_app``), so the difference
-between the two is the cost of durability and nothing else.
+``bench.three`` is the workload of the issue: three trivial steps, each
+returning a small dict. The same three functions (``bench.functions``) run as
+a plain Celery task (``bench.plain_app``) and as the peers' tasks, so the
+difference between the sides is the cost of their machinery and nothing else.
+
+``bench.steps`` runs ``data["k"]`` steps and, when ``data["fail_first"]`` is
+set, fails its first attempt after storing them all, so the second attempt is
+``k`` memo hits: the step-cost section measures both paths on one run.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
+from bench.functions import charge, notify, reserve
 from motir_celery import define_job
 
-
-def reserve(n: int) -> dict[str, int]:
-    return {"reserved": n}
-
-
-def charge(n: int) -> dict[str, int]:
-    return {"charged": n * 2}
-
-
-def notify(n: int) -> dict[str, int]:
-    return {"notified": n + 1}
+__all__ = ["reserve", "charge", "notify", "three", "steps", "STEP_TIMES"]
 
 
 @define_job("bench.three", event="bench.three", retry_policy="transient")
@@ -31,3 +28,25 @@ def three(event: Any, step: Any) -> dict[str, int]:
     b = step.run("charge", charge, a["reserved"])
     c = step.run("notify", notify, b["charged"])
     return c
+
+
+#: Per-attempt lists of step.run wall times (seconds), read by the step-cost section.
+STEP_TIMES: list[list[float]] = []
+
+
+class FirstAttemptFails(Exception):
+    pass
+
+
+@define_job("bench.steps", event="bench.steps", retry_policy="transient")
+def steps(event: Any, step: Any) -> int:
+    times: list[float] = []
+    total = 0
+    for i in range(event.data["k"]):
+        t0 = time.perf_counter()
+        total += step.run(f"s{i}", reserve, i)["reserved"]
+        times.append(time.perf_counter() - t0)
+    STEP_TIMES.append(times)
+    if event.data.get("fail_first") and event.attempt == 1:
+        raise FirstAttemptFails("first attempt fails on purpose: the next one replays every step")
+    return total

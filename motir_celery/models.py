@@ -107,10 +107,16 @@ class JobQueue(Base):
         UniqueConstraint("job_id", "scheduled_for"),
         CheckConstraint(_in("state", RUN_STATES), name="state"),
         CheckConstraint("attempts >= 0 AND max_attempts >= 1", name="attempts"),
-        # The sweeper's "message went missing" query: queued runs due for a
-        # while, oldest first. Only queued rows are indexed, so the index stays
-        # the size of the backlog however many finished runs the table keeps.
+        # Due queued runs by run_at: the backlog and "oldest due run" that
+        # metrics and `motir doctor` report. Only queued rows are indexed, so the
+        # index stays the size of the backlog however many finished runs remain.
         Index("ix_job_queue_due", "run_at", postgresql_where=text("state = 'queued'")),
+        # The sweeper's "message went missing" query walks this one: queued runs
+        # whose last message is oldest first. On run_at it would have to read
+        # every due row of a deep, healthy backlog to find none stale (measured:
+        # 7 ms at 10k rows, 248 ms at 1M); on dispatched_at it stops at the first
+        # fresh message. Column list of its own.
+        Index("ix_job_queue_stale", "dispatched_at", postgresql_where=text("state = 'queued'")),
         # The sweeper's "worker died" query: running rows whose lease ran out.
         # A column list of its own (lease_expires_at), so autogenerate never
         # pairs it with the index above.

@@ -397,6 +397,11 @@ _STORE_STEP = text(
     WHERE q.id = :run_id
       AND q.claim_token = :token               -- fence: only the current holder writes
       AND q.state = 'running'                  -- a cancelled run stops at its next step boundary
+      -- Opt-in (MOTIR_ASYNC_STEP_COMMIT, off by default): this transaction's commit
+      -- does not wait for the WAL flush. Set inside the statement, so it costs no
+      -- round trip and touches no other transaction; CASE keeps it unevaluated when off.
+      AND CASE WHEN :async_commit THEN set_config('synchronous_commit', 'off', true) IS NOT NULL
+               ELSE true END
     -- FOR SHARE: a concurrent reclaim or cancel waits for this insert to commit, or
     -- this insert re-checks the fence against the reclaimed row and writes nothing.
     FOR SHARE OF q
@@ -407,9 +412,16 @@ _STORE_STEP = text(
 
 
 def store_step(
-    conn: Connection, claim_: Claim, step_id: str, output_json: str, elapsed: float
+    conn: Connection, claim_: Claim, step_id: str, output_json: str, elapsed: float, *,
+    async_commit: bool = False,
 ) -> bool:
-    """Store a step's result; ``False`` when the fence refused it (lost claim or cancelled)."""
+    """Store a step's result; ``False`` when the fence refused it (lost claim or cancelled).
+
+    ``async_commit``: commit without waiting for the WAL flush. The record is
+    visible and fenced at once; only a crash of Postgres itself within the
+    flush delay (``wal_writer_delay``, 200 ms by default) can lose it, and a lost
+    record only runs its step again (as does every later, equally lost one).
+    """
     return (
         conn.execute(
             _STORE_STEP,
@@ -419,6 +431,7 @@ def store_step(
                 "step_id": step_id,
                 "output": output_json,
                 "elapsed": elapsed,
+                "async_commit": async_commit,
             },
         ).scalar()
         is not None
@@ -692,9 +705,9 @@ _REPUBLISH_DUE = text(
     WITH lost AS (
       SELECT id FROM job_queue
       WHERE state = 'queued'
-        AND run_at <= now()                                         -- due
-        AND dispatched_at < now() - make_interval(secs => :after)  -- and its last message is old: probably lost
-      ORDER BY run_at                                               -- served by ix_job_queue_due
+        AND dispatched_at < now() - make_interval(secs => :after)  -- its last message is old: probably lost
+        AND run_at <= now()                                         -- and it is due
+      ORDER BY dispatched_at                                        -- oldest message first; ix_job_queue_stale
       LIMIT :batch                                                  -- a deep backlog is re-sent in slices, not flooded
       FOR UPDATE SKIP LOCKED
     )

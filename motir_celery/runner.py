@@ -110,8 +110,11 @@ def execute(
     engine = get_engine(settings=settings)
     run_uuid = _as_uuid(run_id)
     if run_uuid is None:
-        log.warning("dropping message with a malformed run id %r for job %s", run_id, job_id)
-        return Outcome(str(run_id), "skipped", "malformed run id")
+        # Whatever a forged message carried is echoed at most 100 characters (a
+        # 2 MB "run id" must not become a 2 MB log line or task result).
+        shown = repr(run_id)[:100]
+        log.warning("dropping message with a malformed run id %s for job %s", shown, job_id)
+        return Outcome(shown, "skipped", "malformed run id")
 
     # One pooled connection for the whole attempt: claim, step writes and settle
     # are one statement and one commit each, with no checkout (or ping) between.
@@ -205,7 +208,8 @@ def _attempt(claim: queue.Claim, conn: Connection, publish: Publish | None, sett
     run = str(claim.run_id)
     event_data = claim.event_data if claim.event_id else {"scheduled_for": _iso(claim.scheduled_for)}
     step = Step(claim, conn, max_bytes=settings.max_payload_bytes, event_data=event_data, publish=publish,
-                republish_after=settings.republish_after, transaction=get_engine(settings=settings).begin)
+                republish_after=settings.republish_after, transaction=get_engine(settings=settings).begin,
+                lease_seconds=settings.lease_seconds, async_commit=settings.async_step_commit)
     try:
         job = get_job(claim.job_id)
         event = Event(

@@ -47,6 +47,13 @@ class Settings:
     #: Largest accepted JSON payload (event data, step output), in bytes.
     max_payload_bytes: int = 1_000_000
     pool_size: int = 5
+    #: Opt-in, off by default: step writes commit without waiting for the WAL
+    #: flush (``synchronous_commit = off`` for that one transaction). A Postgres
+    #: crash (not a worker crash) may then lose the last fraction of a second of
+    #: step records; each lost record only makes its step run again on the next
+    #: attempt — the at-least-once contract for step bodies. Claims and settles
+    #: keep a synchronous commit. See docs/performance.md.
+    async_step_commit: bool = False
     extra: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -67,6 +74,7 @@ class Settings:
             republish_after=_positive(env, "MOTIR_REPUBLISH_AFTER", 60.0),
             max_payload_bytes=_count(env, "MOTIR_MAX_PAYLOAD_BYTES", 1_000_000),
             pool_size=_count(env, "MOTIR_POOL_SIZE", 5),
+            async_step_commit=_flag(env, "MOTIR_ASYNC_STEP_COMMIT", False),
         )
 
     def require_database_url(self) -> str:
@@ -115,6 +123,17 @@ def _count(env: Mapping[str, str], name: str, default: int) -> int:
     if value != int(value):
         raise ConfigurationError(f"{name}={env.get(name, '').strip()!r} must be a whole number")
     return int(value)
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ConfigurationError(f"{name}={raw!r} is not a boolean (1/0, true/false, yes/no, on/off)")
 
 
 def _identifier(env: Mapping[str, str], name: str, default: str) -> str:

@@ -8,6 +8,9 @@ The contract, plainly (docs/jobs.md says the same):
 * A step interrupted **before** its result was stored runs again on the next
   attempt: step bodies are at-least-once. Make them idempotent (or accept a
   rare repeat) for the window between the side effect and the store.
+  With the opt-in ``MOTIR_ASYNC_STEP_COMMIT=1`` that window also covers the
+  WAL flush: a crash of Postgres itself may take back the step records of the
+  last fraction of a second, and those steps run again — nothing else changes.
 * The value a step returns is what JSON can carry; on the first execution too
   ``step.run`` returns the value as read back from JSON (a tuple comes back
   as a list both times), so a handler sees one type whichever path it took.
@@ -35,7 +38,7 @@ from sqlalchemy import Connection
 
 from . import queue
 from .errors import LostClaim, RunCancelled, StepOutputError, Suspended
-from .queue import Claim, store_step, stored_output, why_fenced
+from .queue import Claim, renew_lease, store_step, stored_output, why_fenced
 from .runspec import path_of, value_at
 from .tracing import step_span
 
@@ -63,8 +66,11 @@ class Step:
 
     def __init__(self, claim: Claim, conn: Connection, *, max_bytes: int, event_data: Any = None,
                  publish: Callable[..., None] | None = None, republish_after: float = 60.0,
-                 transaction: Callable[[], ContextManager[Connection]] | None = None) -> None:
+                 transaction: Callable[[], ContextManager[Connection]] | None = None,
+                 lease_seconds: float | None = None, async_commit: bool = False) -> None:
         self._claim = claim
+        # MOTIR_ASYNC_STEP_COMMIT (opt-in): see queue.store_step.
+        self._async_commit = async_commit
         # The attempt's connection may be in autocommit (one round trip per
         # statement); what needs several statements in one transaction (a wait's
         # lock, look-back and suspension) goes through `transaction`.
@@ -78,6 +84,10 @@ class Step:
         self._republish_after = republish_after
         #: Step bodies executed (not replayed) in this attempt, for tests and metrics.
         self.executed: list[str] = []
+        # The attempt's last proof, on this process's monotonic clock, that the
+        # database still gave it the run: the claim, a stored step, a check. See _still_held.
+        self._lease = lease_seconds
+        self._confirmed = time.monotonic()
 
     @contextmanager
     def _on_own_connection(self) -> Iterator[Connection]:
@@ -97,6 +107,7 @@ class Step:
         key = self._key(step_id)
         if key in self._memo:
             return self._memo[key]  # type: ignore[no-any-return]
+        self._still_held(key)
         with step_span(key):
             started = time.monotonic()
             value = fn(*args, **kwargs)
@@ -106,8 +117,9 @@ class Step:
 
     def _store(self, key: str, encoded: str, elapsed: float) -> Any:
         conn = self._conn
-        with conn.begin():  # one statement, one commit: the memo is durable before we go on
-            stored = store_step(conn, self._claim, key, encoded, elapsed)
+        sent = time.monotonic()
+        with conn.begin():  # one statement, one commit: the memo is durable before we go on (flushed, unless opted out)
+            stored = store_step(conn, self._claim, key, encoded, elapsed, async_commit=self._async_commit)
             reason = "" if stored else why_fenced(conn, self._claim)
             if reason == "held":
                 # Still ours, but the step was already stored (a duplicate id
@@ -115,10 +127,38 @@ class Step:
                 encoded, stored = json.dumps(stored_output(conn, self._claim, key)), True
         if not stored:
             self._refused(key, reason)
+        self._confirmed = sent
         self.executed.append(key)
         result = json.loads(encoded)
         self._memo[key] = result
         return result
+
+    def _still_held(self, key: str) -> None:
+        """Never start a body on a run this worker may have lost.
+
+        The store after a body is fenced, but the body itself is not: a worker
+        frozen between two steps (SIGSTOP, a VM pause, a long GC) past its lease
+        is reclaimed, another worker runs and stores the next step, and the thawed
+        one would start that step's body again before its store is refused
+        (tests/chaos, scenario 1 with frozen workers, found this). So when more
+        than a heartbeat period (lease / 3) has passed since this attempt last
+        heard from the database — never between two steps of a normal handler,
+        whose heartbeat renews meanwhile — renew the lease, fenced, before the
+        body: refused means lost (or cancelled), and the body does not start.
+        A pause in the microseconds between this check and the body remains
+        possible; bodies stay at-least-once (docs/jobs.md).
+        """
+        if self._lease is None or time.monotonic() - self._confirmed < self._lease / 3:
+            return
+        sent = time.monotonic()
+        with self._conn.begin():
+            held = renew_lease(self._conn, self._claim, self._lease)
+            reason = "" if held else why_fenced(self._conn, self._claim)
+        if not held:
+            if reason == "cancelled":
+                raise RunCancelled(f"run {self.run_id} was cancelled; step {key!r} not started")
+            raise LostClaim(f"run {self.run_id}: this worker lost its claim; step {key!r} not started")
+        self._confirmed = sent
 
     def _refused(self, key: str, reason: str) -> None:
         if reason == "cancelled":

@@ -225,7 +225,7 @@ def _index_scans(conn: Connection, statement: TextClause, params: dict[str, obje
 
 
 SWEEPER_QUERIES = {
-    "republish-due": (_REPUBLISH_DUE, {"after": 60.0, "batch": 500}, "ix_job_queue_due"),
+    "republish-due": (_REPUBLISH_DUE, {"after": 60.0, "batch": 500}, "ix_job_queue_stale"),
     "reclaim-expired": (_RECLAIM_EXPIRED, {"batch": 500}, "ix_job_queue_leases"),
 }
 

@@ -36,6 +36,7 @@ def upgrade() -> None:
     op.drop_constraint(op.f('uq_job_run_run_id_attempt'), 'job_run', type_='unique')
     op.create_index('uq_job_run_open', 'job_run', ['run_id'], unique=True, postgresql_where=sa.text("outcome = 'running'"))
     op.create_index('ix_job_run_ledger', 'job_run', ['run_id', 'started_at'], unique=False)
+    op.create_index('ix_job_queue_stale', 'job_queue', ['dispatched_at'], unique=False, postgresql_where=sa.text("state = 'queued'"))
     op.create_index('ix_job_queue_finished', 'job_queue', ['finished_at'], unique=False, postgresql_where=sa.text('finished_at IS NOT NULL'))
     # Check constraints are not compared by autogenerate: written by hand, from
     # the same tuples the models use.
@@ -45,6 +46,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    op.drop_index('ix_job_queue_stale', table_name='job_queue', postgresql_where=sa.text("state = 'queued'"))
     op.drop_index('ix_job_queue_finished', table_name='job_queue', postgresql_where=sa.text('finished_at IS NOT NULL'))
     op.drop_index('ix_job_run_ledger', table_name='job_run')
     op.drop_index('uq_job_run_open', table_name='job_run', postgresql_where=sa.text("outcome = 'running'"))

@@ -1,0 +1,86 @@
+"""CPU per run: where a durable run's cost goes, by process, for each engine variant.
+
+On a shared 2-core machine wall-clock rates swing by 2x between rounds; CPU
+seconds spent per run move far less, so this section is the steady way to
+compare engine variants (before/after, task events, async step commit).
+
+One worker (prefork, concurrency 2) per variant; after 100 warm-up runs,
+``runs`` more are queued and drained while the CPU time (user + system) of the
+worker's main process, of its pool children and of the Postgres backends
+serving the bench database is read from the kernel before and after.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import psutil
+from sqlalchemy import create_engine, text
+from sqlalchemy.pool import NullPool
+
+from bench.common import DB, MOTIR_QUEUE, celery_workers, child_env, purge, truncate, wait_for
+
+
+def _postgres_cpu() -> float:
+    total = 0.0
+    for p in psutil.process_iter(["name", "cmdline"]):
+        try:
+            if "postgres" in (p.info["name"] or "") and f" {DB} " in " ".join(p.info["cmdline"] or []) + " ":
+                c = p.cpu_times()
+                total += c.user + c.system
+        except psutil.Error:
+            continue
+    return total
+
+
+def _worker_cpu(pid: int) -> tuple[float, float]:
+    main = psutil.Process(pid)
+    m = main.cpu_times()
+    children = 0.0
+    for p in main.children(recursive=True):
+        c = p.cpu_times()
+        children += c.user + c.system
+    return m.user + m.system, children
+
+
+def _one(url: str, runs: int, app: str, env: dict[str, str] | None) -> dict[str, float]:
+    from bench.throughput import prequeue_motir
+    from motir_celery.celery_app import default_app
+
+    truncate(url)
+    purge(default_app(), MOTIR_QUEUE)
+    engine = create_engine(url, poolclass=NullPool)
+
+    def succeeded() -> int:
+        with engine.connect() as conn:
+            return int(conn.execute(text("SELECT count(*) FROM job_queue WHERE state = 'succeeded'")).scalar_one())
+
+    with celery_workers(app, MOTIR_QUEUE, 1, 2, env, tag="cpu") as procs:
+        prequeue_motir(url, 100)
+        wait_for(lambda: succeeded() >= 100, procs, timeout=300, tag="cpu")
+        m0, c0 = _worker_cpu(procs[0].pid)
+        p0 = _postgres_cpu()
+        prequeue_motir(url, runs)
+        wait_for(lambda: succeeded() >= runs + 100, procs, timeout=900, tag="cpu", poll=0.1)
+        m1, c1 = _worker_cpu(procs[0].pid)
+        p1 = _postgres_cpu()
+    engine.dispose()
+    out = {"main_ms": (m1 - m0) / runs * 1e3, "children_ms": (c1 - c0) / runs * 1e3,
+           "postgres_ms": (p1 - p0) / runs * 1e3}
+    out["total_ms"] = sum(out.values())
+    return out
+
+
+def measure(url: str, variants: dict[str, tuple[str | None, str, dict[str, str]]], runs: int = 1000,
+            rounds: int = 2, engine_at: Any = None) -> dict[str, Any]:
+    """``variants``: label -> (engine path or None, celery app, extra env)."""
+    from bench.stats import median
+
+    samples: dict[str, list[dict[str, float]]] = {k: [] for k in variants}
+    for _ in range(rounds):
+        for label, (path, app, extra) in variants.items():
+            with engine_at(path):
+                samples[label].append(_one(url, runs, app, child_env(**extra)))
+    return {"runs": runs, "rounds": rounds,
+            "variants": {k: {m: median([s[m] for s in v]) for m in v[0]} for k, v in samples.items()}}
