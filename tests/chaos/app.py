@@ -1,0 +1,21 @@
+"""``celery -A tests.chaos.app worker``: the default app with Redis transport options
+from the environment, for the redelivery scenario.
+
+``CHAOS_VISIBILITY_TIMEOUT`` (seconds): a message reserved but not acknowledged for
+longer is handed to another consumer while the first may still be running it —
+Redis's at-least-once. Restores are checked every second (instead of every 10 s).
+"""
+
+from __future__ import annotations
+
+import os
+
+from motir_celery.celery_app import create_app
+
+app = create_app()
+if os.environ.get("CHAOS_VISIBILITY_TIMEOUT"):
+    app.conf.broker_transport_options = {
+        "visibility_timeout": float(os.environ["CHAOS_VISIBILITY_TIMEOUT"]),
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    }
