@@ -174,3 +174,9 @@ def throttled(event: Any, step: Any) -> Any:
     if tries <= 2:
         raise RateLimited(0.2)
     return tries
+
+
+@define_job("test.prio-worker", event="test.prio-worker", retry_policy=FAST, concurrency=(1, None))
+def prio_worker(event: Any, step: Any) -> Any:
+    """One at a time (limit 1): the order the runs execute in is the priority order."""
+    return step.run("work", _interval, event, f"prio-{event.data['label']}", float(event.data.get("sleep", 0.2)))

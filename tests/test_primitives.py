@@ -360,3 +360,28 @@ def test_run_span_is_a_child_of_the_sender_and_steps_are_children_of_the_run(eng
     with engine.connect() as conn:
         assert conn.execute(text("SELECT traceparent FROM job_queue WHERE id = :r"), {"r": run_id}).scalar()
     assert trace is not None
+
+
+def test_singleton_on_a_real_worker_refuses_a_second_run_until_the_first_settles(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
+    with celery_worker(tmp_path, broker=broker_url):
+        (first,) = send_event("test.singleton", {"customer": "w1", "sleep": 1.5}).run_ids
+        wait_for(lambda: run_state(engine, first) == "running", what="the first run to start")
+        refused = send_event("test.singleton", {"customer": "w1"})
+        assert refused.run_ids == [] and isinstance(refused.runs[0], queue.AlreadyQueued)
+        assert _final(engine, first) == "succeeded"
+        (later,) = send_event("test.singleton", {"customer": "w1"}).run_ids  # the key is free again
+        assert _final(engine, later) == "succeeded"
+
+
+def test_priority_on_a_real_worker_runs_the_most_urgent_waiting_run_first(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
+    with celery_worker(tmp_path, broker=broker_url, concurrency=2):
+        (blocker,) = send_event("test.prio-worker", {"label": "blocker", "sleep": 2}).run_ids
+        wait_for(lambda: run_state(engine, blocker) == "running", what="the blocker to hold the only slot")
+        runs = {label: send_event("test.prio-worker", {"label": label}, priority=p).run_ids[0]
+                for label, p in (("low", 1), ("high", 9), ("mid", 5))}
+        for run_id in [blocker, *runs.values()]:
+            assert _final(engine, run_id) == "succeeded"
+    with engine.connect() as conn:
+        order = list(conn.execute(text("SELECT step FROM test.side_effect WHERE step LIKE :p ORDER BY at"),
+                                  {"p": "prio-%:start"}).scalars())
+    assert order == ["prio-blocker:start", "prio-high:start", "prio-mid:start", "prio-low:start"]
