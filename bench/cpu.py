@@ -12,7 +12,6 @@ serving the bench database is read from the kernel before and after.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import psutil

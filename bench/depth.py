@@ -15,7 +15,6 @@ re-publish). Then, at each depth, after VACUUM ANALYZE:
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any
 
 from sqlalchemy import create_engine, text

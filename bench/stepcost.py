@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import re
 import tempfile
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
