@@ -334,6 +334,8 @@ class _Heartbeats:
         self._cond = threading.Condition(threading.Lock())
         self._held: dict[uuid.UUID, _Held] = {}
         self._thread: threading.Thread | None = None
+        #: When the thread's current wait ends (None: it waits for a notify).
+        self._wake_at: float | None = None
 
     @contextmanager
     def hold(self, claim: queue.Claim, connect: Callable[[], AbstractContextManager[Connection]],
@@ -344,7 +346,10 @@ class _Heartbeats:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name="motir-heartbeat", daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            if self._wake_at is None or held.next_at < self._wake_at:
+                # Only when this renewal is due before the thread's next wake-up:
+                # waking it for every run was a thread switch per run, for nothing.
+                self._cond.notify()
         try:
             yield
         finally:
@@ -357,8 +362,9 @@ class _Heartbeats:
                 now = time.monotonic()
                 due = [h for h in self._held.values() if h.next_at <= now]
                 if not due:
-                    wake = min((h.next_at for h in self._held.values()), default=None)
-                    self._cond.wait(None if wake is None else wake - now)
+                    self._wake_at = min((h.next_at for h in self._held.values()), default=None)
+                    self._cond.wait(None if self._wake_at is None else self._wake_at - now)
+                    self._wake_at = None  # awake: a hold() meanwhile is seen by the next pass
                     continue
                 for h in due:
                     h.next_at = now + h.lease / 3

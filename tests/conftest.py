@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+from celery.utils.nodenames import default_nodename, host_format
 from sqlalchemy import create_engine, make_url, text
 from sqlalchemy.engine import Engine
 
@@ -125,8 +126,9 @@ def count_effects(eng: Engine, run_id: object, step: str | None = None) -> int:
 
 
 class Worker:
-    def __init__(self, proc: subprocess.Popen[bytes], log: Path) -> None:
-        self.proc, self.log = proc, log
+    def __init__(self, proc: subprocess.Popen[bytes], log: Path, nodename: str) -> None:
+        # nodename: the worker's hostname in its events and the destination of control commands
+        self.proc, self.log, self.nodename = proc, log, nodename
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal the whole process group: the main process and its pool children."""
@@ -156,13 +158,15 @@ def celery_worker(tmp_path: Path, *, broker: str, concurrency: int = 2, pool: st
     if lease is not None:
         child_env["MOTIR_LEASE_SECONDS"] = str(lease)
     child_env.update(env or {})
+    # Expanded as `celery worker -n` does, so tests can address the worker and match its events.
+    nodename = host_format(default_nodename(f"{name}-{uuid.uuid4().hex[:6]}@%h"))
     cmd = [sys.executable, "-m", "celery", "-A", app, "worker", "-l", "INFO",
-           "-c", str(concurrency), "-P", pool, "-n", f"{name}-{uuid.uuid4().hex[:6]}@%h",
+           "-c", str(concurrency), "-P", pool, "-n", nodename,
            "-Q", child_env.get("MOTIR_QUEUE", "celery"), "--without-gossip", "--without-mingle"]
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=child_env, cwd=ROOT,
                                 start_new_session=True)
-    worker = Worker(proc, log)
+    worker = Worker(proc, log, nodename)
     try:
         deadline = time.monotonic() + 60
         while "ready." not in worker.output():

@@ -226,6 +226,63 @@ def test_a_reclaim_racing_a_step_write_never_loses_the_stored_step(engine):  # t
         assert ("a" in new.steps) == stored[0]
 
 
+def test_only_the_claim_commits_without_waiting_for_the_wal_flush(engine):  # type: ignore[no-untyped-def]
+    """The claim turns synchronous_commit off for its own transaction (nothing is
+    lost with it: the run's next flushed write carries it); a step write and the
+    settle keep the server's setting, and nothing leaks into the next transaction."""
+    (run_id,) = events.send_event("test.three", {}).run_ids
+    setting = "SELECT current_setting('synchronous_commit')"
+    with engine.begin() as conn:
+        held = queue.claim(conn, run_id, job_id="test.three-steps", worker="w", lease_seconds=30)
+        assert held is not None
+        assert conn.execute(text(setting)).scalar_one() == "off"
+    with engine.begin() as conn:
+        assert queue.store_step(conn, held, "a", '{"n":1}', 0.0) is True
+        assert conn.execute(text(setting)).scalar_one() == "on"
+    with engine.begin() as conn:
+        assert queue.settle_succeeded(conn, held, '"done"') is True
+        assert conn.execute(text(setting)).scalar_one() == "on"
+    assert run_state(engine, run_id) == "succeeded"
+
+
+def _kill_the_pooled_connection(engine, monkeypatch) -> int:  # type: ignore[no-untyped-def]
+    """Leave exactly one connection in the pool, with its server process terminated
+    and no idle ping to notice: the next statement on it meets a dead socket."""
+    from motir_celery import db
+
+    monkeypatch.setattr(db, "PING_AFTER_IDLE_SECONDS", 3600.0)
+    engine.dispose()
+    with engine.connect() as conn:
+        doomed = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+    with engine.connect() as again:
+        assert again.execute(text("SELECT pg_backend_pid()")).scalar_one() == doomed  # the pool hands it back
+    with engine.pool._creator().cursor() as admin:  # a connection outside the pool
+        admin.execute("SELECT pg_terminate_backend(%s)", (doomed,))
+    return int(doomed)
+
+
+def test_a_hot_statement_on_a_dead_socket_raises_a_disconnect_that_invalidates_it(engine, monkeypatch):  # type: ignore[no-untyped-def]
+    """The hot statements bypass SQLAlchemy's execution layer: their errors must still
+    be SQLAlchemy's, and a dead socket must be flagged so the pool replaces it."""
+    from sqlalchemy.exc import DBAPIError
+
+    (run_id,) = events.send_event("test.three", {}).run_ids
+    doomed = _kill_the_pooled_connection(engine, monkeypatch)
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        with pytest.raises(DBAPIError) as raised:
+            queue.claim(conn, run_id, job_id="test.three-steps", worker="w", lease_seconds=30)
+        assert raised.value.connection_invalidated
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT pg_backend_pid()")).scalar_one() != doomed
+    assert run_state(engine, run_id) == "queued"
+
+
+def test_a_pooled_socket_killed_under_the_worker_is_replaced_and_the_run_claimed(engine, monkeypatch):  # type: ignore[no-untyped-def]
+    (run_id,) = events.send_event("test.three", {}).run_ids
+    _kill_the_pooled_connection(engine, monkeypatch)
+    assert execute(run_id, "test.three-steps").state == "succeeded"
+
+
 def test_retry_after_error_requeues_at_the_requested_time_on_the_database_clock(engine):  # type: ignore[no-untyped-def]
     @define_job("test.retry-after", event="test.retry-after")
     def retry_after(event: Any, step: Any) -> Any:

@@ -3,8 +3,11 @@ concurrency keys, singleton, priority, rate-limit deferral, tracing."""
 
 from __future__ import annotations
 
+import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -16,7 +19,7 @@ import tests.jobs  # noqa: F401  (registers the test jobs in this process too)
 from motir_celery import events, queue, runner, send_event
 from motir_celery.errors import JobDefinitionError
 from motir_celery.jobs import define_job
-from tests.conftest import celery_worker, count_effects, run_state, wait_for
+from tests.conftest import ROOT, celery_worker, count_effects, run_state, wait_for
 
 
 def _final(engine, run_id, timeout=60.0):  # type: ignore[no-untyped-def]
@@ -360,6 +363,43 @@ def test_run_span_is_a_child_of_the_sender_and_steps_are_children_of_the_run(eng
     with engine.connect() as conn:
         assert conn.execute(text("SELECT traceparent FROM job_queue WHERE id = :r"), {"r": run_id}).scalar()
     assert trace is not None
+
+
+def test_no_span_is_made_until_an_sdk_tracer_provider_is_set():  # type: ignore[no-untyped-def]
+    # A fresh interpreter: the global tracer provider can be set only once per process.
+    script = """
+from contextlib import nullcontext
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from motir_celery import tracing
+
+assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+assert type(tracing.run_span("j", "r", 1, None)) is nullcontext
+assert type(tracing.step_span("s")) is nullcontext
+
+exporter = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(exporter))
+# A caller's SDK span still propagates, whatever the global provider.
+with provider.get_tracer("caller").start_as_current_span("checkout") as sender:
+    ctx = sender.get_span_context()
+    traceparent = f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{ctx.trace_flags:02x}"
+    assert tracing.current_traceparent() == traceparent
+
+trace.set_tracer_provider(provider)  # after import: the module's tracer must follow it
+with tracing.run_span("j", "r", 1, None):
+    with tracing.step_span("s"):
+        pass
+print(sorted(s.name for s in exporter.get_finished_spans()))
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "['checkout', 'motir.run j', 'motir.step s']"
 
 
 def test_singleton_on_a_real_worker_refuses_a_second_run_until_the_first_settles(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]

@@ -154,3 +154,85 @@ def test_a_poison_job_that_kills_its_worker_lands_in_the_dlq_and_others_still_ru
     with engine.connect() as conn:
         failure = conn.execute(text("SELECT failure FROM job_run_dlq WHERE run_id = :r"), {"r": poison}).scalar()
     assert failure["type"] == "LeaseExpired"
+
+
+# --- task events (Flower) ---------------------------------------------------------
+
+
+class _EventStream:
+    """Celery's event stream, read from the broker as Flower reads it, kept for one worker."""
+
+    def __init__(self, app, hostname: str) -> None:  # type: ignore[no-untyped-def]
+        self.app, self.hostname = app, hostname
+        self.events: list[dict] = []
+        self.error: BaseException | None = None
+        self._receiver = None
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._capture, name="event-capture", daemon=True)
+
+    def __enter__(self) -> "_EventStream":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stopping.set()
+        if self._receiver is not None:
+            self._receiver.should_stop = True  # seen within its 1 s drain timeout
+        self._thread.join(timeout=10)
+
+    def _capture(self) -> None:
+        try:
+            with self.app.connection_for_read() as conn:
+                self._receiver = self.app.events.Receiver(conn, handlers={"*": self._on_event})
+                if self._stopping.is_set():
+                    return
+                # wakeup=False: no `heartbeat` broadcast to workers outside this test.
+                self._receiver.capture(limit=None, timeout=None, wakeup=False)
+        except BaseException as exc:  # noqa: BLE001 — surfaced by the test's waits
+            self.error = exc
+
+    def _on_event(self, event: dict) -> None:
+        if event.get("hostname") == self.hostname:  # other workers may share the broker
+            self.events.append(event)
+
+    def wait(self, predicate, what: str, timeout: float = 15.0) -> dict:  # type: ignore[no-untyped-def]
+        def found():  # type: ignore[no-untyped-def]
+            if self.error is not None:
+                raise AssertionError(f"event capture failed: {self.error!r}")
+            return next((e for e in list(self.events) if predicate(e)), None)
+
+        return wait_for(found, timeout=timeout, what=what)
+
+    def of_type(self, prefix: str) -> list[dict]:
+        return [e for e in list(self.events) if e["type"].startswith(prefix)]
+
+
+def test_task_events_are_off_until_flower_enables_them(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
+    app = create_app(Settings.from_env())
+    with celery_worker(tmp_path, broker=broker_url) as worker, _EventStream(app, worker.nodename) as stream:
+        # Worker heartbeats (every 2 s) are worker events, on even now: the first one
+        # proves the receiver is subscribed before anything is sent.
+        stream.wait(lambda e: e["type"] == "worker-heartbeat", "the receiver to hear the worker")
+        (quiet,) = send_event("test.three", {}, app=app).run_ids
+        assert _final(engine, quiet) == "succeeded"
+        # A heartbeat counting the task as processed is sent after task-succeeded would
+        # have been (same main process, same connection; buffered task events are
+        # flushed first): by then every event of the run is in.
+        stream.wait(lambda e: e["type"] == "worker-heartbeat" and e["processed"] >= 1 and e["active"] == 0,
+                    "a heartbeat after the run")
+        assert stream.of_type("task-") == []
+
+        # What Flower does (its --enable_events, every 5 s), addressed to this worker only.
+        app.control.enable_events(destination=[worker.nodename])
+        wait_for(lambda: "Events of group {task} enabled by remote." in worker.output(), timeout=15,
+                 what="the worker to switch task events on")
+        (seen,) = send_event("test.three", {}, app=app).run_ids
+        assert _final(engine, seen) == "succeeded"
+        received = stream.wait(lambda e: e["type"] == "task-received" and str(seen) in e["args"],
+                               f"task-received for run {seen}")
+        stream.wait(lambda e: e["type"] == "task-succeeded" and e["uuid"] == received["uuid"],
+                    f"task-succeeded for run {seen}")
+    assert received["name"] == "motir.test.three-steps"
+    task_events = [e["type"] for e in stream.of_type("task-")]
+    assert task_events == ["task-received", "task-started", "task-succeeded"]
+    assert {e["uuid"] for e in stream.of_type("task-")} == {received["uuid"]}
