@@ -85,7 +85,7 @@ def celery_workers(app: str, queue: str, workers: int, concurrency: int,
                    env: dict[str, str] | None = None, *, tag: str = "w") -> Iterator[list[subprocess.Popen[bytes]]]:
     """``workers`` prefork ``celery worker`` processes of ``concurrency`` each, on ``queue``.
 
-    The same flags for every Celery side: prefetch 1 and late acks come from the
+    The same flags for every Celery side: prefetch 1 and early acks come from the
     apps' configuration; gossip and mingle off (single-host bench).
     """
     procs: list[subprocess.Popen[bytes]] = []

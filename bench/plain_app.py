@@ -17,9 +17,7 @@ from bench.functions import charge, notify, reserve
 
 app = Celery("bench_plain", broker=os.environ["CELERY_BROKER_URL"], set_as_current=False)
 app.conf.update(
-    # The same delivery settings the engine puts on its app.
-    task_acks_late=True,
-    task_reject_on_worker_lost=True,
+    # The same delivery settings the engine puts on its app (early acks, Celery's default).
     worker_prefetch_multiplier=1,
     task_ignore_result=True,
     task_default_queue=os.environ.get("BENCH_PLAIN_QUEUE", "bench-plain"),

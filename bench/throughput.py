@@ -7,7 +7,7 @@ run through the engine's publisher; plain: N messages), then the workers start
 and drain them. The rate is taken from each run's completion instant (durable:
 ``finished_at`` written by the settle; plain: a Redis hash the task writes) over
 the 5%..95% span of the drain (``bench.stats.drain_rate``). Both sides run
-prefork ``celery worker`` processes with prefetch 1 and late acks.
+prefork ``celery worker`` processes with prefetch 1 and early acks.
 
 Latency: workers up; one event every ``interval`` seconds; enqueue->completion
 is the completion instant minus the instant just before ``send_event`` (plain:

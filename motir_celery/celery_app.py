@@ -4,13 +4,24 @@ Each job becomes a task named ``motir.<job_id>``, so Flower lists runs per job
 and ``task_routes`` can send a job to its own queue. A message carries the run
 id only (plus the job id for routing and display); Postgres holds the rest.
 
-Defaults this module sets on the apps it hosts, and why:
+The one default this module sets on the apps it hosts:
+``worker_prefetch_multiplier = 1`` — a worker reserves as few messages as
+Celery allows (one besides each running one); a reserved message waits for a
+free process of that worker, behind however long its runs are.
 
-* ``task_acks_late`` + ``task_reject_on_worker_lost`` — a message is
-  acknowledged after the run settles, and a worker killed mid-run hands the
-  message back. The claim makes the redelivery harmless.
-* ``worker_prefetch_multiplier = 1`` — a worker reserves one message per
-  process; a prefetched message would sit behind a long run.
+Messages are acknowledged early, as Celery does by default (when a pool
+process starts the task), not late: Postgres, not the broker, is what makes a
+run happen. A run a dead worker had claimed comes back through its lease and
+the sweeper; a message redelivered for it would be refused by the claim while
+the lease holds, so late acks buy nothing there, and cost a broker round trip
+in the worker's serial main process between every two runs (the largest single
+item of a run's wall time after Postgres; docs/performance.md). A message lost
+between its acknowledgement and the claim leaves its run queued, and the
+sweeper publishes it again after ``MOTIR_REPUBLISH_AFTER``. Early acks also keep
+long runs clear of RabbitMQ's ``consumer_timeout`` (an unacknowledged delivery
+older than 30 min closes the channel) and of Redis's ``visibility_timeout``
+(redelivery of every message held longer than an hour). An app that sets
+``task_acks_late = True`` itself keeps it: our tasks follow the app's setting.
 
 Task events are left as Celery leaves them, off: publishing them synchronously
 costs the worker's main process a third to a half of its CPU. Flower (its
@@ -100,10 +111,8 @@ def attach(app: Celery, *, settings: Settings | None = None) -> Celery:
         return app
     app.conf.motir_attached = True
     for key, value in {
-        "task_acks_late": True,
-        "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,
-        # No task events here (Celery's default, off): see the module docstring.
+        # Not task_acks_late, nor task events: Celery's defaults (off); see the module docstring.
     }.items():
         # Ours are defaults: a setting the user made on their own app wins.
         if key not in app.conf.changes:
@@ -142,13 +151,13 @@ def _register(app: Celery, job: Job) -> None:
         if outcome.state == "failed":
             # Settled already (failed + DLQ row, committed). Raising only makes the
             # task show as FAILURE in Flower and Celery's events; the message is
-            # acknowledged all the same (acks_late acks failures), so it is not redelivered.
+            # acknowledged all the same (late acks too ack failures), so it is not redelivered.
             raise RunFailed(f"run {outcome.run_id} of {job.id} failed for good; DLQ entry {outcome.detail}")
         return asdict(outcome)
 
     run_job.__name__ = run_job.__qualname__ = "run_" + re.sub(r"\W", "_", job.id)
     run_job.__doc__ = f"Run of motir job {job.id!r}: claim, steps, settle."
-    app.task(name=job.task_name, bind=True, acks_late=True, reject_on_worker_lost=True, **options)(run_job)
+    app.task(name=job.task_name, bind=True, **options)(run_job)
 
 
 def publisher(app: Celery) -> Publish:

@@ -156,6 +156,19 @@ def test_a_poison_job_that_kills_its_worker_lands_in_the_dlq_and_others_still_ru
     assert failure["type"] == "LeaseExpired"
 
 
+def test_a_run_longer_than_the_visibility_timeout_is_delivered_once(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
+    """Early acks: the message is acknowledged when the run starts, so Redis never hands it
+    out again, however long the run (late acks would see it redelivered every second here)."""
+    app = create_app(Settings.from_env())
+    with celery_worker(tmp_path, broker=broker_url, app="tests.short_visibility_app") as worker:
+        (run_id,) = send_event("test.slow", {"sleep": 3}, app=app).run_ids
+        assert _final(engine, run_id) == "succeeded"
+        time.sleep(2.5)  # two more restore periods: a late redelivery would be logged by now
+        received = worker.output().count("] received")  # Celery's INFO line per delivery
+    assert received == 1
+    assert count_effects(engine, run_id, "b") == 1
+
+
 # --- task events (Flower) ---------------------------------------------------------
 
 
