@@ -328,7 +328,7 @@ def render(results: dict[str, Any], env: dict[str, str], command: str, elapsed: 
                       ("motir / DBOS", "motir", "dbos", 3.0),
                       ("motir / baseline engine (before -> after)", "motir", "baseline", None),
                       ("motir async-step-commit / plain Celery", "motir_async", "plain", None),
-                      ("motir task-events-off / plain Celery", "motir_events", "plain", None),
+                      ("motir task-events-on / plain Celery", "motir_events", "plain", None),
                       ("motir async-step-commit / Procrastinate", "motir_async", "procrastinate", None)]
         for name, mine, other, target in ratio_rows:
             if not any(other in e and mine in e for e in tp.values()):

@@ -15,13 +15,15 @@ settle's ``now()`` (``finished_at``) and the pool child that ran it
   runner's set-up before its claim.
 
 Plain Celery's whole cycle per child (concurrency / drain rate) is measured in
-the same round, alternating with the durable side. Not part of ``python -m bench``:
-docs/performance.md quotes it in its notes.
+the same round, alternating with the durable side. ``--late-acks`` runs both
+sides with late acknowledgements (the engine's default before early acks).
+Not part of ``python -m bench``: docs/performance.md quotes it in its notes.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 from sqlalchemy import create_engine, text
 from sqlalchemy.pool import NullPool
@@ -59,19 +61,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--late-acks", action="store_true", help="both sides with task_acks_late")
     args = parser.parse_args()
     url = prepare_environment()
+    app = "motir_celery"
+    if args.late_acks:
+        os.environ["BENCH_LATE_ACKS"] = "1"  # read by bench.plain_app in its workers
+        app = "bench.motir_lateacks_app"
     concurrency = 2
     execs, hops, cycles, plain_cycles = [], [], [], []
     for _ in range(args.rounds):
-        rate = motir_round(url, args.runs, 1, concurrency)
+        rate = motir_round(url, args.runs, 1, concurrency, app=app)
         exec_s, hop_s = per_child(url)
         execs.append(exec_s)
         hops.append(hop_s)
         cycles.append(concurrency / rate)
         plain_cycles.append(concurrency / plain_round(args.runs, 1, concurrency))
     ms = lambda xs: f"{median(xs) * 1e3:5.2f} ms  ({', '.join(f'{x * 1e3:.2f}' for x in xs)})"  # noqa: E731
-    print(f"pool child cycle, 1 worker x {concurrency}, {args.runs} runs x {args.rounds} rounds (medians)")
+    acks = "late" if args.late_acks else "early (default)"
+    print(f"pool child cycle, 1 worker x {concurrency}, {acks} acks, {args.runs} runs x {args.rounds} rounds (medians)")
     print(f"  motir: claim -> settle (exec)           {ms(execs)}")
     print(f"  motir: settle -> next claim (hop)       {ms(hops)}")
     print(f"  motir: whole cycle (2 / runs per s)     {ms(cycles)}")
