@@ -594,7 +594,8 @@ _SETTLE_SUCCEEDED = (  # psycopg placeholders: see _hot
 
 
 def settle_succeeded(conn: Connection, claim_: Claim, result_json: str) -> bool:
-    return _hot(conn, _SETTLE_SUCCEEDED, {"run_id": claim_.run_id, "token": claim_.token, "result": result_json}) is not None
+    params = {"run_id": claim_.run_id, "token": claim_.token, "result": result_json}
+    return _hot(conn, _SETTLE_SUCCEEDED, params) is not None
 
 
 _SETTLE_RETRY = text(
