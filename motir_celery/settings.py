@@ -51,8 +51,9 @@ class Settings:
     #: flush (``synchronous_commit = off`` for that one transaction). A Postgres
     #: crash (not a worker crash) may then lose the last fraction of a second of
     #: step records; each lost record only makes its step run again on the next
-    #: attempt — the at-least-once contract for step bodies. Claims and settles
-    #: keep a synchronous commit. See docs/performance.md.
+    #: attempt — the at-least-once contract for step bodies. Settles keep a
+    #: synchronous commit (claims never wait for the flush: queue._CLAIM says
+    #: why). See docs/performance.md.
     async_step_commit: bool = False
     extra: Mapping[str, str] = field(default_factory=dict)
 
