@@ -73,6 +73,15 @@ def drop_database(name: str) -> None:
     admin.dispose()
 
 
+def succeeded(url: str) -> int:
+    """Runs in state succeeded: what every durable side polls while its workers drain."""
+    engine = create_engine(url, poolclass=NullPool)
+    with engine.connect() as conn:
+        count = int(conn.execute(text("SELECT count(*) FROM job_queue WHERE state = 'succeeded'")).scalar_one())
+    engine.dispose()
+    return count
+
+
 def truncate(url: str) -> None:
     engine = create_engine(url, poolclass=NullPool)
     with engine.begin() as conn:

@@ -17,10 +17,9 @@ from __future__ import annotations
 from typing import Any
 
 import psutil
-from sqlalchemy import create_engine, text
-from sqlalchemy.pool import NullPool
 
-from bench.common import DB, MOTIR_QUEUE, PLAIN_QUEUE, celery_workers, child_env, purge, truncate, wait_for
+from bench.common import (DB, MOTIR_QUEUE, PLAIN_QUEUE, celery_workers, child_env, purge, succeeded, truncate,
+                          wait_for)
 
 
 def _postgres_cpu() -> float:
@@ -51,22 +50,15 @@ def _one(url: str, runs: int, app: str, env: dict[str, str] | None) -> dict[str,
 
     truncate(url)
     purge(default_app(), MOTIR_QUEUE)
-    engine = create_engine(url, poolclass=NullPool)
-
-    def succeeded() -> int:
-        with engine.connect() as conn:
-            return int(conn.execute(text("SELECT count(*) FROM job_queue WHERE state = 'succeeded'")).scalar_one())
-
     with celery_workers(app, MOTIR_QUEUE, 1, 2, env, tag="cpu") as procs:
         prequeue_motir(url, 100)
-        wait_for(lambda: succeeded() >= 100, procs, timeout=300, tag="cpu")
+        wait_for(lambda: succeeded(url) >= 100, procs, timeout=300, tag="cpu")
         m0, c0 = _worker_cpu(procs[0].pid)
         p0 = _postgres_cpu()
         prequeue_motir(url, runs)
-        wait_for(lambda: succeeded() >= runs + 100, procs, timeout=900, tag="cpu", poll=0.1)
+        wait_for(lambda: succeeded(url) >= runs + 100, procs, timeout=900, tag="cpu", poll=0.1)
         m1, c1 = _worker_cpu(procs[0].pid)
         p1 = _postgres_cpu()
-    engine.dispose()
     out = {"main_ms": (m1 - m0) / runs * 1e3, "children_ms": (c1 - c0) / runs * 1e3,
            "postgres_ms": (p1 - p0) / runs * 1e3}
     out["total_ms"] = sum(out.values())

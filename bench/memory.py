@@ -11,10 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import create_engine, text
-from sqlalchemy.pool import NullPool
-
-from bench.common import MOTIR_QUEUE, celery_workers, purge, rss_tree, truncate, wait_for
+from bench.common import MOTIR_QUEUE, celery_workers, purge, rss_tree, succeeded, truncate, wait_for
 from bench.throughput import prequeue_motir
 
 
@@ -23,12 +20,6 @@ def measure(url: str, checkpoints: tuple[int, ...] = (1000, 10000), concurrency:
 
     truncate(url)
     purge(default_app(), MOTIR_QUEUE)
-    engine = create_engine(url, poolclass=NullPool)
-
-    def succeeded() -> int:
-        with engine.connect() as conn:
-            return int(conn.execute(text("SELECT count(*) FROM job_queue WHERE state = 'succeeded'")).scalar_one())
-
     samples = []
     with celery_workers("motir_celery", MOTIR_QUEUE, 1, concurrency, tag="motir-mem") as procs:
         done = 0
@@ -38,7 +29,7 @@ def measure(url: str, checkpoints: tuple[int, ...] = (1000, 10000), concurrency:
                 batch = min(2000, target - done)
                 prequeue_motir(url, batch)
                 done += batch
-                wait_for(lambda: succeeded() >= done, procs, timeout=900, tag="motir-mem", poll=0.25)
+                wait_for(lambda: succeeded(url) >= done, procs, timeout=900, tag="motir-mem", poll=0.25)
             tree = rss_tree(procs[0].pid)
             main, children = tree[0], tree[1:]
             samples.append({
@@ -47,7 +38,6 @@ def measure(url: str, checkpoints: tuple[int, ...] = (1000, 10000), concurrency:
                 "child_rss_kb": max(c[1] for c in children),
                 "child_hwm_kb": max(c[2] for c in children),
             })
-    engine.dispose()
     truncate(url)
     first, last = samples[0], samples[-1]
     return {"samples": samples, "growth": last["child_rss_kb"] / first["child_rss_kb"] - 1,

@@ -29,7 +29,7 @@ import redis
 from sqlalchemy import create_engine, make_url, text
 from sqlalchemy.pool import NullPool
 
-from bench.common import MOTIR_QUEUE, PLAIN_QUEUE, celery_workers, child_env, purge, truncate, wait_for
+from bench.common import MOTIR_QUEUE, PLAIN_QUEUE, celery_workers, child_env, purge, succeeded, truncate, wait_for
 from bench.stats import drain_rate, percentile
 
 _PREQUEUE = text(
@@ -67,12 +67,6 @@ def prequeue_motir(url: str, n: int, job: str = "bench.three") -> list[uuid.UUID
     return ids
 
 
-def _succeeded(url: str) -> int:
-    engine = create_engine(url, poolclass=NullPool)
-    with engine.connect() as conn:
-        return int(conn.execute(text("SELECT count(*) FROM job_queue WHERE state = 'succeeded'")).scalar_one())
-
-
 def motir_round(url: str, n: int, workers: int, concurrency: int, *, timeout: float = 900,
                 env: dict[str, str] | None = None, app: str = "motir_celery") -> float:
     from motir_celery.celery_app import default_app
@@ -80,14 +74,9 @@ def motir_round(url: str, n: int, workers: int, concurrency: int, *, timeout: fl
     truncate(url)
     purge(default_app(), MOTIR_QUEUE)
     prequeue_motir(url, n)
-    engine = create_engine(url, poolclass=NullPool)
-
-    def done() -> bool:
-        with engine.connect() as conn:
-            return conn.execute(text("SELECT count(*) FROM job_queue WHERE state = 'succeeded'")).scalar_one() >= n
-
     with celery_workers(app, MOTIR_QUEUE, workers, concurrency, env, tag="motir") as procs:
-        wait_for(done, procs, timeout=timeout, tag="motir", poll=0.25)
+        wait_for(lambda: succeeded(url) >= n, procs, timeout=timeout, tag="motir", poll=0.25)
+    engine = create_engine(url, poolclass=NullPool)
     with engine.connect() as conn:
         finished = list(conn.execute(text(
             "SELECT extract(epoch FROM finished_at)::float8 FROM job_queue WHERE state = 'succeeded'")).scalars())
@@ -125,13 +114,13 @@ def motir_latency(url: str, events: int, interval: float, concurrency: int,
     sent: dict[uuid.UUID, float] = {}
     with celery_workers(app, MOTIR_QUEUE, 1, concurrency, env, tag="motir-lat") as procs:
         motir_celery.send_event("bench.three", {"n": -1})
-        wait_for(lambda: _succeeded(url) >= 1, procs, timeout=120, tag="motir-lat")  # workers are up
+        wait_for(lambda: succeeded(url) >= 1, procs, timeout=120, tag="motir-lat")  # workers are up
         start = time.perf_counter()
         for i in range(events):
             t = time.time()
             sent[motir_celery.send_event("bench.three", {"n": i}).run_ids[0]] = t
             time.sleep(max(0.0, start + (i + 1) * interval - time.perf_counter()))
-        wait_for(lambda: _succeeded(url) >= events + 1, procs, timeout=120, tag="motir-lat")
+        wait_for(lambda: succeeded(url) >= events + 1, procs, timeout=120, tag="motir-lat")
     with engine.connect() as conn:
         done = dict(conn.execute(text(
             "SELECT id, extract(epoch FROM finished_at)::float8 FROM job_queue WHERE state = 'succeeded'")).all())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -71,3 +72,22 @@ def emit(result: Any) -> None:
 
 def python() -> str:
     return sys.executable
+
+
+def arguments(*, timeout: float, **extra: tuple[type, Any]) -> argparse.ArgumentParser:
+    """The command line both peers' drivers take (``bench/peersenv.py`` builds it);
+    ``extra``: a driver's own options, as name=(type, default)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("section", choices=["throughput", "latency"])
+    p.add_argument("--admin-dsn", required=True)
+    p.add_argument("--runs", type=int, default=5000)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--concurrency", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--events", type=int, default=250)
+    p.add_argument("--interval", type=float, default=0.02)
+    p.add_argument("--timeout", type=float, default=timeout)
+    p.add_argument("--reuse", action="store_true", help="reuse the database a previous call set up")
+    for name, (kind, default) in extra.items():
+        p.add_argument(f"--{name}", type=kind, default=default)
+    return p

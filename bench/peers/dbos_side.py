@@ -14,7 +14,7 @@ import time
 
 import psycopg
 
-from bench.peers.common import emit, env, processes, python, recreate_database, wait_until
+from bench.peers.common import arguments, emit, env, processes, python, recreate_database, wait_until
 from bench.stats import drain_rate, percentile
 
 DB = "motir_bench_dbos"
@@ -123,19 +123,7 @@ def latency(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("section", choices=["throughput", "latency"])
-    p.add_argument("--admin-dsn", required=True)
-    p.add_argument("--runs", type=int, default=5000)
-    p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--concurrency", type=int, default=2)
-    p.add_argument("--poll", type=float, default=0.01)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--events", type=int, default=250)
-    p.add_argument("--interval", type=float, default=0.02)
-    p.add_argument("--timeout", type=float, default=900)
-    p.add_argument("--reuse", action="store_true", help="reuse the database a previous call set up")
-    args = p.parse_args()
+    args = arguments(timeout=900, poll=(float, 0.01)).parse_args()
     {"throughput": throughput, "latency": latency}[args.section](args)
 
 
