@@ -8,7 +8,8 @@ settle's ``now()`` (``finished_at``) and the pool child that ran it
 (``worker`` = node/pid), so for each child, from the database alone:
 
 * **exec** — claim to settle of one run: the engine's own part (three step
-  bodies, three flushed step writes; the settle's commit is after it);
+  bodies, two flushed step writes; the settle, which stores the third
+  step with the result, commits after it);
 * **hop** — settle of one run to the claim of the next on the same child:
   the settle's commit, the task returning to Celery, the result and the ack
   in the worker's main process, the next message and its dispatch, and the

@@ -72,20 +72,25 @@ def _validate(name: Any, data: Any, workspace_id: Any, idempotency_key: Any, lim
 
 def write_event(conn: Connection, name: str, data: Any, encoded: str, workspace_id: str | None,
                 idempotency_key: str | None, jobs: Sequence[Job], *, priority: int | None = None,
-                traceparent: str | None = None) -> SendResult:
-    """The event, its runs, and what it does to runs already there — one transaction."""
-    event_id = queue.insert_event(conn, name, encoded, workspace_id, idempotency_key)
+                traceparent: str | None = None, commit: bool = False) -> SendResult:
+    """The event, its runs, and what it does to runs already there — one transaction.
+
+    ``commit``: ``conn`` is in autocommit, and the transaction is this call's own:
+    BEGIN and COMMIT travel with the statements, one round trip in all. Only for
+    an event that no cancel_on rule listens to (the caller checks): cancelling
+    takes statements of its own, inside the transaction.
+    """
+    specs = [spec_for(job, data, workspace_id, priority) for job in jobs]
+    # Runs suspended in step.wait_for_event for this event become due now (woken).
+    event_id, runs, woken = queue.record_event(conn, name, encoded, workspace_id, idempotency_key, specs,
+                                               traceparent=traceparent, commit=commit)
     if event_id is None:
         existing = conn.execute(
             text("SELECT id FROM job_event WHERE name = :name AND idempotency_key = :key"),
             {"name": name, "key": idempotency_key},
         ).scalar()
         return SendResult(existing, [], deduplicated=True)
-    specs = [spec_for(job, data, workspace_id, priority) for job in jobs]
-    runs = queue.fan_out(conn, event_id, specs, traceparent=traceparent)
-    # Runs suspended in step.wait_for_event for this event become due now.
-    woken = [queue.Queued(run_id, job_id) for run_id, job_id in queue.wake_waiters(conn, name, encoded)]
-    cancelled = _cancel_on(conn, name, data)
+    cancelled = [] if commit else _cancel_on(conn, name, data)
     return SendResult(event_id, runs, woken=woken, cancelled=cancelled)
 
 
@@ -130,8 +135,15 @@ def send_event(
         result = write_event(session.connection(), *args, **extra)
         publish_after_commit(session, result.runs + result.woken, publish)
         return result
-    with get_engine(settings=settings).begin() as conn:
-        result = write_event(conn, *args, **extra)
+    engine = get_engine(settings=settings)
+    if cancelled_by(name):
+        with engine.begin() as conn:
+            result = write_event(conn, *args, **extra)
+    else:
+        # The common case in one round trip (and the one commit, flushed, that the
+        # event needs before it is published): see write_event.
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            result = write_event(conn, *args, **extra, commit=True)
     _publish(result.runs + result.woken, publish)
     return result
 

@@ -1,8 +1,8 @@
 """The queue repository: every hot statement of the engine, written out plainly.
 
 Each function is one round trip. Claim, step write and settle are the hot path
-(a run of k new steps costs k + 2 statements and k + 2 commits); enqueue and
-sweep are the rest. Rules that hold for every statement here:
+(a run of k new steps costs k + 1 statements and k + 1 commits: the last step
+rides in the settle); enqueue and sweep are the rest. Rules that hold for every statement here:
 
 * **The database decides.** "Already done?" is a unique constraint
   (``ON CONFLICT DO NOTHING``) or a conditional ``UPDATE``, never a read then a
@@ -22,7 +22,9 @@ SQLAlchemy's execution layer and go to the psycopg connection underneath as
 prepared statements (``_hot``): Core costs ~50-70 us of CPU per statement for
 compile-cache lookup and result wrapping, a fifth of a short run's CPU
 (docs/performance.md). They keep ``%(name)s`` placeholders and the same
-transaction and error semantics as the rest.
+transaction and error semantics as the rest. ``record_event`` sends its two
+statements in one psycopg pipeline (``_pipelined``): one round trip where an
+idle server costs most of a send's time in wake-ups, not in work.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ __all__ = [
     "Queued",
     "AlreadyQueued",
     "OverlapSkipped",
-    "insert_event",
+    "record_event",
     "fan_out",
     "enqueue_scheduled",
     "claim",
@@ -111,98 +113,151 @@ def _hot(conn: Connection, sql: str, params: dict[str, Any]) -> tuple[Any, ...] 
         with raw.cursor() as cursor:
             return cursor.execute(sql, params, prepare=True).fetchone()
     except psycopg.Error as exc:
-        broken = raw.closed or raw.broken
-        if broken:
-            conn.invalidate(exc)
-        raise DBAPIError.instance(sql, params, exc, psycopg.Error, connection_invalidated=broken) from exc
+        raise _translated(conn, raw, sql, params, exc) from exc
+
+
+def _pipelined(conn: Connection, statements: Sequence[tuple[str, dict[str, Any]]]) -> list[list[tuple[Any, ...]]]:
+    """Statements sent together, in order, in one round trip (a psycopg pipeline),
+    inside whatever transaction ``conn`` is in; each one's rows. Each statement
+    still takes its own snapshot when the server reaches it. Errors as in ``_hot``."""
+    raw = conn.connection.driver_connection
+    cursors = [raw.cursor() for _ in statements]
+    try:
+        with raw.pipeline():
+            for cursor, (sql, params) in zip(cursors, statements):
+                cursor.execute(sql, params, prepare=bool(params))  # (BEGIN and COMMIT are not prepared)
+        return [cursor.fetchall() if cursor.description else [] for cursor in cursors]
+    except psycopg.Error as exc:
+        if raw.info.transaction_status == psycopg.pq.TransactionStatus.INERROR:
+            raw.rollback()  # an explicit BEGIN of ours left the transaction open and aborted
+        # The server stops at the first error; which statement it was is in the message.
+        sql = ";\n".join(sql for sql, _ in statements)
+        raise _translated(conn, raw, sql, {k: v for _, p in statements for k, v in p.items()}, exc) from exc
+
+
+def _translated(conn: Connection, raw: Any, sql: str, params: dict[str, Any], exc: psycopg.Error) -> DBAPIError:
+    broken = raw.closed or raw.broken
+    if broken:
+        conn.invalidate(exc)
+    return DBAPIError.instance(sql, params, exc, psycopg.Error, connection_invalidated=broken)
 
 
 # --- enqueue ------------------------------------------------------------------------
 
-_INSERT_EVENT = text(
+# The runs of one event ``e`` (a CTE of id, name, workspace_id), one per RunSpec:
+# the tail of both record_event (e: the event just inserted) and fan_out (e: an
+# event already recorded).
+_RUNS_OF_E = """
+      INSERT INTO job_queue (event_id, job_id, event_name, workspace_id, max_attempts, retry_policy,
+                             priority, singleton_key, concurrency_key, cancel_key, traceparent)
+      SELECT e.id, s.job_id, e.name, e.workspace_id, s.max_attempts, s.retry_policy,
+             s.priority, s.singleton_key, s.concurrency_key, s.cancel_key, %(traceparent)s
+      FROM e,
+           unnest(CAST(%(job_ids)s AS text[]), CAST(%(max_attempts)s AS int[]), CAST(%(policies)s AS text[]),
+                  CAST(%(priorities)s AS smallint[]), CAST(%(singletons)s AS text[]),
+                  CAST(%(concurrency)s AS text[]), CAST(%(cancel_keys)s AS text[]))
+             AS s(job_id, max_attempts, retry_policy, priority, singleton_key, concurrency_key, cancel_key)
+      -- No conflict target: one run per (event, job) — dispatching the same event
+      -- twice adds nothing — and one active run per (job, singleton_key).
+      ON CONFLICT DO NOTHING
+      RETURNING id, job_id
+"""
+
+_RECORD_EVENT = (  # psycopg placeholders: see _hot
     """
-    INSERT INTO job_event (name, data, workspace_id, idempotency_key)
-    SELECT :name, CAST(:data AS jsonb), :workspace_id, :key
-    -- A shared lock on the event name, held to commit: a run that starts waiting
-    -- for this name takes it exclusively before its look-back, so it either sees
-    -- this event or is seen by wake_waiters below (step.wait_for_event's race).
-    FROM (SELECT pg_advisory_xact_lock_shared(hashtext('motir.wait:' || :name))) AS wait_fence
-    -- (name, idempotency_key) is unique; NULL keys never conflict.
-    ON CONFLICT (name, idempotency_key) DO NOTHING
-    RETURNING id
+    WITH e AS (
+      INSERT INTO job_event (name, data, workspace_id, idempotency_key)
+      SELECT %(name)s, CAST(%(data)s AS jsonb), %(workspace_id)s, %(key)s
+      -- A shared lock on the event name, held to commit: a run that starts waiting
+      -- for this name takes it exclusively before its look-back, so it either sees
+      -- this event or is seen by _WAKE_WAITERS below (step.wait_for_event's race).
+      FROM (SELECT pg_advisory_xact_lock_shared(hashtext('motir.wait:' || %(name)s))) AS wait_fence
+      -- (name, idempotency_key) is unique; NULL keys never conflict. A conflict
+      -- returns no row here, so no run either.
+      ON CONFLICT (name, idempotency_key) DO NOTHING
+      RETURNING id, name, workspace_id
+    ), runs AS ("""
+    + _RUNS_OF_E
+    + """)
+    SELECT e.id, runs.id, runs.job_id FROM e LEFT JOIN runs ON true   -- the event even with no run
+    """
+)
+
+_WAKE_WAITERS = (  # psycopg placeholders: see _hot
+    """
+    UPDATE job_queue
+    SET run_at = now(), dispatched_at = now()      -- due now; the caller publishes after commit
+    WHERE wait_event = %(name)s                    -- served by ix_job_queue_waiting
+      AND state = 'queued'                         -- suspended waiting (not cancelled, not running)
+      AND wait_value = (CAST(%(data)s AS jsonb) #>> wait_path)   -- the field the waiter matches on
+      -- Only for an event this transaction wrote (its received_at is this
+      -- transaction's now()): a send deduplicated by its key wakes nobody.
+      AND (CAST(%(key)s AS text) IS NULL
+           OR EXISTS (SELECT 1 FROM job_event d WHERE d.name = %(name)s AND d.idempotency_key = %(key)s
+                        AND d.received_at = now()))
+    RETURNING id, job_id
     """
 )
 
 
-def insert_event(
-    conn: Connection, name: str, data_json: str, workspace_id: str | None, idempotency_key: str | None
-) -> uuid.UUID | None:
-    """Write the event; ``None`` when its idempotency key was already used for this name."""
-    return conn.execute(
-        _INSERT_EVENT, {"name": name, "data": data_json, "workspace_id": workspace_id, "key": idempotency_key}
-    ).scalar()
+def _specs(specs: Sequence[RunSpec], traceparent: str | None) -> dict[str, Any]:
+    return {
+        "job_ids": [s.job_id for s in specs],
+        "max_attempts": [s.max_attempts for s in specs],
+        "policies": [s.policy for s in specs],
+        "priorities": [s.priority for s in specs],
+        "singletons": [s.singleton_key for s in specs],
+        "concurrency": [s.concurrency_key for s in specs],
+        "cancel_keys": [s.cancel_key for s in specs],
+        "traceparent": traceparent,
+    }
 
 
-_FAN_OUT = text(
+def _runs(specs: Sequence[RunSpec], rows: Sequence[tuple[Any, ...]]) -> list[Queued | AlreadyQueued]:
+    created = {job_id: run_id for run_id, job_id in rows if run_id is not None}
+    return [Queued(created[s.job_id], s.job_id) if s.job_id in created else AlreadyQueued(s.job_id)
+            for s in specs]
+
+
+def record_event(
+    conn: Connection, name: str, data_json: str, workspace_id: str | None, idempotency_key: str | None,
+    specs: Sequence[RunSpec], *, traceparent: str | None = None, commit: bool = False,
+) -> tuple[uuid.UUID | None, list[Queued | AlreadyQueued], list[Queued]]:
+    """Write the event and one run per spec, and make due the runs suspended
+    waiting for it: (event id, runs, woken runs), in one round trip. The event id
+    is ``None`` when its idempotency key was already used for this name.
+
+    Two statements, pipelined: the wake-up cannot share the insert's statement,
+    since its snapshot must be taken after the insert's advisory lock is granted.
+    ``commit``: ``conn`` is in autocommit; BEGIN and COMMIT are sent in the same
+    pipeline, so the event is committed (and flushed) when this returns.
     """
-    INSERT INTO job_queue (event_id, job_id, event_name, workspace_id, max_attempts, retry_policy,
-                           priority, singleton_key, concurrency_key, cancel_key, traceparent)
-    SELECT e.id, s.job_id, e.name, e.workspace_id, s.max_attempts, s.retry_policy,
-           s.priority, s.singleton_key, s.concurrency_key, s.cancel_key, :traceparent
-    FROM job_event e,
-         unnest(CAST(:job_ids AS text[]), CAST(:max_attempts AS int[]), CAST(:policies AS text[]),
-                CAST(:priorities AS smallint[]), CAST(:singletons AS text[]), CAST(:concurrency AS text[]),
-                CAST(:cancel_keys AS text[]))
-           AS s(job_id, max_attempts, retry_policy, priority, singleton_key, concurrency_key, cancel_key)
-    WHERE e.id = :event_id
-    -- No conflict target: one run per (event, job) — dispatching the same event
-    -- twice adds nothing — and one active run per (job, singleton_key).
-    ON CONFLICT DO NOTHING
-    RETURNING id, job_id
-    """
+    params = {"name": name, "data": data_json, "workspace_id": workspace_id, "key": idempotency_key}
+    statements = [(_RECORD_EVENT, {**params, **_specs(specs, traceparent)}), (_WAKE_WAITERS, params)]
+    if commit:
+        statements = [("BEGIN", {}), *statements, ("COMMIT", {})]
+    results = _pipelined(conn, statements)
+    recorded, woken = results[1:3] if commit else results
+    if not recorded:
+        return None, [], []
+    return recorded[0][0], _runs(specs, [row[1:] for row in recorded]), [Queued(r, j) for r, j in woken]
+
+
+_FAN_OUT = (  # psycopg placeholders: see _hot
+    "WITH e AS (SELECT id, name, workspace_id FROM job_event WHERE id = %(event_id)s), runs AS ("
+    + _RUNS_OF_E
+    + ") SELECT id, job_id FROM runs"
 )
 
 
 def fan_out(
     conn: Connection, event_id: uuid.UUID, specs: Sequence[RunSpec], *, traceparent: str | None = None
 ) -> list[Queued | AlreadyQueued]:
-    """One run per spec for the event, deduplicated by the database."""
+    """One run per spec for a recorded event, deduplicated by the database."""
     if not specs:
         return []
-    rows = conn.execute(
-        _FAN_OUT,
-        {
-            "event_id": event_id,
-            "job_ids": [s.job_id for s in specs],
-            "max_attempts": [s.max_attempts for s in specs],
-            "policies": [s.policy for s in specs],
-            "priorities": [s.priority for s in specs],
-            "singletons": [s.singleton_key for s in specs],
-            "concurrency": [s.concurrency_key for s in specs],
-            "cancel_keys": [s.cancel_key for s in specs],
-            "traceparent": traceparent,
-        },
-    ).all()
-    created = {row.job_id: row.id for row in rows}
-    return [Queued(created[s.job_id], s.job_id) if s.job_id in created else AlreadyQueued(s.job_id)
-            for s in specs]
-
-
-_WAKE_WAITERS = text(
-    """
-    UPDATE job_queue
-    SET run_at = now(), dispatched_at = now()      -- due now; the caller publishes after commit
-    WHERE wait_event = :name                       -- served by ix_job_queue_waiting
-      AND state = 'queued'                         -- suspended waiting (not cancelled, not running)
-      AND wait_value = (CAST(:data AS jsonb) #>> wait_path)   -- the field the waiter matches on
-    RETURNING id, job_id
-    """
-)
-
-
-def wake_waiters(conn: Connection, name: str, data_json: str) -> list[tuple[uuid.UUID, str]]:
-    """Runs suspended in ``step.wait_for_event`` for this event: make them due now."""
-    return [(r.id, r.job_id) for r in conn.execute(_WAKE_WAITERS, {"name": name, "data": data_json})]
+    (rows,) = _pipelined(conn, [(_FAN_OUT, {"event_id": event_id, **_specs(specs, traceparent)})])
+    return _runs(specs, rows)
 
 
 _CANCEL_BY_KEY = text(
@@ -537,7 +592,7 @@ _FIND_EVENT = text(
 
 
 def lock_wait(conn: Connection, name: str) -> None:
-    """Exclusive twin of insert_event's shared lock: after it, every event of ``name``
+    """Exclusive twin of record_event's shared lock: after it, every event of ``name``
     committed so far is visible, and every later one will see this transaction's waiter."""
     conn.execute(_LOCK_WAIT, {"name": name})
 
@@ -584,7 +639,16 @@ _SETTLE_SUCCEEDED = (  # psycopg placeholders: see _hot
       SET state = 'succeeded', result = CAST(%(result)s AS jsonb), finished_at = now(),
           claim_token = NULL, lease_expires_at = NULL
       WHERE id = %(run_id)s AND claim_token = %(token)s AND state = 'running'   -- fence
-      RETURNING id, attempts
+      RETURNING id, attempts, workspace_id
+    ), last_step AS (
+      -- The handler's last step, finished but not stored yet (steps.Step.flush):
+      -- stored in this commit, and only if the fenced settle above took the row.
+      INSERT INTO job_step (run_id, step_id, workspace_id, output, attempt, started_at)
+      SELECT s.id, CAST(%(step_id)s AS text), s.workspace_id, CAST(%(output)s AS jsonb), s.attempts,
+             now() - make_interval(secs => %(elapsed)s)
+      FROM settled s
+      WHERE CAST(%(step_id)s AS text) IS NOT NULL   -- no step pending: a settle alone
+      ON CONFLICT (run_id, step_id) DO NOTHING
     )
     UPDATE job_run r SET outcome = 'succeeded', finished_at = now()
     FROM settled s WHERE r.run_id = s.id AND r.outcome = 'running'   -- the open attempt
@@ -593,8 +657,13 @@ _SETTLE_SUCCEEDED = (  # psycopg placeholders: see _hot
 )
 
 
-def settle_succeeded(conn: Connection, claim_: Claim, result_json: str) -> bool:
-    params = {"run_id": claim_.run_id, "token": claim_.token, "result": result_json}
+def settle_succeeded(conn: Connection, claim_: Claim, result_json: str,
+                     last_step: tuple[str, str, float] | None = None) -> bool:
+    """Settle a run that succeeded, storing ``last_step`` (step id, output JSON,
+    seconds since its body started) in the same statement and commit."""
+    step_id, output, elapsed = last_step or (None, None, 0.0)
+    params = {"run_id": claim_.run_id, "token": claim_.token, "result": result_json,
+              "step_id": step_id, "output": output, "elapsed": elapsed}
     return _hot(conn, _SETTLE_SUCCEEDED, params) is not None
 
 

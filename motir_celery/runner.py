@@ -221,9 +221,16 @@ def _attempt(claim: queue.Claim, conn: Connection, publish: Publish | None, sett
             attempt=claim.attempt,
             scheduled_for=claim.scheduled_for,
         )
-        result = job.handler(event, step)
-        encoded = encode_json(result, what=f"the handler of {claim.job_id!r} returned a value that",
-                              limit=settings.max_payload_bytes)
+        try:
+            result = job.handler(event, step)
+            encoded = encode_json(result, what=f"the handler of {claim.job_id!r} returned a value that",
+                                  limit=settings.max_payload_bytes)
+        except Exception:
+            # A step that finished before the failure is stored before the failure's
+            # settle, so the next attempt replays it. A refused store raises
+            # LostClaim / RunCancelled instead, handled below like any other.
+            step.flush()
+            raise
     except Suspended as exc:
         # step.sleep / wait_for_event already queued the run again (no attempt charged).
         return Outcome(run, "suspended", f"until {exc.until}")
@@ -254,7 +261,8 @@ def _attempt(claim: queue.Claim, conn: Connection, publish: Publish | None, sett
         return _retry_or_fail(claim, conn, publish, exc, delay, settings)
 
     with conn.begin():
-        if not queue.settle_succeeded(conn, claim, encoded):
+        # The handler's last step rides in the settle's statement and commit (steps.Step.flush).
+        if not queue.settle_succeeded(conn, claim, encoded, step.take_pending()):
             return Outcome(run, _fenced_state(conn, claim))
     return Outcome(run, "succeeded")
 

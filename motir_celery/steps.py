@@ -8,6 +8,18 @@ The contract, plainly (docs/jobs.md says the same):
 * A step interrupted **before** its result was stored runs again on the next
   attempt: step bodies are at-least-once. Make them idempotent (or accept a
   rare repeat) for the window between the side effect and the store.
+* When the store happens: before anything that comes after the step — the
+  next step's body, a sleep, a wait, a ``step.send_event`` — and, for the
+  step a handler finishes with, in the run's settle: one statement and one
+  flushed commit for both (a success writes the result and that step
+  together; a failure stores the step first, so the retry replays it). So a
+  run of k steps waits for k flushes, not k + 1. The window above then also
+  covers the handler's own code between a step and the next one (which the
+  contract already asks to be cheap and free of side effects): a crash
+  there runs that one step again, never an earlier one.
+  REJECTED: storing each step before ``step.run`` returns; it costs a flush
+  per run that buys nothing a handler can observe, since the next thing that
+  depends on the record — a later step, the settle — stores it first.
   With the opt-in ``MOTIR_ASYNC_STEP_COMMIT=1`` that window also covers the
   WAL flush: a crash of Postgres itself may take back the step records of the
   last fraction of a second, and those steps run again — nothing else changes.
@@ -77,6 +89,8 @@ class Step:
         self._conn = conn
         self._transaction = transaction or self._on_own_connection
         self._memo: dict[str, Any] = dict(claim.steps)
+        # The last step's (key, JSON, monotonic start), finished but not stored yet: see flush().
+        self._pending: tuple[str, str, float] | None = None
         self._seen: dict[str, int] = {}
         self._max_bytes = max_bytes
         self._event_data = event_data
@@ -107,31 +121,54 @@ class Step:
         key = self._key(step_id)
         if key in self._memo:
             return self._memo[key]  # type: ignore[no-any-return]
+        self.flush()  # the previous step is stored before this body starts
         self._still_held(key)
         with step_span(key):
             started = time.monotonic()
             value = fn(*args, **kwargs)
             encoded = encode_json(value, what=f"step {key!r} returned a value that", limit=self._max_bytes)
-            elapsed = time.monotonic() - started  # a duration; the instant comes from now() in SQL
-            return self._store(key, encoded, elapsed)  # type: ignore[no-any-return]
+        return self._store(key, encoded, started)
 
-    def _store(self, key: str, encoded: str, elapsed: float) -> Any:
-        conn = self._conn
-        sent = time.monotonic()
-        with conn.begin():  # one statement, one commit: the memo is durable before we go on (flushed, unless opted out)
-            stored = store_step(conn, self._claim, key, encoded, elapsed, async_commit=self._async_commit)
-            reason = "" if stored else why_fenced(conn, self._claim)
-            if reason == "held":
-                # Still ours, but the step was already stored (a duplicate id
-                # racing within one attempt): the stored value wins.
-                encoded, stored = json.dumps(stored_output(conn, self._claim, key)), True
-        if not stored:
-            self._refused(key, reason)
-        self._confirmed = sent
+    def _finished(self, key: str, encoded: str) -> Any:
         self.executed.append(key)
         result = json.loads(encoded)
         self._memo[key] = result
         return result
+
+    def flush(self) -> None:
+        """Store the finished step that is not stored yet, if any (one statement,
+        one commit; flushed unless MOTIR_ASYNC_STEP_COMMIT). Called before whatever
+        follows a step; the runner calls it before a failure's settle, and folds
+        it into a success's settle instead (``take_pending``)."""
+        if self._pending is None:
+            return
+        (key, encoded, started), self._pending = self._pending, None
+        conn = self._conn
+        sent = time.monotonic()
+        with conn.begin():
+            stored = store_step(conn, self._claim, key, encoded, sent - started, async_commit=self._async_commit)
+            reason = "" if stored else why_fenced(conn, self._claim)
+            if reason == "held":
+                # Still ours, but the step was already stored (a duplicate id
+                # racing within one attempt): the stored value wins from now on.
+                self._memo[key], stored = stored_output(conn, self._claim, key), True
+        if not stored:
+            self._refused(key, reason)
+        self._confirmed = sent
+
+    def take_pending(self) -> tuple[str, str, float] | None:
+        """The finished step not stored yet, as (key, JSON, seconds since its body
+        started), for the success settle to store with the run."""
+        if self._pending is None:
+            return None
+        (key, encoded, started), self._pending = self._pending, None
+        return key, encoded, time.monotonic() - started
+
+    def _store(self, key: str, encoded: str, started: float) -> Any:
+        """A finished step (its body began at ``started``, monotonic), stored before
+        whatever follows it: see flush."""
+        self._pending = (key, encoded, started)
+        return self._finished(key, encoded)
 
     def _still_held(self, key: str) -> None:
         """Never start a body on a run this worker may have lost.
@@ -192,6 +229,7 @@ class Step:
         if key in self._memo:
             assert self._claim.db_now is not None
             return self._memo[key], self._claim.db_now
+        self.flush()
         with self._conn.begin():
             row = queue.store_clock_step(self._conn, self._claim, key, seconds=seconds, until=until)
             reason = "" if row is not None else why_fenced(self._conn, self._claim)
@@ -202,6 +240,7 @@ class Step:
         return window, now
 
     def _suspend(self, *, until: datetime, wait: tuple[str, list[str], str | None] | None = None) -> None:
+        self.flush()
         with self._conn.begin():
             run_at = queue.suspend(self._conn, self._claim, outcome="suspended", until=until, wait=wait,
                                    republish_after=self._republish_after)
@@ -221,12 +260,13 @@ class Step:
         key = self._key(step_id)
         if key in self._memo:
             return self._memo[key]
+        self.flush()
         result = events.send_event(
             name, data, workspace_id=workspace_id if workspace_id is not None else self._claim.workspace_id,
             idempotency_key=f"motir.step:{self.run_id}:{key}", publish=self._publish,
         )
         encoded = json.dumps({"event_id": str(result.event_id), "deduplicated": result.deduplicated})
-        return self._store(key, encoded, 0.0)
+        return self._store(key, encoded, time.monotonic())
 
     def wait_for_event(self, step_id: str, *, event: str, match: str,
                        timeout: float | timedelta) -> dict[str, Any] | None:
@@ -236,6 +276,7 @@ class Step:
         key = self._key(step_id)
         if key in self._memo:
             return self._memo[key]  # type: ignore[no-any-return]
+        self.flush()
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
         path = path_of(match)
         value = value_at(self._event_data, path)
@@ -258,7 +299,7 @@ class Step:
             self._refused(key, reason)
         if run_at is not None:
             raise Suspended(run_at)  # committed: the run waits in the queue, not in this process
-        return self._store(key, json.dumps(found), 0.0)  # type: ignore[no-any-return]
+        return self._store(key, json.dumps(found), time.monotonic())  # type: ignore[no-any-return]
 
     def _key(self, step_id: str) -> str:
         if not isinstance(step_id, str) or not step_id:

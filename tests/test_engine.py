@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import text
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 import tests.jobs  # noqa: F401  (registers the test jobs)
@@ -91,6 +92,26 @@ def test_payload_over_the_size_limit_is_refused(engine, monkeypatch):  # type: i
     small = Settings.from_env({**__import__("os").environ, "MOTIR_MAX_PAYLOAD_BYTES": "100"})
     with pytest.raises(PayloadError, match="over the 100-byte limit"):
         events.send_event("test.three", {"blob": "x" * 200}, settings=small)
+
+
+def test_a_send_the_database_refuses_writes_nothing_and_leaves_the_pool_usable(engine, monkeypatch):  # type: ignore[no-untyped-def]
+    """send_event's one round trip (BEGIN, event, runs, wake-up, COMMIT pipelined):
+    a statement that fails takes the whole transaction with it, and the pooled
+    connection comes back clean for the next send."""
+    from dataclasses import replace
+
+    from motir_celery import runspec
+
+    real = runspec.spec_for
+    monkeypatch.setattr(events, "spec_for", lambda *a, **k: replace(real(*a, **k), max_attempts=0))
+    published = Published()
+    with pytest.raises(DBAPIError, match="ck_job_queue_attempts"):
+        events.send_event("test.three", {"n": "refused"}, publish=published)
+    monkeypatch.setattr(events, "spec_for", real)
+    assert published == []
+    assert one(engine, "SELECT count(*) FROM job_event WHERE data->>'n' = 'refused'")[0] == 0
+    assert len(events.send_event("test.three", {"n": "next"}, publish=published).run_ids) == 1
+    assert len(published) == 1
 
 
 def test_send_event_in_a_rolled_back_session_writes_and_publishes_nothing(engine):  # type: ignore[no-untyped-def]
@@ -185,12 +206,13 @@ def test_a_zombie_whose_lease_was_reclaimed_can_neither_write_a_step_nor_settle(
         assert queue.store_step(conn, zombie, "a", '"zombie"', 0.0) is False
         assert queue.renew_lease(conn, zombie, 30) is False
         assert queue.settle_succeeded(conn, zombie, '"zombie"') is False
+        assert queue.settle_succeeded(conn, zombie, '"zombie"', ("z", '"zombie"', 0.0)) is False
         assert queue.settle_failed(conn, zombie, '{"type": "x"}') is None
         assert queue.settle_retry(conn, zombie, '{"type": "x"}', 0) is False
     with engine.begin() as conn:
         assert queue.store_step(conn, rescuer, "a", '"rescuer"', 0.0) is True
         assert queue.settle_succeeded(conn, rescuer, '"done"') is True
-    assert one(engine, "SELECT output FROM job_step WHERE run_id = :r", r=run_id)[0] == "rescuer"
+    assert one(engine, "SELECT output FROM job_step WHERE run_id = :r", r=run_id)[0] == "rescuer"  # and no "z"
     assert run_state(engine, run_id) == "succeeded"
 
 
@@ -224,6 +246,54 @@ def test_a_reclaim_racing_a_step_write_never_loses_the_stored_step(engine):  # t
         new = claim(engine, run_id, "test.three-steps")
         assert new is not None
         assert ("a" in new.steps) == stored[0]
+
+
+def test_a_step_is_stored_before_the_next_step_body_starts(engine):  # type: ignore[no-untyped-def]
+    seen_by_second: list[list[str]] = []
+
+    def stored_so_far(run_id: str) -> list[str]:
+        with engine.connect() as conn:  # another connection: only what is committed
+            return list(conn.execute(text("SELECT step_id FROM job_step WHERE run_id = :r ORDER BY step_id"),
+                                     {"r": run_id}).scalars())
+
+    @define_job("test.store-order", event="test.store-order")
+    def store_order(event: Any, step: Any) -> Any:
+        step.run("first", lambda: 1)
+        step.run("second", lambda: seen_by_second.append(stored_so_far(event.run_id)) or 2)
+        return "ok"
+
+    (run_id,) = events.send_event("test.store-order", {}).run_ids
+    assert execute(run_id, "test.store-order").state == "succeeded"
+    assert seen_by_second == [["first"]]
+
+
+def test_the_last_step_is_stored_by_the_settle_in_one_commit(engine):  # type: ignore[no-untyped-def]
+    """A run of k steps waits for k flushed commits: steps 1..k-1 each before the next
+    body, step k with the result (same transaction: the same xmin as the settled row)."""
+    (run_id,) = events.send_event("test.three", {}).run_ids
+    assert execute(run_id, "test.three-steps").state == "succeeded"
+    with engine.connect() as conn:
+        rows = dict(conn.execute(text(
+            "SELECT s.step_id, s.xmin::text = q.xmin::text FROM job_step s JOIN job_queue q ON q.id = s.run_id "
+            "WHERE s.run_id = :r"), {"r": run_id}).all())
+        result = conn.execute(text("SELECT result FROM job_queue WHERE id = :r"), {"r": run_id}).scalar_one()
+    assert rows == {"a": False, "b": False, "c": True}
+    assert result == {"total": 6}
+    assert count_effects(engine, run_id) == 3
+
+
+def test_a_handler_failing_after_its_last_step_keeps_that_step_for_the_retry(engine):  # type: ignore[no-untyped-def]
+    (run_id,) = events.send_event("test.flaky", {}).run_ids  # test.fail-after-two: raises after step b
+    assert execute(run_id, "test.fail-after-two").state == "retrying"
+    with engine.connect() as conn:
+        stored = conn.execute(text("SELECT step_id FROM job_step WHERE run_id = :r ORDER BY step_id"),
+                              {"r": run_id}).scalars().all()
+    assert stored == ["a", "b"]
+    with engine.begin() as conn:  # skip the backoff
+        conn.execute(text("UPDATE job_queue SET run_at = now() WHERE id = :r"), {"r": run_id})
+    assert execute(run_id, "test.fail-after-two").state == "succeeded"
+    assert (count_effects(engine, run_id, "a"), count_effects(engine, run_id, "b"),
+            count_effects(engine, run_id, "c")) == (1, 1, 1)
 
 
 def test_only_the_claim_commits_without_waiting_for_the_wal_flush(engine):  # type: ignore[no-untyped-def]
@@ -315,8 +385,8 @@ def test_cancelling_a_running_run_stops_it_at_the_next_step_boundary(engine):  #
     @define_job("test.cancellable", event="test.cancellable")
     def cancellable(event: Any, step: Any) -> Any:
         step.run("first", lambda: reached.append("first") or 1)
-        cancel_run(event.run_id)  # as if an operator cancelled while the step ran
-        step.run("second", lambda: reached.append("second") or 2)
+        # An operator cancels while the second step's body runs.
+        step.run("second", lambda: cancel_run(event.run_id) and reached.append("second") or 2)
         step.run("third", lambda: reached.append("third") or 3)
 
     (run_id,) = events.send_event("test.cancellable", {}).run_ids

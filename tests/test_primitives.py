@@ -127,6 +127,24 @@ def test_wait_for_event_resumes_with_the_matching_event(engine, broker_url, tmp_
     assert count_effects(engine, run_id, "placed") == 1
 
 
+def test_only_a_newly_recorded_event_wakes_its_waiters_not_a_deduplicated_resend(engine):  # type: ignore[no-untyped-def]
+    events.send_event("test.paid", {"order": "o-1"}, idempotency_key="pay-o-1")
+    (waiter,) = events.send_event("test.three", {}).run_ids
+    with engine.begin() as conn:  # a run suspended in wait_for_event(event="test.paid", match="data.order")
+        conn.execute(text("UPDATE job_queue SET wait_event = 'test.paid', wait_path = '{order}', wait_value = 'o-1', "
+                          "run_at = now() + interval '1 hour' WHERE id = :r"), {"r": waiter})
+
+    def due() -> bool:
+        with engine.connect() as conn:
+            return bool(conn.execute(text("SELECT run_at <= now() FROM job_queue WHERE id = :r"),
+                                     {"r": waiter}).scalar_one())
+
+    again = events.send_event("test.paid", {"order": "o-1"}, idempotency_key="pay-o-1")
+    assert again.deduplicated and again.woken == [] and not due()
+    fresh = events.send_event("test.paid", {"order": "o-1"}, idempotency_key="pay-o-1:again")
+    assert [r.run_id for r in fresh.woken] == [waiter] and due()
+
+
 def test_wait_for_event_returns_none_after_its_timeout(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
     with celery_worker(tmp_path, broker=broker_url, sweep_interval=0.3):
         (run_id,) = send_event("test.order", {"order_id": 9, "timeout": 2}).run_ids
@@ -201,8 +219,8 @@ def test_cancel_on_stops_a_running_run_at_its_next_step_boundary(engine):  # typ
     @define_job("test.cancel-on-running", event="test.long", cancel_on=[CancelOn("test.stop", "data.key")])
     def long_job(event, step):  # type: ignore[no-untyped-def]
         step.run("one", lambda: seen.append("one") or 1)
-        send_event("test.stop", {"key": event.data["key"]})  # the cancel arrives mid-run
-        step.run("two", lambda: seen.append("two") or 2)
+        # The cancelling event arrives while step "two" runs.
+        step.run("two", lambda: send_event("test.stop", {"key": event.data["key"]}) and seen.append("two") or 2)
         step.run("three", lambda: seen.append("three") or 3)
 
     (run_id,) = events.send_event("test.long", {"key": "k"}).run_ids
