@@ -380,10 +380,13 @@ def render(results: dict[str, Any], env: dict[str, str], command: str, elapsed: 
                       + " | ".join(f"{p['round_trips']} / {p['commits']}" for p in r["fresh"].values())
                       + f" | {r['replay'][last]['round_trips']} / {r['replay'][last]['commits']} |")
         r = st["motir"]
-        worst_rt = max(p["round_trips"] - int(k) for k, p in r["fresh"].items())
-        worst_c = max(p["commits"] - int(k) for k, p in r["fresh"].items())
-        targets.append(("<= k+2 round trips per run of k new steps", f"k + {worst_rt}", _ok(worst_rt <= 2)))
-        targets.append(("<= k+2 commits per run of k new steps", f"k + {worst_c}", _ok(worst_c <= 2)))
+        for what, field in (("round trips", "round_trips"), ("commits", "commits")):
+            extra = {int(k): p[field] - int(k) for k, p in r["fresh"].items()}
+            # From k = 1 on, the last step rides in the settle; k = 0 is the claim and the settle.
+            shown = f"k + {max(e for k, e in extra.items() if k)} for k >= 1" + (
+                f"; {extra[0]} at k = 0" if 0 in extra else "")
+            worst = max(extra.values())
+            targets.append((f"<= k+2 {what} per run of k new steps", shown, _ok(worst <= 2)))
         hits = {k: p["round_trips"] for k, p in r["replay"].items()}
         extra = max(hits.values()) - min(hits.values())
         targets.append(("0 extra round trips for memo hits", f"{extra} extra over {', '.join(f'k={k}' for k in hits)}",

@@ -2,7 +2,8 @@
 
 Each function is one round trip. Claim, step write and settle are the hot path
 (a run of k new steps costs k + 1 statements and k + 1 commits: the last step
-rides in the settle); enqueue and sweep are the rest. Rules that hold for every statement here:
+rides in the settle); enqueue and sweep are the rest. Rules that hold for
+every statement here:
 
 * **The database decides.** "Already done?" is a unique constraint
   (``ON CONFLICT DO NOTHING``) or a conditional ``UPDATE``, never a read then a
