@@ -8,28 +8,29 @@ The contract, plainly (docs/jobs.md says the same):
 * A step interrupted **before** its result was stored runs again on the next
   attempt: step bodies are at-least-once. Make them idempotent (or accept a
   rare repeat) for the window between the side effect and the store.
+  With the opt-in ``MOTIR_ASYNC_STEP_COMMIT=1`` that window also covers the
+  WAL flush: a crash of Postgres itself may take back the step records of the
+  last fraction of a second, and those steps run again — nothing else changes.
 * When the store happens: before anything that comes after the step — the
   next step's body, a sleep, a wait, a ``step.send_event`` — and, for the
   step a handler finishes with, in the run's settle: one statement and one
   flushed commit for both (a success writes the result and that step
   together; a failure stores the step first, so the retry replays it). So a
-  run of k steps waits for k flushes, not k + 1. The window above then also
-  covers the handler's own code between a step and the next one (which the
-  contract already asks to be cheap and free of side effects): a crash
-  there runs that one step again, never an earlier one.
+  run of k steps waits for k flushes, not k + 1. The window of the
+  previous point then also covers the handler's own code between a step and
+  the next one (which the contract already asks to be cheap and free of
+  side effects): a crash there runs that one step again, never an earlier one.
   REJECTED: storing each step before ``step.run`` returns; it costs a flush
   per run that buys nothing a handler can observe, since the next thing that
   depends on the record — a later step, the settle — stores it first.
-  With the opt-in ``MOTIR_ASYNC_STEP_COMMIT=1`` that window also covers the
-  WAL flush: a crash of Postgres itself may take back the step records of the
-  last fraction of a second, and those steps run again — nothing else changes.
 * The value a step returns is what JSON can carry; on the first execution too
   ``step.run`` returns the value as read back from JSON (a tuple comes back
   as a list both times), so a handler sees one type whichever path it took.
 
 The store is fenced on the claim token. When it is refused, this worker no
 longer holds the run (its lease was reclaimed, or the run was cancelled):
-``LostClaim`` / ``RunCancelled`` stop the handler at this step boundary.
+``LostClaim`` / ``RunCancelled`` stop the handler at this step boundary (the
+settle, refused the same way, ends the attempt as lost or cancelled).
 
 Besides ``run``, a step can give its worker back: ``sleep`` / ``sleep_until``
 and ``wait_for_event`` memoize when they started and until when, put the run
