@@ -120,7 +120,10 @@ def _hot(conn: Connection, sql: str, params: dict[str, Any]) -> tuple[Any, ...] 
 def _pipelined(conn: Connection, statements: Sequence[tuple[str, dict[str, Any]]]) -> list[list[tuple[Any, ...]]]:
     """Statements sent together, in order, in one round trip (a psycopg pipeline),
     inside whatever transaction ``conn`` is in; each one's rows. Each statement
-    still takes its own snapshot when the server reaches it. Errors as in ``_hot``."""
+    still takes its own snapshot when the server reaches it. Errors as in ``_hot``;
+    a failed statement leaves the transaction aborted for its owner to roll back
+    (a caller's savepoint, or the pool's reset on checkin). REJECTED: rolling back
+    here, which would also end a ``send_event(session=...)`` caller's transaction."""
     raw = conn.connection.driver_connection
     cursors = [raw.cursor() for _ in statements]
     try:
@@ -129,8 +132,6 @@ def _pipelined(conn: Connection, statements: Sequence[tuple[str, dict[str, Any]]
                 cursor.execute(sql, params, prepare=bool(params))  # (BEGIN and COMMIT are not prepared)
         return [cursor.fetchall() if cursor.description else [] for cursor in cursors]
     except psycopg.Error as exc:
-        if raw.info.transaction_status == psycopg.pq.TransactionStatus.INERROR:
-            raw.rollback()  # an explicit BEGIN of ours left the transaction open and aborted
         # The server stops at the first error; which statement it was is in the message.
         sql = ";\n".join(sql for sql, _ in statements)
         raise _translated(conn, raw, sql, {k: v for _, p in statements for k, v in p.items()}, exc) from exc

@@ -94,23 +94,54 @@ def test_payload_over_the_size_limit_is_refused(engine, monkeypatch):  # type: i
         events.send_event("test.three", {"blob": "x" * 200}, settings=small)
 
 
-def test_a_send_the_database_refuses_writes_nothing_and_leaves_the_pool_usable(engine, monkeypatch):  # type: ignore[no-untyped-def]
-    """send_event's one round trip (BEGIN, event, runs, wake-up, COMMIT pipelined):
-    a statement that fails takes the whole transaction with it, and the pooled
-    connection comes back clean for the next send."""
+@pytest.fixture
+def refusing(monkeypatch) -> dict[str, bool]:  # type: ignore[no-untyped-def]
+    """While ``refusing["on"]``, every run send_event writes breaks ck_job_queue_attempts."""
     from dataclasses import replace
 
     from motir_celery import runspec
 
+    state = {"on": False}
     real = runspec.spec_for
-    monkeypatch.setattr(events, "spec_for", lambda *a, **k: replace(real(*a, **k), max_attempts=0))
+
+    def spec_for(*args: Any, **kwargs: Any) -> Any:
+        spec = real(*args, **kwargs)
+        return replace(spec, max_attempts=0) if state["on"] else spec
+
+    monkeypatch.setattr(events, "spec_for", spec_for)
+    return state
+
+
+def test_a_send_the_database_refuses_writes_nothing_and_leaves_the_pool_usable(engine, refusing):  # type: ignore[no-untyped-def]
+    """send_event's one round trip (BEGIN, event, runs, wake-up, COMMIT pipelined):
+    a statement that fails takes the whole transaction with it, and the pooled
+    connection comes back clean for the next send."""
     published = Published()
+    refusing["on"] = True
     with pytest.raises(DBAPIError, match="ck_job_queue_attempts"):
         events.send_event("test.three", {"n": "refused"}, publish=published)
-    monkeypatch.setattr(events, "spec_for", real)
+    refusing["on"] = False
     assert published == []
     assert one(engine, "SELECT count(*) FROM job_event WHERE data->>'n' = 'refused'")[0] == 0
+    aborted = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND state LIKE '%aborted%'"
+    assert one(engine, aborted)[0] == 0  # no pooled connection left inside the failed transaction
     assert len(events.send_event("test.three", {"n": "next"}, publish=published).run_ids) == 1
+    assert len(published) == 1
+
+
+def test_a_send_refused_inside_a_savepoint_leaves_the_callers_transaction_usable(engine, refusing):  # type: ignore[no-untyped-def]
+    """With session=, the pipelined statements run in the caller's transaction: a refusal
+    is the caller's to roll back (here to its savepoint), never ours to end."""
+    published = Published()
+    with Session(engine) as session:
+        with session.begin():
+            events.send_event("test.three", {"n": "kept"}, session=session, publish=published)
+            refusing["on"] = True
+            with pytest.raises(DBAPIError, match="ck_job_queue_attempts"), session.begin_nested():
+                events.send_event("test.three", {"n": "refused"}, session=session, publish=published)
+            refusing["on"] = False
+    assert one(engine, "SELECT count(*) FROM job_event WHERE data->>'n' = 'kept'")[0] == 1
+    assert one(engine, "SELECT count(*) FROM job_event WHERE data->>'n' = 'refused'")[0] == 0
     assert len(published) == 1
 
 
