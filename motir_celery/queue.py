@@ -31,12 +31,17 @@ idle server costs most of a send's time in wake-ups, not in work.
 from __future__ import annotations
 
 import json
+import re
+import select
+import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Sequence
 
 import psycopg
+from psycopg import pq
 from sqlalchemy import Connection, text
 from sqlalchemy.exc import DBAPIError
 
@@ -94,6 +99,8 @@ class Claim:
     db_now: datetime | None = None
     concurrency_key: str | None = None
     traceparent: str | None = None
+    #: Pipe's statements prepared on the claim's connection (names).
+    prepared: tuple[str, ...] = ()
 
 
 def _json(value: Any) -> str:
@@ -142,6 +149,151 @@ def _translated(conn: Connection, raw: Any, sql: str, params: dict[str, Any], ex
     if broken:
         conn.invalidate(exc)
     return DBAPIError.instance(sql, params, exc, psycopg.Error, connection_invalidated=broken)
+
+
+# --- the attempt's writes, pipelined ----------------------------------------------
+
+_PLACEHOLDER = re.compile(r"%\((\w+)\)s")
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A hot statement as libpq wants it: ``$n`` placeholders, its parameter names in order."""
+
+    name: bytes
+    sql: bytes
+    params: tuple[str, ...]
+
+    @classmethod
+    def of(cls, name: str, sql: str) -> "_Prepared":
+        names: list[str] = []
+
+        def number(match: re.Match[str]) -> str:
+            if match.group(1) not in names:
+                names.append(match.group(1))
+            return f"${names.index(match.group(1)) + 1}"
+
+        return cls(name.encode(), _PLACEHOLDER.sub(number, sql).encode(), tuple(names))
+
+    def values(self, params: dict[str, Any]) -> list[bytes | None]:
+        # Text format, types inferred by the server from the statement (uuid, jsonb, float8, bool).
+        return [None if v is None else b"t" if v is True else b"f" if v is False else str(v).encode()
+                for v in (params[n] for n in self.params)]
+
+
+class Pipe:
+    """The attempt's fenced writes, sent without waiting for their answers.
+
+    The attempt's connection enters libpq's pipeline mode for its first write;
+    each write is followed by a Sync, so it is still its own transaction and its
+    own commit (an autocommit statement, as in ``_hot``), and the server runs
+    them in the order sent. Answers are read later, in that order: at once when
+    they have already arrived (``answers(block=False)``), or waiting for all of
+    them (``answers(block=True)``), which also leaves pipeline mode, so the
+    connection is an ordinary one again. Nothing else may use the connection
+    while a write is in flight; ``Step`` drains the pipe before any other statement.
+    """
+
+    def __init__(self, conn: Connection, prepared: Sequence[str]) -> None:
+        self._conn = conn
+        self._raw = conn.connection.driver_connection
+        #: Tags of the writes sent and not answered yet, with when each was sent (monotonic).
+        self._in_flight: deque[tuple[Any, float]] = deque()
+        #: The statements prepared on this session (read by the claim: see there).
+        self._prepared = {name.encode() for name in prepared}
+
+    @property
+    def idle(self) -> bool:
+        return not self._in_flight
+
+    def lagging(self, seconds: float) -> bool:
+        """Whether a write sent more than ``seconds`` ago is still unanswered."""
+        return bool(self._in_flight) and time.monotonic() - self._in_flight[0][1] > seconds
+
+    def send(self, statement: _Prepared, params: dict[str, Any], tag: Any) -> None:
+        pg = self._raw.pgconn
+        try:
+            if pg.pipeline_status == 0:
+                pg.enter_pipeline_mode()
+            if statement.name not in self._prepared:
+                pg.send_prepare(statement.name, statement.sql)
+                pg.pipeline_sync()
+                self._in_flight.append((_Prepare(statement.name), time.monotonic()))
+                self._prepared.add(statement.name)
+            pg.send_query_prepared(statement.name, statement.values(params))
+            pg.pipeline_sync()
+            self._in_flight.append((tag, time.monotonic()))
+            while pg.flush():  # (a nonblocking connection: send what did not fit in the socket)
+                select.select([], [pg.socket], [])
+        except psycopg.Error as exc:
+            raise _translated(self._conn, self._raw, statement.sql.decode(), params, exc) from exc
+
+    def answers(self, *, block: bool) -> list[tuple[Any, float, tuple[Any, ...] | None]]:
+        """(tag, when sent, first row or None) of each write answered so far, in the order sent;
+        with ``block``, of every write in flight. The first error is raised after
+        its answer is read (the writes after it still ran: each is its own transaction)."""
+        pg = self._raw.pgconn
+        out: list[tuple[Any, float, tuple[Any, ...] | None]] = []
+        try:
+            while self._in_flight:
+                results = self._results(pg, block)
+                if results is None:
+                    break
+                tag, sent = self._in_flight.popleft()
+                result = results[0]
+                if isinstance(tag, _Prepare):
+                    if result.status != pq.ExecStatus.FATAL_ERROR or result.error_field(
+                            pq.DiagnosticField.SQLSTATE) == b"42P05":  # duplicate_prepared_statement: there already
+                        continue
+                    self._prepared.discard(tag.name)  # prepared again on the next use
+                if result.status == pq.ExecStatus.FATAL_ERROR:
+                    raise psycopg.errors.error_from_result(result, encoding=self._raw.info.encoding)
+                out.append((tag, sent, self._row(result)))
+            if not self._in_flight and pg.pipeline_status != 0:
+                pg.exit_pipeline_mode()
+        except psycopg.Error as exc:
+            raise _translated(self._conn, self._raw, "(pipelined write)", {}, exc) from exc
+        return out
+
+    def _results(self, pg: Any, block: bool) -> list[Any] | None:
+        """The results of the next write and its Sync; None (nothing consumed) when
+        not all of them are in yet and ``block`` is off."""
+        pending: list[Any] = []
+        ends = 0
+        while True:
+            pg.consume_input()
+            while not pg.is_busy():
+                result = pg.get_result()
+                if result is None:  # the end of one statement's results
+                    ends += 1
+                    if ends > 1:  # libpq has nothing more to give: we lost count of what was sent
+                        raise psycopg.InterfaceError("pipelined writes out of step with their answers")
+                    continue
+                if result.status == pq.ExecStatus.PIPELINE_SYNC:
+                    return pending
+                pending.append(result)
+            if not block and not pending:
+                return None
+            select.select([pg.socket], [], [])
+
+    def _row(self, result: Any) -> tuple[Any, ...] | None:
+        if result.status != pq.ExecStatus.TUPLES_OK or result.ntuples == 0:
+            return None
+        return tuple(result.get_value(0, i) for i in range(result.nfields))
+
+    def abandon(self) -> None:
+        """The attempt ended with writes in flight (an exception escaped): the
+        connection cannot go back to the pool in pipeline mode."""
+        if self._in_flight or self._raw.pgconn.pipeline_status != 0:
+            self._in_flight.clear()
+            self._conn.invalidate()
+
+
+@dataclass(frozen=True)
+class _Prepare:
+    """The tag of a prepare sent ahead of a statement's first use on a connection."""
+
+    name: bytes
 
 
 # --- enqueue ------------------------------------------------------------------------
@@ -407,6 +559,9 @@ _CLAIM = (  # psycopg placeholders: see _hot
            (SELECT coalesce(jsonb_object_agg(s.step_id, s.output), '{}'::jsonb)
               FROM job_step s WHERE s.run_id = c.id),
            now(), c.concurrency_key, c.traceparent,
+           -- Which statements of Pipe this session has prepared: psycopg deallocates
+           -- every prepared statement of a connection after a ROLLBACK or a DROP on it.
+           (SELECT coalesce(array_agg(name), '{}') FROM pg_prepared_statements WHERE name LIKE 'motir\_%%'),
            -- The claim's commit does not wait for the WAL flush: losing it to a
            -- crash of Postgres loses no work (the run is queued again, attempt
            -- uncharged), and the run's first flushed write — a step or the
@@ -486,6 +641,18 @@ _STORE_STEP = (  # psycopg placeholders: see _hot
     RETURNING 1
     """
 )
+
+
+_STORE_STEP_PIPED = _Prepared.of("motir_store_step", _STORE_STEP)
+
+
+def send_store_step(pipe: Pipe, claim_: Claim, step_id: str, output_json: str, elapsed: float, *,
+                    async_commit: bool = False) -> None:
+    """store_step without waiting: its answer (a row, or None when fenced) comes
+    from ``pipe.answers``, tagged ``step_id``."""
+    params = {"run_id": claim_.run_id, "token": claim_.token, "step_id": step_id, "output": output_json,
+              "elapsed": elapsed, "async_commit": async_commit}
+    pipe.send(_STORE_STEP_PIPED, params, step_id)
 
 
 def store_step(
@@ -667,6 +834,18 @@ def settle_succeeded(conn: Connection, claim_: Claim, result_json: str,
     params = {"run_id": claim_.run_id, "token": claim_.token, "result": result_json,
               "step_id": step_id, "output": output, "elapsed": elapsed}
     return _hot(conn, _SETTLE_SUCCEEDED, params) is not None
+
+
+_SETTLE_SUCCEEDED_PIPED = _Prepared.of("motir_settle_succeeded", _SETTLE_SUCCEEDED)
+
+
+def send_settle_succeeded(pipe: Pipe, claim_: Claim, result_json: str,
+                          last_step: tuple[str, str, float] | None, tag: Any) -> None:
+    """settle_succeeded without waiting, behind the step writes still in flight."""
+    step_id, output, elapsed = last_step or (None, None, 0.0)
+    params = {"run_id": claim_.run_id, "token": claim_.token, "result": result_json,
+              "step_id": step_id, "output": output, "elapsed": elapsed}
+    pipe.send(_SETTLE_SUCCEEDED_PIPED, params, tag)
 
 
 _SETTLE_RETRY = text(

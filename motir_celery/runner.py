@@ -21,6 +21,7 @@ with the attempt already charged. Nothing is lost, and no step is redone.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -182,7 +183,9 @@ def _claim(engine: Engine, run_id: uuid.UUID, job_id: str, worker: str,
         conn = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
         try:
             if limit is not None:
-                return conn, _claim_limited(engine, run_id, job_id, worker, settings, limit)
+                claim = _claim_limited(engine, run_id, job_id, worker, settings, limit)
+                # Claimed on another connection: what it found prepared says nothing of `conn`.
+                return conn, claim and dataclasses.replace(claim, prepared=())
             with conn.begin():
                 return conn, queue.claim(conn, run_id, job_id=job_id, worker=worker,
                                          lease_seconds=settings.lease_seconds)
@@ -210,6 +213,15 @@ def _attempt(claim: queue.Claim, conn: Connection, publish: Publish | None, sett
     step = Step(claim, conn, max_bytes=settings.max_payload_bytes, event_data=event_data, publish=publish,
                 republish_after=settings.republish_after, transaction=get_engine(settings=settings).begin,
                 lease_seconds=settings.lease_seconds, async_commit=settings.async_step_commit)
+    try:
+        return _handle(claim, conn, step, event_data, publish, settings)
+    finally:
+        step.abandon()  # a no-op unless an exception escaped with step records in flight
+
+
+def _handle(claim: queue.Claim, conn: Connection, step: Step, event_data: Any, publish: Publish | None,
+            settings: Settings) -> Outcome:
+    run = str(claim.run_id)
     try:
         job = get_job(claim.job_id)
         event = Event(
@@ -261,8 +273,8 @@ def _attempt(claim: queue.Claim, conn: Connection, publish: Publish | None, sett
         return _retry_or_fail(claim, conn, publish, exc, delay, settings)
 
     with conn.begin():
-        # The handler's last step rides in the settle's statement and commit (steps.Step.flush).
-        if not queue.settle_succeeded(conn, claim, encoded, step.take_pending()):
+        # Behind the step records in flight; the last step rides in its statement and commit.
+        if not step.settle(encoded):
             return Outcome(run, _fenced_state(conn, claim))
     return Outcome(run, "succeeded")
 

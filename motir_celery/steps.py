@@ -51,13 +51,18 @@ from sqlalchemy import Connection
 
 from . import queue
 from .errors import LostClaim, RunCancelled, StepOutputError, Suspended
-from .queue import Claim, renew_lease, store_step, stored_output, why_fenced
+from .queue import Claim, Pipe, renew_lease, send_settle_succeeded, send_store_step, stored_output, why_fenced
 from .runspec import path_of, value_at
 from .tracing import step_span
 
 __all__ = ["Step", "SEPARATOR", "encode_json"]
 
 T = TypeVar("T")
+
+#: How long a step body may start ahead of an unanswered step record (seconds): see Step.run.
+MAX_LAG = 0.001
+
+_SETTLE = object()  # the settle's tag among the records in flight
 
 #: Joins a repeated step id and its occurrence number (``charge``, ``charge:1``...).
 #: Reserved: a step id may not contain it, so ``charge:1`` cannot collide.
@@ -90,8 +95,10 @@ class Step:
         self._conn = conn
         self._transaction = transaction or self._on_own_connection
         self._memo: dict[str, Any] = dict(claim.steps)
-        # The last step's (key, JSON, monotonic start), finished but not stored yet: see flush().
+        # The last step's (key, JSON, monotonic start), finished but not sent yet: see flush().
         self._pending: tuple[str, str, float] | None = None
+        # Step records sent and not answered yet: see run().
+        self._pipe = Pipe(conn, claim.prepared)
         self._seen: dict[str, int] = {}
         self._max_bytes = max_bytes
         self._event_data = event_data
@@ -122,7 +129,13 @@ class Step:
         key = self._key(step_id)
         if key in self._memo:
             return self._memo[key]  # type: ignore[no-any-return]
-        self.flush()  # the previous step is stored before this body starts
+        # The previous step's record goes out now, and its answer is not waited
+        # for: this body runs while the database stores it. Answers already in are
+        # read first, and a body never starts while a record sent more than
+        # MAX_LAG ago is unanswered, so a refused record (cancelled, lost claim)
+        # stops the handler within about one round trip of the refusal.
+        self._send_pending()
+        self._check(block=self._pipe.lagging(MAX_LAG))
         self._still_held(key)
         with step_span(key):
             started = time.monotonic()
@@ -137,33 +150,63 @@ class Step:
         return result
 
     def flush(self) -> None:
-        """Store the finished step that is not stored yet, if any (one statement,
-        one commit; flushed unless MOTIR_ASYNC_STEP_COMMIT). Called before whatever
-        follows a step; the runner calls it before a failure's settle, and folds
-        it into a success's settle instead (``take_pending``)."""
+        """Every finished step stored: the one not sent yet is sent, and every record
+        in flight is answered (``LostClaim`` / ``RunCancelled`` if one was refused).
+        Called before whatever must come after the records (a sleep, a wait, a
+        ``step.send_event``, any other statement on this connection); the runner
+        calls it before a failure's settle and sends a success's settle behind
+        the records instead (``settle``)."""
+        self._send_pending()
+        self._check(block=True)
+
+    def _send_pending(self) -> None:
         if self._pending is None:
             return
         (key, encoded, started), self._pending = self._pending, None
-        conn = self._conn
-        sent = time.monotonic()
-        with conn.begin():
-            stored = store_step(conn, self._claim, key, encoded, sent - started, async_commit=self._async_commit)
-            reason = "" if stored else why_fenced(conn, self._claim)
+        send_store_step(self._pipe, self._claim, key, encoded, time.monotonic() - started,
+                        async_commit=self._async_commit)
+
+    def _check(self, *, block: bool) -> None:
+        """Read the answers to the records in flight that are in (all of them with
+        ``block``); a refused record drains the rest and stops the handler."""
+        if self._pipe.idle:
+            return
+        refused = None
+        for key, sent, row in self._pipe.answers(block=block):
+            if row is not None:
+                self._confirmed = sent
+            elif refused is None:
+                refused = key
+        if refused is None:
+            return
+        self._pipe.answers(block=True)
+        with self._conn.begin():
+            reason = why_fenced(self._conn, self._claim)
             if reason == "held":
                 # Still ours, but the step was already stored (a duplicate id
                 # racing within one attempt): the stored value wins from now on.
-                self._memo[key], stored = stored_output(conn, self._claim, key), True
-        if not stored:
-            self._refused(key, reason)
-        self._confirmed = sent
+                self._memo[refused] = stored_output(self._conn, self._claim, refused)
+                return
+        self._refused(refused, reason)
 
-    def take_pending(self) -> tuple[str, str, float] | None:
-        """The finished step not stored yet, as (key, JSON, seconds since its body
-        started), for the success settle to store with the run."""
-        if self._pending is None:
-            return None
-        (key, encoded, started), self._pending = self._pending, None
-        return key, encoded, time.monotonic() - started
+    def settle(self, result_json: str) -> bool:
+        """The run succeeded: settle it behind the records in flight, with the last
+        step in the settle's own statement and commit. False when the database
+        refused it (the run was cancelled or reclaimed)."""
+        last = None
+        if self._pending is not None:
+            (key, encoded, started), self._pending = self._pending, None
+            last = (key, encoded, time.monotonic() - started)
+        send_settle_succeeded(self._pipe, self._claim, result_json, last, _SETTLE)
+        settled = False
+        for tag, _, row in self._pipe.answers(block=True):
+            if tag is _SETTLE:
+                settled = row is not None
+        return settled
+
+    def abandon(self) -> None:
+        """The attempt ends with records in flight (an exception escaped the runner)."""
+        self._pipe.abandon()
 
     def _store(self, key: str, encoded: str, started: float) -> Any:
         """A finished step (its body began at ``started``, monotonic), stored before
@@ -188,6 +231,7 @@ class Step:
         """
         if self._lease is None or time.monotonic() - self._confirmed < self._lease / 3:
             return
+        self._check(block=True)  # the connection is needed for the renewal
         sent = time.monotonic()
         with self._conn.begin():
             held = renew_lease(self._conn, self._claim, self._lease)

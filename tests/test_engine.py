@@ -8,6 +8,7 @@ precisely: fences, settles, the DLQ transaction, replay, cancellation.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -279,23 +280,64 @@ def test_a_reclaim_racing_a_step_write_never_loses_the_stored_step(engine):  # t
         assert ("a" in new.steps) == stored[0]
 
 
-def test_a_step_is_stored_before_the_next_step_body_starts(engine):  # type: ignore[no-untyped-def]
+def _stored_steps(engine, run_id: str) -> list[str]:  # type: ignore[no-untyped-def]
+    with engine.connect() as conn:  # another connection: only what is committed
+        return list(conn.execute(text("SELECT step_id FROM job_step WHERE run_id = :r ORDER BY step_id"),
+                                 {"r": run_id}).scalars())
+
+
+def _hold_run_row(engine, run_id: str, seconds: float) -> threading.Thread:  # type: ignore[no-untyped-def]
+    """Lock the run's row from another connection for ``seconds``: a step record
+    (FOR SHARE of it) waits in the server meanwhile."""
+    locked = threading.Event()
+
+    def hold() -> None:
+        with engine.begin() as conn:
+            conn.execute(text("SELECT 1 FROM job_queue WHERE id = :r FOR UPDATE"), {"r": run_id})
+            locked.set()
+            time.sleep(seconds)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    assert locked.wait(10)
+    return thread
+
+
+def test_a_fast_step_body_runs_while_the_previous_steps_record_is_being_written(engine, monkeypatch):  # type: ignore[no-untyped-def]
+    from motir_celery import steps
+
+    monkeypatch.setattr(steps, "MAX_LAG", 60.0)  # never wait for an answer before a body
     seen_by_second: list[list[str]] = []
+    holders: list[threading.Thread] = []
 
-    def stored_so_far(run_id: str) -> list[str]:
-        with engine.connect() as conn:  # another connection: only what is committed
-            return list(conn.execute(text("SELECT step_id FROM job_step WHERE run_id = :r ORDER BY step_id"),
-                                     {"r": run_id}).scalars())
-
-    @define_job("test.store-order", event="test.store-order")
-    def store_order(event: Any, step: Any) -> Any:
-        step.run("first", lambda: 1)
-        step.run("second", lambda: seen_by_second.append(stored_so_far(event.run_id)) or 2)
+    @define_job("test.pipelined", event="test.pipelined")
+    def pipelined(event: Any, step: Any) -> Any:
+        step.run("first", lambda: holders.append(_hold_run_row(engine, event.run_id, 2.0)) or 1)
+        # "first" was sent and waits for the row lock in the server; this body does not wait for it.
+        step.run("second", lambda: seen_by_second.append(_stored_steps(engine, event.run_id)) or 2)
         return "ok"
 
-    (run_id,) = events.send_event("test.store-order", {}).run_ids
-    assert execute(run_id, "test.store-order").state == "succeeded"
-    assert seen_by_second == [["first"]]
+    (run_id,) = events.send_event("test.pipelined", {}).run_ids
+    assert execute(run_id, "test.pipelined").state == "succeeded"
+    holders[0].join()
+    assert seen_by_second == [[]]
+    assert _stored_steps(engine, run_id) == ["first", "second"]
+
+
+def test_no_step_body_starts_while_a_record_sent_more_than_max_lag_ago_is_unanswered(engine):  # type: ignore[no-untyped-def]
+    seen_by_third: list[list[str]] = []
+
+    @define_job("test.lagging", event="test.lagging")
+    def lagging(event: Any, step: Any) -> Any:
+        step.run("first", lambda: _hold_run_row(engine, event.run_id, 0.3) and 1)
+        step.run("second", lambda: time.sleep(0.02) or 2)  # longer than MAX_LAG
+        # "first" has waited for its answer since before "second" began: it is read before this body.
+        step.run("third", lambda: seen_by_third.append(_stored_steps(engine, event.run_id)) or 3)
+        return "ok"
+
+    (run_id,) = events.send_event("test.lagging", {}).run_ids
+    assert execute(run_id, "test.lagging").state == "succeeded"
+    assert seen_by_third[0][:1] == ["first"]
 
 
 def test_the_last_step_is_stored_by_the_settle_in_one_commit(engine):  # type: ignore[no-untyped-def]
@@ -416,8 +458,15 @@ def test_cancelling_a_running_run_stops_it_at_the_next_step_boundary(engine):  #
     @define_job("test.cancellable", event="test.cancellable")
     def cancellable(event: Any, step: Any) -> Any:
         step.run("first", lambda: reached.append("first") or 1)
-        # An operator cancels while the second step's body runs.
-        step.run("second", lambda: cancel_run(event.run_id) and reached.append("second") or 2)
+        def second() -> int:
+            # An operator cancels while the second step's body runs. The body outlasts
+            # steps.MAX_LAG, so the refusal of its record is read before the next body.
+            assert cancel_run(event.run_id)
+            reached.append("second")
+            time.sleep(0.01)
+            return 2
+
+        step.run("second", second)
         step.run("third", lambda: reached.append("third") or 3)
 
     (run_id,) = events.send_event("test.cancellable", {}).run_ids

@@ -219,8 +219,15 @@ def test_cancel_on_stops_a_running_run_at_its_next_step_boundary(engine):  # typ
     @define_job("test.cancel-on-running", event="test.long", cancel_on=[CancelOn("test.stop", "data.key")])
     def long_job(event, step):  # type: ignore[no-untyped-def]
         step.run("one", lambda: seen.append("one") or 1)
-        # The cancelling event arrives while step "two" runs.
-        step.run("two", lambda: send_event("test.stop", {"key": event.data["key"]}) and seen.append("two") or 2)
+        def two() -> int:
+            # The cancelling event arrives while step "two" runs. The body outlasts
+            # steps.MAX_LAG, so the refusal of its record is read before the next body.
+            send_event("test.stop", {"key": event.data["key"]})
+            seen.append("two")
+            time.sleep(0.01)
+            return 2
+
+        step.run("two", two)
         step.run("three", lambda: seen.append("three") or 3)
 
     (run_id,) = events.send_event("test.long", {"key": "k"}).run_ids
