@@ -20,10 +20,13 @@ inside the caller's transaction.
 
 The three statements every run executes (claim, step write, settle) skip
 SQLAlchemy's execution layer and go to the psycopg connection underneath as
-prepared statements (``_hot``): Core costs ~50-70 us of CPU per statement for
+prepared statements: Core costs ~50-70 us of CPU per statement for
 compile-cache lookup and result wrapping, a fifth of a short run's CPU
 (docs/performance.md). They keep ``%(name)s`` placeholders and the same
-transaction and error semantics as the rest. ``record_event`` sends its two
+transaction and error semantics as the rest. The claim waits for its answer
+(``_hot``); the step writes and a success's settle are sent through ``Pipe``
+(libpq's pipeline mode) and answered later, so a run waits for two answers
+however many steps it stores (steps.py says when they are read). ``record_event`` sends its two
 statements in one psycopg pipeline (``_pipelined``): one round trip where an
 idle server costs most of a send's time in wake-ups, not in work.
 """
@@ -646,13 +649,16 @@ _STORE_STEP = (  # psycopg placeholders: see _hot
 _STORE_STEP_PIPED = _Prepared.of("motir_store_step", _STORE_STEP)
 
 
+def _step_params(claim_: Claim, step_id: str, output_json: str, elapsed: float, async_commit: bool) -> dict[str, Any]:
+    return {"run_id": claim_.run_id, "token": claim_.token, "step_id": step_id, "output": output_json,
+            "elapsed": elapsed, "async_commit": async_commit}
+
+
 def send_store_step(pipe: Pipe, claim_: Claim, step_id: str, output_json: str, elapsed: float, *,
                     async_commit: bool = False) -> None:
     """store_step without waiting: its answer (a row, or None when fenced) comes
     from ``pipe.answers``, tagged ``step_id``."""
-    params = {"run_id": claim_.run_id, "token": claim_.token, "step_id": step_id, "output": output_json,
-              "elapsed": elapsed, "async_commit": async_commit}
-    pipe.send(_STORE_STEP_PIPED, params, step_id)
+    pipe.send(_STORE_STEP_PIPED, _step_params(claim_, step_id, output_json, elapsed, async_commit), step_id)
 
 
 def store_step(
@@ -666,9 +672,7 @@ def store_step(
     flush delay (``wal_writer_delay``, 200 ms by default) can lose it, and a lost
     record only runs its step again (as does every later, equally lost one).
     """
-    params = {"run_id": claim_.run_id, "token": claim_.token, "step_id": step_id, "output": output_json,
-              "elapsed": elapsed, "async_commit": async_commit}
-    return _hot(conn, _STORE_STEP, params) is not None
+    return _hot(conn, _STORE_STEP, _step_params(claim_, step_id, output_json, elapsed, async_commit)) is not None
 
 
 _RENEW_LEASE = text(
@@ -830,10 +834,13 @@ def settle_succeeded(conn: Connection, claim_: Claim, result_json: str,
                      last_step: tuple[str, str, float] | None = None) -> bool:
     """Settle a run that succeeded, storing ``last_step`` (step id, output JSON,
     seconds since its body started) in the same statement and commit."""
+    return _hot(conn, _SETTLE_SUCCEEDED, _settle_params(claim_, result_json, last_step)) is not None
+
+
+def _settle_params(claim_: Claim, result_json: str, last_step: tuple[str, str, float] | None) -> dict[str, Any]:
     step_id, output, elapsed = last_step or (None, None, 0.0)
-    params = {"run_id": claim_.run_id, "token": claim_.token, "result": result_json,
-              "step_id": step_id, "output": output, "elapsed": elapsed}
-    return _hot(conn, _SETTLE_SUCCEEDED, params) is not None
+    return {"run_id": claim_.run_id, "token": claim_.token, "result": result_json,
+            "step_id": step_id, "output": output, "elapsed": elapsed}
 
 
 _SETTLE_SUCCEEDED_PIPED = _Prepared.of("motir_settle_succeeded", _SETTLE_SUCCEEDED)
@@ -842,10 +849,7 @@ _SETTLE_SUCCEEDED_PIPED = _Prepared.of("motir_settle_succeeded", _SETTLE_SUCCEED
 def send_settle_succeeded(pipe: Pipe, claim_: Claim, result_json: str,
                           last_step: tuple[str, str, float] | None, tag: Any) -> None:
     """settle_succeeded without waiting, behind the step writes still in flight."""
-    step_id, output, elapsed = last_step or (None, None, 0.0)
-    params = {"run_id": claim_.run_id, "token": claim_.token, "result": result_json,
-              "step_id": step_id, "output": output, "elapsed": elapsed}
-    pipe.send(_SETTLE_SUCCEEDED_PIPED, params, tag)
+    pipe.send(_SETTLE_SUCCEEDED_PIPED, _settle_params(claim_, result_json, last_step), tag)
 
 
 _SETTLE_RETRY = text(

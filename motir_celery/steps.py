@@ -11,26 +11,37 @@ The contract, plainly (docs/jobs.md says the same):
   With the opt-in ``MOTIR_ASYNC_STEP_COMMIT=1`` that window also covers the
   WAL flush: a crash of Postgres itself may take back the step records of the
   last fraction of a second, and those steps run again — nothing else changes.
-* When the store happens: before anything that comes after the step — the
-  next step's body, a sleep, a wait, a ``step.send_event`` — and, for the
-  step a handler finishes with, in the run's settle: one statement and one
-  flushed commit for both (a success writes the result and that step
-  together; a failure stores the step first, so the retry replays it). So a
-  run of k steps waits for k flushes, not k + 1. The window of the
-  previous point then also covers the handler's own code between a step and
-  the next one (which the contract already asks to be cheap and free of
-  side effects): a crash there runs that one step again, never an earlier one.
+* When the store happens: a step's record is sent when whatever comes after
+  the step begins — the next step, a sleep, a wait, a ``step.send_event`` —
+  and, for the step a handler finishes with, in the run's settle: one
+  statement and one flushed commit for both (a success writes the result and
+  that step together; a failure stores the step first, so the retry replays
+  it). So a run of k steps commits k flushed transactions, not k + 1.
   REJECTED: storing each step before ``step.run`` returns; it costs a flush
   per run that buys nothing a handler can observe, since the next thing that
   depends on the record — a later step, the settle — stores it first.
+* Records are pipelined (``queue.Pipe``): the next body does not wait for the
+  previous record's answer, so Postgres writes it while that body runs, and the
+  settle is sent behind the records: a run waits for two answers, the claim's
+  and the settle's, not k + 2. Each record is still its own transaction and
+  commit. Answers are read as they arrive; a body never starts while a record
+  sent more than ``MAX_LAG`` ago is unanswered, and a sleep, a wait, a
+  ``step.send_event`` and a failure's settle wait for all of them. The window
+  of the previous point then also covers the handler's own code between a
+  step and the next one and, for bodies shorter than ``MAX_LAG``, the next
+  body or two: a crash there runs those steps again, never one whose record
+  was answered. A refused record (below) stops the handler at the first step
+  boundary after its answer arrives: the next one when the body in between
+  outlasted ``MAX_LAG``, otherwise within about ``MAX_LAG`` of fast bodies.
 * The value a step returns is what JSON can carry; on the first execution too
   ``step.run`` returns the value as read back from JSON (a tuple comes back
   as a list both times), so a handler sees one type whichever path it took.
 
 The store is fenced on the claim token. When it is refused, this worker no
 longer holds the run (its lease was reclaimed, or the run was cancelled):
-``LostClaim`` / ``RunCancelled`` stop the handler at this step boundary (the
-settle, refused the same way, ends the attempt as lost or cancelled).
+``LostClaim`` / ``RunCancelled`` stop the handler at the step boundary where
+the refusal is read (the settle, refused the same way, ends the attempt as
+lost or cancelled).
 
 Besides ``run``, a step can give its worker back: ``sleep`` / ``sleep_until``
 and ``wait_for_event`` memoize when they started and until when, put the run
@@ -59,7 +70,9 @@ __all__ = ["Step", "SEPARATOR", "encode_json"]
 
 T = TypeVar("T")
 
-#: How long a step body may start ahead of an unanswered step record (seconds): see Step.run.
+#: How long a step body may start ahead of an unanswered step record (seconds): see
+#: Step.run. About three round trips to a busy local Postgres: the answer to the
+#: record of a body that took longer is in before the body after it starts.
 MAX_LAG = 0.001
 
 _SETTLE = object()  # the settle's tag among the records in flight
@@ -133,7 +146,7 @@ class Step:
         # for: this body runs while the database stores it. Answers already in are
         # read first, and a body never starts while a record sent more than
         # MAX_LAG ago is unanswered, so a refused record (cancelled, lost claim)
-        # stops the handler within about one round trip of the refusal.
+        # stops the handler about as soon as a wait per record would have.
         self._send_pending()
         self._check(block=self._pipe.lagging(MAX_LAG))
         self._still_held(key)
