@@ -188,7 +188,8 @@ def section_steps(url: str, sz: dict[str, Any], args: argparse.Namespace, log: C
         out["baseline"] = _stepcost(sz["step_rounds"], args.baseline)
     for side, r in out.items():
         log(f"  steps {side}: miss {r['miss_us']:.0f} us, hit {r['hit_us']:.2f} us; "
-            + ", ".join(f"k={k}: {p['round_trips']} rt / {p['commits']} commits" for k, p in r["fresh"].items()))
+            + ", ".join(f"k={k}: {p['round_trips']} rt / {p['commits']} commits / {p.get('waits')} waits"
+                        for k, p in r["fresh"].items()))
     return out
 
 
@@ -369,16 +370,16 @@ def render(results: dict[str, Any], env: dict[str, str], command: str, elapsed: 
         md += ["", "## 3. Step cost", "",
                "Time per `step.run` (median inside a 100-step run; miss = body + stored write, hit = replay from "
                "the memo loaded with the claim), and what one attempt sends to Postgres, counted from libpq's "
-               "protocol trace (round trip = Query or Sync; commit = a transaction that wrote).", "",
+               "protocol trace (round trip = Query or Sync; commit = a transaction that wrote; waits = answers "
+               "the attempt waited for, pipelined round trips being answered together).", "",
                "| engine | miss us/step | hit us/step | " + " | ".join(
-                   f"k={k} new: rt / commits" for k in st["motir"]["fresh"]) + " | replay of k=" +
-               f"{list(st['motir']['replay'])[-1]} hits: rt / commits |",
+                   f"k={k} new: rt / commits (waits)" for k in st["motir"]["fresh"]) + " | replay of k=" +
+               f"{list(st['motir']['replay'])[-1]} hits: rt / commits (waits) |",
                "|---|---:|---:|" + "---:|" * (len(st["motir"]["fresh"]) + 1)]
         for side, r in st.items():
             last = list(r["replay"])[-1]
             md.append(f"| {SIDE_NAMES[side]} | {r['miss_us']:.0f} | {r['hit_us']:.1f} | "
-                      + " | ".join(f"{p['round_trips']} / {p['commits']}" for p in r["fresh"].values())
-                      + f" | {r['replay'][last]['round_trips']} / {r['replay'][last]['commits']} |")
+                      + " | ".join(_protocol(p) for p in r["fresh"].values()) + f" | {_protocol(r['replay'][last])} |")
         r = st["motir"]
         for what, field in (("round trips", "round_trips"), ("commits", "commits")):
             extra = {int(k): p[field] - int(k) for k, p in r["fresh"].items()}
@@ -444,6 +445,10 @@ def render(results: dict[str, Any], env: dict[str, str], command: str, elapsed: 
     markdown = "\n".join(md) + "\n"
     text_out = markdown.replace("**", "")
     return text_out, markdown
+
+
+def _protocol(p: dict[str, int]) -> str:
+    return f"{p['round_trips']} / {p['commits']}" + (f" ({p['waits']})" if "waits" in p else "")
 
 
 def write_report(path: Path, markdown: str) -> None:

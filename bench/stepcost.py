@@ -7,10 +7,14 @@ In-process (no Celery): ``runner.execute`` on runs of job ``bench.steps``.
   ``step.run`` is timed inside the handler.
 * Round trips and commits: libpq's protocol trace of the worker's connections
   (``PGconn.trace``), read back message by message. A round trip is a message
-  the client must wait on: a simple ``Query`` or an extended-protocol ``Sync``.
-  A commit is a server transaction that wrote (INSERT/UPDATE/DELETE in one of
-  its statements) and ended without ROLLBACK: an explicit COMMIT, or one
+  the server answers on its own: a simple ``Query`` or an extended-protocol
+  ``Sync``. A commit is a server transaction that wrote (INSERT/UPDATE/DELETE in
+  one of its statements) and ended without ROLLBACK: an explicit COMMIT, or one
   autocommit statement. So a pool pre-ping, a BEGIN or a COMMIT all count.
+  Pipelined statements (step records, the settle behind them) are round trips
+  the client does not wait for one by one: *waits* counts the turns from
+  sending to reading in the trace, the answers the attempt actually waited on
+  (it may read a pipelined answer early, when it is already in: +-1).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import os
 import re
 import tempfile
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +40,7 @@ class Protocol:
     round_trips: int = 0
     commits: int = 0
     statements: int = 0
+    waits: int = 0
 
 
 def analyse_trace(lines: list[str], prelude: list[str] = ()) -> Protocol:  # type: ignore[assignment]
@@ -52,12 +58,20 @@ def analyse_trace(lines: list[str], prelude: list[str] = ()) -> Protocol:  # typ
             if len(q) >= 2 and q[0]:
                 prepared[q[0]] = q[1]
     unnamed = ""
-    writes = rolled_back = False
+    # Each Query or Sync closes a segment the server answers with one ReadyForQuery;
+    # pipelined segments are sent before the answers to earlier ones arrive.
+    segments: deque[tuple[bool, bool]] = deque()
+    writes = rolled_back = False  # of the segment being sent
+    txn_writes = txn_rolled_back = False  # of the transaction being answered
+    last_direction = ""
     for message in _messages(lines):
         parts = message.rstrip("\n").split("\t", 3)
         if len(parts) < 3:
             continue
         direction, kind, rest = parts[0], parts[2].strip(), parts[3] if len(parts) > 3 else ""
+        if direction == "B" and last_direction == "F":
+            out.waits += 1
+        last_direction = direction
         if direction == "F":
             if kind == "Query":
                 out.round_trips += 1
@@ -68,6 +82,8 @@ def analyse_trace(lines: list[str], prelude: list[str] = ()) -> Protocol:  # typ
                 elif word not in ("BEGIN", "COMMIT"):
                     out.statements += 1
                     writes |= bool(_WRITES.search(sql))
+                segments.append((writes, rolled_back))
+                writes = rolled_back = False
             elif kind == "Parse":
                 q = _QUOTED.findall(rest)
                 name, sql = (q + ["", ""])[:2]
@@ -83,10 +99,16 @@ def analyse_trace(lines: list[str], prelude: list[str] = ()) -> Protocol:  # typ
                 writes |= bool(_WRITES.search(sql))
             elif kind == "Sync":
                 out.round_trips += 1
-        elif direction == "B" and kind == "ReadyForQuery" and rest.strip() == "I":
-            if writes and not rolled_back:
-                out.commits += 1
-            writes = rolled_back = False
+                segments.append((writes, rolled_back))
+                writes = rolled_back = False
+        elif direction == "B" and kind == "ReadyForQuery" and segments:
+            seg_writes, seg_rolled_back = segments.popleft()
+            txn_writes |= seg_writes
+            txn_rolled_back |= seg_rolled_back
+            if rest.strip() == "I":  # the transaction ended (T: still open, E: failed)
+                if txn_writes and not txn_rolled_back:
+                    out.commits += 1
+                txn_writes = txn_rolled_back = False
     return out
 
 
