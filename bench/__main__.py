@@ -370,8 +370,8 @@ def render(results: dict[str, Any], env: dict[str, str], command: str, elapsed: 
         md += ["", "## 3. Step cost", "",
                "Time per `step.run` (median inside a 100-step run; miss = body + stored write, hit = replay from "
                "the memo loaded with the claim), and what one attempt sends to Postgres, counted from libpq's "
-               "protocol trace (round trip = Query or Sync; commit = a transaction that wrote; waits = answers "
-               "the attempt waited for, pipelined round trips being answered together).", "",
+               "protocol trace (round trip = Query or Sync; commit = a transaction that wrote; waits = turns from "
+               "sending to reading, at most the answers the attempt waited for: see bench/stepcost.py).", "",
                "| engine | miss us/step | hit us/step | " + " | ".join(
                    f"k={k} new: rt / commits (waits)" for k in st["motir"]["fresh"]) + " | replay of k=" +
                f"{list(st['motir']['replay'])[-1]} hits: rt / commits (waits) |",

@@ -13,8 +13,9 @@ In-process (no Celery): ``runner.execute`` on runs of job ``bench.steps``.
   autocommit statement. So a pool pre-ping, a BEGIN or a COMMIT all count.
   Pipelined statements (step records, the settle behind them) are round trips
   the client does not wait for one by one: *waits* counts the turns from
-  sending to reading in the trace, the answers the attempt actually waited on
-  (it may read a pipelined answer early, when it is already in: +-1).
+  sending to reading in the trace, an upper bound on the answers the attempt
+  waited for (an answer already in when it looks is read without waiting, and
+  counts too: the faster the server answers, the more such turns).
 """
 
 from __future__ import annotations

@@ -26,9 +26,10 @@ compile-cache lookup and result wrapping, a fifth of a short run's CPU
 transaction and error semantics as the rest. The claim waits for its answer
 (``_hot``); the step writes and a success's settle are sent through ``Pipe``
 (libpq's pipeline mode) and answered later, so a run waits for two answers
-however many steps it stores (steps.py says when they are read). ``record_event`` sends its two
-statements in one psycopg pipeline (``_pipelined``): one round trip where an
-idle server costs most of a send's time in wake-ups, not in work.
+however many steps it stores (steps.py says when they are read).
+``record_event`` sends its two statements in one psycopg pipeline
+(``_pipelined``): one round trip where an idle server costs most of a send's
+time in wake-ups, not in work.
 """
 
 from __future__ import annotations
