@@ -24,31 +24,25 @@ prepared statements: Core costs ~50-70 us of CPU per statement for
 compile-cache lookup and result wrapping, a fifth of a short run's CPU
 (docs/performance.md). They keep ``%(name)s`` placeholders and the same
 transaction and error semantics as the rest. The claim waits for its answer
-(``_hot``); the step writes and a success's settle are sent through ``Pipe``
+(``driver.hot``); the step writes and a success's settle are sent through ``driver.Pipe``
 (libpq's pipeline mode) and answered later, so a run waits for two answers
 however many steps it stores (steps.py says when they are read).
 ``record_event`` sends its two statements in one psycopg pipeline
-(``_pipelined``): one round trip where an idle server costs most of a send's
-time in wake-ups, not in work.
+(``driver.pipelined``): one round trip where an idle server costs most of a
+send's time in wake-ups, not in work.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import select
-import time
 import uuid
-from collections import deque
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Sequence
 
-import psycopg
-from psycopg import pq
 from sqlalchemy import Connection, text
-from sqlalchemy.exc import DBAPIError
 
+from .driver import Pipe, Prepared, hot, pipelined
 from .runspec import RunSpec
 
 __all__ = [
@@ -103,201 +97,12 @@ class Claim:
     db_now: datetime | None = None
     concurrency_key: str | None = None
     traceparent: str | None = None
-    #: Pipe's statements prepared on the claim's connection (names).
+    #: driver.Pipe's statements prepared on the claim's connection (names).
     prepared: tuple[str, ...] = ()
 
 
 def _json(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), allow_nan=False)
-
-
-def _hot(conn: Connection, sql: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
-    """One hot statement as a server-side prepared statement on the driver
-    connection, inside whatever transaction ``conn`` is in; its first row.
-
-    Errors come out as SQLAlchemy's ``DBAPIError`` family, as from
-    ``conn.execute``; a connection the error left unusable (the server went
-    away) is invalidated first, so the pool replaces it and
-    ``exc.connection_invalidated`` tells the runner to claim on a new one.
-    """
-    raw = conn.connection.driver_connection
-    try:
-        with raw.cursor() as cursor:
-            return cursor.execute(sql, params, prepare=True).fetchone()
-    except psycopg.Error as exc:
-        raise _translated(conn, raw, sql, params, exc) from exc
-
-
-def _pipelined(conn: Connection, statements: Sequence[tuple[str, dict[str, Any]]]) -> list[list[tuple[Any, ...]]]:
-    """Statements sent together, in order, in one round trip (a psycopg pipeline),
-    inside whatever transaction ``conn`` is in; each one's rows. Each statement
-    still takes its own snapshot when the server reaches it. Errors as in ``_hot``;
-    a failed statement leaves the transaction aborted for its owner to roll back
-    (a caller's savepoint, or the pool's reset on checkin). REJECTED: rolling back
-    here, which would also end a ``send_event(session=...)`` caller's transaction."""
-    raw = conn.connection.driver_connection
-    cursors = [raw.cursor() for _ in statements]
-    try:
-        with raw.pipeline():
-            for cursor, (sql, params) in zip(cursors, statements):
-                cursor.execute(sql, params, prepare=bool(params))  # (BEGIN and COMMIT are not prepared)
-        return [cursor.fetchall() if cursor.description else [] for cursor in cursors]
-    except psycopg.Error as exc:
-        # The server stops at the first error; which statement it was is in the message.
-        sql = ";\n".join(sql for sql, _ in statements)
-        raise _translated(conn, raw, sql, {k: v for _, p in statements for k, v in p.items()}, exc) from exc
-
-
-def _translated(conn: Connection, raw: Any, sql: str, params: dict[str, Any], exc: psycopg.Error) -> DBAPIError:
-    broken = raw.closed or raw.broken
-    if broken:
-        conn.invalidate(exc)
-    return DBAPIError.instance(sql, params, exc, psycopg.Error, connection_invalidated=broken)
-
-
-# --- the attempt's writes, pipelined ----------------------------------------------
-
-_PLACEHOLDER = re.compile(r"%\((\w+)\)s")
-
-
-@dataclass(frozen=True)
-class _Prepared:
-    """A hot statement as libpq wants it: ``$n`` placeholders, its parameter names in order."""
-
-    name: bytes
-    sql: bytes
-    params: tuple[str, ...]
-
-    @classmethod
-    def of(cls, name: str, sql: str) -> "_Prepared":
-        names: list[str] = []
-
-        def number(match: re.Match[str]) -> str:
-            if match.group(1) not in names:
-                names.append(match.group(1))
-            return f"${names.index(match.group(1)) + 1}"
-
-        return cls(name.encode(), _PLACEHOLDER.sub(number, sql).encode(), tuple(names))
-
-    def values(self, params: dict[str, Any]) -> list[bytes | None]:
-        # Text format, types inferred by the server from the statement (uuid, jsonb, float8, bool).
-        return [None if v is None else b"t" if v is True else b"f" if v is False else str(v).encode()
-                for v in (params[n] for n in self.params)]
-
-
-class Pipe:
-    """The attempt's fenced writes, sent without waiting for their answers.
-
-    The attempt's connection enters libpq's pipeline mode for its first write;
-    each write is followed by a Sync, so it is still its own transaction and its
-    own commit (an autocommit statement, as in ``_hot``), and the server runs
-    them in the order sent. Answers are read later, in that order: at once when
-    they have already arrived (``answers(block=False)``), or waiting for all of
-    them (``answers(block=True)``), which also leaves pipeline mode, so the
-    connection is an ordinary one again. Nothing else may use the connection
-    while a write is in flight; ``Step`` drains the pipe before any other statement.
-    """
-
-    def __init__(self, conn: Connection, prepared: Sequence[str]) -> None:
-        self._conn = conn
-        self._raw = conn.connection.driver_connection
-        #: Tags of the writes sent and not answered yet, with when each was sent (monotonic).
-        self._in_flight: deque[tuple[Any, float]] = deque()
-        #: The statements prepared on this session (read by the claim: see there).
-        self._prepared = {name.encode() for name in prepared}
-
-    @property
-    def idle(self) -> bool:
-        return not self._in_flight
-
-    def lagging(self, seconds: float) -> bool:
-        """Whether a write sent more than ``seconds`` ago is still unanswered."""
-        return bool(self._in_flight) and time.monotonic() - self._in_flight[0][1] > seconds
-
-    def send(self, statement: _Prepared, params: dict[str, Any], tag: Any) -> None:
-        pg = self._raw.pgconn
-        try:
-            if pg.pipeline_status == 0:
-                pg.enter_pipeline_mode()
-            if statement.name not in self._prepared:
-                pg.send_prepare(statement.name, statement.sql)
-                pg.pipeline_sync()
-                self._in_flight.append((_Prepare(statement.name), time.monotonic()))
-                self._prepared.add(statement.name)
-            pg.send_query_prepared(statement.name, statement.values(params))
-            pg.pipeline_sync()
-            self._in_flight.append((tag, time.monotonic()))
-            while pg.flush():  # (a nonblocking connection: send what did not fit in the socket)
-                select.select([], [pg.socket], [])
-        except psycopg.Error as exc:
-            raise _translated(self._conn, self._raw, statement.sql.decode(), params, exc) from exc
-
-    def answers(self, *, block: bool) -> list[tuple[Any, float, tuple[Any, ...] | None]]:
-        """(tag, when sent, first row or None) of each write answered so far, in the order sent;
-        with ``block``, of every write in flight. The first error is raised after
-        its answer is read (the writes after it still ran: each is its own transaction)."""
-        pg = self._raw.pgconn
-        out: list[tuple[Any, float, tuple[Any, ...] | None]] = []
-        try:
-            while self._in_flight:
-                results = self._results(pg, block)
-                if results is None:
-                    break
-                tag, sent = self._in_flight.popleft()
-                result = results[0]
-                if isinstance(tag, _Prepare):
-                    if result.status != pq.ExecStatus.FATAL_ERROR or result.error_field(
-                            pq.DiagnosticField.SQLSTATE) == b"42P05":  # duplicate_prepared_statement: there already
-                        continue
-                    self._prepared.discard(tag.name)  # prepared again on the next use
-                if result.status == pq.ExecStatus.FATAL_ERROR:
-                    raise psycopg.errors.error_from_result(result, encoding=self._raw.info.encoding)
-                out.append((tag, sent, self._row(result)))
-            if not self._in_flight and pg.pipeline_status != 0:
-                pg.exit_pipeline_mode()
-        except psycopg.Error as exc:
-            raise _translated(self._conn, self._raw, "(pipelined write)", {}, exc) from exc
-        return out
-
-    def _results(self, pg: Any, block: bool) -> list[Any] | None:
-        """The results of the next write and its Sync; None (nothing consumed) when
-        not all of them are in yet and ``block`` is off."""
-        pending: list[Any] = []
-        ends = 0
-        while True:
-            pg.consume_input()
-            while not pg.is_busy():
-                result = pg.get_result()
-                if result is None:  # the end of one statement's results
-                    ends += 1
-                    if ends > 1:  # libpq has nothing more to give: we lost count of what was sent
-                        raise psycopg.InterfaceError("pipelined writes out of step with their answers")
-                    continue
-                if result.status == pq.ExecStatus.PIPELINE_SYNC:
-                    return pending
-                pending.append(result)
-            if not block and not pending:
-                return None
-            select.select([pg.socket], [], [])
-
-    def _row(self, result: Any) -> tuple[Any, ...] | None:
-        if result.status != pq.ExecStatus.TUPLES_OK or result.ntuples == 0:
-            return None
-        return tuple(result.get_value(0, i) for i in range(result.nfields))
-
-    def abandon(self) -> None:
-        """The attempt ended with writes in flight (an exception escaped): the
-        connection cannot go back to the pool in pipeline mode."""
-        if self._in_flight or self._raw.pgconn.pipeline_status != 0:
-            self._in_flight.clear()
-            self._conn.invalidate()
-
-
-@dataclass(frozen=True)
-class _Prepare:
-    """The tag of a prepare sent ahead of a statement's first use on a connection."""
-
-    name: bytes
 
 
 # --- enqueue ------------------------------------------------------------------------
@@ -321,7 +126,7 @@ _RUNS_OF_E = """
       RETURNING id, job_id
 """
 
-_RECORD_EVENT = (  # psycopg placeholders: see _hot
+_RECORD_EVENT = (  # psycopg placeholders: see driver.hot
     """
     WITH e AS (
       INSERT INTO job_event (name, data, workspace_id, idempotency_key)
@@ -341,7 +146,7 @@ _RECORD_EVENT = (  # psycopg placeholders: see _hot
     """
 )
 
-_WAKE_WAITERS = (  # psycopg placeholders: see _hot
+_WAKE_WAITERS = (  # psycopg placeholders: see driver.hot
     """
     UPDATE job_queue
     SET run_at = now(), dispatched_at = now()      -- due now; the caller publishes after commit
@@ -394,14 +199,14 @@ def record_event(
     statements = [(_RECORD_EVENT, {**params, **_specs(specs, traceparent)}), (_WAKE_WAITERS, params)]
     if commit:
         statements = [("BEGIN", {}), *statements, ("COMMIT", {})]
-    results = _pipelined(conn, statements)
+    results = pipelined(conn, statements)
     recorded, woken = results[1:3] if commit else results
     if not recorded:
         return None, [], []
     return recorded[0][0], _runs(specs, [row[1:] for row in recorded]), [Queued(r, j) for r, j in woken]
 
 
-_FAN_OUT = (  # psycopg placeholders: see _hot
+_FAN_OUT = (  # psycopg placeholders: see driver.hot
     "WITH e AS (SELECT id, name, workspace_id FROM job_event WHERE id = %(event_id)s), runs AS ("
     + _RUNS_OF_E
     + ") SELECT id, job_id FROM runs"
@@ -414,7 +219,7 @@ def fan_out(
     """One run per spec for a recorded event, deduplicated by the database."""
     if not specs:
         return []
-    (rows,) = _pipelined(conn, [(_FAN_OUT, {"event_id": event_id, **_specs(specs, traceparent)})])
+    (rows,) = pipelined(conn, [(_FAN_OUT, {"event_id": event_id, **_specs(specs, traceparent)})])
     return _runs(specs, rows)
 
 
@@ -533,7 +338,7 @@ def enqueue_scheduled(
 
 # --- claim ------------------------------------------------------------------------
 
-_CLAIM = (  # psycopg placeholders: see _hot
+_CLAIM = (  # psycopg placeholders: see driver.hot
     """
     WITH claimed AS (
       UPDATE job_queue
@@ -563,7 +368,7 @@ _CLAIM = (  # psycopg placeholders: see _hot
            (SELECT coalesce(jsonb_object_agg(s.step_id, s.output), '{}'::jsonb)
               FROM job_step s WHERE s.run_id = c.id),
            now(), c.concurrency_key, c.traceparent,
-           -- Which statements of Pipe this session has prepared: psycopg deallocates
+           -- Which statements of driver.Pipe this session has prepared: psycopg deallocates
            -- every prepared statement of a connection after a ROLLBACK or a DROP on it.
            (SELECT coalesce(array_agg(name), '{}') FROM pg_prepared_statements WHERE name LIKE 'motir\_%%'),
            -- The claim's commit does not wait for the WAL flush: losing it to a
@@ -594,7 +399,7 @@ def lock_concurrency(conn: Connection, run_id: uuid.UUID) -> None:
 def claim(conn: Connection, run_id: uuid.UUID, *, job_id: str, worker: str, lease_seconds: float,
           concurrency_limit: int | None = None) -> Claim | None:
     """Move a queued, due run to running for this worker; ``None`` if it is not ours to run."""
-    row = _hot(conn, _CLAIM, {"run_id": run_id, "job_id": job_id, "worker": worker, "lease": lease_seconds,
+    row = hot(conn, _CLAIM, {"run_id": run_id, "job_id": job_id, "worker": worker, "lease": lease_seconds,
                               "limit": concurrency_limit})
     if row is None:
         return None
@@ -624,7 +429,7 @@ def next_in_line(conn: Connection, job_id: str, key: str) -> uuid.UUID | None:
 
 # --- step write and heartbeat --------------------------------------------------------
 
-_STORE_STEP = (  # psycopg placeholders: see _hot
+_STORE_STEP = (  # psycopg placeholders: see driver.hot
     """
     INSERT INTO job_step (run_id, step_id, workspace_id, output, attempt, started_at)
     SELECT q.id, %(step_id)s, q.workspace_id, CAST(%(output)s AS jsonb), q.attempts,
@@ -647,7 +452,7 @@ _STORE_STEP = (  # psycopg placeholders: see _hot
 )
 
 
-_STORE_STEP_PIPED = _Prepared.of("motir_store_step", _STORE_STEP)
+_STORE_STEP_PIPED = Prepared.of("motir_store_step", _STORE_STEP)
 
 
 def _step_params(claim_: Claim, step_id: str, output_json: str, elapsed: float, async_commit: bool) -> dict[str, Any]:
@@ -673,7 +478,7 @@ def store_step(
     flush delay (``wal_writer_delay``, 200 ms by default) can lose it, and a lost
     record only runs its step again (as does every later, equally lost one).
     """
-    return _hot(conn, _STORE_STEP, _step_params(claim_, step_id, output_json, elapsed, async_commit)) is not None
+    return hot(conn, _STORE_STEP, _step_params(claim_, step_id, output_json, elapsed, async_commit)) is not None
 
 
 _RENEW_LEASE = text(
@@ -806,7 +611,7 @@ def stored_output(conn: Connection, claim_: Claim, step_id: str) -> Any:
 
 # --- settle ---------------------------------------------------------------------
 
-_SETTLE_SUCCEEDED = (  # psycopg placeholders: see _hot
+_SETTLE_SUCCEEDED = (  # psycopg placeholders: see driver.hot
     """
     WITH settled AS (
       UPDATE job_queue
@@ -835,7 +640,7 @@ def settle_succeeded(conn: Connection, claim_: Claim, result_json: str,
                      last_step: tuple[str, str, float] | None = None) -> bool:
     """Settle a run that succeeded, storing ``last_step`` (step id, output JSON,
     seconds since its body started) in the same statement and commit."""
-    return _hot(conn, _SETTLE_SUCCEEDED, _settle_params(claim_, result_json, last_step)) is not None
+    return hot(conn, _SETTLE_SUCCEEDED, _settle_params(claim_, result_json, last_step)) is not None
 
 
 def _settle_params(claim_: Claim, result_json: str, last_step: tuple[str, str, float] | None) -> dict[str, Any]:
@@ -844,7 +649,7 @@ def _settle_params(claim_: Claim, result_json: str, last_step: tuple[str, str, f
             "step_id": step_id, "output": output, "elapsed": elapsed}
 
 
-_SETTLE_SUCCEEDED_PIPED = _Prepared.of("motir_settle_succeeded", _SETTLE_SUCCEEDED)
+_SETTLE_SUCCEEDED_PIPED = Prepared.of("motir_settle_succeeded", _SETTLE_SUCCEEDED)
 
 
 def send_settle_succeeded(pipe: Pipe, claim_: Claim, result_json: str,

@@ -20,7 +20,7 @@ The contract, plainly (docs/jobs.md says the same):
   REJECTED: storing each step before ``step.run`` returns; it costs a flush
   per run that buys nothing a handler can observe, since the next thing that
   depends on the record — a later step, the settle — stores it first.
-* Records are pipelined (``queue.Pipe``): the next body does not wait for the
+* Records are pipelined (``driver.Pipe``): the next body does not wait for the
   previous record's answer, so Postgres writes it while that body runs, and the
   settle is sent behind the records: a run waits for two answers, the claim's
   and the settle's, not k + 2. Each record is still its own transaction and
