@@ -94,9 +94,10 @@ class Prepared:
 
         return cls(name.encode(), _PLACEHOLDER.sub(number, sql).encode(), tuple(names))
 
-    def values(self, params: dict[str, Any]) -> list[bytes | None]:
-        # Text format, types inferred by the server from the statement (uuid, jsonb, float8, bool).
-        return [None if v is None else b"t" if v is True else b"f" if v is False else str(v).encode()
+    def values(self, params: dict[str, Any], encoding: str) -> list[bytes | None]:
+        # Text format, types inferred by the server from the statement (uuid, jsonb, float8, bool),
+        # in the connection's client encoding.
+        return [None if v is None else b"t" if v is True else b"f" if v is False else str(v).encode(encoding)
                 for v in (params[n] for n in self.params)]
 
 
@@ -139,7 +140,7 @@ class Pipe:
                 pg.pipeline_sync()
                 self._in_flight.append((_Prepare(statement.name), time.monotonic()))
                 self._prepared.add(statement.name)
-            pg.send_query_prepared(statement.name, statement.values(params))
+            pg.send_query_prepared(statement.name, statement.values(params, self._raw.info.encoding))
             pg.pipeline_sync()
             self._in_flight.append((tag, time.monotonic()))
             while pg.flush():  # (a nonblocking connection: send what did not fit in the socket)
