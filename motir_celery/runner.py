@@ -208,7 +208,6 @@ def _concurrency_limit(job_id: str) -> int | None:
 
 
 def _attempt(claim: queue.Claim, conn: Connection, publish: Publish | None, settings: Settings) -> Outcome:
-    run = str(claim.run_id)
     event_data = claim.event_data if claim.event_id else {"scheduled_for": _iso(claim.scheduled_for)}
     step = Step(claim, conn, max_bytes=settings.max_payload_bytes, event_data=event_data, publish=publish,
                 republish_after=settings.republish_after, transaction=get_engine(settings=settings).begin,

@@ -172,12 +172,17 @@ class Step:
         self._send_pending()
         self._check(block=True)
 
-    def _send_pending(self) -> None:
+    def _take_pending(self) -> tuple[str, str, float] | None:
+        """The finished step not sent yet, as (key, JSON, seconds since its body began)."""
         if self._pending is None:
-            return
+            return None
         (key, encoded, started), self._pending = self._pending, None
-        send_store_step(self._pipe, self._claim, key, encoded, time.monotonic() - started,
-                        async_commit=self._async_commit)
+        return key, encoded, time.monotonic() - started
+
+    def _send_pending(self) -> None:
+        pending = self._take_pending()
+        if pending is not None:
+            send_store_step(self._pipe, self._claim, *pending, async_commit=self._async_commit)
 
     def _check(self, *, block: bool) -> None:
         """Read the answers to the records in flight that are in (all of them with
@@ -206,11 +211,7 @@ class Step:
         """The run succeeded: settle it behind the records in flight, with the last
         step in the settle's own statement and commit. False when the database
         refused it (the run was cancelled or reclaimed)."""
-        last = None
-        if self._pending is not None:
-            (key, encoded, started), self._pending = self._pending, None
-            last = (key, encoded, time.monotonic() - started)
-        send_settle_succeeded(self._pipe, self._claim, result_json, last, _SETTLE)
+        send_settle_succeeded(self._pipe, self._claim, result_json, self._take_pending(), _SETTLE)
         settled = False
         for tag, _, row in self._pipe.answers(block=True):
             if tag is _SETTLE:
@@ -222,8 +223,8 @@ class Step:
         self._pipe.abandon()
 
     def _store(self, key: str, encoded: str, started: float) -> Any:
-        """A finished step (its body began at ``started``, monotonic), stored before
-        whatever follows it: see flush."""
+        """A finished step (its body began at ``started``, monotonic), sent when
+        whatever follows it begins: see run and settle."""
         self._pending = (key, encoded, started)
         return self._finished(key, encoded)
 

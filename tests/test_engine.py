@@ -341,8 +341,8 @@ def test_no_step_body_starts_while_a_record_sent_more_than_max_lag_ago_is_unansw
 
 
 def test_the_last_step_is_stored_by_the_settle_in_one_commit(engine):  # type: ignore[no-untyped-def]
-    """A run of k steps waits for k flushed commits: steps 1..k-1 each before the next
-    body, step k with the result (same transaction: the same xmin as the settled row)."""
+    """A run of k steps commits k flushed transactions: steps 1..k-1 one each, step k
+    with the result (same transaction: the same xmin as the settled row)."""
     (run_id,) = events.send_event("test.three", {}).run_ids
     assert execute(run_id, "test.three-steps").state == "succeeded"
     with engine.connect() as conn:
