@@ -55,6 +55,8 @@ __all__ = [
     "enqueue_scheduled",
     "claim",
     "store_step",
+    "store_steps",
+    "send_store_steps",
     "renew_lease",
     "settle_succeeded",
     "settle_retry",
@@ -370,7 +372,7 @@ _CLAIM = (  # psycopg placeholders: see driver.hot
            now(), c.concurrency_key, c.traceparent,
            -- Which statements of driver.Pipe this session has prepared: psycopg deallocates
            -- every prepared statement of a connection after a ROLLBACK or a DROP on it.
-           (SELECT coalesce(array_agg(name), '{}') FROM pg_prepared_statements WHERE name LIKE 'motir\_%%'),
+           (SELECT coalesce(array_agg(name), '{}') FROM pg_prepared_statements WHERE name LIKE 'motir\\_%%'),
            -- The claim's commit does not wait for the WAL flush: losing it to a
            -- crash of Postgres loses no work (the run is queued again, attempt
            -- uncharged), and the run's first flushed write — a step or the
@@ -429,56 +431,75 @@ def next_in_line(conn: Connection, job_id: str, key: str) -> uuid.UUID | None:
 
 # --- step write and heartbeat --------------------------------------------------------
 
-_STORE_STEP = (  # psycopg placeholders: see driver.hot
+_STORE_STEPS = (  # psycopg placeholders: see driver.hot
     """
-    INSERT INTO job_step (run_id, step_id, workspace_id, output, attempt, started_at)
-    SELECT q.id, %(step_id)s, q.workspace_id, CAST(%(output)s AS jsonb), q.attempts,
-           now() - make_interval(secs => %(elapsed)s)
-    FROM job_queue q
-    WHERE q.id = %(run_id)s
-      AND q.claim_token = %(token)s            -- fence: only the current holder writes
-      AND q.state = 'running'                  -- a cancelled run stops at its next step boundary
-      -- Opt-in (MOTIR_ASYNC_STEP_COMMIT, off by default): this transaction's commit
-      -- does not wait for the WAL flush. Set inside the statement, so it costs no
-      -- round trip and touches no other transaction; CASE keeps it unevaluated when off.
-      AND CASE WHEN %(async_commit)s THEN set_config('synchronous_commit', 'off', true) IS NOT NULL
-               ELSE true END
-    -- FOR SHARE: a concurrent reclaim or cancel waits for this insert to commit, or
-    -- this insert re-checks the fence against the reclaimed row and writes nothing.
-    FOR SHARE OF q
-    ON CONFLICT (run_id, step_id) DO NOTHING
-    RETURNING 1
+    WITH run AS (
+      SELECT id, workspace_id, attempts FROM job_queue
+      WHERE id = %(run_id)s
+        AND claim_token = %(token)s            -- fence: only the current holder writes
+        AND state = 'running'                  -- a cancelled run stops at its next step boundary
+        -- Opt-in (MOTIR_ASYNC_STEP_COMMIT, off by default): this transaction's commit
+        -- does not wait for the WAL flush. Set inside the statement, so it costs no
+        -- round trip and touches no other transaction; CASE keeps it unevaluated when off.
+        AND CASE WHEN %(async_commit)s THEN set_config('synchronous_commit', 'off', true) IS NOT NULL
+                 ELSE true END
+      -- FOR SHARE: a concurrent reclaim or cancel waits for these inserts to commit, or
+      -- this statement re-checks the fence against the reclaimed row and writes nothing.
+      FOR SHARE
+    ), stored AS (
+      INSERT INTO job_step (run_id, step_id, workspace_id, output, attempt, started_at)
+      SELECT r.id, t.id, r.workspace_id, t.output, r.attempts, now() - make_interval(secs => t.elapsed)
+      FROM run r, jsonb_to_recordset(CAST(%(steps)s AS jsonb)) AS t(id text, output jsonb, elapsed float8)
+      ON CONFLICT (run_id, step_id) DO NOTHING   -- already stored (a racing duplicate): the stored value wins
+      RETURNING 1
+    )
+    SELECT count(*) FROM stored
     """
 )
 
 
-_STORE_STEP_PIPED = Prepared.of("motir_store_step", _STORE_STEP)
+_STORE_STEPS_PIPED = Prepared.of("motir_store_steps", _STORE_STEPS)
+
+#: A finished step not stored yet: (key, output JSON, seconds since its body began).
+Finished = tuple[str, str, float]
 
 
-def _step_params(claim_: Claim, step_id: str, output_json: str, elapsed: float, async_commit: bool) -> dict[str, Any]:
-    return {"run_id": claim_.run_id, "token": claim_.token, "step_id": step_id, "output": output_json,
-            "elapsed": elapsed, "async_commit": async_commit}
+def steps_json(steps: Sequence[Finished]) -> str:
+    """Finished steps as one JSON array for jsonb_to_recordset. Each output is
+    JSON already (steps.encode_json), so it is spliced in, not encoded again."""
+    return "[" + ",".join(f'{{"id":{json.dumps(key)},"output":{output},"elapsed":{elapsed!r}}}'
+                          for key, output, elapsed in steps) + "]"
 
 
-def send_store_step(pipe: Pipe, claim_: Claim, step_id: str, output_json: str, elapsed: float, *,
-                    async_commit: bool = False) -> None:
-    """store_step without waiting: its answer (a row, or None when fenced) comes
-    from ``pipe.answers``, tagged ``step_id``."""
-    pipe.send(_STORE_STEP_PIPED, _step_params(claim_, step_id, output_json, elapsed, async_commit), step_id)
+def _steps_params(claim_: Claim, steps: Sequence[Finished], async_commit: bool) -> dict[str, Any]:
+    return {"run_id": claim_.run_id, "token": claim_.token, "steps": steps_json(steps),
+            "async_commit": async_commit}
 
 
-def store_step(
-    conn: Connection, claim_: Claim, step_id: str, output_json: str, elapsed: float, *,
-    async_commit: bool = False,
-) -> bool:
-    """Store a step's result; ``False`` when the fence refused it (lost claim or cancelled).
+def send_store_steps(pipe: Pipe, claim_: Claim, steps: Sequence[Finished], tag: Any, *,
+                     async_commit: bool = False) -> None:
+    """store_steps without waiting: its answer (one row, the count stored) comes
+    from ``pipe.answers``, tagged ``tag``."""
+    pipe.send(_STORE_STEPS_PIPED, _steps_params(claim_, steps, async_commit), tag)
 
-    ``async_commit``: commit without waiting for the WAL flush. The record is
+
+def store_steps(conn: Connection, claim_: Claim, steps: Sequence[Finished], *, async_commit: bool = False) -> int:
+    """Store finished steps in one statement and commit; how many were stored: all
+    of them, or 0 when the fence refused them (lost claim or cancelled), or fewer
+    when some were stored already.
+
+    ``async_commit``: commit without waiting for the WAL flush. The records are
     visible and fenced at once; only a crash of Postgres itself within the
-    flush delay (``wal_writer_delay``, 200 ms by default) can lose it, and a lost
+    flush delay (``wal_writer_delay``, 200 ms by default) can lose them, and a lost
     record only runs its step again (as does every later, equally lost one).
     """
-    return hot(conn, _STORE_STEP, _step_params(claim_, step_id, output_json, elapsed, async_commit)) is not None
+    row = hot(conn, _STORE_STEPS, _steps_params(claim_, steps, async_commit))
+    return int(row[0]) if row is not None else 0
+
+
+def store_step(conn: Connection, claim_: Claim, step_id: str, output_json: str, elapsed: float) -> bool:
+    """One step's ``store_steps``; ``False`` when the fence refused it."""
+    return store_steps(conn, claim_, [(step_id, output_json, elapsed)]) == 1
 
 
 _RENEW_LEASE = text(
@@ -619,14 +640,12 @@ _SETTLE_SUCCEEDED = (  # psycopg placeholders: see driver.hot
           claim_token = NULL, lease_expires_at = NULL
       WHERE id = %(run_id)s AND claim_token = %(token)s AND state = 'running'   -- fence
       RETURNING id, attempts, workspace_id
-    ), last_step AS (
-      -- The handler's last step, finished but not stored yet (steps.Step.flush):
-      -- stored in this commit, and only if the fenced settle above took the row.
+    ), held AS (
+      -- The handler's finished steps not stored yet (steps.Step), the last one at
+      -- least: stored in this commit, and only if the fenced settle above took the row.
       INSERT INTO job_step (run_id, step_id, workspace_id, output, attempt, started_at)
-      SELECT s.id, CAST(%(step_id)s AS text), s.workspace_id, CAST(%(output)s AS jsonb), s.attempts,
-             now() - make_interval(secs => %(elapsed)s)
-      FROM settled s
-      WHERE CAST(%(step_id)s AS text) IS NOT NULL   -- no step pending: a settle alone
+      SELECT s.id, t.id, s.workspace_id, t.output, s.attempts, now() - make_interval(secs => t.elapsed)
+      FROM settled s, jsonb_to_recordset(CAST(%(steps)s AS jsonb)) AS t(id text, output jsonb, elapsed float8)
       ON CONFLICT (run_id, step_id) DO NOTHING
     )
     UPDATE job_run r SET outcome = 'succeeded', finished_at = now()
@@ -636,26 +655,22 @@ _SETTLE_SUCCEEDED = (  # psycopg placeholders: see driver.hot
 )
 
 
-def settle_succeeded(conn: Connection, claim_: Claim, result_json: str,
-                     last_step: tuple[str, str, float] | None = None) -> bool:
-    """Settle a run that succeeded, storing ``last_step`` (step id, output JSON,
-    seconds since its body started) in the same statement and commit."""
-    return hot(conn, _SETTLE_SUCCEEDED, _settle_params(claim_, result_json, last_step)) is not None
+def settle_succeeded(conn: Connection, claim_: Claim, result_json: str, steps: Sequence[Finished] = ()) -> bool:
+    """Settle a run that succeeded, storing ``steps`` (finished, not stored yet)
+    in the same statement and commit."""
+    return hot(conn, _SETTLE_SUCCEEDED, _settle_params(claim_, result_json, steps)) is not None
 
 
-def _settle_params(claim_: Claim, result_json: str, last_step: tuple[str, str, float] | None) -> dict[str, Any]:
-    step_id, output, elapsed = last_step or (None, None, 0.0)
-    return {"run_id": claim_.run_id, "token": claim_.token, "result": result_json,
-            "step_id": step_id, "output": output, "elapsed": elapsed}
+def _settle_params(claim_: Claim, result_json: str, steps: Sequence[Finished]) -> dict[str, Any]:
+    return {"run_id": claim_.run_id, "token": claim_.token, "result": result_json, "steps": steps_json(steps)}
 
 
 _SETTLE_SUCCEEDED_PIPED = Prepared.of("motir_settle_succeeded", _SETTLE_SUCCEEDED)
 
 
-def send_settle_succeeded(pipe: Pipe, claim_: Claim, result_json: str,
-                          last_step: tuple[str, str, float] | None, tag: Any) -> None:
+def send_settle_succeeded(pipe: Pipe, claim_: Claim, result_json: str, steps: Sequence[Finished], tag: Any) -> None:
     """settle_succeeded without waiting, behind the step writes still in flight."""
-    pipe.send(_SETTLE_SUCCEEDED_PIPED, _settle_params(claim_, result_json, last_step), tag)
+    pipe.send(_SETTLE_SUCCEEDED_PIPED, _settle_params(claim_, result_json, steps), tag)
 
 
 _SETTLE_RETRY = text(

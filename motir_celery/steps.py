@@ -11,27 +11,33 @@ The contract, plainly (docs/jobs.md says the same):
   With the opt-in ``MOTIR_ASYNC_STEP_COMMIT=1`` that window also covers the
   WAL flush: a crash of Postgres itself may take back the step records of the
   last fraction of a second, and those steps run again — nothing else changes.
-* When the store happens: a step's record is sent when whatever comes after
-  the step begins — the next step, a sleep, a wait, a ``step.send_event`` —
-  and, for the step a handler finishes with, in the run's settle: one
-  statement and one flushed commit for both (a success writes the result and
-  that step together; a failure stores the step first, so the retry replays
-  it). So a run of k steps commits k flushed transactions, not k + 1.
-  REJECTED: storing each step before ``step.run`` returns; it costs a flush
-  per run that buys nothing a handler can observe, since the next thing that
-  depends on the record — a later step, the settle — stores it first.
-* Records are pipelined (``driver.Pipe``): the next body does not wait for the
-  previous record's answer, so Postgres writes it while that body runs, and the
-  settle is sent behind the records: a run waits for two answers, the claim's
-  and the settle's, not k + 2. Each record is still its own transaction and
-  commit. Answers are read as they arrive; a body never starts while a record
-  sent more than ``MAX_LAG`` ago is unanswered, and a sleep, a wait, a
-  ``step.send_event`` and a failure's settle wait for all of them. The window
-  of the previous point then also covers the handler's own code between a
-  step and the next one and, for bodies shorter than ``MAX_LAG``, the next
-  body or two: a crash there runs those steps again, never one whose record
-  was answered. A refused record (below) stops the handler at the first step
-  boundary after its answer arrives: the next one when the body in between
+* When the store happens. A step whose body outlasted ``MAX_LAG`` is stored
+  before the next body starts, in its own flushed commit: slow bodies are where
+  the side effects are, and one wait is small next to them. A faster step's
+  record is held: the records of fast steps travel together, in one statement
+  and one flushed commit, with the next record sent or in the run's settle (a
+  success writes the result and every step not stored yet in one commit; a
+  failure stores them first, so the retry replays them). A record is held for
+  at most ``MAX_LAG`` after its step finished: at a step boundary past that
+  it is sent, and inside a longer body the process's flusher thread
+  (``flusher.py``) sends it. So a run of k fast steps is two statements, the
+  claim and the settle; with slow bodies, k + 1. REJECTED: storing each step
+  before ``step.run`` returns (a flush per step that nothing observes before
+  the next write); holding records until the next boundary without a timer (a
+  long body would keep the fast steps before it in this process's memory, where
+  a crash of the worker loses them, for as long as it runs).
+* Records are pipelined (``driver.Pipe``): a body does not wait for the answer
+  to a record sent before it, except after a body that outlasted ``MAX_LAG``,
+  and the settle is sent behind the records: a run waits for two answers,
+  the claim's and the settle's, when its bodies are fast. Answers are read as
+  they arrive; a body never starts while a record sent more than ``MAX_LAG``
+  ago is unanswered, and a sleep, a wait, a ``step.send_event`` and a
+  failure's settle wait for all of them. The window of the previous point then
+  also covers the handler's own code between a step and the next one and,
+  after bodies shorter than ``MAX_LAG``, about ``MAX_LAG`` of the bodies that
+  follow: a crash there runs those steps again, never one whose record was
+  answered. A refused record (below) stops the handler at the first step
+  boundary after its answer arrives: the next one when the body in flight
   outlasted ``MAX_LAG``, otherwise within about ``MAX_LAG`` of fast bodies.
 * The value a step returns is what JSON can carry; on the first execution too
   ``step.run`` returns the value as read back from JSON (a tuple comes back
@@ -53,6 +59,7 @@ emits exactly one event per step across retries.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from datetime import datetime, timedelta
 from contextlib import contextmanager
@@ -60,9 +67,10 @@ from typing import Any, Callable, ContextManager, Iterator, TypeVar
 
 from sqlalchemy import Connection
 
-from . import queue
+from . import flusher, queue
 from .errors import LostClaim, RunCancelled, StepOutputError, Suspended
-from .queue import Claim, Pipe, renew_lease, send_settle_succeeded, send_store_step, stored_output, why_fenced
+from .queue import (Claim, Finished, Pipe, renew_lease, send_settle_succeeded, send_store_steps, stored_output,
+                    why_fenced)
 from .runspec import path_of, value_at
 from .tracing import step_span
 
@@ -70,9 +78,10 @@ __all__ = ["Step", "SEPARATOR", "encode_json"]
 
 T = TypeVar("T")
 
-#: How long a step body may start ahead of an unanswered step record (seconds): see
-#: Step.run. About three round trips to a busy local Postgres: the answer to the
-#: record of a body that took longer is in before the body after it starts.
+#: Seconds (see the module docstring): a body longer than this has its record stored
+#: before the next body; a faster one's is held at most this long; and no body
+#: starts while a record sent longer ago than this is unanswered. About three
+#: round trips to a busy local Postgres.
 MAX_LAG = 0.001
 
 _SETTLE = object()  # the settle's tag among the records in flight
@@ -100,7 +109,7 @@ class Step:
                  transaction: Callable[[], ContextManager[Connection]] | None = None,
                  lease_seconds: float | None = None, async_commit: bool = False) -> None:
         self._claim = claim
-        # MOTIR_ASYNC_STEP_COMMIT (opt-in): see queue.store_step.
+        # MOTIR_ASYNC_STEP_COMMIT (opt-in): see queue.store_steps.
         self._async_commit = async_commit
         # The attempt's connection may be in autocommit (one round trip per
         # statement); what needs several statements in one transaction (a wait's
@@ -108,8 +117,13 @@ class Step:
         self._conn = conn
         self._transaction = transaction or self._on_own_connection
         self._memo: dict[str, Any] = dict(claim.steps)
-        # The last step's (key, JSON, monotonic start), finished but not sent yet: see flush().
-        self._pending: tuple[str, str, float] | None = None
+        # Finished steps not sent yet, (key, JSON, monotonic start, monotonic end): see run().
+        # The flusher's thread may send them too (send_held), so they and the pipe are
+        # used only under _lock; an error it met is raised on the handler's thread.
+        self._held: list[tuple[str, str, float, float]] = []
+        self._lock = threading.Lock()
+        self._late_error: BaseException | None = None
+        self._closed = False
         # Step records sent and not answered yet: see run().
         self._pipe = Pipe(conn, claim.prepared)
         self._seen: dict[str, int] = {}
@@ -142,13 +156,19 @@ class Step:
         key = self._key(step_id)
         if key in self._memo:
             return self._memo[key]  # type: ignore[no-any-return]
-        # The previous step's record goes out now, and its answer is not waited
-        # for: this body runs while the database stores it. Answers already in are
-        # read first, and a body never starts while a record sent more than
-        # MAX_LAG ago is unanswered, so a refused record (cancelled, lost claim)
-        # stops the handler about as soon as a wait per record would have.
-        self._send_pending()
-        self._check(block=self._pipe.lagging(MAX_LAG))
+        # After a body that outlasted MAX_LAG, the records held go out and are
+        # waited for: that step is stored before this body starts. After a fast
+        # one they stay held (sent by the flusher, or here if it is late) and this
+        # body runs while earlier records are written. Answers already in are read
+        # first, and a body never starts while a record sent more than MAX_LAG ago
+        # is unanswered, so a refused record (cancelled, lost claim) stops the
+        # handler about as soon as a wait per record would have.
+        with self._lock:
+            self._raise_late_error()
+            slow = bool(self._held) and self._held[-1][3] - self._held[-1][2] > MAX_LAG
+            if slow or (self._held and time.monotonic() - self._held[0][3] > MAX_LAG):
+                self._send_held()
+            self._check(block=slow or self._pipe.lagging(MAX_LAG))
         self._still_held(key)
         with step_span(key):
             started = time.monotonic()
@@ -163,26 +183,44 @@ class Step:
         return result
 
     def flush(self) -> None:
-        """Every finished step stored: the one not sent yet is sent, and every record
+        """Every finished step stored: the records held are sent, and every record
         in flight is answered (``LostClaim`` / ``RunCancelled`` if one was refused).
         Called before whatever must come after the records (a sleep, a wait, a
         ``step.send_event``, any other statement on this connection); the runner
         calls it before a failure's settle and sends a success's settle behind
         the records instead (``settle``)."""
-        self._send_pending()
-        self._check(block=True)
+        with self._lock:
+            self._raise_late_error()
+            self._send_held()
+            self._check(block=True)
 
-    def _take_pending(self) -> tuple[str, str, float] | None:
-        """The finished step not sent yet, as (key, JSON, seconds since its body began)."""
-        if self._pending is None:
-            return None
-        (key, encoded, started), self._pending = self._pending, None
-        return key, encoded, time.monotonic() - started
+    def send_held(self) -> None:
+        """The flusher's thread, MAX_LAG after the oldest held step finished: send
+        the held records if the handler has not (it is inside a longer body)."""
+        with self._lock:
+            if self._closed or not self._held or time.monotonic() - self._held[0][3] < MAX_LAG:
+                return  # sent meanwhile; records held since are armed on their own
+            try:
+                self._send_held()
+            except BaseException as exc:  # noqa: BLE001 — raised on the handler's thread
+                self._late_error = exc
 
-    def _send_pending(self) -> None:
-        pending = self._take_pending()
-        if pending is not None:
-            send_store_step(self._pipe, self._claim, *pending, async_commit=self._async_commit)
+    def _raise_late_error(self) -> None:
+        error, self._late_error = self._late_error, None
+        if error is not None:
+            raise error
+
+    def _take_held(self) -> list[Finished]:
+        """The finished steps not sent yet, as (key, JSON, seconds since its body began)."""
+        now = time.monotonic()
+        held, self._held = self._held, []
+        return [(key, encoded, now - started) for key, encoded, started, _ in held]
+
+    def _send_held(self) -> None:
+        held = self._take_held()
+        if held:
+            send_store_steps(self._pipe, self._claim, held, tuple(key for key, _, _ in held),
+                             async_commit=self._async_commit)
 
     def _check(self, *, block: bool) -> None:
         """Read the answers to the records in flight that are in (all of them with
@@ -190,42 +228,53 @@ class Step:
         if self._pipe.idle:
             return
         refused = None
-        for key, sent, row in self._pipe.answers(block=block):
-            if row is not None:
+        for keys, sent, row in self._pipe.answers(block=block):
+            if row is not None and int(row[0]) == len(keys):
                 self._confirmed = sent
             elif refused is None:
-                refused = key
+                refused = keys
         if refused is None:
             return
         self._pipe.answers(block=True)
         with self._conn.begin():
             reason = why_fenced(self._conn, self._claim)
             if reason == "held":
-                # Still ours, but the step was already stored (a duplicate id
-                # racing within one attempt): the stored value wins from now on.
-                self._memo[refused] = stored_output(self._conn, self._claim, refused)
+                # Still ours, but a step was already stored (a duplicate id racing
+                # within one attempt): the stored values win from now on.
+                for key in refused:
+                    self._memo[key] = stored_output(self._conn, self._claim, key)
                 return
-        self._refused(refused, reason)
+        self._refused(refused[0], reason)
 
     def settle(self, result_json: str) -> bool:
-        """The run succeeded: settle it behind the records in flight, with the last
-        step in the settle's own statement and commit. False when the database
+        """The run succeeded: settle it behind the records in flight, with the steps
+        held in the settle's own statement and commit. False when the database
         refused it (the run was cancelled or reclaimed)."""
-        send_settle_succeeded(self._pipe, self._claim, result_json, self._take_pending(), _SETTLE)
-        settled = False
-        for tag, _, row in self._pipe.answers(block=True):
-            if tag is _SETTLE:
-                settled = row is not None
-        return settled
+        with self._lock:
+            self._raise_late_error()
+            send_settle_succeeded(self._pipe, self._claim, result_json, self._take_held(), _SETTLE)
+            settled = False
+            for tag, _, row in self._pipe.answers(block=True):
+                if tag is _SETTLE:
+                    settled = row is not None
+            return settled
 
     def abandon(self) -> None:
         """The attempt ends with records in flight (an exception escaped the runner)."""
-        self._pipe.abandon()
+        with self._lock:
+            self._closed = True
+            self._held.clear()
+            self._pipe.abandon()
 
     def _store(self, key: str, encoded: str, started: float) -> Any:
-        """A finished step (its body began at ``started``, monotonic), sent when
-        whatever follows it begins: see run and settle."""
-        self._pending = (key, encoded, started)
+        """A finished step (its body began at ``started``, monotonic), held: see the
+        module docstring for when its record is sent."""
+        finished = time.monotonic()
+        with self._lock:
+            self._held.append((key, encoded, started, finished))
+            first = len(self._held) == 1
+        if first:
+            flusher.arm(self, finished + MAX_LAG)
         return self._finished(key, encoded)
 
     def _still_held(self, key: str) -> None:
@@ -245,7 +294,7 @@ class Step:
         """
         if self._lease is None or time.monotonic() - self._confirmed < self._lease / 3:
             return
-        self._check(block=True)  # the connection is needed for the renewal
+        self.flush()  # the connection is needed for the renewal
         sent = time.monotonic()
         with self._conn.begin():
             held = renew_lease(self._conn, self._claim, self._lease)

@@ -238,7 +238,7 @@ def test_a_zombie_whose_lease_was_reclaimed_can_neither_write_a_step_nor_settle(
         assert queue.store_step(conn, zombie, "a", '"zombie"', 0.0) is False
         assert queue.renew_lease(conn, zombie, 30) is False
         assert queue.settle_succeeded(conn, zombie, '"zombie"') is False
-        assert queue.settle_succeeded(conn, zombie, '"zombie"', ("z", '"zombie"', 0.0)) is False
+        assert queue.settle_succeeded(conn, zombie, '"zombie"', [("z", '"zombie"', 0.0)]) is False
         assert queue.settle_failed(conn, zombie, '{"type": "x"}') is None
         assert queue.settle_retry(conn, zombie, '{"type": "x"}', 0) is False
     with engine.begin() as conn:
@@ -246,6 +246,24 @@ def test_a_zombie_whose_lease_was_reclaimed_can_neither_write_a_step_nor_settle(
         assert queue.settle_succeeded(conn, rescuer, '"done"') is True
     assert one(engine, "SELECT output FROM job_step WHERE run_id = :r", r=run_id)[0] == "rescuer"  # and no "z"
     assert run_state(engine, run_id) == "succeeded"
+
+
+def test_held_steps_are_stored_by_one_fenced_statement_and_a_stored_one_keeps_its_value(engine):  # type: ignore[no-untyped-def]
+    from motir_celery import cancel_run
+
+    (run_id,) = events.send_event("test.three", {}).run_ids
+    held = claim(engine, run_id, "test.three-steps")
+    assert held is not None
+    with engine.begin() as conn:
+        assert queue.store_steps(conn, held, [("a", '"first"', 0.0)]) == 1
+        # "a" is there already: only "b" is stored, and the answer says one of two.
+        assert queue.store_steps(conn, held, [("a", '"again"', 0.0), ("b", '{"n":[1,"x\\"y"]}', 0.5)]) == 1
+    cancel_run(run_id)
+    with engine.begin() as conn:  # the fence refuses the whole batch
+        assert queue.store_steps(conn, held, [("c", '3', 0.0), ("d", '4', 0.0)]) == 0
+    with engine.connect() as conn:
+        stored = dict(conn.execute(text("SELECT step_id, output FROM job_step WHERE run_id = :r"), {"r": run_id}).all())
+    assert stored == {"a": "first", "b": {"n": [1, 'x"y']}}
 
 
 def test_a_reclaim_racing_a_step_write_never_loses_the_stored_step(engine):  # type: ignore[no-untyped-def]
@@ -303,25 +321,75 @@ def _hold_run_row(engine, run_id: str, seconds: float) -> threading.Thread:  # t
     return thread
 
 
-def test_a_fast_step_body_runs_while_the_previous_steps_record_is_being_written(engine, monkeypatch):  # type: ignore[no-untyped-def]
+def _commits(engine, run_id: str) -> dict[str, bool]:  # type: ignore[no-untyped-def]
+    """Each stored step of a run: whether it was committed with the settle (same xmin as the run's row)."""
+    with engine.connect() as conn:
+        return dict(conn.execute(text(  # type: ignore[arg-type]
+            "SELECT s.step_id, s.xmin::text = q.xmin::text FROM job_step s JOIN job_queue q ON q.id = s.run_id "
+            "WHERE s.run_id = :r"), {"r": run_id}).all())
+
+
+def test_fast_steps_are_held_and_stored_with_the_settle_in_one_commit(engine, monkeypatch):  # type: ignore[no-untyped-def]
     from motir_celery import steps
 
-    monkeypatch.setattr(steps, "MAX_LAG", 60.0)  # never wait for an answer before a body
-    seen_by_second: list[list[str]] = []
-    holders: list[threading.Thread] = []
+    monkeypatch.setattr(steps, "MAX_LAG", 60.0)  # every body is fast, and no record is sent before the settle
+    seen_by_third: list[list[str]] = []
 
-    @define_job("test.pipelined", event="test.pipelined")
-    def pipelined(event: Any, step: Any) -> Any:
-        step.run("first", lambda: holders.append(_hold_run_row(engine, event.run_id, 2.0)) or 1)
-        # "first" was sent and waits for the row lock in the server; this body does not wait for it.
-        step.run("second", lambda: seen_by_second.append(_stored_steps(engine, event.run_id)) or 2)
+    @define_job("test.held", event="test.held")
+    def held(event: Any, step: Any) -> Any:
+        a = step.run("first", lambda: 1)
+        b = step.run("second", lambda: a + 1)
+        step.run("third", lambda: seen_by_third.append(_stored_steps(engine, event.run_id)) or b + 1)
         return "ok"
 
-    (run_id,) = events.send_event("test.pipelined", {}).run_ids
-    assert execute(run_id, "test.pipelined").state == "succeeded"
-    holders[0].join()
-    assert seen_by_second == [[]]
-    assert _stored_steps(engine, run_id) == ["first", "second"]
+    (run_id,) = events.send_event("test.held", {}).run_ids
+    assert execute(run_id, "test.held").state == "succeeded"
+    assert seen_by_third == [[]]
+    assert _commits(engine, run_id) == {"first": True, "second": True, "third": True}
+
+
+def test_a_step_body_longer_than_max_lag_is_stored_before_the_next_body_starts(engine, monkeypatch):  # type: ignore[no-untyped-def]
+    """With every body slower than MAX_LAG, a run of k steps commits k flushed
+    transactions: steps 1..k-1 one each, before the next body, and step k with the result."""
+    from motir_celery import steps
+
+    monkeypatch.setattr(steps, "MAX_LAG", 0.0)
+    seen: list[list[str]] = []
+
+    @define_job("test.slow-bodies", event="test.slow-bodies")
+    def slow_bodies(event: Any, step: Any) -> Any:
+        for name in ("a", "b", "c"):
+            step.run(name, lambda: seen.append(_stored_steps(engine, event.run_id)) or 1)
+        return "ok"
+
+    (run_id,) = events.send_event("test.slow-bodies", {}).run_ids
+    assert execute(run_id, "test.slow-bodies").state == "succeeded"
+    assert seen == [[], ["a"], ["a", "b"]]
+    assert _commits(engine, run_id) == {"a": False, "b": False, "c": True}
+
+
+def test_a_held_record_is_sent_while_a_longer_body_runs(engine):  # type: ignore[no-untyped-def]
+    """A fast step's record is held for the next write, but never longer than about
+    MAX_LAG: the flusher thread sends it while the next, longer body still runs."""
+    seen_by_second: list[list[str]] = []
+
+    def second(run_id: str) -> int:
+        deadline = time.monotonic() + 5
+        while "first" not in (stored := _stored_steps(engine, run_id)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen_by_second.append(stored)
+        return 2
+
+    @define_job("test.held-then-long", event="test.held-then-long")
+    def held_then_long(event: Any, step: Any) -> Any:
+        step.run("first", lambda: 1)
+        step.run("second", second, event.run_id)
+        return "ok"
+
+    (run_id,) = events.send_event("test.held-then-long", {}).run_ids
+    assert execute(run_id, "test.held-then-long").state == "succeeded"
+    assert seen_by_second == [["first"]]
+    assert _commits(engine, run_id) == {"first": False, "second": True}
 
 
 def test_no_step_body_starts_while_a_record_sent_more_than_max_lag_ago_is_unanswered(engine):  # type: ignore[no-untyped-def]
@@ -338,21 +406,6 @@ def test_no_step_body_starts_while_a_record_sent_more_than_max_lag_ago_is_unansw
     (run_id,) = events.send_event("test.lagging", {}).run_ids
     assert execute(run_id, "test.lagging").state == "succeeded"
     assert seen_by_third[0][:1] == ["first"]
-
-
-def test_the_last_step_is_stored_by_the_settle_in_one_commit(engine):  # type: ignore[no-untyped-def]
-    """A run of k steps commits k flushed transactions: steps 1..k-1 one each, step k
-    with the result (same transaction: the same xmin as the settled row)."""
-    (run_id,) = events.send_event("test.three", {}).run_ids
-    assert execute(run_id, "test.three-steps").state == "succeeded"
-    with engine.connect() as conn:
-        rows = dict(conn.execute(text(
-            "SELECT s.step_id, s.xmin::text = q.xmin::text FROM job_step s JOIN job_queue q ON q.id = s.run_id "
-            "WHERE s.run_id = :r"), {"r": run_id}).all())
-        result = conn.execute(text("SELECT result FROM job_queue WHERE id = :r"), {"r": run_id}).scalar_one()
-    assert rows == {"a": False, "b": False, "c": True}
-    assert result == {"total": 6}
-    assert count_effects(engine, run_id) == 3
 
 
 def test_a_handler_failing_after_its_last_step_keeps_that_step_for_the_retry(engine):  # type: ignore[no-untyped-def]
