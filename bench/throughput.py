@@ -87,7 +87,8 @@ def motir_round(url: str, n: int, workers: int, concurrency: int, *, timeout: fl
     return drain_rate(finished)
 
 
-def plain_round(n: int, workers: int, concurrency: int, *, timeout: float = 900) -> float:
+def plain_round(n: int, workers: int, concurrency: int, *, timeout: float = 900,
+                env: dict[str, str] | None = None) -> float:
     from bench.plain_app import app
 
     r = _redis()
@@ -96,7 +97,7 @@ def plain_round(n: int, workers: int, concurrency: int, *, timeout: float = 900)
     for i in range(n):
         app.send_task("bench.plain", args=[i, key], queue=PLAIN_QUEUE)
     try:
-        with celery_workers("bench.plain_app", PLAIN_QUEUE, workers, concurrency, tag="plain") as procs:
+        with celery_workers("bench.plain_app", PLAIN_QUEUE, workers, concurrency, env, tag="plain") as procs:
             wait_for(lambda: r.hlen(key) >= n, procs, timeout=timeout, tag="plain", poll=0.25)
         return drain_rate([float(v) for v in r.hvals(key)])
     finally:

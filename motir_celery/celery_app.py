@@ -23,6 +23,20 @@ older than 30 min closes the channel) and of Redis's ``visibility_timeout``
 (redelivery of every message held longer than an hour). An app that sets
 ``task_acks_late = True`` itself keeps it: our tasks follow the app's setting.
 
+On Redis, the app this module builds (not an app given to ``attach``) also
+turns kombu's acknowledgement emulation off (``broker_transport_options =
+{"ack_emulation": False}``). The emulation keeps every delivered message in a
+Redis hash until its ack, so that it can be handed out again: two synchronous
+Redis round trips per message in the worker's main process, half of its time
+(py-spy; docs/performance.md), to protect the instants between delivery and the
+ack, which early acks make short. Postgres covers them already: a run whose
+message was lost stays queued and the sweeper publishes it again after
+``MOTIR_REPUBLISH_AFTER``; a warm shutdown still returns reserved messages to
+the queue. Redis's visibility timeout then never redelivers anything (one less
+way to deliver a run twice). Not on an attached app: its other tasks may count
+on the emulation (late acks on Redis do). An app that sets
+``broker_transport_options`` itself replaces ours.
+
 Task events are left as Celery leaves them, off: publishing them synchronously
 costs the worker's main process a third to a half of its CPU. Flower (its
 default ``--enable_events``) switches them on in the workers it sees while it
@@ -100,6 +114,10 @@ def create_app(settings: Settings | None = None, *, main: str = "motir_celery") 
         timezone="UTC",
         enable_utc=True,
     )
+    if settings.broker_url.startswith(("redis://", "rediss://", "redis+socket://")):
+        # No unacknowledged-message bookkeeping in Redis: see the module docstring.
+        # REJECTED: in attach(), where the user's own tasks may rely on it.
+        app.conf.broker_transport_options = {"ack_emulation": False}
     return attach(app, settings=settings)
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
 
 import pytest
+import redis
 from sqlalchemy import text
 
 import tests.jobs  # noqa: F401  (registers the jobs in this process too, for send_event)
@@ -249,3 +251,25 @@ def test_task_events_are_off_until_flower_enables_them(engine, broker_url, tmp_p
     task_events = [e["type"] for e in stream.of_type("task-")]
     assert task_events == ["task-received", "task-started", "task-succeeded"]
     assert {e["uuid"] for e in stream.of_type("task-")} == {received["uuid"]}
+
+
+@pytest.mark.parametrize("worker_app, kept", [("motir_celery", 0), ("tests.short_visibility_app", 1)])
+def test_the_default_app_keeps_no_copy_of_a_reserved_message_in_redis(engine, broker_url, tmp_path,  # type: ignore[no-untyped-def]
+                                                                       worker_app, kept):
+    """Our app turns kombu's ack emulation off on Redis: a message the worker has
+    reserved (taken off the queue, waiting for a free process) leaves no copy in
+    the ``unacked`` hash, which the emulation writes and deletes with two Redis
+    round trips per message. An app that sets its own transport options (here the
+    short-visibility one) keeps the emulation, and the copy."""
+    from tests import user_app
+
+    assert "ack_emulation" not in (user_app.app.conf.broker_transport_options or {})  # attach() leaves it
+    broker = redis.Redis.from_url(broker_url)
+    broker.delete("unacked", "unacked_index")
+    with celery_worker(tmp_path, broker=broker_url, concurrency=1, app=worker_app):
+        running, reserved = (send_event("test.slow", {"sleep": 3}).run_ids[0] for _ in range(2))
+        wait_for(lambda: run_state(engine, running) == "running", what="the first run to start")
+        wait_for(lambda: broker.llen(os.environ["MOTIR_QUEUE"]) == 0, what="the second message to be reserved by the busy worker")
+        assert run_state(engine, reserved) == "queued"
+        assert broker.hlen("unacked") == kept
+        wait_for(lambda: run_state(engine, reserved) == "succeeded", what="the reserved run", timeout=30)
