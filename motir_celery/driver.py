@@ -150,13 +150,16 @@ class Pipe:
 
     def answers(self, *, block: bool) -> list[tuple[Any, float, tuple[Any, ...] | None]]:
         """(tag, when sent, first row or None) of each write answered so far, in the order sent;
-        with ``block``, of every write in flight. The first error is raised after
-        its answer is read (the writes after it still ran: each is its own transaction)."""
+        with ``block``, of every write in flight. A write the server refused with an
+        error is raised once every write in flight is answered (the writes after it
+        still ran: each is its own transaction), so the connection is out of
+        pipeline mode and usable for what the caller does about it (a failure's settle)."""
         pg = self._raw.pgconn
         out: list[tuple[Any, float, tuple[Any, ...] | None]] = []
+        error: psycopg.Error | None = None
         try:
             while self._in_flight:
-                results = self._results(pg, block)
+                results = self._results(pg, block or error is not None)
                 if results is None:
                     break
                 tag, sent = self._in_flight.popleft()
@@ -167,10 +170,13 @@ class Pipe:
                         continue
                     self._prepared.discard(tag.name)  # prepared again on the next use
                 if result.status == pq.ExecStatus.FATAL_ERROR:
-                    raise psycopg.errors.error_from_result(result, encoding=self._raw.info.encoding)
+                    error = error or psycopg.errors.error_from_result(result, encoding=self._raw.info.encoding)
+                    continue
                 out.append((tag, sent, self._row(result)))
             if not self._in_flight and pg.pipeline_status != 0:
                 pg.exit_pipeline_mode()
+            if error is not None:
+                raise error
         except psycopg.Error as exc:
             raise translated(self._conn, self._raw, "(pipelined write)", {}, exc) from exc
         return out

@@ -448,8 +448,10 @@ _STORE_STEPS = (  # psycopg placeholders: see driver.hot
       FOR SHARE
     ), stored AS (
       INSERT INTO job_step (run_id, step_id, workspace_id, output, attempt, started_at)
-      SELECT r.id, t.id, r.workspace_id, t.output, r.attempts, now() - make_interval(secs => t.elapsed)
-      FROM run r, jsonb_to_recordset(CAST(%(steps)s AS jsonb)) AS t(id text, output jsonb, elapsed float8)
+      -- x -> 'output', not jsonb_to_recordset: that turns a step's JSON null into SQL NULL.
+      SELECT r.id, x ->> 'id', r.workspace_id, x -> 'output', r.attempts,
+             now() - make_interval(secs => CAST(x ->> 'elapsed' AS float8))
+      FROM run r, jsonb_array_elements(CAST(%(steps)s AS jsonb)) AS x
       ON CONFLICT (run_id, step_id) DO NOTHING   -- already stored (a racing duplicate): the stored value wins
       RETURNING 1
     )
@@ -465,7 +467,7 @@ Finished = tuple[str, str, float]
 
 
 def steps_json(steps: Sequence[Finished]) -> str:
-    """Finished steps as one JSON array for jsonb_to_recordset. Each output is
+    """Finished steps as one JSON array of {"id", "output", "elapsed"}. Each output is
     JSON already (steps.encode_json), so it is spliced in, not encoded again."""
     return "[" + ",".join(f'{{"id":{json.dumps(key)},"output":{output},"elapsed":{elapsed!r}}}'
                           for key, output, elapsed in steps) + "]"
@@ -644,8 +646,9 @@ _SETTLE_SUCCEEDED = (  # psycopg placeholders: see driver.hot
       -- The handler's finished steps not stored yet (steps.Step), the last one at
       -- least: stored in this commit, and only if the fenced settle above took the row.
       INSERT INTO job_step (run_id, step_id, workspace_id, output, attempt, started_at)
-      SELECT s.id, t.id, s.workspace_id, t.output, s.attempts, now() - make_interval(secs => t.elapsed)
-      FROM settled s, jsonb_to_recordset(CAST(%(steps)s AS jsonb)) AS t(id text, output jsonb, elapsed float8)
+      SELECT s.id, x ->> 'id', s.workspace_id, x -> 'output', s.attempts,
+             now() - make_interval(secs => CAST(x ->> 'elapsed' AS float8))
+      FROM settled s, jsonb_array_elements(CAST(%(steps)s AS jsonb)) AS x   -- see _STORE_STEPS
       ON CONFLICT (run_id, step_id) DO NOTHING
     )
     UPDATE job_run r SET outcome = 'succeeded', finished_at = now()

@@ -98,6 +98,8 @@ def encode_json(value: Any, *, what: str, limit: int) -> str:
         raise StepOutputError(f"{what} is not JSON-serialisable ({type(value).__name__}): {exc}") from None
     if len(encoded) > limit:
         raise StepOutputError(f"{what} is {len(encoded)} bytes of JSON, over the {limit}-byte limit")
+    if "\\u0000" in encoded:  # as events.py checks event data
+        raise StepOutputError(f"{what} contains a NUL character, which Postgres jsonb cannot store")
     return encoded
 
 

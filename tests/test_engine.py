@@ -226,6 +226,58 @@ def test_non_json_step_result_fails_the_run_with_the_step_and_type_named(engine)
     assert isinstance(StepOutputError("x"), TypeError)
 
 
+@pytest.mark.parametrize("slow", [False, True], ids=["held-for-the-settle", "stored-on-its-own"])
+def test_a_step_that_returns_none_is_stored_as_json_null_and_replayed(engine, monkeypatch, slow):  # type: ignore[no-untyped-def]
+    from motir_celery import steps
+
+    monkeypatch.setattr(steps, "MAX_LAG", 0.0 if slow else 60.0)
+    calls: list[str] = []
+
+    @define_job(f"test.none-{slow}", event=f"test.none-{slow}")
+    def returns_none(event: Any, step: Any) -> Any:
+        first = step.run("first", lambda: calls.append("first"))
+        step.run("second", lambda: calls.append("second"))
+        if event.attempt == 1:
+            raise RuntimeError("retried: the stored nulls are replayed")
+        return first
+
+    (run_id,) = events.send_event(f"test.none-{slow}", {}).run_ids
+    assert execute(run_id, f"test.none-{slow}").state == "retrying"
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE job_queue SET run_at = now() WHERE id = :r"), {"r": run_id})
+        stored = conn.execute(text("SELECT step_id, output = 'null'::jsonb FROM job_step WHERE run_id = :r"),
+                              {"r": run_id}).all()
+    assert sorted(stored) == [("first", True), ("second", True)]
+    assert execute(run_id, f"test.none-{slow}").state == "succeeded"
+    assert calls == ["first", "second"]
+
+
+def test_a_step_output_with_a_nul_character_fails_the_run_naming_the_step(engine):  # type: ignore[no-untyped-def]
+    @define_job("test.nul-output", event="test.nul-output")
+    def nul_output(event: Any, step: Any) -> Any:
+        return step.run("nul", lambda: "a\x00b")
+
+    (run_id,) = events.send_event("test.nul-output", {}).run_ids
+    assert execute(run_id, "test.nul-output").state == "failed"
+    failure = one(engine, "SELECT failure FROM job_run_dlq WHERE run_id = :r", r=run_id)[0]
+    assert failure["type"].endswith("StepOutputError") and "'nul'" in failure["message"]
+
+
+def test_a_pipelined_write_the_server_refuses_is_raised_after_every_answer_and_frees_the_connection(engine):  # type: ignore[no-untyped-def]
+    from motir_celery.driver import Pipe, Prepared
+
+    with engine.connect() as conn:
+        conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+        pipe = Pipe(conn, [])
+        pipe.send(Prepared.of("motir_test_ok", "SELECT %(n)s::int"), {"n": 1}, "before")
+        pipe.send(Prepared.of("motir_test_refused", "SELECT 1 / %(n)s::int"), {"n": 0}, "refused")
+        pipe.send(Prepared.of("motir_test_ok", "SELECT %(n)s::int"), {"n": 2}, "after")
+        with pytest.raises(DBAPIError, match="division by zero"):
+            pipe.answers(block=False)
+        assert pipe.idle
+        assert conn.execute(text("SELECT 3")).scalar_one() == 3  # out of pipeline mode: no hang
+
+
 def test_a_zombie_whose_lease_was_reclaimed_can_neither_write_a_step_nor_settle(engine):  # type: ignore[no-untyped-def]
     (run_id,) = events.send_event("test.three", {}).run_ids
     zombie = claim(engine, run_id, "test.three-steps", worker="zombie")
