@@ -273,7 +273,7 @@ def test_a_pipelined_write_the_server_refuses_is_raised_after_every_answer_and_f
         pipe.send(Prepared.of("motir_test_refused", "SELECT 1 / %(n)s::int"), {"n": 0}, "refused")
         pipe.send(Prepared.of("motir_test_ok", "SELECT %(n)s::int"), {"n": 2}, "after")
         with pytest.raises(DBAPIError, match="division by zero"):
-            pipe.answers(block=False)
+            pipe.answers(block=True)
         assert pipe.idle
         assert conn.execute(text("SELECT 3")).scalar_one() == 3  # out of pipeline mode: no hang
 
