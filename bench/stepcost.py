@@ -32,6 +32,10 @@ from sqlalchemy import event, text
 
 from bench.stats import median
 
+#: Seconds each body of the "slow" runs sleeps: longer than steps.MAX_LAG (1 ms), so
+#: every step but the last is stored on its own before the next body starts.
+SLOW_BODY = 0.002
+
 _WRITES = re.compile(r"\b(INSERT|UPDATE|DELETE)\b", re.IGNORECASE)
 _QUOTED = re.compile(r'"((?:[^"]|"")*)"')
 
@@ -220,13 +224,15 @@ def measure(k_values: tuple[int, ...] = (0, 1, 3, 10), hits_k: int = 100, rounds
         for _ in range(6):  # the traced pool warms up again (new connections, prepared statements)
             execute(_new_run(engine, {"k": 3}))
         fresh: dict[int, Protocol] = {}
+        slow: dict[int, Protocol] = {}
         replay: dict[int, Protocol] = {}
         for k in k_values:
-            run_id = _new_run(engine, {"k": k})
-            mark = tracer.mark()
-            assert execute(run_id) == "succeeded"
-            before, window = tracer.since(mark)
-            fresh[k] = analyse_trace(window, before)
+            for protocols, data in ((fresh, {"k": k}), (slow, {"k": k, "sleep": SLOW_BODY})):
+                run_id = _new_run(engine, data)
+                mark = tracer.mark()
+                assert execute(run_id) == "succeeded"
+                before, window = tracer.since(mark)
+                protocols[k] = analyse_trace(window, before)
             # A run whose first attempt stores its k steps and fails: its second attempt is k memo hits.
             run_id = _new_run(engine, {"k": k, "fail_first": True})
             assert execute(run_id) == "retrying"
@@ -242,6 +248,7 @@ def measure(k_values: tuple[int, ...] = (0, 1, 3, 10), hits_k: int = 100, rounds
         "miss_us": median(miss) * 1e6,
         "hit_us": median(hit) * 1e6,
         "fresh": {k: vars(p) for k, p in fresh.items()},
+        "slow": {k: vars(p) for k, p in slow.items()},
         "replay": {k: vars(p) for k, p in replay.items()},
     }
 

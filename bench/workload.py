@@ -7,7 +7,9 @@ difference between the sides is the cost of their machinery and nothing else.
 
 ``bench.steps`` runs ``data["k"]`` steps and, when ``data["fail_first"]`` is
 set, fails its first attempt after storing them all, so the second attempt is
-``k`` memo hits: the step-cost section measures both paths on one run.
+``k`` memo hits: the step-cost section measures both paths on one run. With
+``data["sleep"]`` each body first sleeps that long (seconds): bodies longer than
+``steps.MAX_LAG``, whose records are stored one by one.
 """
 
 from __future__ import annotations
@@ -34,6 +36,12 @@ def three(event: Any, step: Any) -> dict[str, int]:
 STEP_TIMES: list[list[float]] = []
 
 
+def _after(pause: float, fn: Any, *args: Any) -> Any:
+    if pause:
+        time.sleep(pause)
+    return fn(*args)
+
+
 class FirstAttemptFails(Exception):
     pass
 
@@ -42,9 +50,10 @@ class FirstAttemptFails(Exception):
 def steps(event: Any, step: Any) -> int:
     times: list[float] = []
     total = 0
+    pause = float(event.data.get("sleep", 0))
     for i in range(event.data["k"]):
         t0 = time.perf_counter()
-        total += step.run(f"s{i}", reserve, i)["reserved"]
+        total += step.run(f"s{i}", _after, pause, reserve, i)["reserved"]
         times.append(time.perf_counter() - t0)
     STEP_TIMES.append(times)
     if event.data.get("fail_first") and event.attempt == 1:
