@@ -22,6 +22,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -39,29 +40,45 @@ class Holder(Protocol):
 
 class _Flusher:
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # guards the two fields below
         self._due: list[tuple[float, int, Holder]] = []  # a heap: (monotonic deadline, tiebreak, holder)
+        self._asleep_until = math.inf  # when the thread wakes next on its own
+        # Released to wake the thread early: a plain lock used as a binary semaphore,
+        # cheaper than a Condition on this per-run path.
+        self._wake = threading.Lock()
+        self._wake.acquire()
         self._order = itertools.count()
         self.pid = os.getpid()
         threading.Thread(target=self._loop, name="motir-step-flusher", daemon=True).start()
 
     def arm(self, holder: Holder, deadline: float) -> None:
-        with self._cond:
-            wake = not self._due or deadline < self._due[0][0]
+        with self._lock:
             heapq.heappush(self._due, (deadline, next(self._order), holder))
+            wake = deadline < self._asleep_until
             if wake:
-                self._cond.notify()
+                self._asleep_until = deadline
+        if wake:
+            try:
+                self._wake.release()
+            except RuntimeError:
+                pass  # released already, not yet taken: the thread is about to look
 
     def _loop(self) -> None:
         while True:
-            with self._cond:
-                while not self._due or self._due[0][0] > time.monotonic():
-                    self._cond.wait(self._due[0][0] - time.monotonic() if self._due else None)
-                _, _, holder = heapq.heappop(self._due)
-            try:
-                holder.send_held()
-            except Exception:  # noqa: BLE001 — the holder keeps the error for its own thread
-                log.exception("step flusher: sending held step records failed")
+            with self._lock:
+                now = time.monotonic()
+                due = []
+                while self._due and self._due[0][0] <= now:
+                    due.append(heapq.heappop(self._due)[2])
+                self._asleep_until = self._due[0][0] if self._due else math.inf
+                timeout = self._asleep_until - now if self._due else -1
+            for holder in due:
+                try:
+                    holder.send_held()
+                except Exception:  # noqa: BLE001 — the holder keeps the error for its own thread
+                    log.exception("step flusher: sending held step records failed")
+            if not due:
+                self._wake.acquire(timeout=timeout)
 
 
 _flusher: _Flusher | None = None

@@ -199,6 +199,8 @@ class Step:
     def send_held(self) -> None:
         """The flusher's thread, MAX_LAG after the oldest held step finished: send
         the held records if the handler has not (it is inside a longer body)."""
+        if self._closed or not self._held:
+            return  # the usual case, read without the lock: the handler sent them itself
         with self._lock:
             if self._closed or not self._held or time.monotonic() - self._held[0][3] < MAX_LAG:
                 return  # sent meanwhile; records held since are armed on their own

@@ -562,7 +562,8 @@ def test_cancelling_a_running_run_stops_it_at_the_next_step_boundary(engine):  #
 
     @define_job("test.cancellable", event="test.cancellable")
     def cancellable(event: Any, step: Any) -> Any:
-        step.run("first", lambda: reached.append("first") or 1)
+        # Longer than steps.MAX_LAG: "first" is stored before the next body starts.
+        step.run("first", lambda: reached.append("first") or time.sleep(0.01) or 1)
         def second() -> int:
             # An operator cancels while the second step's body runs. The body outlasts
             # steps.MAX_LAG, so the refusal of its record is read before the next body.
