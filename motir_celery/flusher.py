@@ -2,7 +2,7 @@
 
 ``Step`` holds a finished step's record for up to ``steps.MAX_LAG``, so that the
 records of fast steps travel together, in the next record or in the settle
-(docs/jobs.md, "When a step is stored"). The handler is the one that sends them,
+(docs/jobs.md, "Steps"). The handler is the one that sends them,
 at its next step boundary; but a body that takes longer than ``MAX_LAG`` would
 keep the records of the steps before it in this process's memory for as long as
 it runs, where a crash of the worker loses them. This thread sends them instead,
