@@ -7,7 +7,10 @@ run through the engine's publisher; plain: N messages), then the workers start
 and drain them. The rate is taken from each run's completion instant (durable:
 ``finished_at`` written by the settle; plain: a Redis hash the task writes) over
 the 5%..95% span of the drain (``bench.stats.drain_rate``). Both sides run
-prefork ``celery worker`` processes with prefetch 1 and early acks.
+prefork ``celery worker`` processes with prefetch 1 and early acks. The durable
+side's app has kombu's Redis ack emulation off (``celery_app.create_app``); plain
+Celery keeps Celery's default, and ``plain_round(env=...)`` with
+``BENCH_NO_ACK_EMULATION=1`` runs it with the same setting.
 
 Latency: workers up; one event every ``interval`` seconds; enqueue->completion
 is the completion instant minus the instant just before ``send_event`` (plain:
