@@ -53,6 +53,15 @@ def three_steps(event: Any, step: Any) -> Any:
     return {"total": a["n"] + b["n"] + c["n"]}
 
 
+@define_job("test.mixed-bodies", event="test.mixed-bodies", retry_policy=FAST)
+def mixed_bodies(event: Any, step: Any) -> Any:
+    """Fast steps around a slow one: records held, sent by the flusher, stored on their own."""
+    a = step.run("fast-1", lambda: 1)
+    b = step.run("slow", _effect, event, "slow", a + 1, 0.02)
+    c = step.run("fast-2", lambda: b + 1)
+    return step.run("fast-3", lambda: c + 1)
+
+
 @define_job("test.fail-after-two", event="test.flaky", retry_policy=FAST)
 def fail_after_two(event: Any, step: Any) -> Any:
     step.run("a", _effect, event, "a", 1)

@@ -56,6 +56,24 @@ def test_three_step_job_runs_end_to_end_on_a_real_worker(engine, broker, app, tm
     assert run.result == {"total": 6} and run.workspace_id == "acme"
 
 
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
+def test_concurrent_handlers_in_one_worker_process_store_every_step_once(engine, broker_url, tmp_path, pool):  # type: ignore[no-untyped-def]
+    """Several handlers holding step records at once share their process's flusher
+    thread (the threads pool: four in one process); each run stores its four steps
+    and runs its slow one once."""
+    with celery_worker(tmp_path, broker=broker_url, pool=pool, concurrency=4):
+        run_ids = [send_event("test.mixed-bodies", {"i": i}).run_ids[0] for i in range(12)]
+        for run_id in run_ids:
+            assert _final(engine, run_id) == "succeeded"
+    with engine.connect() as conn:
+        stored = conn.execute(text("SELECT run_id, count(*) FROM job_step WHERE run_id = ANY(:r) GROUP BY run_id"),
+                              {"r": run_ids}).all()
+        results = conn.execute(text("SELECT result FROM job_queue WHERE id = ANY(:r)"), {"r": run_ids}).scalars().all()
+    assert sorted(n for _, n in stored) == [4] * 12
+    assert results == [4] * 12
+    assert [count_effects(engine, run_id, "slow") for run_id in run_ids] == [1] * 12
+
+
 def test_retry_does_not_repeat_completed_steps(engine, broker, app, tmp_path):  # type: ignore[no-untyped-def]
     with celery_worker(tmp_path, broker=broker):
         (run_id,) = send_event("test.flaky", {}, app=app).run_ids
