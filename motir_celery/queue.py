@@ -431,6 +431,18 @@ def next_in_line(conn: Connection, job_id: str, key: str) -> uuid.UUID | None:
 
 # --- step write and heartbeat --------------------------------------------------------
 
+# The held steps of %(steps)s (steps_json) inserted for the run row r (id,
+# workspace_id, attempts) of a CTE named by the caller: the tail of both
+# _STORE_STEPS and _SETTLE_SUCCEEDED.
+_STEPS_OF_R = """
+      INSERT INTO job_step (run_id, step_id, workspace_id, output, attempt, started_at)
+      -- x -> 'output', not jsonb_to_recordset: that turns a step's JSON null into SQL NULL.
+      SELECT r.id, x ->> 'id', r.workspace_id, x -> 'output', r.attempts,
+             now() - make_interval(secs => CAST(x ->> 'elapsed' AS float8))
+      FROM {r} r, jsonb_array_elements(CAST(%(steps)s AS jsonb)) AS x
+      ON CONFLICT (run_id, step_id) DO NOTHING   -- already stored (a racing duplicate): the stored value wins
+"""
+
 _STORE_STEPS = (  # psycopg placeholders: see driver.hot
     """
     WITH run AS (
@@ -446,13 +458,9 @@ _STORE_STEPS = (  # psycopg placeholders: see driver.hot
       -- FOR SHARE: a concurrent reclaim or cancel waits for these inserts to commit, or
       -- this statement re-checks the fence against the reclaimed row and writes nothing.
       FOR SHARE
-    ), stored AS (
-      INSERT INTO job_step (run_id, step_id, workspace_id, output, attempt, started_at)
-      -- x -> 'output', not jsonb_to_recordset: that turns a step's JSON null into SQL NULL.
-      SELECT r.id, x ->> 'id', r.workspace_id, x -> 'output', r.attempts,
-             now() - make_interval(secs => CAST(x ->> 'elapsed' AS float8))
-      FROM run r, jsonb_array_elements(CAST(%(steps)s AS jsonb)) AS x
-      ON CONFLICT (run_id, step_id) DO NOTHING   -- already stored (a racing duplicate): the stored value wins
+    ), stored AS ("""
+    + _STEPS_OF_R.replace("{r}", "run")
+    + """
       RETURNING 1
     )
     SELECT count(*) FROM stored
@@ -645,11 +653,9 @@ _SETTLE_SUCCEEDED = (  # psycopg placeholders: see driver.hot
     ), held AS (
       -- The handler's finished steps not stored yet (steps.Step), the last one at
       -- least: stored in this commit, and only if the fenced settle above took the row.
-      INSERT INTO job_step (run_id, step_id, workspace_id, output, attempt, started_at)
-      SELECT s.id, x ->> 'id', s.workspace_id, x -> 'output', s.attempts,
-             now() - make_interval(secs => CAST(x ->> 'elapsed' AS float8))
-      FROM settled s, jsonb_array_elements(CAST(%(steps)s AS jsonb)) AS x   -- see _STORE_STEPS
-      ON CONFLICT (run_id, step_id) DO NOTHING
+      """
+    + _STEPS_OF_R.replace("{r}", "settled")
+    + """
     )
     UPDATE job_run r SET outcome = 'succeeded', finished_at = now()
     FROM settled s WHERE r.run_id = s.id AND r.outcome = 'running'   -- the open attempt

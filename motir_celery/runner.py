@@ -215,7 +215,7 @@ def _attempt(claim: queue.Claim, conn: Connection, publish: Publish | None, sett
     try:
         return _handle(claim, conn, step, event_data, publish, settings)
     finally:
-        step.abandon()  # a no-op unless an exception escaped with step records in flight
+        step.abandon()  # closes the step for the flusher; invalidates a connection left mid-pipeline
 
 
 def _handle(claim: queue.Claim, conn: Connection, step: Step, event_data: Any, publish: Publish | None,

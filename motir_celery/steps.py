@@ -63,7 +63,7 @@ import threading
 import time
 from datetime import datetime, timedelta
 from contextlib import contextmanager
-from typing import Any, Callable, ContextManager, Iterator, TypeVar
+from typing import Any, Callable, ContextManager, Iterator, NamedTuple, TypeVar
 
 from sqlalchemy import Connection
 
@@ -85,6 +85,15 @@ T = TypeVar("T")
 MAX_LAG = 0.001
 
 _SETTLE = object()  # the settle's tag among the records in flight
+
+class _Held(NamedTuple):
+    """A finished step whose record is not sent yet (times: time.monotonic())."""
+
+    key: str
+    encoded: str
+    started: float
+    finished: float
+
 
 #: Joins a repeated step id and its occurrence number (``charge``, ``charge:1``...).
 #: Reserved: a step id may not contain it, so ``charge:1`` cannot collide.
@@ -119,10 +128,10 @@ class Step:
         self._conn = conn
         self._transaction = transaction or self._on_own_connection
         self._memo: dict[str, Any] = dict(claim.steps)
-        # Finished steps not sent yet, (key, JSON, monotonic start, monotonic end): see run().
+        # Finished steps not sent yet: see run().
         # The flusher's thread may send them too (send_held), so they and the pipe are
         # used only under _lock; an error it met is raised on the handler's thread.
-        self._held: list[tuple[str, str, float, float]] = []
+        self._held: list[_Held] = []
         self._lock = threading.Lock()
         self._late_error: BaseException | None = None
         self._closed = False
@@ -167,8 +176,8 @@ class Step:
         # handler about as soon as a wait per record would have.
         with self._lock:
             self._raise_late_error()
-            slow = bool(self._held) and self._held[-1][3] - self._held[-1][2] > MAX_LAG
-            if slow or (self._held and time.monotonic() - self._held[0][3] > MAX_LAG):
+            slow = bool(self._held) and self._held[-1].finished - self._held[-1].started > MAX_LAG
+            if slow or (self._held and time.monotonic() - self._held[0].finished > MAX_LAG):
                 self._send_held()
             self._check(block=slow or self._pipe.lagging(MAX_LAG))
         self._still_held(key)
@@ -202,7 +211,7 @@ class Step:
         if self._closed or not self._held:
             return  # the usual case, read without the lock: the handler sent them itself
         with self._lock:
-            if self._closed or not self._held or time.monotonic() - self._held[0][3] < MAX_LAG:
+            if self._closed or not self._held or time.monotonic() - self._held[0].finished < MAX_LAG:
                 return  # sent meanwhile; records held since are armed on their own
             try:
                 self._send_held()
@@ -218,7 +227,7 @@ class Step:
         """The finished steps not sent yet, as (key, JSON, seconds since its body began)."""
         now = time.monotonic()
         held, self._held = self._held, []
-        return [(key, encoded, now - started) for key, encoded, started, _ in held]
+        return [(h.key, h.encoded, now - h.started) for h in held]
 
     def _send_held(self) -> None:
         held = self._take_held()
@@ -264,7 +273,9 @@ class Step:
             return settled
 
     def abandon(self) -> None:
-        """The attempt ends with records in flight (an exception escaped the runner)."""
+        """The attempt has ended: the flusher sends nothing more for it, and a
+        connection left with records in flight (an exception escaped the runner)
+        is invalidated rather than returned to the pool."""
         with self._lock:
             self._closed = True
             self._held.clear()
@@ -275,7 +286,7 @@ class Step:
         module docstring for when its record is sent."""
         finished = time.monotonic()
         with self._lock:
-            self._held.append((key, encoded, started, finished))
+            self._held.append(_Held(key, encoded, started, finished))
             first = len(self._held) == 1
         if first:
             flusher.arm(self, finished + MAX_LAG)
