@@ -54,7 +54,6 @@ import re
 import logging
 import os
 import threading
-import uuid
 import weakref
 from dataclasses import asdict
 from typing import Any
@@ -63,8 +62,8 @@ from celery import Celery, bootsteps
 
 from . import runner, sweeper
 from .errors import ConfigurationError, RunFailed
-from .jobs import Job, on_job_defined
-from .runner import Publish
+from .jobs import TASK_OPTIONS, Job, on_job_defined
+from .messages import publisher
 from .settings import Settings, get_settings
 
 __all__ = ["create_app", "attach", "default_app", "publisher"]
@@ -160,8 +159,8 @@ def _register(app: Celery, job: Job) -> None:
     if job.task_name in names:
         return
     names.add(job.task_name)
-    # (priority= is ours, 0-9 higher first; publisher() maps it per broker.)
-    options = {k: job.options[k] for k in ("queue", "time_limit", "soft_time_limit") if k in job.options}
+    # (priority= is ours, 0-9 higher first; messages.publisher maps it per broker.)
+    options = {k: job.options[k] for k in TASK_OPTIONS if k in job.options}
 
     def run_job(self: Any, run_id: str, *_: Any) -> dict[str, str]:
         worker = f"{self.request.hostname or 'worker'}/{os.getpid()}"
@@ -176,43 +175,6 @@ def _register(app: Celery, job: Job) -> None:
     run_job.__name__ = run_job.__qualname__ = "run_" + re.sub(r"\W", "_", job.id)
     run_job.__doc__ = f"Run of motir job {job.id!r}: claim, steps, settle."
     app.task(name=job.task_name, bind=True, **options)(run_job)
-
-
-def publisher(app: Celery) -> Publish:
-    """The publish callable the core is handed: one message per run, by task name."""
-
-    def publish(run_id: uuid.UUID, job_id: str, countdown: float = 0.0) -> None:
-        from .jobs import task_name
-
-        options: dict[str, Any] = {}
-        priority = _message_priority(app, job_id)
-        if priority is not None:
-            options["priority"] = priority
-        app.send_task(
-            task_name(job_id),
-            args=[str(run_id)],
-            countdown=countdown or None,
-            argsrepr=f"{job_id} run={run_id}",
-            **options,
-        )
-
-    return publish
-
-
-def _message_priority(app: Celery, job_id: str) -> int | None:
-    """A job's priority (0-9, higher is more urgent) as the broker spells it.
-
-    RabbitMQ: higher is more urgent, but only on a queue declared with
-    ``x-max-priority`` (Celery's ``task_queue_max_priority``). Redis: kombu
-    sorts 0 first, so the scale is inverted. Priority 0 sends no priority at all.
-    """
-    from .jobs import _registry
-
-    job = _registry.get(job_id)
-    if job is None or not job.run_options.priority:
-        return None
-    scheme = str(app.conf.broker_url or "").split("://", 1)[0]
-    return 9 - job.run_options.priority if scheme.startswith(("redis", "rediss")) else job.run_options.priority
 
 
 class SweeperStep(bootsteps.StartStopStep):

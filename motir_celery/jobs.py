@@ -53,6 +53,11 @@ def task_name(job_id: str) -> str:
     return f"motir.{job_id}"
 
 
+#: define_job options that are the Celery task's own (celery_app registers them,
+#: messages sends them with every message).
+TASK_OPTIONS = ("queue", "time_limit", "soft_time_limit")
+
+
 _registry: dict[str, Job] = {}
 _listeners: list[Callable[[Job], None]] = []
 _lock = threading.RLock()
