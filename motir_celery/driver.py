@@ -1,12 +1,12 @@
 """How the hot statements reach Postgres: the psycopg connection under a SQLAlchemy one.
 
-``queue`` holds the SQL; this module only sends it. Three ways, all inside
+``queue`` holds the SQL; this module only sends it. Two ways, both inside
 whatever transaction the SQLAlchemy ``Connection`` is in, all raising
 SQLAlchemy's ``DBAPIError`` family as ``conn.execute`` would (a connection the
 error left unusable is invalidated first, so the pool replaces it):
 
-* ``hot``: one statement, prepared, its first row; the caller waits for it.
-* ``pipelined``: a few statements sent together, read together (one round trip).
+* ``hot`` (``hot_rows``): one statement, prepared, its first row (every row);
+  the caller waits for it.
 * ``Pipe``: an attempt's fenced writes, each its own transaction, sent now and
   answered later (steps.py says when the answers are read).
 """
@@ -25,7 +25,7 @@ from psycopg import pq
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 
-__all__ = ["Pipe", "Prepared", "hot", "pipelined", "translated"]
+__all__ = ["Pipe", "Prepared", "hot", "hot_rows", "translated"]
 
 
 def hot(conn: Connection, sql: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
@@ -37,32 +37,18 @@ def hot(conn: Connection, sql: str, params: dict[str, Any]) -> tuple[Any, ...] |
     away) is invalidated first, so the pool replaces it and
     ``exc.connection_invalidated`` tells the runner to claim on a new one.
     """
+    rows = hot_rows(conn, sql, params)
+    return rows[0] if rows else None
+
+
+def hot_rows(conn: Connection, sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+    """``hot``, with every row."""
     raw = conn.connection.driver_connection
     try:
         with raw.cursor() as cursor:
-            return cursor.execute(sql, params, prepare=True).fetchone()
+            return cursor.execute(sql, params, prepare=True).fetchall()
     except psycopg.Error as exc:
         raise translated(conn, raw, sql, params, exc) from exc
-
-
-def pipelined(conn: Connection, statements: Sequence[tuple[str, dict[str, Any]]]) -> list[list[tuple[Any, ...]]]:
-    """Statements sent together, in order, in one round trip (a psycopg pipeline),
-    inside whatever transaction ``conn`` is in; each one's rows. Each statement
-    still takes its own snapshot when the server reaches it. Errors as in ``hot``;
-    a failed statement leaves the transaction aborted for its owner to roll back
-    (a caller's savepoint, or the pool's reset on checkin). REJECTED: rolling back
-    here, which would also end a ``send_event(session=...)`` caller's transaction."""
-    raw = conn.connection.driver_connection
-    cursors = [raw.cursor() for _ in statements]
-    try:
-        with raw.pipeline():
-            for cursor, (sql, params) in zip(cursors, statements):
-                cursor.execute(sql, params, prepare=bool(params))  # (BEGIN and COMMIT are not prepared)
-        return [cursor.fetchall() if cursor.description else [] for cursor in cursors]
-    except psycopg.Error as exc:
-        # The server stops at the first error; which statement it was is in the message.
-        sql = ";\n".join(sql for sql, _ in statements)
-        raise translated(conn, raw, sql, {k: v for _, p in statements for k, v in p.items()}, exc) from exc
 
 
 def translated(conn: Connection, raw: Any, sql: str, params: dict[str, Any], exc: psycopg.Error) -> DBAPIError:

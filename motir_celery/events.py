@@ -72,25 +72,22 @@ def _validate(name: Any, data: Any, workspace_id: Any, idempotency_key: Any, lim
 
 def write_event(conn: Connection, name: str, data: Any, encoded: str, workspace_id: str | None,
                 idempotency_key: str | None, jobs: Sequence[Job], *, priority: int | None = None,
-                traceparent: str | None = None, commit: bool = False) -> SendResult:
-    """The event, its runs, and what it does to runs already there — one transaction.
-
-    ``commit``: ``conn`` is in autocommit, and the transaction is this call's own:
-    BEGIN and COMMIT travel with the statements, one round trip in all. Only for
-    an event that no cancel_on rule listens to (the caller checks): cancelling
-    takes statements of its own, inside the transaction.
-    """
+                traceparent: str | None = None) -> SendResult:
+    """The event, its runs, and what it does to runs already there — in ``conn``'s
+    transaction. On a connection in autocommit only for an event that no
+    cancel_on rule listens to (the caller checks): the event is one statement,
+    its own transaction, and cancelling would take statements of their own."""
     specs = [spec_for(job, data, workspace_id, priority) for job in jobs]
     # Runs suspended in step.wait_for_event for this event become due now (woken).
     event_id, runs, woken = queue.record_event(conn, name, encoded, workspace_id, idempotency_key, specs,
-                                               traceparent=traceparent, commit=commit)
+                                               traceparent=traceparent)
     if event_id is None:
         existing = conn.execute(
             text("SELECT id FROM job_event WHERE name = :name AND idempotency_key = :key"),
             {"name": name, "key": idempotency_key},
         ).scalar()
         return SendResult(existing, [], deduplicated=True)
-    cancelled = [] if commit else _cancel_on(conn, name, data)
+    cancelled = _cancel_on(conn, name, data)
     return SendResult(event_id, runs, woken=woken, cancelled=cancelled)
 
 
@@ -143,7 +140,7 @@ def send_event(
         # The common case in one round trip (and the one commit, flushed, that the
         # event needs before it is published): see write_event.
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            result = write_event(conn, *args, **extra, commit=True)
+            result = write_event(conn, *args, **extra)
     _publish(result.runs + result.woken, publish)
     return result
 

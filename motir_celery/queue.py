@@ -27,9 +27,9 @@ transaction and error semantics as the rest. The claim waits for its answer
 (``driver.hot``); the step writes and a success's settle are sent through ``driver.Pipe``
 (libpq's pipeline mode) and answered later, so a run waits for two answers
 however many steps it stores (steps.py says when they are read).
-``record_event`` sends its two statements in one psycopg pipeline
-(``driver.pipelined``): one round trip where an idle server costs most of a
-send's time in wake-ups, not in work.
+``record_event`` is one statement too (the function ``motir_record_event``,
+migration 0004): at low load an idle client and server pay for every
+statement in wake-ups, not in work.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from typing import Any, Sequence
 
 from sqlalchemy import Connection, text
 
-from .driver import Pipe, Prepared, hot, pipelined
+from .driver import Pipe, Prepared, hot, hot_rows
 from .runspec import RunSpec
 
 __all__ = [
@@ -109,9 +109,8 @@ def _json(value: Any) -> str:
 
 # --- enqueue ------------------------------------------------------------------------
 
-# The runs of one event ``e`` (a CTE of id, name, workspace_id), one per RunSpec:
-# the tail of both record_event (e: the event just inserted) and fan_out (e: an
-# event already recorded).
+# The runs of one event ``e`` (a CTE of id, name, workspace_id), one per RunSpec
+# (fan_out; motir_record_event has the same INSERT for the event it writes).
 _RUNS_OF_E = """
       INSERT INTO job_queue (event_id, job_id, event_name, workspace_id, max_attempts, retry_policy,
                              priority, singleton_key, concurrency_key, cancel_key, traceparent)
@@ -128,39 +127,16 @@ _RUNS_OF_E = """
       RETURNING id, job_id
 """
 
+# The event, its runs and the wake-up of runs waiting for it, in one statement:
+# the function motir_record_event (migrations/versions/0004_record_event_function.py,
+# where its SQL is written out and explained). Its rows: (woken, event_id, run_id, job_id).
 _RECORD_EVENT = (  # psycopg placeholders: see driver.hot
     """
-    WITH e AS (
-      INSERT INTO job_event (name, data, workspace_id, idempotency_key)
-      SELECT %(name)s, CAST(%(data)s AS jsonb), %(workspace_id)s, %(key)s
-      -- A shared lock on the event name, held to commit: a run that starts waiting
-      -- for this name takes it exclusively before its look-back, so it either sees
-      -- this event or is seen by _WAKE_WAITERS below (step.wait_for_event's race).
-      FROM (SELECT pg_advisory_xact_lock_shared(hashtext('motir.wait:' || %(name)s))) AS wait_fence
-      -- (name, idempotency_key) is unique; NULL keys never conflict. A conflict
-      -- returns no row here, so no run either.
-      ON CONFLICT (name, idempotency_key) DO NOTHING
-      RETURNING id, name, workspace_id
-    ), runs AS ("""
-    + _RUNS_OF_E
-    + """)
-    SELECT e.id, runs.id, runs.job_id FROM e LEFT JOIN runs ON true   -- the event even with no run
-    """
-)
-
-_WAKE_WAITERS = (  # psycopg placeholders: see driver.hot
-    """
-    UPDATE job_queue
-    SET run_at = now(), dispatched_at = now()      -- due now; the caller publishes after commit
-    WHERE wait_event = %(name)s                    -- served by ix_job_queue_waiting
-      AND state = 'queued'                         -- suspended waiting (not cancelled, not running)
-      AND wait_value = (CAST(%(data)s AS jsonb) #>> wait_path)   -- the field the waiter matches on
-      -- Only for an event this transaction wrote (its received_at is this
-      -- transaction's now()): a send deduplicated by its key wakes nobody.
-      AND (CAST(%(key)s AS text) IS NULL
-           OR EXISTS (SELECT 1 FROM job_event d WHERE d.name = %(name)s AND d.idempotency_key = %(key)s
-                        AND d.received_at = now()))
-    RETURNING id, job_id
+    SELECT * FROM motir_record_event(
+      %(name)s, CAST(%(data)s AS jsonb), %(workspace_id)s, %(key)s, %(traceparent)s,
+      CAST(%(job_ids)s AS text[]), CAST(%(max_attempts)s AS int[]), CAST(%(policies)s AS text[]),
+      CAST(%(priorities)s AS smallint[]), CAST(%(singletons)s AS text[]), CAST(%(concurrency)s AS text[]),
+      CAST(%(cancel_keys)s AS text[]))
     """
 )
 
@@ -186,26 +162,23 @@ def _runs(specs: Sequence[RunSpec], rows: Sequence[tuple[Any, ...]]) -> list[Que
 
 def record_event(
     conn: Connection, name: str, data_json: str, workspace_id: str | None, idempotency_key: str | None,
-    specs: Sequence[RunSpec], *, traceparent: str | None = None, commit: bool = False,
+    specs: Sequence[RunSpec], *, traceparent: str | None = None,
 ) -> tuple[uuid.UUID | None, list[Queued | AlreadyQueued], list[Queued]]:
     """Write the event and one run per spec, and make due the runs suspended
-    waiting for it: (event id, runs, woken runs), in one round trip. The event id
+    waiting for it: (event id, runs, woken runs), in one statement. The event id
     is ``None`` when its idempotency key was already used for this name.
 
-    Two statements, pipelined: the wake-up cannot share the insert's statement,
-    since its snapshot must be taken after the insert's advisory lock is granted.
-    ``commit``: ``conn`` is in autocommit; BEGIN and COMMIT are sent in the same
-    pipeline, so the event is committed (and flushed) when this returns.
+    On a connection in autocommit the statement is its own transaction: the event
+    is committed (and flushed) when this returns.
     """
-    params = {"name": name, "data": data_json, "workspace_id": workspace_id, "key": idempotency_key}
-    statements = [(_RECORD_EVENT, {**params, **_specs(specs, traceparent)}), (_WAKE_WAITERS, params)]
-    if commit:
-        statements = [("BEGIN", {}), *statements, ("COMMIT", {})]
-    results = pipelined(conn, statements)
-    recorded, woken = results[1:3] if commit else results
+    params = {"name": name, "data": data_json, "workspace_id": workspace_id, "key": idempotency_key,
+              **_specs(specs, traceparent)}
+    rows = hot_rows(conn, _RECORD_EVENT, params)
+    recorded = [row[1:] for row in rows if not row[0]]
     if not recorded:
         return None, [], []
-    return recorded[0][0], _runs(specs, [row[1:] for row in recorded]), [Queued(r, j) for r, j in woken]
+    woken = [Queued(run_id, job_id) for is_woken, _, run_id, job_id in rows if is_woken]
+    return recorded[0][0], _runs(specs, [row[1:] for row in recorded]), woken
 
 
 _FAN_OUT = (  # psycopg placeholders: see driver.hot
@@ -221,7 +194,7 @@ def fan_out(
     """One run per spec for a recorded event, deduplicated by the database."""
     if not specs:
         return []
-    (rows,) = pipelined(conn, [(_FAN_OUT, {"event_id": event_id, **_specs(specs, traceparent)})])
+    rows = hot_rows(conn, _FAN_OUT, {"event_id": event_id, **_specs(specs, traceparent)})
     return _runs(specs, rows)
 
 
