@@ -34,7 +34,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from bench.common import DB, MOTIR_QUEUE, ROOT, admin_dsn, child_env, create_bench_database, drop_database
+from bench.common import DB, MOTIR_QUEUE, ROOT, admin_dsn, child_cwd, child_env, create_bench_database, drop_database
 from bench.stats import median
 
 SECTIONS = ("throughput", "latency", "steps", "cpu", "depth", "fanout", "beat", "memory")
@@ -158,8 +158,7 @@ def section_latency(url: str, sz: dict[str, Any], args: argparse.Namespace, log:
     out["motir_async"] = throughput.motir_latency(url, n, interval, 2, env=_async_env())
     out["motir_events"] = throughput.motir_latency(url, n, interval, 2, app="bench.motir_events_app")
     if args.baseline:
-        with _engine_at(args.baseline):
-            out["baseline"] = throughput.motir_latency(url, n, interval, 2)
+        out["baseline"] = _baseline_latency(args.baseline, n, interval)
     out["plain"] = throughput.plain_latency(n, interval, 2)
     if args.peers:
         out["procrastinate"] = peersenv.run("bench.peers.procrastinate_side", "latency", "--admin-dsn", admin_dsn(),
@@ -170,6 +169,25 @@ def section_latency(url: str, sz: dict[str, Any], args: argparse.Namespace, log:
         if side in out:
             log(f"  latency {side:<13} p50 {out[side]['p50'] * 1e3:6.1f} ms  p99 {out[side]['p99'] * 1e3:6.1f} ms")
     return out
+
+
+# The sender is half of a latency: the baseline's send_event publishes too, from a
+# process whose motir_celery is the baseline's (imported before bench is found on ROOT).
+_BASELINE_SENDER = (
+    "import json, os, sys; import motir_celery; sys.path.insert(0, sys.argv[1]); from bench import throughput; "
+    "print(json.dumps(throughput.motir_latency(os.environ['MOTIR_DATABASE_URL'], int(sys.argv[2]), "
+    "float(sys.argv[3]), 2)))"
+)
+
+
+def _baseline_latency(path: str, n: int, interval: float) -> dict:
+    """motir_latency with both the sender and the workers on the baseline's engine."""
+    with _engine_at(path):
+        done = subprocess.run([sys.executable, "-c", _BASELINE_SENDER, str(ROOT), str(n), str(interval)],
+                              env=child_env(), cwd=child_cwd(), capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"baseline latency failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _stepcost(rounds: int, engine_path: str | None, **extra: str) -> dict:
