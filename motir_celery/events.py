@@ -136,12 +136,15 @@ def send_event(
     if cancelled_by(name):
         with engine.begin() as conn:
             result = write_event(conn, *args, **extra)
-    else:
-        # The common case in one round trip (and the one commit, flushed, that the
-        # event needs before it is published): see write_event.
-        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            result = write_event(conn, *args, **extra)
-    _publish(result.runs + result.woken, publish)
+        _publish(result.runs + result.woken, publish)
+        return result
+    # The common case in one round trip (and the one commit, flushed, that the
+    # event needs before it is published): see write_event.
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        result = write_event(conn, *args, **extra)
+        # Committed already; published before the pool takes the connection back
+        # (~0.1 ms of Python at low load, off the run's way to a worker).
+        _publish(result.runs + result.woken, publish)
     return result
 
 
