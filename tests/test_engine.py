@@ -531,6 +531,52 @@ def test_a_pooled_socket_killed_under_the_worker_is_replaced_and_the_run_claimed
     assert execute(run_id, "test.three-steps").state == "succeeded"
 
 
+def _claims_on_backends(monkeypatch) -> list[int]:  # type: ignore[no-untyped-def]
+    """The server process of every claim the runner makes from now on."""
+    pids: list[int] = []
+    real = queue.claim
+
+    def spy(conn, *args, **kwargs):  # type: ignore[no-untyped-def]
+        pids.append(conn.connection.driver_connection.info.backend_pid)
+        return real(conn, *args, **kwargs)
+
+    monkeypatch.setattr(queue, "claim", spy)
+    return pids
+
+
+def test_a_worker_thread_claims_its_next_run_on_the_connection_it_kept(engine, monkeypatch):  # type: ignore[no-untyped-def]
+    pids = _claims_on_backends(monkeypatch)
+    first, second = (events.send_event("test.three", {"i": i}).run_ids[0] for i in range(2))
+    assert execute(first, "test.three-steps").state == "succeeded"
+    assert engine.pool.checkedout() == 1  # kept between runs, not handed back
+    assert execute(second, "test.three-steps").state == "succeeded"
+    assert pids[0] == pids[1]
+    assert engine.pool.checkedout() == 1
+
+
+def test_a_kept_connection_whose_server_process_died_is_replaced_and_the_run_claimed(engine, monkeypatch):  # type: ignore[no-untyped-def]
+    pids = _claims_on_backends(monkeypatch)
+    first, second = (events.send_event("test.three", {"i": i}).run_ids[0] for i in range(2))
+    assert execute(first, "test.three-steps").state == "succeeded"
+    with engine.pool._creator().cursor() as admin:  # a connection outside the pool
+        admin.execute("SELECT pg_terminate_backend(%s)", (pids[0],))
+    assert execute(second, "test.three-steps").state == "succeeded"
+    assert pids[0] == pids[1] != pids[2]  # the dead claim, then the claim on a fresh connection
+    assert count_effects(engine, second) == 3
+
+
+def test_a_connection_left_inside_a_transaction_is_closed_not_kept(engine):  # type: ignore[no-untyped-def]
+    kept = runner._KeptConnection()
+    conn = engine.connect()
+    conn.execute(text("SELECT 1"))  # autobegin: a transaction is open
+    kept.put(conn)
+    assert kept.held is None and conn.closed
+    idle = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+    kept.put(idle)
+    assert kept.take(engine) is idle
+    idle.close()
+
+
 def test_retry_after_error_requeues_at_the_requested_time_on_the_database_clock(engine):  # type: ignore[no-untyped-def]
     @define_job("test.retry-after", event="test.retry-after")
     def retry_after(event: Any, step: Any) -> Any:
