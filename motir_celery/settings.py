@@ -55,6 +55,9 @@ class Settings:
     #: synchronous commit (claims never wait for the flush: queue._CLAIM says
     #: why). See docs/performance.md.
     async_step_commit: bool = False
+    #: On a plain Redis broker, push run messages onto kombu's lists directly
+    #: (messages.py) instead of through ``send_task``; ``0`` always uses ``send_task``.
+    direct_publish: bool = True
     extra: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -76,6 +79,7 @@ class Settings:
             max_payload_bytes=_count(env, "MOTIR_MAX_PAYLOAD_BYTES", 1_000_000),
             pool_size=_count(env, "MOTIR_POOL_SIZE", 5),
             async_step_commit=_flag(env, "MOTIR_ASYNC_STEP_COMMIT", False),
+            direct_publish=_flag(env, "MOTIR_DIRECT_PUBLISH", True),
         )
 
     def require_database_url(self) -> str:

@@ -184,6 +184,21 @@ def test_a_broker_setting_that_changes_how_messages_are_written_rules_the_short_
     assert _RedisLane.for_app(app) is None
 
 
+def test_motir_direct_publish_0_sends_every_message_through_send_task(monkeypatch: pytest.MonkeyPatch) -> None:
+    from motir_celery.settings import reset_settings
+
+    app = Celery("other", set_as_current=False)
+    app.conf.broker_write_url = "redis://127.0.0.1:6379/0"
+    monkeypatch.setenv("MOTIR_DIRECT_PUBLISH", "0")
+    reset_settings()
+    try:
+        assert _RedisLane.for_app(app) is None
+    finally:
+        monkeypatch.delenv("MOTIR_DIRECT_PUBLISH")
+        reset_settings()
+    assert _RedisLane.for_app(app) is not None
+
+
 def test_runs_published_the_short_way_run_on_a_real_worker(
     engine: Any, app: Celery, sent: list[str], tmp_path: Any,
 ) -> None:
