@@ -174,11 +174,11 @@ def record_event(
     params = {"name": name, "data": data_json, "workspace_id": workspace_id, "key": idempotency_key,
               **_specs(specs, traceparent)}
     rows = hot_rows(conn, _RECORD_EVENT, params)
-    recorded = [row[1:] for row in rows if not row[0]]
+    recorded = [(event_id, run_id, job_id) for woken, event_id, run_id, job_id in rows if not woken]
     if not recorded:
         return None, [], []
-    woken = [Queued(run_id, job_id) for is_woken, _, run_id, job_id in rows if is_woken]
-    return recorded[0][0], _runs(specs, [row[1:] for row in recorded]), woken
+    woken_runs = [Queued(run_id, job_id) for woken, _, run_id, job_id in rows if woken]
+    return recorded[0][0], _runs(specs, [(run_id, job_id) for _, run_id, job_id in recorded]), woken_runs
 
 
 _FAN_OUT = (  # psycopg placeholders: see driver.hot

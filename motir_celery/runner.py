@@ -165,9 +165,13 @@ class _KeptConnection(threading.local):
         held, self.held = self.held, None
         if held is not None:
             pid, pool, conn = held
-            if pid == os.getpid() and pool is engine.pool and not conn.closed and not conn.invalidated:
+            if pid != os.getpid():
+                # The parent's socket: neither used nor closed here, nor left to the
+                # garbage collector (its check-in would roll back on that socket).
+                _inherited.append(conn)
+            elif pool is engine.pool and not conn.closed and not conn.invalidated:
                 return conn
-            if pid == os.getpid():
+            else:
                 conn.close()
         return engine.connect().execution_options(isolation_level="AUTOCOMMIT")
 
@@ -183,6 +187,7 @@ class _KeptConnection(threading.local):
 
 
 _kept = _KeptConnection()
+_inherited: list[Connection] = []
 
 
 def _free_slot(engine: Engine, claim: queue.Claim, publish: Publish | None) -> None:
