@@ -176,14 +176,18 @@ class _KeptConnection(threading.local):
         return engine.connect().execution_options(isolation_level="AUTOCOMMIT")
 
     def put(self, conn: Connection) -> None:
-        if self.held is not None or conn.closed or conn.invalidated or conn.in_transaction():
+        if self.held is None and _idle(conn):
+            self.held = (os.getpid(), conn.engine.pool, conn)
+        else:
             conn.close()
-            return
-        pgconn = conn.connection.driver_connection.pgconn
-        if pgconn.transaction_status != pq.TransactionStatus.IDLE or pgconn.pipeline_status != pq.PipelineStatus.OFF:
-            conn.close()
-            return
-        self.held = (os.getpid(), conn.engine.pool, conn)
+
+
+def _idle(conn: Connection) -> bool:
+    """Open, outside any transaction (ours or the server's), and not in pipeline mode."""
+    if conn.closed or conn.invalidated or conn.in_transaction():
+        return False
+    pgconn = conn.connection.driver_connection.pgconn
+    return pgconn.transaction_status == pq.TransactionStatus.IDLE and pgconn.pipeline_status == pq.PipelineStatus.OFF
 
 
 _kept = _KeptConnection()

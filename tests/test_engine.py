@@ -577,6 +577,22 @@ def test_a_connection_left_inside_a_transaction_is_closed_not_kept(engine):  # t
     idle.close()
 
 
+def test_a_connection_kept_before_a_fork_is_neither_used_nor_closed_in_the_child(engine):  # type: ignore[no-untyped-def]
+    import os
+
+    kept = runner._KeptConnection()
+    parents = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+    kept.held = (os.getpid() + 1, engine.pool, parents)  # as a forked child finds its parent's
+    try:
+        ours = kept.take(engine)
+        assert ours is not parents and not parents.closed  # the parent's socket is left alone
+        assert parents in runner._inherited  # and kept from the garbage collector's check-in
+        ours.close()
+    finally:
+        runner._inherited.remove(parents)
+        parents.close()
+
+
 def test_retry_after_error_requeues_at_the_requested_time_on_the_database_clock(engine):  # type: ignore[no-untyped-def]
     @define_job("test.retry-after", event="test.retry-after")
     def retry_after(event: Any, step: Any) -> Any:
