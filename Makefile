@@ -1,7 +1,7 @@
 # make run   - the demo, against $MOTIR_DATABASE_URL / $CELERY_BROKER_URL or embedded services
 # make test  - pytest (extra arguments: make test PYTEST_ARGS="-k claim -x")
 #
-# Unset service URLs are filled in by `python -m motir_celery.embedded env`, which
+# Unset service URLs are filled in by `python -m motir_celery.dev.embedded env`, which
 # starts embedded Postgres / Redis under $MOTIR_DATA_DIR (default .motir/) and
 # leaves them running for the next run; stop them with `make stop-embedded`.
 
@@ -21,13 +21,13 @@ export UV_COMPILE_BYTECODE := 1
 # $(call with-services,COMMAND): run COMMAND with both service URLs set, embedded where unset.
 # The assignment fails the recipe if the helper fails; `eval "$(...)"` alone would not.
 define with-services
-embedded_env="$$($(PYTHON) -m motir_celery.embedded env)"; eval "$$embedded_env"; $(1)
+embedded_env="$$($(PYTHON) -m motir_celery.dev.embedded env)"; eval "$$embedded_env"; $(1)
 endef
 
 .PHONY: run test setup stop-embedded
 
 run: setup
-	$(call with-services,$(PYTHON) -m motir_celery.demo)
+	$(call with-services,$(PYTHON) -m motir_celery.dev.demo)
 
 test: setup
 	$(call with-services,$(PYTHON) -m pytest $(PYTEST_ARGS))
@@ -41,4 +41,4 @@ $(UV):
 	.tools/bin/pip install --quiet uv==$(UV_VERSION)
 
 stop-embedded:
-	@if [[ -x $(PYTHON) ]]; then $(PYTHON) -m motir_celery.embedded stop; fi
+	@if [[ -x $(PYTHON) ]]; then $(PYTHON) -m motir_celery.dev.embedded stop; fi

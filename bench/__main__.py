@@ -46,7 +46,7 @@ def prepare_environment() -> str:
     missing = [v for v in ("MOTIR_DATABASE_URL", "CELERY_BROKER_URL") if not os.environ.get(v)]
     if missing:
         sys.exit(f"set {' and '.join(missing)} (a Postgres server and a Redis broker); "
-                 "`eval \"$(python -m motir_celery.embedded env)\"` starts embedded ones")
+                 "`eval \"$(python -m motir_celery.dev.embedded env)\"` starts embedded ones")
     os.environ.setdefault("BENCH_SERVER_URL", os.environ["MOTIR_DATABASE_URL"])
     url = create_bench_database()
     os.environ.update(MOTIR_DATABASE_URL=url, MOTIR_IMPORTS="bench.workload", MOTIR_QUEUE=MOTIR_QUEUE)

@@ -60,7 +60,7 @@ def create_bench_database(name: str = DB) -> str:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
     admin.dispose()
     url = server.set(database=name).render_as_string(hide_password=False)
-    from motir_celery.migrate import upgrade
+    from motir_celery.store.migrate import upgrade
 
     upgrade(url)
     return url

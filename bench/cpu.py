@@ -46,7 +46,7 @@ def _worker_cpu(pid: int) -> tuple[float, float]:
 
 def _one(url: str, runs: int, app: str, env: dict[str, str] | None) -> dict[str, float]:
     from bench.throughput import prequeue_motir
-    from motir_celery.celery_app import default_app
+    from motir_celery.adapter.celery_app import default_app
 
     truncate(url)
     purge(default_app(), MOTIR_QUEUE)

@@ -16,7 +16,7 @@ from bench.throughput import prequeue_motir
 
 
 def measure(url: str, checkpoints: tuple[int, ...] = (1000, 10000), concurrency: int = 2) -> dict[str, Any]:
-    from motir_celery.celery_app import default_app
+    from motir_celery.adapter.celery_app import default_app
 
     truncate(url)
     purge(default_app(), MOTIR_QUEUE)

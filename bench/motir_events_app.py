@@ -7,7 +7,7 @@ measures what they cost a worker: ``celery -A bench.motir_events_app worker``.
 
 from __future__ import annotations
 
-from motir_celery.celery_app import default_app
+from motir_celery.adapter.celery_app import default_app
 
 app = default_app()
 app.conf.worker_send_task_events = True

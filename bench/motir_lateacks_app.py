@@ -4,7 +4,7 @@ has (``task_acks_late``, ``task_reject_on_worker_lost``): ``python -m bench.cycl
 
 from __future__ import annotations
 
-from motir_celery.celery_app import default_app
+from motir_celery.adapter.celery_app import default_app
 
 app = default_app()
 app.conf.task_acks_late = True

@@ -63,7 +63,7 @@ FINDINGS = [
     "**`send_event` raised after committing when the broker was down** (scenario 3, Redis down 3 s): the "
     "caller was told the event failed although it and its runs were recorded; a retry without an idempotency "
     "key would have created them twice. Fix: publishing after a commit is best effort everywhere "
-    "(`runner.publish_or_log`: send_event, dispatch, DLQ replay, retry re-publish, sweeper); a refused "
+    "(`publish.publish_or_log`: send_event, dispatch, DLQ replay, retry re-publish, sweeper); a refused "
     "publish is logged and the sweeper publishes the run after `MOTIR_REPUBLISH_AFTER`. The sweeper and "
     "send_event stop at the first refused publish instead of waiting out the broker retries once per run.",
     "**`create_app(settings)` published to `$CELERY_BROKER_URL`, not to `settings.broker_url`** (scenario 3: "

@@ -55,8 +55,8 @@ def _redis() -> redis.Redis:
 
 def prequeue_motir(url: str, n: int, job: str = "bench.three") -> list[uuid.UUID]:
     """The rows send_event would write for ``n`` events (one statement, not timed), then one message each."""
-    from motir_celery.celery_app import default_app, publisher
-    from motir_celery.jobs import get_job
+    from motir_celery.adapter.celery_app import default_app, publisher
+    from motir_celery.core.jobs import get_job
 
     policy = get_job(job).retry_policy
     engine = create_engine(url, poolclass=NullPool)
@@ -72,7 +72,7 @@ def prequeue_motir(url: str, n: int, job: str = "bench.three") -> list[uuid.UUID
 
 def motir_round(url: str, n: int, workers: int, concurrency: int, *, timeout: float = 900,
                 env: dict[str, str] | None = None, app: str = "motir_celery") -> float:
-    from motir_celery.celery_app import default_app
+    from motir_celery.adapter.celery_app import default_app
 
     truncate(url)
     purge(default_app(), MOTIR_QUEUE)
@@ -110,7 +110,7 @@ def plain_round(n: int, workers: int, concurrency: int, *, timeout: float = 900,
 def motir_latency(url: str, events: int, interval: float, concurrency: int,
                   env: dict[str, str] | None = None, app: str = "motir_celery") -> dict[str, float]:
     import motir_celery
-    from motir_celery.celery_app import default_app
+    from motir_celery.adapter.celery_app import default_app
 
     truncate(url)
     purge(default_app(), MOTIR_QUEUE)

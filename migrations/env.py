@@ -1,10 +1,10 @@
-"""Alembic environment: target metadata is motir_celery.models, URL from motir settings."""
+"""Alembic environment: target metadata is motir_celery.store.models, URL from motir settings."""
 
 from alembic import context
 from sqlalchemy import create_engine, pool
 
-import motir_celery.migrate  # noqa: F401  (registers the RLS comparator)
-from motir_celery.models import Base
+import motir_celery.store.migrate  # noqa: F401  (registers the RLS comparator)
+from motir_celery.store.models import Base
 
 config = context.config
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from .errors import (
+from motir_celery.errors import (
     ConfigurationError,
     JobDefinitionError,
     LostClaim,
@@ -34,17 +34,17 @@ from .errors import (
     UnknownJobError,
     WorkspaceError,
 )
-from .jobs import define_job
-from .retries import RetryPolicy
-from .runspec import CancelOn
+from motir_celery.core.jobs import define_job
+from motir_celery.core.retries import RetryPolicy
+from motir_celery.core.runspec import CancelOn
 
 if TYPE_CHECKING:
     from celery import Celery
     from sqlalchemy.orm import Session
 
-    from .dlq import ReplayResult
-    from .events import SendResult
-    from .queue import AlreadyQueued, Queued
+    from motir_celery.core.dlq import ReplayResult
+    from motir_celery.core.events import SendResult
+    from motir_celery.store.statements import AlreadyQueued, Queued
 
 __all__ = [
     "define_job",
@@ -71,7 +71,7 @@ __all__ = [
 
 
 def _publish(app: "Celery | None" = None):  # type: ignore[no-untyped-def]
-    from .celery_app import default_app, publisher
+    from motir_celery.adapter.celery_app import default_app, publisher
 
     return publisher(app or default_app())
 
@@ -90,7 +90,7 @@ def send_event(
 
     Messages go through ``app`` (default: the engine's own Celery app), after commit.
     """
-    from . import events
+    from motir_celery.core import events
 
     return events.send_event(
         name, data, workspace_id=workspace_id, idempotency_key=idempotency_key, session=session,
@@ -101,23 +101,23 @@ def send_event(
 def replay_dlq(dlq_id: "uuid.UUID | str", *, actor: str, idempotency_key: str | None = None,
                app: "Celery | None" = None) -> "ReplayResult":
     """Replay a dead-lettered run for its job only; audited as ``actor``."""
-    from . import dlq
+    from motir_celery.core import dlq
 
     return dlq.replay_dlq(dlq_id, actor=actor, idempotency_key=idempotency_key, publish=_publish(app))
 
 
 def cancel_run(run_id: "uuid.UUID | str") -> bool:
     """Cancel a queued or running run; a running one stops at its next step boundary."""
-    from . import queue
-    from .db import engine_connection
+    from motir_celery.store import statements
+    from motir_celery.store.db import engine_connection
 
     with engine_connection() as conn:
-        return queue.cancel(conn, uuid.UUID(str(run_id)))
+        return statements.cancel(conn, uuid.UUID(str(run_id)))
 
 
 def enqueue_scheduled(job_id: str, scheduled_for: Any, *, app: "Celery | None" = None) -> "Queued | AlreadyQueued":
     """Create the run of cron job ``job_id`` for slot ``scheduled_for`` (once, however often called)."""
-    from .beat import enqueue_slot
+    from motir_celery.adapter.beat import enqueue_slot
 
     return enqueue_slot(job_id, scheduled_for, publish=_publish(app))
 
@@ -125,7 +125,7 @@ def enqueue_scheduled(job_id: str, scheduled_for: Any, *, app: "Celery | None" =
 def attach(app: "Celery") -> "Celery":
     """Host the engine on your own Celery app (tasks ``motir.<job_id>``, sweeper,
     imports); ``send_event`` and ``replay_dlq`` then publish through it."""
-    from .celery_app import attach as _attach, use_as_default
+    from motir_celery.adapter.celery_app import attach as _attach, use_as_default
 
     use_as_default(_attach(app))
     return app
@@ -134,7 +134,7 @@ def attach(app: "Celery") -> "Celery":
 def __getattr__(name: str) -> Any:
     # `celery -A motir_celery` looks up `motir_celery.app`: built on first access only.
     if name in ("app", "celery"):
-        from .celery_app import default_app
+        from motir_celery.adapter.celery_app import default_app
 
         return default_app()
     raise AttributeError(f"module 'motir_celery' has no attribute {name!r}")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Mapping
 
-from .errors import ConfigurationError
+from motir_celery.errors import ConfigurationError
 
 __all__ = ["Settings", "get_settings", "reset_settings"]
 
@@ -87,7 +87,7 @@ class Settings:
             raise ConfigurationError(
                 "MOTIR_DATABASE_URL is not set: point it at Postgres "
                 "(postgresql+psycopg://user@host/db), or run through `make run` / "
-                "`python -m motir_celery.embedded` to start an embedded one"
+                "`python -m motir_celery.dev.embedded` to start an embedded one"
             )
         return self.database_url
 

@@ -32,7 +32,7 @@ from sqlalchemy import create_engine, make_url, text
 from sqlalchemy.engine import Engine
 
 from motir_celery import settings as motir_settings
-from motir_celery.db import dispose_engines
+from motir_celery.store.db import dispose_engines
 
 ROOT = Path(__file__).resolve().parent.parent
 SESSION = uuid.uuid4().hex[:8]
@@ -63,7 +63,7 @@ def database_url() -> Iterator[str]:
     url = server.set(database=name).render_as_string(hide_password=False)
     os.environ["MOTIR_DATABASE_URL"] = url
     motir_settings.reset_settings()
-    from motir_celery.migrate import upgrade
+    from motir_celery.store.migrate import upgrade
 
     upgrade(url)
     # The tests' own ledger of executed step bodies, in a schema Alembic does not compare.
@@ -82,7 +82,7 @@ def database_url() -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def engine(database_url: str) -> Engine:
-    from motir_celery.db import get_engine
+    from motir_celery.store.db import get_engine
 
     return get_engine(database_url)
 
@@ -109,7 +109,7 @@ def amqp_url() -> str:
 def _clean_tables(request: pytest.FixtureRequest) -> Iterator[None]:
     """Tests that use the database start from empty tables."""
     if "database_url" in request.fixturenames or "engine" in request.fixturenames:
-        from motir_celery.db import get_engine
+        from motir_celery.store.db import get_engine
 
         with get_engine(os.environ["MOTIR_DATABASE_URL"]).begin() as conn:
             conn.execute(text(

@@ -4,7 +4,7 @@ unacknowledged after a second is handed out again."""
 
 from __future__ import annotations
 
-from motir_celery.celery_app import create_app
+from motir_celery.adapter.celery_app import create_app
 
 app = create_app()
 app.conf.broker_transport_options = {"visibility_timeout": 1.0, "unacked_restore_interval": 1,

@@ -29,7 +29,8 @@ def test_attach_hosts_jobs_on_the_users_app_beside_its_own_tasks(engine, broker_
 def test_an_app_that_chose_late_acks_keeps_them_for_our_tasks_too() -> None:
     from celery import Celery
 
-    from motir_celery import attach, celery_app
+    from motir_celery import attach
+    from motir_celery.adapter import celery_app
 
     app = Celery("late", broker="memory://", set_as_current=False)
     app.conf.update(task_acks_late=True, worker_prefetch_multiplier=4)

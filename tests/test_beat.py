@@ -31,17 +31,18 @@ from sqlalchemy.engine import Engine
 
 import tests.beat_jobs as bj
 import tests.jobs  # noqa: F401  (event jobs, for the "event enqueue unchanged" test)
-from motir_celery import enqueue_scheduled, queue
-from motir_celery.beat import SCHEDULER, MotirScheduler, OverlapSkipped, enqueue_slot
-from motir_celery.celery_app import attach, create_app
-from motir_celery.db import workspace_session
+from motir_celery import enqueue_scheduled
+from motir_celery.store import statements
+from motir_celery.adapter.beat import SCHEDULER, MotirScheduler, OverlapSkipped, enqueue_slot
+from motir_celery.adapter.celery_app import attach, create_app
+from motir_celery.store.db import workspace_session
 from motir_celery.errors import JobDefinitionError
-from motir_celery.events import dispatch_event, send_event
-from motir_celery.jobs import get_job
-from motir_celery.queue import AlreadyQueued, Queued
-from motir_celery.schedule import latest_slot, schedule_options, slots_between
+from motir_celery.core.events import dispatch_event, send_event
+from motir_celery.core.jobs import get_job
+from motir_celery.store.statements import AlreadyQueued, Queued
+from motir_celery.core.schedule import latest_slot, schedule_options, slots_between
 from motir_celery.settings import Settings
-from motir_celery.system_jobs import HEALTH_CHECK
+from motir_celery.core.system_jobs import HEALTH_CHECK
 from tests.conftest import ROOT, celery_worker, run_state, wait_for
 
 UTC = timezone.utc
@@ -155,7 +156,7 @@ def test_second_insert_of_a_slot_waits_for_the_first_and_then_is_already_queued(
     slot = slot_of(bj.EVERY_2S, db_now(engine))
     with engine.connect() as first:
         tx = first.begin()
-        created = queue.enqueue_scheduled(first, bj.EVERY_2S, slot, max_attempts=3, policy="transient")
+        created = statements.enqueue_scheduled(first, bj.EVERY_2S, slot, max_attempts=3, policy="transient")
         assert isinstance(created, Queued)
         outcome: list[Any] = []
         second = threading.Thread(target=lambda: outcome.append(enqueue_slot(bj.EVERY_2S, slot, publish=None)))
@@ -203,9 +204,9 @@ def test_event_triggered_enqueue_is_unchanged(engine):  # type: ignore[no-untype
     # the same job id sits beside the event row (NULL scheduled_for / NULL event_id).
     slot = datetime(2026, 1, 1, tzinfo=UTC)
     with engine.begin() as conn:
-        assert isinstance(queue.enqueue_scheduled(conn, "test.three-steps", slot, max_attempts=1, policy="none"),
+        assert isinstance(statements.enqueue_scheduled(conn, "test.three-steps", slot, max_attempts=1, policy="none"),
                           Queued)
-        assert type(queue.enqueue_scheduled(conn, "test.three-steps", slot, max_attempts=1, policy="none")) \
+        assert type(statements.enqueue_scheduled(conn, "test.three-steps", slot, max_attempts=1, policy="none")) \
             is AlreadyQueued
     assert [(r.event_id is None, r.scheduled_for) for r in rows(engine, "test.three-steps")] == [
         (False, None), (True, slot)]
@@ -280,7 +281,7 @@ def test_overlap_skip_decision_waits_for_an_uncommitted_run_of_another_slot(engi
     assert opts.overlap == "skip"
     with engine.connect() as first:
         tx = first.begin()
-        assert isinstance(queue.enqueue_scheduled(first, bj.EVERY_1S_SKIP, s1, max_attempts=3, policy="transient", skip_overlap=True),
+        assert isinstance(statements.enqueue_scheduled(first, bj.EVERY_1S_SKIP, s1, max_attempts=3, policy="transient", skip_overlap=True),
                           Queued)
         outcome: list[Any] = []
         second = threading.Thread(target=lambda: outcome.append(enqueue_slot(bj.EVERY_1S_SKIP, s2, publish=None)))
@@ -422,7 +423,7 @@ def test_three_real_beats_make_exactly_one_run_per_slot_none_missing(engine, bro
 
     logs = [log.read_text(errors="replace") for _, log in beats]
     for text_ in logs:
-        assert "scheduler -> motir_celery.beat.MotirScheduler" in text_
+        assert "scheduler -> motir_celery.adapter.beat.MotirScheduler" in text_
         assert "could not enqueue" not in text_ and "cron pass failed" not in text_, text_[-4000:]
 
     every2 = _assert_every_slot_once(engine, bj.EVERY_2S)
@@ -456,7 +457,7 @@ def test_a_users_own_app_keeps_its_beat_entries_beside_the_cron_jobs(engine, bro
                      and log.read_text().count("Sending due task user-heartbeat (user.heartbeat)") >= 3,
                      timeout=30, what="user entries and cron runs")
         banner = log.read_text(errors="replace")
-        assert "scheduler -> motir_celery.beat.MotirScheduler" in banner
+        assert "scheduler -> motir_celery.adapter.beat.MotirScheduler" in banner
     finally:
         _drop_queues(broker_url, queue_name, f"{queue_name}.user")
     _assert_every_slot_once(engine, bj.EVERY_2S)

@@ -25,9 +25,9 @@ from playwright.sync_api import Browser, BrowserContext, Page, expect, sync_play
 from sqlalchemy import text
 
 from motir_celery import send_event
-from motir_celery.celery_app import create_app as create_celery_app
-from motir_celery.celery_app import publisher
-from motir_celery.dashboard import DashboardConfig, create_app
+from motir_celery.adapter.celery_app import create_app as create_celery_app
+from motir_celery.adapter.celery_app import publisher
+from motir_celery.ops.dashboard import DashboardConfig, create_app
 from tests.conftest import celery_worker, run_state, wait_for
 from tests.ops_helpers import dead_letter, fix_switch, run_event
 

@@ -10,10 +10,10 @@ import pytest
 from click.testing import CliRunner, Result
 from sqlalchemy import create_engine, make_url, text
 
-from motir_celery import jobs as job_registry
-from motir_celery.cli import main
-from motir_celery.jobs import Job
-from motir_celery.retries import resolve_policy
+from motir_celery.core import jobs as job_registry
+from motir_celery.ops.cli import main
+from motir_celery.core.jobs import Job
+from motir_celery.core.retries import resolve_policy
 from motir_celery.settings import reset_settings
 from tests.ops_helpers import dead_letter, emit, run_event
 
@@ -217,12 +217,12 @@ def test_doctor_reports_every_check_with_ok_or_fail_and_a_fix(env, engine) -> No
 
 def test_doctor_is_all_ok_with_a_worker_that_consumes_the_queue_and_knows_the_jobs(
         env, engine, broker_url, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from motir_celery import doctor
-    from motir_celery.jobs import all_jobs
+    from motir_celery.ops import doctor
+    from motir_celery.core.jobs import all_jobs
     from tests.conftest import celery_worker
 
     # Other test modules register jobs in this process that the test worker (tests.jobs) never imports.
-    mine = [j for j in all_jobs() if j.handler.__module__ in ("tests.jobs", "motir_celery.system_jobs")]
+    mine = [j for j in all_jobs() if j.handler.__module__ in ("tests.jobs", "motir_celery.core.system_jobs")]
     monkeypatch.setattr(doctor, "all_jobs", lambda: mine)
     with celery_worker(tmp_path, broker=broker_url, concurrency=1):
         result = motir("doctor", "--timeout", "2")

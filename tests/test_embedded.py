@@ -1,4 +1,4 @@
-"""The embedded fallback: with no service URLs set, `python -m motir_celery.embedded env`
+"""The embedded fallback: with no service URLs set, `python -m motir_celery.dev.embedded env`
 starts Postgres and Redis that outlive it, and prints URLs that really work.
 
 Every call runs the CLI in a subprocess, as the Makefile does, with
@@ -26,7 +26,7 @@ SERVICE_VARS = ("MOTIR_DATABASE_URL", "CELERY_BROKER_URL")
 
 def embedded(command: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "motir_celery.embedded", command],
+        [sys.executable, "-m", "motir_celery.dev.embedded", command],
         env=env,
         capture_output=True,
         text=True,

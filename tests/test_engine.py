@@ -18,9 +18,13 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 import tests.jobs  # noqa: F401  (registers the test jobs)
-from motir_celery import dlq, events, queue, runner, sweeper
+from motir_celery.core import dlq
+from motir_celery.core import events
+from motir_celery.store import statements
+from motir_celery.core import runner
+from motir_celery.core import sweeper
 from motir_celery.errors import JobDefinitionError, PayloadError, RetryAfterError, StepOutputError
-from motir_celery.jobs import define_job
+from motir_celery.core.jobs import define_job
 from tests.conftest import count_effects, run_state
 
 
@@ -40,9 +44,9 @@ def one(engine, sql: str, **params: Any) -> Any:  # type: ignore[no-untyped-def]
         return conn.execute(text(sql), params).one()
 
 
-def claim(engine, run_id: uuid.UUID, job_id: str, worker: str = "w") -> queue.Claim | None:  # type: ignore[no-untyped-def]
+def claim(engine, run_id: uuid.UUID, job_id: str, worker: str = "w") -> statements.Claim | None:  # type: ignore[no-untyped-def]
     with engine.begin() as conn:
-        return queue.claim(conn, run_id, job_id=job_id, worker=worker, lease_seconds=30)
+        return statements.claim(conn, run_id, job_id=job_id, worker=worker, lease_seconds=30)
 
 
 def expire_lease(engine, run_id: uuid.UUID) -> None:  # type: ignore[no-untyped-def]
@@ -60,7 +64,7 @@ def test_event_with_two_subscribers_makes_two_runs_and_redispatch_makes_none(eng
     assert sorted(r.job_id for r in result.runs) == ["test.mixed-fail", "test.mixed-ok"]
     assert len(result.run_ids) == 2 and len(published) == 2
     again = events.dispatch_event(result.event_id, publish=published)
-    assert all(isinstance(r, queue.AlreadyQueued) for r in again)
+    assert all(isinstance(r, statements.AlreadyQueued) for r in again)
     assert len(published) == 2
     assert one(engine, "SELECT count(*) FROM job_queue")[0] == 2
 
@@ -100,7 +104,7 @@ def refusing(monkeypatch) -> dict[str, bool]:  # type: ignore[no-untyped-def]
     """While ``refusing["on"]``, every run send_event writes breaks ck_job_queue_attempts."""
     from dataclasses import replace
 
-    from motir_celery import runspec
+    from motir_celery.core import runspec
 
     state = {"on": False}
     real = runspec.spec_for
@@ -228,7 +232,7 @@ def test_non_json_step_result_fails_the_run_with_the_step_and_type_named(engine)
 
 @pytest.mark.parametrize("slow", [False, True], ids=["held-for-the-settle", "stored-on-its-own"])
 def test_a_step_that_returns_none_is_stored_as_json_null_and_replayed(engine, monkeypatch, slow):  # type: ignore[no-untyped-def]
-    from motir_celery import steps
+    from motir_celery.core import steps
 
     monkeypatch.setattr(steps, "MAX_LAG", 0.0 if slow else 60.0)
     calls: list[str] = []
@@ -264,7 +268,7 @@ def test_a_step_output_with_a_nul_character_fails_the_run_naming_the_step(engine
 
 
 def test_a_pipelined_write_the_server_refuses_is_raised_after_every_answer_and_frees_the_connection(engine):  # type: ignore[no-untyped-def]
-    from motir_celery.driver import Pipe, Prepared
+    from motir_celery.store.driver import Pipe, Prepared
 
     with engine.connect() as conn:
         conn = conn.execution_options(isolation_level="AUTOCOMMIT")
@@ -287,15 +291,15 @@ def test_a_zombie_whose_lease_was_reclaimed_can_neither_write_a_step_nor_settle(
     rescuer = claim(engine, run_id, "test.three-steps", worker="rescuer")
     assert rescuer is not None and rescuer.token != zombie.token
     with engine.begin() as conn:
-        assert queue.store_step(conn, zombie, "a", '"zombie"', 0.0) is False
-        assert queue.renew_lease(conn, zombie, 30) is False
-        assert queue.settle_succeeded(conn, zombie, '"zombie"') is False
-        assert queue.settle_succeeded(conn, zombie, '"zombie"', [("z", '"zombie"', 0.0)]) is False
-        assert queue.settle_failed(conn, zombie, '{"type": "x"}') is None
-        assert queue.settle_retry(conn, zombie, '{"type": "x"}', 0) is False
+        assert statements.store_step(conn, zombie, "a", '"zombie"', 0.0) is False
+        assert statements.renew_lease(conn, zombie, 30) is False
+        assert statements.settle_succeeded(conn, zombie, '"zombie"') is False
+        assert statements.settle_succeeded(conn, zombie, '"zombie"', [("z", '"zombie"', 0.0)]) is False
+        assert statements.settle_failed(conn, zombie, '{"type": "x"}') is None
+        assert statements.settle_retry(conn, zombie, '{"type": "x"}', 0) is False
     with engine.begin() as conn:
-        assert queue.store_step(conn, rescuer, "a", '"rescuer"', 0.0) is True
-        assert queue.settle_succeeded(conn, rescuer, '"done"') is True
+        assert statements.store_step(conn, rescuer, "a", '"rescuer"', 0.0) is True
+        assert statements.settle_succeeded(conn, rescuer, '"done"') is True
     assert one(engine, "SELECT output FROM job_step WHERE run_id = :r", r=run_id)[0] == "rescuer"  # and no "z"
     assert run_state(engine, run_id) == "succeeded"
 
@@ -307,12 +311,12 @@ def test_held_steps_are_stored_by_one_fenced_statement_and_a_stored_one_keeps_it
     held = claim(engine, run_id, "test.three-steps")
     assert held is not None
     with engine.begin() as conn:
-        assert queue.store_steps(conn, held, [("a", '"first"', 0.0)]) == 1
+        assert statements.store_steps(conn, held, [("a", '"first"', 0.0)]) == 1
         # "a" is there already: only "b" is stored, and the answer says one of two.
-        assert queue.store_steps(conn, held, [("a", '"again"', 0.0), ("b", '{"n":[1,"x\\"y"]}', 0.5)]) == 1
+        assert statements.store_steps(conn, held, [("a", '"again"', 0.0), ("b", '{"n":[1,"x\\"y"]}', 0.5)]) == 1
     cancel_run(run_id)
     with engine.begin() as conn:  # the fence refuses the whole batch
-        assert queue.store_steps(conn, held, [("c", '3', 0.0), ("d", '4', 0.0)]) == 0
+        assert statements.store_steps(conn, held, [("c", '3', 0.0), ("d", '4', 0.0)]) == 0
     with engine.connect() as conn:
         stored = dict(conn.execute(text("SELECT step_id, output FROM job_step WHERE run_id = :r"), {"r": run_id}).all())
     assert stored == {"a": "first", "b": {"n": [1, 'x"y']}}
@@ -333,7 +337,7 @@ def test_a_reclaim_racing_a_step_write_never_loses_the_stored_step(engine):  # t
         def write() -> None:
             barrier.wait()
             with engine.begin() as conn:
-                stored.append(queue.store_step(conn, holder, "a", '"v"', 0.0))
+                stored.append(statements.store_step(conn, holder, "a", '"v"', 0.0))
 
         def reclaim() -> None:
             barrier.wait()
@@ -382,7 +386,7 @@ def _commits(engine, run_id: str) -> dict[str, bool]:  # type: ignore[no-untyped
 
 
 def test_fast_steps_are_held_and_stored_with_the_settle_in_one_commit(engine, monkeypatch):  # type: ignore[no-untyped-def]
-    from motir_celery import steps
+    from motir_celery.core import steps
 
     monkeypatch.setattr(steps, "MAX_LAG", 60.0)  # every body is fast, and no record is sent before the settle
     seen_by_third: list[list[str]] = []
@@ -403,7 +407,7 @@ def test_fast_steps_are_held_and_stored_with_the_settle_in_one_commit(engine, mo
 def test_a_step_body_longer_than_max_lag_is_stored_before_the_next_body_starts(engine, monkeypatch):  # type: ignore[no-untyped-def]
     """With every body slower than MAX_LAG, a run of k steps commits k flushed
     transactions: steps 1..k-1 one each, before the next body, and step k with the result."""
-    from motir_celery import steps
+    from motir_celery.core import steps
 
     monkeypatch.setattr(steps, "MAX_LAG", 0.0)
     seen: list[list[str]] = []
@@ -481,14 +485,14 @@ def test_only_the_claim_commits_without_waiting_for_the_wal_flush(engine):  # ty
     (run_id,) = events.send_event("test.three", {}).run_ids
     setting = "SELECT current_setting('synchronous_commit')"
     with engine.begin() as conn:
-        held = queue.claim(conn, run_id, job_id="test.three-steps", worker="w", lease_seconds=30)
+        held = statements.claim(conn, run_id, job_id="test.three-steps", worker="w", lease_seconds=30)
         assert held is not None
         assert conn.execute(text(setting)).scalar_one() == "off"
     with engine.begin() as conn:
-        assert queue.store_step(conn, held, "a", '{"n":1}', 0.0) is True
+        assert statements.store_step(conn, held, "a", '{"n":1}', 0.0) is True
         assert conn.execute(text(setting)).scalar_one() == "on"
     with engine.begin() as conn:
-        assert queue.settle_succeeded(conn, held, '"done"') is True
+        assert statements.settle_succeeded(conn, held, '"done"') is True
         assert conn.execute(text(setting)).scalar_one() == "on"
     assert run_state(engine, run_id) == "succeeded"
 
@@ -496,7 +500,7 @@ def test_only_the_claim_commits_without_waiting_for_the_wal_flush(engine):  # ty
 def _kill_the_pooled_connection(engine, monkeypatch) -> int:  # type: ignore[no-untyped-def]
     """Leave exactly one connection in the pool, with its server process terminated
     and no idle ping to notice: the next statement on it meets a dead socket."""
-    from motir_celery import db
+    from motir_celery.store import db
 
     monkeypatch.setattr(db, "PING_AFTER_IDLE_SECONDS", 3600.0)
     engine.dispose()
@@ -518,7 +522,7 @@ def test_a_hot_statement_on_a_dead_socket_raises_a_disconnect_that_invalidates_i
     doomed = _kill_the_pooled_connection(engine, monkeypatch)
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         with pytest.raises(DBAPIError) as raised:
-            queue.claim(conn, run_id, job_id="test.three-steps", worker="w", lease_seconds=30)
+            statements.claim(conn, run_id, job_id="test.three-steps", worker="w", lease_seconds=30)
         assert raised.value.connection_invalidated
     with engine.connect() as conn:
         assert conn.execute(text("SELECT pg_backend_pid()")).scalar_one() != doomed
@@ -534,13 +538,13 @@ def test_a_pooled_socket_killed_under_the_worker_is_replaced_and_the_run_claimed
 def _claims_on_backends(monkeypatch) -> list[int]:  # type: ignore[no-untyped-def]
     """The server process of every claim the runner makes from now on."""
     pids: list[int] = []
-    real = queue.claim
+    real = statements.claim
 
     def spy(conn, *args, **kwargs):  # type: ignore[no-untyped-def]
         pids.append(conn.connection.driver_connection.info.backend_pid)
         return real(conn, *args, **kwargs)
 
-    monkeypatch.setattr(queue, "claim", spy)
+    monkeypatch.setattr(statements, "claim", spy)
     return pids
 
 
@@ -805,12 +809,12 @@ def test_heartbeat_keeps_a_long_step_claimed_past_its_lease(engine):  # type: ig
 def test_republish_finds_only_old_messages_and_sends_a_deep_backlog_in_slices(engine):  # type: ignore[no-untyped-def]
     result_ids = [events.send_event("test.three", {"i": i}).run_ids[0] for i in range(30)]
     with engine.begin() as conn:
-        assert queue.republish_due(conn, after_seconds=60, batch=10) == []  # messages are fresh
+        assert statements.republish_due(conn, after_seconds=60, batch=10) == []  # messages are fresh
         conn.execute(text("UPDATE job_queue SET dispatched_at = now() - interval '5 minutes'"))
     with engine.begin() as conn:
-        first = queue.republish_due(conn, after_seconds=60, batch=10)
+        first = statements.republish_due(conn, after_seconds=60, batch=10)
     with engine.begin() as conn:
-        second = queue.republish_due(conn, after_seconds=60, batch=10)
+        second = statements.republish_due(conn, after_seconds=60, batch=10)
     assert len(first) == 10 and len(second) == 10
     assert not {r for r, _ in first} & {r for r, _ in second}  # re-stamped: not sent again
     assert {r for r, _ in first + second} <= set(result_ids)

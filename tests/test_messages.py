@@ -15,8 +15,8 @@ from celery import Celery, signals
 
 import tests.jobs  # noqa: F401  (test.three, for the worker)
 from motir_celery import define_job, send_event
-from motir_celery.celery_app import create_app
-from motir_celery.messages import _RedisLane, publisher
+from motir_celery.adapter.celery_app import create_app
+from motir_celery.adapter.messages import _RedisLane, publisher
 from motir_celery.settings import Settings
 from tests.conftest import celery_worker, run_state, wait_for
 
@@ -145,7 +145,7 @@ def test_a_publish_signal_receiver_sends_every_message_through_send_task(
 def test_a_push_redis_refuses_is_sent_through_send_task_and_logged(
     app: Celery, sent: list[str], broker: redis.Redis, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from motir_celery import messages
+    from motir_celery.adapter import messages
 
     publish = publisher(app)
     publish(uuid.uuid4(), "test.three-steps", 0.0)
@@ -157,7 +157,7 @@ def test_a_push_redis_refuses_is_sent_through_send_task_and_logged(
 
     lane.client.lpush = refuse  # type: ignore[method-assign]
     run_id = uuid.uuid4()
-    with caplog.at_level(logging.WARNING, "motir_celery.messages"):
+    with caplog.at_level(logging.WARNING, "motir_celery.adapter.messages"):
         publish(run_id, "test.three-steps", 0.0)
     assert len(sent) == 2
     assert f"pushing run {run_id} to Redis failed" in caplog.text

@@ -6,8 +6,8 @@ from datetime import timedelta
 
 from sqlalchemy import text
 
-from motir_celery.dlq import dismiss_dlq, replay_dlq
-from motir_celery.purge import purge
+from motir_celery.core.dlq import dismiss_dlq, replay_dlq
+from motir_celery.ops.purge import purge
 from tests.ops_helpers import age, dead_letter, emit, run_event
 
 THIRTY_DAYS = timedelta(days=30)

@@ -20,8 +20,8 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import ProgrammingError
 
-from motir_celery.db import set_workspace_context, workspace_session
-from motir_celery.rls import APP_ROLE
+from motir_celery.store.db import set_workspace_context, workspace_session
+from motir_celery.store.rls import APP_ROLE
 from motir_celery.settings import Settings, get_settings
 
 RLS_TABLES = ("job_event", "job_queue", "job_step", "job_run", "job_run_dlq")
@@ -235,7 +235,7 @@ def test_workspace_context_does_not_survive_into_the_next_transaction_on_a_poole
 
 
 def test_workspace_session_context_ends_with_its_transaction(seeded: object, app_settings: Settings) -> None:
-    from motir_celery.db import get_engine
+    from motir_celery.store.db import get_engine
 
     eng = get_engine(app_settings.database_url, settings=app_settings)
     with workspace_session(A, admin=True, settings=app_settings) as s:

@@ -15,7 +15,7 @@ from zoneinfo import ZoneInfo
 import pytest
 
 from motir_celery.errors import JobDefinitionError
-from motir_celery.schedule import (
+from motir_celery.core.schedule import (
     MAX_CATCHUP,
     ScheduleOptions,
     is_slot,

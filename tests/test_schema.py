@@ -18,7 +18,7 @@ from sqlalchemy import TextClause, create_engine, text
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
-from motir_celery.queue import _RECLAIM_EXPIRED, _REPUBLISH_DUE, AlreadyQueued, Queued, enqueue_scheduled
+from motir_celery.store.statements import _RECLAIM_EXPIRED, _REPUBLISH_DUE, AlreadyQueued, Queued, enqueue_scheduled
 
 SLOT = datetime(2030, 1, 1, 9, 0, tzinfo=timezone.utc)
 

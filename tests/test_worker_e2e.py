@@ -13,7 +13,7 @@ from sqlalchemy import text
 
 import tests.jobs  # noqa: F401  (registers the jobs in this process too, for send_event)
 from motir_celery import send_event
-from motir_celery.celery_app import create_app, publisher
+from motir_celery.adapter.celery_app import create_app, publisher
 from motir_celery.settings import Settings
 from tests.conftest import celery_worker, count_effects, run_state, wait_for
 
@@ -88,7 +88,7 @@ def test_retry_does_not_repeat_completed_steps(engine, broker, app, tmp_path):  
 
 
 def test_same_run_published_five_times_concurrently_runs_its_body_once(engine, broker, app, tmp_path):  # type: ignore[no-untyped-def]
-    from motir_celery import events
+    from motir_celery.core import events
 
     publish = publisher(app)
     with celery_worker(tmp_path, broker=broker, concurrency=4):
@@ -134,7 +134,7 @@ def test_killed_worker_run_is_finished_by_another_without_redoing_steps(engine, 
 def test_dlq_replay_through_a_worker_runs_only_the_failed_subscriber(engine, broker, app, tmp_path):  # type: ignore[no-untyped-def]
     from motir_celery import replay_dlq
     from tests.jobs import record
-    from motir_celery.runner import Event
+    from motir_celery.core.runner import Event
 
     with celery_worker(tmp_path, broker=broker):
         result = send_event("test.mixed", {"switch": f"e2e-{broker[:4]}"}, app=app)
@@ -155,7 +155,7 @@ def test_dlq_replay_through_a_worker_runs_only_the_failed_subscriber(engine, bro
 
 
 def test_a_run_whose_message_was_never_published_is_found_by_the_sweeper(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
-    from motir_celery import events
+    from motir_celery.core import events
 
     # A crash between the commit and the publish: the row exists, no message does.
     (run_id,) = events.send_event("test.three", {}, publish=None).run_ids

@@ -8,10 +8,10 @@ from alembic import op
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
-from motir_celery import rls
+from motir_celery.store import rls
 
 # RLS is generated from the same declarations the drift check compares against
-# (motir_celery.rls): roles, grants, ENABLE, and the two policies per table.
+# (motir_celery.store.rls): roles, grants, ENABLE, and the two policies per table.
 RLS_TABLES = ['job_event', 'job_queue', 'job_step', 'job_run', 'job_run_dlq']
 
 revision = '0001'

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from motir_celery.celery_app import create_app
+from motir_celery.adapter.celery_app import create_app
 
 app = create_app()
 if os.environ.get("CHAOS_VISIBILITY_TIMEOUT"):

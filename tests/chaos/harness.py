@@ -87,7 +87,7 @@ def create_database(server_url: str, name: str) -> str:
     """A fresh, migrated database on ``server_url`` with the ledger table; returns its URL."""
     from sqlalchemy import make_url
 
-    from motir_celery.migrate import upgrade
+    from motir_celery.store.migrate import upgrade
 
     server = make_url(server_url)
     admin = create_engine(server, isolation_level="AUTOCOMMIT", poolclass=NullPool)
@@ -104,7 +104,7 @@ def create_database(server_url: str, name: str) -> str:
 def drop_database(server_url: str, name: str) -> None:
     from sqlalchemy import make_url
 
-    from motir_celery.db import dispose_engines
+    from motir_celery.store.db import dispose_engines
 
     dispose_engines()
     admin = create_engine(make_url(server_url), isolation_level="AUTOCOMMIT", poolclass=NullPool)
@@ -149,7 +149,7 @@ class PrivateRedis:
         found = shutil.which("redis-server")
         if found:
             return found
-        from motir_celery.embedded import _redis_server_binary
+        from motir_celery.dev.embedded import _redis_server_binary
 
         return str(_redis_server_binary())
 
@@ -430,14 +430,14 @@ class ChaosEnv:
         return Settings.from_env(self.child_env(MOTIR_IMPORTS="tests.chaos.jobs"))
 
     def engine(self) -> Engine:
-        from motir_celery.db import get_engine
+        from motir_celery.store.db import get_engine
 
         return get_engine(self.database_url, settings=self.settings())
 
     def publisher(self, copies: int = 1) -> Callable[[uuid.UUID, str, float], None]:
         """Publish through a Celery app of our own on the scenario's broker and queue;
         ``copies`` > 1 sends every message that many times."""
-        from motir_celery.celery_app import create_app, publisher
+        from motir_celery.adapter.celery_app import create_app, publisher
 
         app = create_app(self.settings())
         one = publisher(app)
@@ -642,7 +642,7 @@ class Feeder(threading.Thread):
         self.runs_created = 0
 
     def run(self) -> None:
-        from motir_celery import events
+        from motir_celery.core import events
 
         settings = self.env.settings()
         publish = self.env.publisher(self.copies)
@@ -898,7 +898,7 @@ def check(env: ChaosEnv, *, expected_runs: int | None = None, prefix: str = "cha
 
 def cross_tenant_rows(env: ChaosEnv, workspaces: Sequence[str] = WORKSPACES) -> int:
     """Rows of another workspace (or system rows) that an app-role reader of each workspace sees."""
-    from motir_celery.db import workspace_session
+    from motir_celery.store.db import workspace_session
 
     settings = env.settings()
     seen = 0

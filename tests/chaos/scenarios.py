@@ -320,7 +320,7 @@ def postgres_restart(base: Base, *, runs: int = 600, workers: int = 3, rate: flo
             dead = [p.name for p in cluster.procs if p.kind == "worker" and not p.alive()]
             if dead:
                 problems.append(f"workers exited instead of reconnecting: {dead}")
-        from motir_celery.db import dispose_engines
+        from motir_celery.store.db import dispose_engines
 
         dispose_engines()
     finally:
@@ -575,9 +575,9 @@ def bad_input(base: Base, *, runs: int = 200, workers: int = 2, rate: float = 20
     error (raised before anything is written) or a logged drop; nothing else disturbed."""
     import kombu
 
-    from motir_celery import events
-    from motir_celery.db import workspace_session
-    from motir_celery.dlq import replay_dlq
+    from motir_celery.core import events
+    from motir_celery.store.db import workspace_session
+    from motir_celery.core.dlq import replay_dlq
     from motir_celery.errors import PayloadError, WorkspaceError
 
     name = "9-bad-input"
@@ -666,7 +666,7 @@ def bad_input(base: Base, *, runs: int = 200, workers: int = 2, rate: float = 20
                 producer.publish(body, routing_key=env.queue, content_type=ctype, content_encoding="binary",
                                  declare=[q], headers=headers or {})
                 cases.append(f"{label} -> dropped by the worker (logged)")
-            from motir_celery.celery_app import create_app
+            from motir_celery.adapter.celery_app import create_app
 
             app = create_app(settings)
             forged = [
@@ -749,7 +749,7 @@ def tenancy(base: Base, *, runs: int = 600, readers: int = 3, workers: int = 3, 
             kill_every: tuple[float, float] = (4.0, 7.0)) -> Result:
     """App-role readers of workspace A poll every table (workspace_session, RLS enforced)
     while B's runs churn on the same connection pools, under SIGKILLs."""
-    from motir_celery.db import workspace_session
+    from motir_celery.store.db import workspace_session
 
     name = "10-tenancy"
     reset_tables(base.database_url)

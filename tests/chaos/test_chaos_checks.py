@@ -16,7 +16,7 @@ from tests.chaos.scenarios import SUBSCRIBERS
 
 
 def _runs(env: ChaosEnv, n: int) -> list[tuple[str, str]]:
-    from motir_celery import events
+    from motir_celery.core import events
 
     out = []
     for i in range(n):
@@ -98,12 +98,12 @@ def test_check_counts_every_kind_of_violation_and_nothing_else(database_url: str
 
 def test_the_cross_tenant_check_sees_a_leak_when_there_is_one(database_url: str, tmp_path: Path,
                                                                monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from motir_celery import db
+    from motir_celery.store import db
     from tests.chaos.harness import cross_tenant_rows
 
     reset_tables(database_url)
     env = ChaosEnv(database_url, "redis://127.0.0.1:1/0", tmp_path)
-    from motir_celery import events
+    from motir_celery.core import events
 
     for ws in ("ws-a", "ws-b"):
         events.send_event("chaos.work", {}, workspace_id=ws, publish=None, settings=env.settings())

@@ -1,0 +1,223 @@
+"""Cron jobs on ``celery beat``: one run per slot, however many beats tick it.
+
+Two pieces:
+
+* ``enqueue_slot(job_id, scheduled_for, publish=...)`` — create the run of one
+  cron slot: one transaction around ``statements.enqueue_scheduled`` (``INSERT … ON
+  CONFLICT (job_id, scheduled_for) DO NOTHING``), then publish **after the
+  commit** and only for ``Queued``. Behind ``motir_celery.enqueue_scheduled``.
+* ``MotirScheduler`` — a ``celery.beat.PersistentScheduler`` whose ``tick()``
+  also fires every cron job of the registry. ``attach()`` makes it the app's
+  ``beat_scheduler`` unless the user chose one; the user's own
+  ``beat_schedule`` entries run exactly as before, and ``MotirCronMixin`` puts
+  the same behaviour on any other scheduler class.
+
+Why any number of beats is safe: a slot is a pure function of (expression,
+zone, the database's ``now()``) — ``schedule.latest_slot`` — so every beat
+binds the same ``scheduled_for`` for the same slot, and the unique constraint
+admits the first INSERT and answers ``AlreadyQueued`` to the rest. A beat's
+own memory (``_fired`` below) only saves it redundant INSERTs; it never decides
+what a slot is or whether it runs. One beat is still the recommended deployment
+(docs/jobs.md, "Scheduled jobs").
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import datetime, timedelta
+from typing import Any
+
+from celery.beat import PersistentScheduler
+from sqlalchemy import text
+
+from motir_celery.store import statements
+from motir_celery.store.db import engine_connection
+from motir_celery.errors import JobDefinitionError
+from motir_celery.core.jobs import Job, all_jobs, get_job
+from motir_celery.store.statements import AlreadyQueued, OverlapSkipped, Queued
+from motir_celery.core.runspec import spec_for
+from motir_celery.core.publish import Publish
+from motir_celery.core.schedule import ScheduleOptions, is_slot, latest_slot, newest_slots, next_slot, schedule_options
+from motir_celery.settings import Settings
+
+__all__ = ["enqueue_slot", "OverlapSkipped", "MotirCronMixin", "MotirScheduler", "SCHEDULER"]
+
+log = logging.getLogger("motir_celery.adapter.beat")
+
+#: The value ``attach()`` puts in ``beat_scheduler``.
+SCHEDULER = "motir_celery.beat:MotirScheduler"
+
+#: Most slots one job may enqueue in one pass (a catch-up window over a dense
+#: schedule); the newest are kept.
+MAX_SLOTS_PER_PASS = 1000
+
+
+# --- enqueue ------------------------------------------------------------------------
+
+
+def enqueue_slot(
+    job_id: str,
+    scheduled_for: datetime | str,
+    *,
+    publish: Publish | None,
+    settings: Settings | None = None,
+) -> Queued | AlreadyQueued:
+    """Create the run of cron job ``job_id`` for slot ``scheduled_for``, once.
+
+    ``scheduled_for`` must be one of the job's slots (``schedule.latest_slot``
+    gives the current one): an arbitrary instant would be a new identity on
+    every call and defeat the per-slot dedup. Returns ``Queued`` (published
+    after commit), ``AlreadyQueued``, or ``OverlapSkipped`` (an
+    ``AlreadyQueued``) for ``overlap="skip"`` jobs. A publish failure
+    propagates; the run is committed and the sweeper publishes it later.
+    """
+    job = get_job(job_id)
+    if job.cron is None:
+        raise JobDefinitionError(f"job {job_id!r} has no cron schedule; send it an event instead")
+    slot = _instant(scheduled_for)
+    if not is_slot(job.cron, job.timezone, slot):
+        raise ValueError(
+            f"{slot.isoformat()} is not a slot of job {job_id!r} (cron {job.cron!r}, {job.timezone}); "
+            f"the latest slot at that instant is {latest_slot(job.cron, job.timezone, slot)}"
+        )
+    return _enqueue(job, schedule_options(job.id, job.options), slot, publish, settings)
+
+
+def _enqueue(job: Job, opts: ScheduleOptions, slot: datetime, publish: Publish | None,
+             settings: Settings | None) -> Queued | AlreadyQueued:
+    spec = spec_for(job, {"scheduled_for": slot.isoformat()}, None)
+    with engine_connection(settings) as conn:  # commits on exit, before the publish below
+        result = statements.enqueue_scheduled(
+            conn, job.id, slot, max_attempts=spec.max_attempts, policy=spec.policy, priority=spec.priority,
+            concurrency_key=spec.concurrency_key, skip_overlap=opts.overlap == "skip",
+        )
+    if isinstance(result, OverlapSkipped):
+        log.info("motir: %s slot %s skipped: run %s of the job is still queued or running",
+                 job.id, slot.isoformat(), result.blocking_run_id)
+    if isinstance(result, Queued) and publish is not None:
+        publish(result.run_id, result.job_id, 0.0)
+    return result
+
+
+def _instant(value: datetime | str) -> datetime:
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value)
+    if not isinstance(value, datetime) or value.tzinfo is None or value.utcoffset() is None:
+        raise ValueError(f"scheduled_for must be a timezone-aware datetime, got {value!r}")
+    return value
+
+
+# --- the beat scheduler -------------------------------------------------------------
+
+
+class MotirCronMixin:
+    """Adds the registry's cron jobs to a ``celery.beat.Scheduler``'s ``tick()``.
+
+    ``class MyScheduler(MotirCronMixin, SomeScheduler)`` works for a scheduler
+    of the user's own (django-celery-beat's, say) as well as for ours.
+    """
+
+    #: Re-read the database clock at least this often, however far the next slot.
+    motir_max_sleep: float = 30.0
+    #: Pause after a failed pass (database or broker unreachable).
+    motir_retry_after: float = 5.0
+
+    app: Any  # provided by celery.beat.Scheduler
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._motir_due = 0.0  # monotonic instant of the next pass
+        # Per job, the newest slot this process has seen answered by the
+        # database (Queued, AlreadyQueued or skipped). Only spares re-sending
+        # INSERTs that would conflict; a fresh beat has none and is still right.
+        self._motir_fired: dict[str, datetime] = {}
+        self._motir_publish: Any = None
+        super().__init__(*args, **kwargs)
+
+    def tick(self, *args: Any, **kwargs: Any) -> float:
+        delay = super().tick(*args, **kwargs)  # type: ignore[misc]  # the user's entries, unchanged
+        ours = self._motir_tick()
+        return ours if delay is None else min(delay, ours)
+
+    def _motir_tick(self) -> float:
+        now = time.monotonic()
+        if now < self._motir_due:
+            return self._motir_due - now
+        try:
+            delay = self._motir_pass()
+        except Exception:  # noqa: BLE001 — the database or broker is away: the user's entries go on
+            log.warning("motir: cron pass failed; retrying in %.0fs", self.motir_retry_after, exc_info=True)
+            delay = self.motir_retry_after
+        self._motir_due = time.monotonic() + delay
+        return delay
+
+    def _motir_jobs(self) -> list[tuple[Job, ScheduleOptions]]:
+        jobs = []
+        for job in all_jobs():
+            if job.cron is None:
+                continue
+            try:
+                jobs.append((job, schedule_options(job.id, job.options)))
+            except JobDefinitionError as exc:
+                log.error("motir: not scheduling %s: %s", job.id, exc)
+        return jobs
+
+    def _motir_pass(self) -> float:
+        """Enqueue every due slot; return seconds until the next slot (by the database's clock)."""
+        jobs = self._motir_jobs()
+        if not jobs:
+            return self.motir_max_sleep
+        with engine_connection() as conn:
+            db_now: datetime = conn.execute(text("SELECT now()")).scalar_one()
+        read_at = time.monotonic()
+        if self._motir_publish is None:
+            from motir_celery.adapter.celery_app import publisher  # the adapter's publish; imported late (no cycle)
+
+            self._motir_publish = publisher(self.app)
+        for job, opts in jobs:
+            for slot in self._motir_due_slots(job, opts, db_now):
+                try:
+                    result = _enqueue(job, opts, slot, self._motir_publish, None)
+                except Exception:  # noqa: BLE001 — one job's failure must not starve the others
+                    log.warning("motir: could not enqueue %s slot %s", job.id, slot.isoformat(), exc_info=True)
+                    break  # this slot and later ones are retried next pass
+                self._motir_fired[job.id] = slot
+                if isinstance(result, Queued):
+                    log.info("motir: queued %s slot %s as run %s", job.id, slot.isoformat(), result.run_id)
+                else:
+                    log.debug("motir: %s slot %s already queued", job.id, slot.isoformat())
+        upcoming = [s for s in (next_slot(j.cron or "", j.timezone, db_now) for j, _ in jobs) if s is not None]
+        if not upcoming:
+            return self.motir_max_sleep
+        # A duration measured on the database's clock, slept on ours; a beat
+        # that wakes early finds the slot not yet due and sleeps the remainder.
+        wait = (min(upcoming) - db_now).total_seconds() - (time.monotonic() - read_at)
+        return min(max(wait, 0.0) + 0.005, self.motir_max_sleep)
+
+    def _motir_due_slots(self, job: Job, opts: ScheduleOptions, now: datetime) -> list[datetime]:
+        cron = job.cron or ""
+        fired = self._motir_fired.get(job.id)
+        if opts.catchup > timedelta(0):
+            start = now - opts.catchup
+            if fired is not None and fired > start:
+                start = fired
+            slots = newest_slots(cron, job.timezone, start, now, MAX_SLOTS_PER_PASS + 1)
+            if len(slots) > MAX_SLOTS_PER_PASS:
+                log.warning("motir: %s has more than %d missed slots in its catch-up window; "
+                            "enqueuing the newest %d", job.id, MAX_SLOTS_PER_PASS, MAX_SLOTS_PER_PASS)
+                slots = slots[1:]
+            return slots
+        slot = latest_slot(cron, job.timezone, now)
+        if slot is None or (fired is not None and slot <= fired):
+            return []
+        return [slot]
+
+    @property
+    def info(self) -> str:
+        base = super().info  # type: ignore[misc]
+        jobs = [f"{j.id} [{j.cron} {j.timezone}]" for j, _ in self._motir_jobs()]
+        return (base + "\n" if base else "") + f"    . motir cron jobs -> {', '.join(jobs) or 'none'}"
+
+
+class MotirScheduler(MotirCronMixin, PersistentScheduler):
+    """``celery beat``'s default scheduler (shelve file, ``beat_schedule``) plus motir's cron jobs."""

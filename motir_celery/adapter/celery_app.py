@@ -1,0 +1,206 @@
+"""The Celery adapter: the default app, ``attach(app)``, per-job tasks, publishing.
+
+Each job becomes a task named ``motir.<job_id>``, so Flower lists runs per job
+and ``task_routes`` can send a job to its own queue. A message carries the run
+id only (plus the job id for routing and display); Postgres holds the rest.
+
+The one default this module sets on the apps it hosts:
+``worker_prefetch_multiplier = 1`` — a worker reserves as few messages as
+Celery allows (one besides each running one); a reserved message waits for a
+free process of that worker, behind however long its runs are.
+
+Messages are acknowledged early, as Celery does by default (when a pool
+process starts the task), not late: Postgres, not the broker, is what makes a
+run happen. A run a dead worker had claimed comes back through its lease and
+the sweeper; a message redelivered for it would be refused by the claim while
+the lease holds, so late acks buy nothing there, and cost a broker round trip
+in the worker's serial main process between every two runs (the largest single
+item of a run's wall time after Postgres; docs/performance.md). A message lost
+between its acknowledgement and the claim leaves its run queued, and the
+sweeper publishes it again after ``MOTIR_REPUBLISH_AFTER``. Early acks also keep
+long runs clear of RabbitMQ's ``consumer_timeout`` (an unacknowledged delivery
+older than 30 min closes the channel) and of Redis's ``visibility_timeout``
+(redelivery of every message held longer than an hour). An app that sets
+``task_acks_late = True`` itself keeps it: our tasks follow the app's setting.
+
+On Redis, the app this module builds (not an app given to ``attach``) also
+turns kombu's acknowledgement emulation off (``broker_transport_options =
+{"ack_emulation": False}``). The emulation keeps every delivered message in a
+Redis hash until its ack, so that it can be handed out again: two synchronous
+Redis round trips per message in the worker's main process, half of its time
+(py-spy; docs/performance.md), to protect the instants between delivery and the
+ack, which early acks make short. Postgres covers them already: a run whose
+message was lost stays queued and the sweeper publishes it again after
+``MOTIR_REPUBLISH_AFTER``; a warm shutdown still returns reserved messages to
+the queue. Redis's visibility timeout then never redelivers anything (one less
+way to deliver a run twice). Not on an attached app: its other tasks may count
+on the emulation (late acks on Redis do). An app that sets
+``broker_transport_options`` itself replaces ours.
+
+Task events are left as Celery leaves them, off: publishing them synchronously
+costs the worker's main process a third to a half of its CPU. Flower (its
+default ``--enable_events``) switches them on in the workers it sees while it
+runs; ``-E`` or ``worker_send_task_events = True`` keeps them on always, and
+``task_send_sent_event = True`` adds ``task-sent`` from the publisher.
+
+The default app is built on first use (``motir_celery.app``), never at import,
+and reads everything from the environment (``settings.py``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import logging
+import os
+import threading
+import weakref
+from dataclasses import asdict
+from typing import Any
+
+from celery import Celery, bootsteps
+
+from motir_celery.core import runner
+from motir_celery.core import sweeper
+from motir_celery.errors import ConfigurationError, RunFailed
+from motir_celery.core.jobs import TASK_OPTIONS, Job, on_job_defined
+from motir_celery.adapter.messages import publisher
+from motir_celery.settings import Settings, get_settings
+
+__all__ = ["create_app", "attach", "default_app", "publisher"]
+
+log = logging.getLogger("motir_celery.celery")
+
+_default: Celery | None = None
+_default_lock = threading.Lock()
+
+
+def default_app() -> Celery:
+    """The app ``send_event`` & co. publish through: the one given to
+    ``motir_celery.attach``, else ours, built from the environment on first use."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = create_app()
+        return _default
+
+
+def use_as_default(app: Celery) -> None:
+    """Publish through ``app`` from now on (``motir_celery.attach`` calls this)."""
+    global _default
+    with _default_lock:
+        _default = app
+
+
+def create_app(settings: Settings | None = None, *, main: str = "motir_celery") -> Celery:
+    settings = settings or get_settings()
+    if not settings.broker_url:
+        raise ConfigurationError(
+            "CELERY_BROKER_URL is not set: point it at Redis or RabbitMQ, or run through "
+            "`make run` / `python -m motir_celery.dev.embedded env` to start an embedded Redis"
+        )
+    app = Celery(main, set_as_current=False)
+    app.conf.update(
+        broker_url=settings.broker_url,
+        # Celery lets $CELERY_BROKER_URL beat `broker_url` (conf.broker_url reads the
+        # environment first), so an app built from explicit settings would publish to
+        # whatever the variable says. The read/write URLs are consulted before it.
+        broker_read_url=settings.broker_url,
+        broker_write_url=settings.broker_url,
+        result_backend=settings.result_backend,
+        task_ignore_result=settings.result_backend is None,
+        task_default_queue=settings.queue,
+        broker_connection_retry_on_startup=True,
+        timezone="UTC",
+        enable_utc=True,
+    )
+    if settings.broker_url.startswith(("redis://", "rediss://", "redis+socket://")):
+        # No unacknowledged-message bookkeeping in Redis: see the module docstring.
+        # REJECTED: in attach(), where the user's own tasks may rely on it.
+        app.conf.broker_transport_options = {"ack_emulation": False}
+    return attach(app, settings=settings)
+
+
+def attach(app: Celery, *, settings: Settings | None = None) -> Celery:
+    """Host the engine on ``app``: register every job (and every later one) as a task,
+    run the sweeper in its workers, and import ``MOTIR_IMPORTS`` there."""
+    settings = settings or get_settings()
+    if app.conf.get("motir_attached"):
+        return app
+    app.conf.motir_attached = True
+    for key, value in {
+        "worker_prefetch_multiplier": 1,
+        # Not task_acks_late, nor task events: Celery's defaults (off); see the module docstring.
+    }.items():
+        # Ours are defaults: a setting the user made on their own app wins.
+        if key not in app.conf.changes:
+            app.conf[key] = value
+    app.conf.imports = tuple(app.conf.imports or ()) + tuple(settings.imports)
+    app.steps["worker"].add(SweeperStep)
+    # `celery beat` fires the cron jobs through our scheduler (beat.py), unless the
+    # user chose a scheduler of their own (then: beat.MotirCronMixin).
+    if "beat_scheduler" not in app.conf.changes and app.conf.beat_scheduler == "celery.beat:PersistentScheduler":
+        app.conf.beat_scheduler = "motir_celery.beat:MotirScheduler"
+    from motir_celery.core import system_jobs  # noqa: F401  (registers system.daily-health-check)
+    on_job_defined(lambda job: _register(app, job))
+    # The beat scheduler and the CLI need the jobs without a worker's imports.
+    for module in settings.imports:
+        importlib.import_module(module)
+    return app
+
+
+_registered: "weakref.WeakKeyDictionary[Celery, set[str]]" = weakref.WeakKeyDictionary()
+
+
+def _register(app: Celery, job: Job) -> None:
+    # Our own record, not `name in app.tasks`: that would finalize the app early,
+    # and a job re-defined before finalization would be queued twice.
+    names = _registered.setdefault(app, set())
+    if job.task_name in names:
+        return
+    names.add(job.task_name)
+    # (priority= is ours, 0-9 higher first; messages.publisher maps it per broker.)
+    options = {k: job.options[k] for k in TASK_OPTIONS if k in job.options}
+
+    def run_job(self: Any, run_id: str, *_: Any) -> dict[str, str]:
+        worker = f"{self.request.hostname or 'worker'}/{os.getpid()}"
+        outcome = runner.execute(run_id, job_id=job.id, worker=worker, publish=publisher(self.app))
+        if outcome.state == "failed":
+            # Settled already (failed + DLQ row, committed). Raising only makes the
+            # task show as FAILURE in Flower and Celery's events; the message is
+            # acknowledged all the same (late acks too ack failures), so it is not redelivered.
+            raise RunFailed(f"run {outcome.run_id} of {job.id} failed for good; DLQ entry {outcome.detail}")
+        return asdict(outcome)
+
+    run_job.__name__ = run_job.__qualname__ = "run_" + re.sub(r"\W", "_", job.id)
+    run_job.__doc__ = f"Run of motir job {job.id!r}: claim, steps, settle."
+    app.task(name=job.task_name, bind=True, **options)(run_job)
+
+
+class SweeperStep(bootsteps.StartStopStep):
+    """Runs the sweeper in a thread of the worker's main process."""
+
+    label = "motir sweeper"
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, worker: Any) -> None:
+        settings = get_settings()
+        publish = publisher(worker.app)
+
+        def loop() -> None:
+            while not self._stop.wait(settings.sweep_interval):
+                try:
+                    sweeper.sweep(publish, settings=settings)
+                except Exception:  # noqa: BLE001 — a database or broker blip: next period
+                    log.warning("sweep failed", exc_info=True)
+
+        self._thread = threading.Thread(target=loop, name="motir-sweeper", daemon=True)
+        self._thread.start()
+
+    def stop(self, worker: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)

@@ -1,0 +1,163 @@
+"""``define_job`` and the job registry.
+
+Like Celery's ``shared_task``, ``define_job`` works at import time without an
+app: it records the job in a process-wide registry, and whichever Celery app
+hosts the engine (ours, or the user's through ``attach``) turns every
+registered job into a task named ``motir.<job_id>`` — now, or as soon as the
+app is attached. Mistakes (a duplicate id, no trigger, an unknown retry policy)
+are errors here, at definition time.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Protocol
+
+from motir_celery.errors import JobDefinitionError, UnknownJobError
+from motir_celery.core.retries import RetryPolicy, resolve_policy
+from motir_celery.core.runspec import RunOptions, run_options
+
+__all__ = ["Job", "define_job", "get_job", "all_jobs", "subscribers", "cancelled_by", "on_job_defined", "task_name"]
+
+JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,199}$")
+
+
+class Handler(Protocol):
+    def __call__(self, event: Any, step: Any) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Job:
+    id: str
+    handler: Callable[[Any, Any], Any]
+    events: tuple[str, ...] = ()
+    cron: str | None = None
+    timezone: str = "UTC"
+    retry_policy: RetryPolicy = field(default_factory=lambda: resolve_policy("transient"))
+    #: Extra options for later features and for the Celery task (queue, priority...).
+    options: dict[str, Any] = field(default_factory=dict)
+    #: priority, singleton_key, concurrency and cancel_on, validated (runspec.py).
+    run_options: RunOptions = field(default_factory=RunOptions)
+
+    @property
+    def task_name(self) -> str:
+        return task_name(self.id)
+
+    def __call__(self, event: Any, step: Any) -> Any:
+        return self.handler(event, step)
+
+
+def task_name(job_id: str) -> str:
+    return f"motir.{job_id}"
+
+
+#: define_job options that are the Celery task's own (celery_app registers them,
+#: messages sends them with every message).
+TASK_OPTIONS = ("queue", "time_limit", "soft_time_limit")
+
+
+_registry: dict[str, Job] = {}
+_listeners: list[Callable[[Job], None]] = []
+_lock = threading.RLock()
+
+
+def define_job(
+    id: str,
+    *,
+    event: str | Iterable[str] | None = None,
+    cron: str | None = None,
+    timezone: str | None = None,
+    retry_policy: str | RetryPolicy = "transient",
+    **options: Any,
+) -> Callable[[Callable[[Any, Any], Any]], Job]:
+    """Register ``handler(event, step)`` as job ``id``.
+
+    ``event`` names the event(s) that start a run; ``cron`` schedules one
+    instead (see docs/jobs.md, "Scheduled jobs"). ``retry_policy`` is
+    ``"transient"`` (default), ``"idempotent"``, ``"none"`` or a ``RetryPolicy``.
+    Durable-flow options (docs/jobs.md): ``priority=0..9``, ``singleton_key=``,
+    ``concurrency=(limit, key)``, ``cancel_on=[CancelOn(...)]``; cron jobs also
+    take ``catchup=`` and ``overlap=``.
+    """
+    if not isinstance(id, str) or not JOB_ID.match(id):
+        raise JobDefinitionError(
+            f"job id {id!r} must be 1-200 characters of letters, digits, '.', '_' or '-'"
+        )
+    events = (event,) if isinstance(event, str) else tuple(event or ())
+    for name in events:
+        if not isinstance(name, str) or not name:
+            raise JobDefinitionError(f"job {id!r}: event names must be non-empty strings, got {name!r}")
+    if not events and cron is None:
+        raise JobDefinitionError(f"job {id!r} has no trigger: pass event=... or cron=...")
+    if events and cron is not None:
+        raise JobDefinitionError(f"job {id!r}: pass event=... or cron=..., not both")
+    policy = resolve_policy(retry_policy)
+    zone = "UTC"
+    from motir_celery.core.schedule import parse_cron, schedule_options
+
+    # catchup= / overlap= are validated here, at definition time, like the cron itself.
+    schedule_options(id, options, cron=cron is not None)
+    shaped = run_options(id, options)
+    if cron is not None:
+        cron, zone = parse_cron(cron, timezone, job_id=id)
+
+    def decorate(handler: Callable[[Any, Any], Any]) -> Job:
+        if not callable(handler):
+            raise JobDefinitionError(f"job {id!r}: the handler must be callable")
+        job = Job(id=id, handler=handler, events=events, cron=cron, timezone=zone,
+                  retry_policy=policy, options=options, run_options=shaped)
+        with _lock:
+            existing = _registry.get(id)
+            if existing is not None and _origin(existing.handler) != _origin(handler):
+                raise JobDefinitionError(
+                    f"job id {id!r} is already defined by {_origin(existing.handler)}"
+                )
+            # Same function re-imported (e.g. a module imported under two names
+            # by a test runner): keep one definition, not an error.
+            _registry[id] = job
+            listeners = list(_listeners)
+        for listener in listeners:
+            listener(job)
+        return job
+
+    return decorate
+
+
+def _origin(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
+
+
+def get_job(job_id: str) -> Job:
+    try:
+        return _registry[job_id]
+    except KeyError:
+        raise UnknownJobError(
+            f"job {job_id!r} is not defined in this process; is its module in MOTIR_IMPORTS?"
+        ) from None
+
+
+def all_jobs() -> list[Job]:
+    with _lock:
+        return sorted(_registry.values(), key=lambda j: j.id)
+
+
+def subscribers(event_name: str) -> list[Job]:
+    with _lock:
+        return [j for j in sorted(_registry.values(), key=lambda j: j.id) if event_name in j.events]
+
+
+def cancelled_by(event_name: str) -> list[Job]:
+    """Jobs with a cancel_on rule for ``event_name`` (send_event asks on every event)."""
+    with _lock:
+        return [j for j in _registry.values() if any(r.event == event_name for r in j.run_options.cancel_on)]
+
+
+def on_job_defined(listener: Callable[[Job], None]) -> None:
+    """Call ``listener`` for every job defined so far and every job defined later."""
+    with _lock:
+        _listeners.append(listener)
+        jobs = list(_registry.values())
+    for job in jobs:
+        listener(job)

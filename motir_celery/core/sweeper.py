@@ -1,0 +1,62 @@
+"""The sweeper: what makes "nothing is lost" true when processes and brokers fail.
+
+Each sweep, in one transaction per half:
+
+1. **Expired leases** — a worker died, hung or was partitioned. Its run goes
+   back to ``queued`` (the attempt was charged at claim, so a run that keeps
+   killing its worker spends its attempts) or, with none left, to ``failed``
+   with its DLQ row.
+2. **Lost messages** — a due ``queued`` run whose last message is older than
+   ``republish_after`` (broker restarted without persistence, or a crash
+   between commit and publish) is published again, oldest first, in bounded
+   batches. Each re-publish stamps ``dispatched_at``, so a deep but healthy
+   backlog is re-sent at most once per ``republish_after``; the duplicates a
+   re-publish may create are harmless, because the claim admits one.
+
+Any number of sweepers may run: ``FOR UPDATE SKIP LOCKED`` splits the rows.
+Workers run one in a background thread (``MOTIR_SWEEP_INTERVAL``); see
+``celery_app.SweeperStep``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from motir_celery.store import statements
+from motir_celery.store.db import get_engine
+from motir_celery.core.publish import Publish, publish_or_log
+from motir_celery.settings import Settings, get_settings
+
+__all__ = ["SweepReport", "sweep"]
+
+log = logging.getLogger("motir_celery.core.sweeper")
+
+
+@dataclass(frozen=True)
+class SweepReport:
+    requeued: int = 0
+    failed: int = 0
+    republished: int = 0
+
+
+def sweep(publish: Publish | None, *, settings: Settings | None = None, batch: int = 500) -> SweepReport:
+    settings = settings or get_settings()
+    engine = get_engine(settings=settings)
+    with engine.begin() as conn:
+        reclaimed = statements.reclaim_expired(conn, batch=batch)
+    with engine.begin() as conn:
+        lost = statements.republish_due(conn, after_seconds=settings.republish_after, batch=batch)
+    requeued = [(run_id, job_id) for run_id, job_id, state in reclaimed if state == "queued"]
+    if publish is not None:
+        pending = requeued + lost
+        for i, (run_id, job_id) in enumerate(pending):
+            if not publish_or_log(publish, run_id, job_id):
+                # The broker is away: stop here rather than wait out its retries once per
+                # run. Every row was stamped, so the next re-publish pass takes them.
+                log.warning("sweep: broker unavailable; %d runs left for the next pass", len(pending) - i)
+                break
+    report = SweepReport(len(requeued), len(reclaimed) - len(requeued), len(lost))
+    if reclaimed or lost:
+        log.info("sweep: %s", report)
+    return report

@@ -1,0 +1,607 @@
+"""``motir``: the operator's command line (click, like Celery's own).
+
+Every command prints a readable table by default and JSON with ``--json``
+(stable keys, ISO timestamps, for scripts and ``jq``). Progress of long
+operations goes to stderr, so ``--json`` output on stdout stays parseable.
+
+Configuration is the environment, exactly as for workers (``settings.py``):
+``MOTIR_DATABASE_URL``, ``CELERY_BROKER_URL``, ``MOTIR_IMPORTS``, …
+
+Reads (``runs``, ``dlq list``) go through the app role with the admin context:
+an operator at this prompt already holds database credentials, and sees every
+workspace; ``--workspace`` narrows the listing. Writes (``send``, ``cancel``,
+``dlq replay``) go through the engine's own functions, which audit and publish.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import sys
+import uuid
+from datetime import datetime, timezone
+from typing import Any, Callable, Iterable, Sequence
+
+import click
+
+from motir_celery.ops import reads
+from motir_celery.errors import MotirError
+from motir_celery.settings import Settings, get_settings
+from motir_celery.ops.timefmt import (
+    describe_cron,
+    format_ago,
+    format_duration,
+    format_instant,
+    next_slots,
+    parse_duration,
+    parse_since,
+)
+
+__all__ = ["main"]
+
+
+# --- output ------------------------------------------------------------------------
+
+
+def _jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out = {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        for prop in ("duration", "status", "open"):  # computed fields worth having in scripts
+            if isinstance(getattr(type(value), prop, None), property):
+                out[prop] = _jsonable(getattr(value, prop))
+        return out
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    return value
+
+
+def _print_json(value: Any) -> None:
+    click.echo(json.dumps(_jsonable(value), indent=2, sort_keys=False))
+
+
+def _cell(value: Any, width: int) -> str:
+    text = "-" if value is None or value == "" else str(value)
+    text = " ".join(text.split())  # one line per row, whatever the data holds
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *, max_width: int = 60) -> str:
+    """Plain aligned columns: readable in a terminal, greppable, no box drawing."""
+    cells = [[_cell(v, max_width) for v in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.upper().ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    return "\n".join(lines)
+
+
+def _progress(message: str) -> None:
+    click.echo(message, err=True)
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+
+
+# --- plumbing ----------------------------------------------------------------------
+
+
+class _Group(click.Group):
+    """Turns expected failures (configuration, unreachable database) into one-line errors."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        from sqlalchemy.exc import OperationalError, ProgrammingError
+
+        try:
+            return super().invoke(ctx)
+        except MotirError as exc:
+            raise click.ClickException(str(exc)) from None
+        except OperationalError as exc:
+            raise click.ClickException(
+                f"database unreachable: {str(exc.orig).strip().splitlines()[0] if exc.orig else exc}"
+                " (check MOTIR_DATABASE_URL; `motir doctor` checks everything)"
+            ) from None
+        except ProgrammingError as exc:
+            first = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
+            hint = " — run `motir migrate`" if "does not exist" in first else ""
+            raise click.ClickException(f"database error: {first}{hint}") from None
+
+
+def _settings() -> Settings:
+    return get_settings()
+
+
+def _load_jobs(settings: Settings) -> None:
+    """Import MOTIR_IMPORTS, as a worker does: ``jobs``, ``send`` and replay need the registry."""
+    # The engine's own jobs (system.*), which every attached app registers on its workers.
+    importlib.import_module("motir_celery.core.system_jobs")
+    for module in settings.imports:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise click.ClickException(f"MOTIR_IMPORTS names {module!r}, which cannot be imported: {exc}") from None
+
+
+def _operator_session(settings: Settings) -> Any:
+    from motir_celery.store.db import workspace_session
+
+    return workspace_session(None, admin=True, settings=settings)
+
+
+def _uuid_arg(value: str, what: str) -> uuid.UUID:
+    parsed = reads.as_uuid(value)
+    if parsed is None:
+        raise click.BadParameter(f"{value!r} is not a {what} id (a UUID)")
+    return parsed
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="motir-celery", prog_name="motir")
+def main() -> None:
+    """Operate motir-celery: durable jobs on Celery, with Postgres as the source of truth."""
+
+
+# --- migrate ---------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--check", is_flag=True, help="Only compare the database with the models (RLS included); exit 1 on drift.")
+@click.option("--set-role-passwords", is_flag=True,
+              help="Give motir_app / motir_engine LOGIN with the passwords in $MOTIR_APP_PASSWORD / "
+                   "$MOTIR_ENGINE_PASSWORD (never taken from the command line).")
+def migrate(check: bool, set_role_passwords: bool) -> None:
+    """Upgrade the schema to head (as the owner: MOTIR_MIGRATE_DATABASE_URL, else MOTIR_DATABASE_URL)."""
+    from sqlalchemy import make_url
+
+    from motir_celery.store import migrate as m
+
+    settings = _settings()
+    url = settings.migrate_database_url or settings.require_database_url()
+    where = make_url(url).render_as_string(hide_password=True)
+    if check:
+        from alembic.util import AutogenerateDiffsDetected
+
+        _progress(f"comparing {where} with the models…")
+        try:
+            m.check(url)
+        except AutogenerateDiffsDetected as exc:
+            raise click.ClickException(f"schema drift:\n{exc}") from None
+        click.echo("no drift: the database matches the models, RLS policies included")
+        return
+    _progress(f"upgrading {where} to head…")
+    m.upgrade(url)
+    click.echo(f"migrated: {where} is at head")
+    if set_role_passwords:
+        _set_role_passwords(url, settings)
+
+
+def _set_role_passwords(url: str, settings: Settings) -> None:
+    import os
+
+    from psycopg import sql
+    from sqlalchemy import create_engine
+    from sqlalchemy.pool import NullPool
+
+    wanted = {settings.app_role: "MOTIR_APP_PASSWORD", settings.engine_role: "MOTIR_ENGINE_PASSWORD"}
+    missing = [var for var in wanted.values() if not os.environ.get(var)]
+    if missing:
+        raise click.ClickException(f"--set-role-passwords needs {', '.join(missing)} in the environment")
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.begin() as conn:
+            raw = conn.connection.driver_connection
+            for role, var in wanted.items():
+                # ALTER ROLE takes no bind parameters: quote with psycopg, never by hand.
+                stmt = sql.SQL("ALTER ROLE {} LOGIN PASSWORD {}").format(sql.Identifier(role),
+                                                                        sql.Literal(os.environ[var]))
+                conn.exec_driver_sql(stmt.as_string(raw))
+                click.echo(f"role {role}: LOGIN, password from ${var}")
+    finally:
+        engine.dispose()
+
+
+# --- send ------------------------------------------------------------------------
+
+
+@main.command()
+@click.argument("name")
+@click.option("--data", "data_json", default="{}", show_default=True, help="Event data, a JSON document.")
+@click.option("--workspace", help="Workspace id (default: data's workspace_id, else a system event).")
+@click.option("--key", "idempotency_key", help="Idempotency key: a second send with it runs nothing.")
+@json_option
+def send(name: str, data_json: str, workspace: str | None, idempotency_key: str | None, as_json: bool) -> None:
+    """Send event NAME: one run per subscribing job, published after commit."""
+    from motir_celery import send_event
+    from motir_celery.core.jobs import subscribers
+
+    try:
+        data = json.loads(data_json)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint="--data") from None
+    settings = _settings()
+    _load_jobs(settings)
+    if not subscribers(name):
+        _progress(f"warning: no job subscribes to {name!r} in this process (MOTIR_IMPORTS="
+                  f"{','.join(settings.imports) or 'unset'}); the event is recorded, nothing runs")
+    result = send_event(name, data, workspace_id=workspace, idempotency_key=idempotency_key)
+    runs = [{"job_id": r.job_id, "run_id": getattr(r, "run_id", None),
+             "status": "queued" if hasattr(r, "run_id") else "already_queued"} for r in result.runs]
+    if as_json:
+        _print_json({"event_id": result.event_id, "deduplicated": result.deduplicated, "runs": runs})
+        return
+    if result.deduplicated:
+        click.echo(f"deduplicated: key {idempotency_key!r} was already used for {name!r} "
+                   f"(event {result.event_id}); nothing new runs")
+        return
+    click.echo(f"event {result.event_id}: {len(result.run_ids)} run(s) queued")
+    if runs:
+        click.echo(_table(["job", "run", "status"], [(r["job_id"], r["run_id"], r["status"]) for r in runs]))
+
+
+# --- runs ------------------------------------------------------------------------
+
+
+@main.group()
+def runs() -> None:
+    """List runs, or show one in full."""
+
+
+@runs.command("list")
+@click.option("--job", help="Only this job id.")
+@click.option("--state", type=click.Choice(["queued", "running", "succeeded", "failed", "cancelled"]))
+@click.option("--workspace", help="Only this workspace.")
+@click.option("--since", help="Created since: a duration back (30m, 2h, 7d) or an ISO date/time.")
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(1, reads.MAX_LIMIT))
+@json_option
+def runs_list(job: str | None, state: str | None, workspace: str | None, since: str | None, limit: int,
+              as_json: bool) -> None:
+    """Newest runs first."""
+    settings = _settings()
+    with _operator_session(settings) as s:
+        now = reads.db_now(s)
+        try:
+            since_at = parse_since(since, now) if since else None
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--since") from None
+        rows = reads.list_runs(s, job=job, state=state, workspace=workspace, since=since_at, limit=limit)
+    if as_json:
+        _print_json(rows)
+        return
+    if not rows:
+        click.echo("no runs match")
+        return
+    click.echo(_table(
+        ["run", "job", "workspace", "state", "attempts", "created", "took"],
+        [(r.id, r.job_id, r.workspace_id or "system", r.state + (" (DLQ)" if r.in_dlq else ""),
+          f"{r.attempts}/{r.max_attempts}", format_ago(r.created_at, now), format_duration(r.duration))
+         for r in rows],
+    ))
+
+
+@runs.command("show")
+@click.argument("run_id")
+@click.option("--traceback", "tracebacks", is_flag=True, help="Print each failed attempt's traceback.")
+@json_option
+def runs_show(run_id: str, tracebacks: bool, as_json: bool) -> None:
+    """One run: its event, steps with timings and outputs, attempts with errors and workers."""
+    rid = _uuid_arg(run_id, "run")
+    with _operator_session(_settings()) as s:
+        d = reads.get_run(s, rid)
+    if d is None:
+        raise click.ClickException(f"no run {rid}")
+    if as_json:
+        _print_json(d)
+        return
+    r = d.run
+    facts = [
+        ("run", f"{r.id}  {r.state}"),
+        ("job", r.job_id),
+        ("event", f"{r.event_name}" + (f" ({d.event_id})" if d.event_id else "")),
+        ("workspace", r.workspace_id or "system"),
+        ("attempts", f"{r.attempts} of {r.max_attempts} ({r.retry_policy} policy)"),
+        ("created", f"{format_instant(r.created_at)} ({format_ago(r.created_at, d.now)})"),
+    ]
+    if d.scheduled_for:
+        facts.append(("cron slot", format_instant(d.scheduled_for)))
+    if d.idempotency_key:
+        facts.append(("idem. key", d.idempotency_key))
+    if r.state == "queued":
+        facts.append(("due", format_ago(r.run_at, d.now)))
+    if r.state == "running":
+        facts.append(("held by", f"{r.claimed_by}, lease {format_ago(d.lease_expires_at, d.now)}"))
+    if r.finished_at:
+        facts.append(("finished", f"{format_instant(r.finished_at)} (took {format_duration(r.duration)})"))
+    if d.dlq:
+        e = d.dlq
+        state = {"open": "OPEN — motir dlq replay " + str(e.id) + " --actor YOU",
+                 "replayed": f"replayed by {e.replayed_by} at {format_instant(e.replayed_at)} → run {e.replay_run_id}",
+                 "dismissed": f"dismissed by {e.dismissed_by} at {format_instant(e.dismissed_at)}"}[e.status]
+        facts.append(("dlq", state))
+    if d.replay_of:
+        facts.append(("replay of", f"run {d.replay_of.run_id or '(purged)'}, by {d.replay_of.replayed_by}"))
+    width = max(len(k) for k, _ in facts)
+    for key, value in facts:
+        click.echo(f"{key.ljust(width)}  {value}")
+    click.echo(f"\nsteps ({len(d.steps)})")
+    if d.steps:
+        click.echo(_table(["step", "attempt", "started", "took", "output"],
+                          [(s.step_id, s.attempt, format_instant(s.started_at), format_duration(s.duration),
+                            json.dumps(s.output, default=str)) for s in d.steps]))
+    click.echo(f"\nattempts ({len(d.attempts)})")
+    if d.attempts:
+        click.echo(_table(["#", "worker", "outcome", "started", "took", "error"],
+                          [(a.attempt, a.worker, a.outcome, format_instant(a.started_at), format_duration(a.duration),
+                            _error_line(a.error)) for a in d.attempts], max_width=80))
+    if tracebacks:
+        for a in d.attempts:
+            if isinstance(a.error, dict) and a.error.get("traceback"):
+                click.echo(f"\n--- attempt {a.attempt} traceback ---\n{a.error['traceback'].rstrip()}")
+    if r.state == "succeeded":
+        click.echo(f"\nresult  {json.dumps(d.result, default=str)}")
+
+
+def _error_line(error: Any) -> str:
+    if not isinstance(error, dict):
+        return ""
+    kind = str(error.get("type", "")).rsplit(".", 1)[-1]
+    return f"{kind}: {error.get('message', '')}" if kind else str(error.get("message", ""))
+
+
+# --- dlq -------------------------------------------------------------------------
+
+
+@main.group()
+def dlq() -> None:
+    """The dead-letter queue: runs that exhausted their retries."""
+
+
+@dlq.command("list")
+@click.option("--all", "include_closed", is_flag=True, help="Include replayed and dismissed entries.")
+@click.option("--job", help="Only this job id.")
+@click.option("--workspace", help="Only this workspace.")
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(1, reads.MAX_LIMIT))
+@json_option
+def dlq_list(include_closed: bool, job: str | None, workspace: str | None, limit: int, as_json: bool) -> None:
+    """Open entries, newest failure first."""
+    with _operator_session(_settings()) as s:
+        now = reads.db_now(s)
+        entries = reads.list_dlq(s, include_closed=include_closed, job=job, workspace=workspace, limit=limit)
+    if as_json:
+        _print_json(entries)
+        return
+    if not entries:
+        click.echo("the dead-letter queue is empty" if include_closed else "no open entries")
+        return
+    click.echo(_table(
+        ["id", "job", "workspace", "status", "attempts", "failed", "error"],
+        [(e.id, e.function_id, e.workspace_id or "system",
+          e.status + (f" by {e.replayed_by or e.dismissed_by}" if not e.open else ""), e.attempts,
+          format_ago(e.last_failed_at, now), e.error_message) for e in entries],
+    ))
+
+
+@dlq.command("replay")
+@click.argument("dlq_id")
+@click.option("--actor", required=True, help="Who is replaying (recorded as replayed_by).")
+@click.option("--key", "idempotency_key", help="A new idempotency key (needed when the original event had one).")
+@json_option
+def dlq_replay(dlq_id: str, actor: str, idempotency_key: str | None, as_json: bool) -> None:
+    """Run the failed job again on the original event data — that job only — audited as ACTOR."""
+    from motir_celery import replay_dlq
+
+    did = _uuid_arg(dlq_id, "DLQ entry")
+    if not actor.strip():
+        raise click.BadParameter("must not be empty", param_hint="--actor")
+    _load_jobs(_settings())
+    result = replay_dlq(did, actor=actor.strip(), idempotency_key=idempotency_key)
+    if as_json:
+        _print_json(result)
+    else:
+        messages = {
+            "replayed": f"replayed by {actor}: new run {result.run_id}",
+            "already_replayed": f"already replayed earlier: run {result.run_id}",
+            "dismissed": "this entry was dismissed; it cannot be replayed",
+            "deduplicated": "the event's idempotency key was already used, so nothing ran; "
+                            "replay again with --key NEW-KEY",
+            "not_found": f"no DLQ entry {did}",
+        }
+        click.echo(messages[result.status])
+    if result.status not in ("replayed", "already_replayed"):
+        sys.exit(1)
+
+
+@dlq.command("dismiss")
+@click.argument("dlq_id")
+@click.option("--actor", required=True, help="Who decided not to replay (recorded as dismissed_by).")
+def dlq_dismiss(dlq_id: str, actor: str) -> None:
+    """Close an entry without replaying it; purge may then delete it."""
+    from motir_celery.core.dlq import dismiss_dlq
+
+    did = _uuid_arg(dlq_id, "DLQ entry")
+    if dismiss_dlq(did, actor=actor):
+        click.echo(f"dismissed by {actor}")
+    else:
+        raise click.ClickException(f"DLQ entry {did} does not exist or is already replayed or dismissed")
+
+
+# --- cancel ----------------------------------------------------------------------
+
+
+@main.command()
+@click.argument("run_id")
+def cancel(run_id: str) -> None:
+    """Cancel a queued or running run (a running one stops at its next step boundary)."""
+    from motir_celery import cancel_run
+
+    rid = _uuid_arg(run_id, "run")
+    if cancel_run(rid):
+        click.echo(f"cancelled {rid}")
+        return
+    with _operator_session(_settings()) as s:
+        detail = reads.get_run(s, rid)
+    if detail is None:
+        raise click.ClickException(f"no run {rid}")
+    raise click.ClickException(f"run {rid} is already {detail.run.state}; only queued or running runs can be cancelled")
+
+
+# --- jobs ------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--slots", default=3, show_default=True, type=click.IntRange(0, 20), help="Next cron slots to show.")
+@json_option
+def jobs(slots: int, as_json: bool) -> None:
+    """The job registry (from MOTIR_IMPORTS): triggers, cron and its next slots, retry policy."""
+    from motir_celery.core.jobs import all_jobs
+
+    settings = _settings()
+    _load_jobs(settings)
+    registry = all_jobs()
+    # Display only: the local clock is fine here; the engine decides slots on the database's.
+    now = datetime.now(timezone.utc)
+    out = []
+    for job in registry:
+        p = job.retry_policy
+        entry: dict[str, Any] = {
+            "id": job.id, "task": job.task_name, "events": list(job.events), "cron": job.cron,
+            "timezone": job.timezone if job.cron else None,
+            "schedule": describe_cron(job.cron) if job.cron else None,
+            "next_slots": [s.isoformat() for s in next_slots(job.cron, job.timezone, now, slots)] if job.cron else [],
+            "retry_policy": {"name": p.name, "max_attempts": p.max_attempts, "backoff": p.backoff,
+                             "factor": p.factor, "max_backoff": p.max_backoff},
+        }
+        out.append(entry)
+    if as_json:
+        _print_json(out)
+        return
+    if not registry:
+        raise click.ClickException(
+            f"no jobs defined: set MOTIR_IMPORTS to the modules that define them (now: {','.join(settings.imports) or 'unset'})")
+
+    def trigger(e: dict[str, Any]) -> str:
+        if e["cron"]:
+            words = f" — {e['schedule']}" if e["schedule"] else ""
+            return f"cron {e['cron']} ({e['timezone']}){words}"
+        return "event " + ", ".join(e["events"])
+
+    def retry(e: dict[str, Any]) -> str:
+        p = e["retry_policy"]
+        if p["max_attempts"] == 1:
+            return f"{p['name']}: 1 attempt, no retry"
+        growth = f" ×{p['factor']:g}" if p["factor"] != 1 else " constant"
+        return f"{p['name']}: {p['max_attempts']} attempts, backoff {format_duration(p['backoff'])}{growth}"
+
+    def upcoming(e: dict[str, Any]) -> str:
+        if not e["next_slots"]:
+            return ""
+        return ", ".join(f"{format_ago(datetime.fromisoformat(s), now)} ({datetime.fromisoformat(s):%a %H:%M %Z})"
+                         for s in e["next_slots"])
+
+    click.echo(_table(["job", "trigger", "retry policy", "next slots"],
+                      [(e["id"], trigger(e), retry(e), upcoming(e)) for e in out], max_width=90))
+
+
+# --- doctor ----------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--timeout", default=3.0, show_default=True, help="Seconds to wait for the database, broker and workers.")
+@click.option("--max-wait", default="5m", show_default=True,
+              help="Fail when the oldest due run has waited longer than this.")
+@json_option
+def doctor(timeout: float, max_wait: str, as_json: bool) -> None:
+    """Check the database, migrations, roles and RLS, broker, workers, sweeper, queue and DLQ."""
+    from motir_celery.ops.doctor import run_checks
+
+    try:
+        wait = parse_duration(max_wait).total_seconds()
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--max-wait") from None
+    settings = _settings()
+    _load_jobs(settings)
+    checks = []
+    for check in run_checks(settings, timeout=timeout, max_wait=wait):
+        checks.append(check)
+        if not as_json:  # each line as soon as it is known: a slow broker shows where it hangs
+            colour = {"OK": "green", "FAIL": "red", "WARN": "yellow"}[check.status]
+            click.echo(f"{click.style(check.status.ljust(4), fg=colour)}  {check.name.ljust(18)}  {check.detail}")
+            if check.fix:
+                click.echo(f"{'':4}  {'':18}  fix: {check.fix}")
+    if as_json:
+        _print_json({"ok": not any(c.failed for c in checks), "checks": checks})
+    if any(c.failed for c in checks):
+        sys.exit(1)
+
+
+# --- purge -----------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--older-than", "older_than", required=True, help="Retention period, e.g. 30d, 12h, 2w.")
+@click.option("--batch-size", default=1000, show_default=True, type=click.IntRange(1, 100_000),
+              help="Rows per transaction.")
+@click.option("--dry-run", is_flag=True, help="Count what would be deleted; delete nothing.")
+@json_option
+def purge(older_than: str, batch_size: int, dry_run: bool, as_json: bool) -> None:
+    """Delete finished runs (with steps and attempts), closed DLQ entries and events no run needs.
+
+    Never deletes a queued or running run, nor a DLQ entry that is neither
+    replayed nor dismissed (its failed run is kept with it).
+    """
+    from motir_celery.ops.purge import purge as do_purge
+
+    try:
+        age = parse_duration(older_than)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--older-than") from None
+    _progress(f"{'counting' if dry_run else 'purging'} what finished more than {format_duration(age.total_seconds())} ago"
+              f"{'' if dry_run else f', {batch_size} rows per batch'}…")
+    progress: Callable[[str, int], None] = lambda kind, n: _progress(f"  {kind}: {n} deleted so far")
+    report = do_purge(age, batch_size=batch_size, dry_run=dry_run, progress=None if as_json else progress)
+    if as_json:
+        _print_json(report)
+        return
+    verb = "would delete" if dry_run else "deleted"
+    click.echo(_table(["", verb], [
+        ("runs", report.runs), ("steps", report.steps), ("attempts", report.attempts),
+        ("closed DLQ entries", report.dlq_entries), ("events", report.events),
+    ]))
+    if report.kept_for_open_dlq:
+        click.echo(f"kept {report.kept_for_open_dlq} failed run(s) whose DLQ entry is still open "
+                   "(replay or dismiss them first)")
+    for note in report.notes:
+        click.echo(f"note: {note}")
+
+
+# --- dashboard -------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Interface to bind. Anything but loopback exposes the dashboard: put it behind your proxy.")
+@click.option("--port", default=8089, show_default=True, type=int)
+@click.option("--log-level", default="info", show_default=True)
+def dashboard(host: str, port: int, log_level: str) -> None:
+    """Serve the web dashboard (runs, run timelines, DLQ with Replay, queue health, /metrics)."""
+    try:
+        import uvicorn
+
+        from motir_celery.ops.dashboard import DashboardConfig, create_app
+    except ImportError as exc:
+        raise click.ClickException(f"the dashboard needs its extra: pip install 'motir-celery[dashboard]' ({exc})") from None
+    config = DashboardConfig.from_env()
+    if host not in ("127.0.0.1", "localhost", "::1") and config.auth.mode == "header":
+        _progress(f"warning: binding {host} with header identity: anyone who reaches this port can claim to be "
+                  "anyone. Only run it like this behind a proxy that sets and strips the identity headers.")
+    app = create_app(config)
+    _progress(f"dashboard on http://{host}:{port}/ (identity: {config.auth.mode})")
+    uvicorn.run(app, host=host, port=port, log_level=log_level, proxy_headers=False, server_header=False)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

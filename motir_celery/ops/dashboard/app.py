@@ -1,0 +1,420 @@
+"""The dashboard: runs, a run's timeline, the DLQ with Replay, queue health, /metrics.
+
+Starlette with server-rendered Jinja2 templates: no JavaScript, no front-end
+build, one stylesheet. Pages refresh themselves (a meta refresh) while a run
+is queued or running.
+
+Safety, by default:
+
+* reads go through the **app role** in the caller's workspace context
+  (``workspace_session``), so row-level security — not this code — decides what
+  a user sees; a run of another workspace is a 404, exactly like one that does
+  not exist;
+* writes (replay, dismiss, cancel) first read the target through that same
+  context, then act through the engine, audited with the caller's name;
+* every POST needs a CSRF token bound to the caller, and a same-site ``Origin``;
+* responses carry a strict Content-Security-Policy (no scripts at all), deny
+  framing, and are not cached; pages show no URL, password or setting;
+* ``motir dashboard`` binds to 127.0.0.1 unless told otherwise.
+
+``/metrics`` (Prometheus) and ``/healthz`` need no identity: the metrics carry
+job ids and counts, no workspace and no payload.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Mapping
+from urllib.parse import urlencode, urlsplit
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import MutableHeaders
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import FileResponse, PlainTextResponse, RedirectResponse, Response
+from starlette.routing import Route
+from starlette.templating import Jinja2Templates
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from motir_celery.core import dlq as dlq_ops
+from motir_celery.store import statements
+from motir_celery.ops import reads
+from motir_celery.store.db import engine_connection, workspace_session
+from motir_celery.errors import ConfigurationError, MotirError
+from motir_celery.ops.metrics import build_registry
+from motir_celery.store.models import RUN_STATES
+from motir_celery.core.publish import Publish
+from motir_celery.settings import Settings, get_settings
+from motir_celery.ops.timefmt import format_ago, format_duration, format_instant, parse_since
+from motir_celery.ops.dashboard.auth import AuthConfig, Authenticator, AuthError, CsrfTokens, Identity
+
+__all__ = ["DashboardConfig", "create_app"]
+
+log = logging.getLogger("motir_celery.ops.dashboard")
+
+HERE = Path(__file__).resolve().parent
+
+CSP = (
+    "default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; "
+    "frame-ancestors 'none'; base-uri 'none'"
+)
+
+
+@dataclass(frozen=True)
+class DashboardConfig:
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    #: Signs CSRF tokens. Unset: random per process (fine for one replica).
+    secret: str | None = None
+    #: Window of the *_recent metrics, in seconds.
+    metrics_window: float = 300.0
+    #: Optional link to Flower in the navigation bar.
+    flower_url: str | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "DashboardConfig":
+        env = os.environ if env is None else env
+        raw_window = env.get("MOTIR_METRICS_WINDOW", "").strip() or "300"
+        try:
+            window = float(raw_window)
+        except ValueError:
+            raise ConfigurationError(f"MOTIR_METRICS_WINDOW={raw_window!r} is not a number of seconds") from None
+        flower = env.get("MOTIR_FLOWER_URL", "").strip() or None
+        if flower and urlsplit(flower).scheme not in ("http", "https"):
+            raise ConfigurationError(f"MOTIR_FLOWER_URL={flower!r} must be an http(s) URL")
+        return cls(
+            auth=AuthConfig.from_env(env),
+            secret=env.get("MOTIR_DASHBOARD_SECRET", "").strip() or None,
+            metrics_window=window,
+            flower_url=flower,
+        )
+
+
+def _default_publish() -> Publish:
+    from motir_celery.adapter.celery_app import default_app, publisher
+
+    return publisher(default_app())
+
+
+class _Dashboard:
+    def __init__(self, config: DashboardConfig, settings: Settings | None, publish: Publish | None) -> None:
+        self.config = config
+        self.settings = settings
+        self.auth = Authenticator(config.auth)
+        self.csrf = CsrfTokens(config.secret)
+        self._publish = publish
+        self.registry = build_registry(window=config.metrics_window, settings=settings)
+        self.templates = Jinja2Templates(directory=str(HERE / "templates"))
+        env = self.templates.env
+        env.filters["instant"] = format_instant
+        env.filters["duration"] = format_duration
+        env.filters["pretty"] = lambda v: json.dumps(v, indent=2, sort_keys=True, default=str)
+        env.filters["short"] = lambda v: str(v)[:8] if v else "-"
+        env.globals["format_ago"] = format_ago
+        env.globals["RUN_STATES"] = RUN_STATES
+
+    # --- plumbing -------------------------------------------------------------
+
+    def publisher(self) -> Publish:
+        """Built on first replay: a dashboard that never replays never needs the broker."""
+        if self._publish is None:
+            self._publish = _default_publish()
+        return self._publish
+
+    def session(self, who: Identity) -> Any:
+        return workspace_session(who.workspace, admin=who.admin, settings=self.settings)
+
+    def render(self, request: Request, who: Identity, name: str, status: int = 200, **context: Any) -> Response:
+        context.update(who=who, csrf=self.csrf.issue(who), flower_url=self.config.flower_url,
+                       notice=request.query_params.get("notice"), error=request.query_params.get("error"))
+        return self.templates.TemplateResponse(request, name, context, status_code=status)
+
+    def problem(self, request: Request, status: int, message: str, who: Identity | None = None,
+                challenge: bool = False) -> Response:
+        headers = {"WWW-Authenticate": f'Basic realm="{self.config.auth.realm}", charset="UTF-8"'} if challenge else None
+        return self.templates.TemplateResponse(
+            request, "problem.html", {"status": status, "message": message, "who": who, "flower_url": None},
+            status_code=status, headers=headers,
+        )
+
+    def page(self, handler: Callable[[Request, Identity], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        """Wrap a handler: identify the caller, and for POSTs check CSRF and Origin."""
+
+        async def endpoint(request: Request) -> Response:
+            try:
+                who = self.auth.identify(request)
+            except AuthError as exc:
+                return self.problem(request, exc.status, exc.message, challenge=exc.challenge)
+            if request.method == "POST":
+                form = await request.form()
+                token = form.get("csrf")
+                if not _same_origin(request) or not self.csrf.verify(token if isinstance(token, str) else None, who):
+                    return self.problem(request, 403, "this form is stale or came from another site: "
+                                        "reload the page and try again", who)
+            return await handler(request, who)
+
+        return endpoint
+
+    # --- pages ------------------------------------------------------------------
+
+    async def runs(self, request: Request, who: Identity) -> Response:
+        q = request.query_params
+        filters = {k: q.get(k, "").strip() for k in ("job", "state", "workspace", "since")}
+        try:
+            limit = max(1, min(int(q.get("limit") or 50), reads.MAX_LIMIT))
+        except ValueError:
+            limit = 50
+
+        def load() -> tuple[list[reads.RunSummary], datetime, str | None]:
+            with self.session(who) as s:
+                now = reads.db_now(s)
+                problem = None
+                since = None
+                if filters["since"]:
+                    try:
+                        since = parse_since(filters["since"], now)
+                    except ValueError as exc:
+                        problem = str(exc)
+                state = filters["state"] if filters["state"] in RUN_STATES else None
+                rows = reads.list_runs(s, job=filters["job"] or None, state=state,
+                                       workspace=(filters["workspace"] or None) if who.admin else None,
+                                       since=since, limit=limit)
+                return rows, now, problem
+
+        rows, now, problem = await run_in_threadpool(load)
+        return self.render(request, who, "runs.html", runs=rows, now=now, filters=filters,
+                           filter_error=problem, limit=limit)
+
+    async def run(self, request: Request, who: Identity) -> Response:
+        run_id = request.path_params["run_id"]
+
+        def load() -> reads.RunDetail | None:
+            with self.session(who) as s:
+                return reads.get_run(s, run_id)
+
+        detail = await run_in_threadpool(load)
+        if detail is None:
+            return self.problem(request, 404, f"no run {run_id} in your workspace", who)
+        return self.render(request, who, "run.html", d=detail, r=detail.run, now=detail.now,
+                           timeline=_timeline(detail),
+                           live=detail.run.state in ("queued", "running"))
+
+    async def dlq(self, request: Request, who: Identity) -> Response:
+        include_closed = request.query_params.get("all") == "1"
+        job = request.query_params.get("job", "").strip() or None
+
+        def load() -> tuple[list[reads.DlqEntry], datetime]:
+            with self.session(who) as s:
+                return reads.list_dlq(s, include_closed=include_closed, job=job, limit=200), reads.db_now(s)
+
+        entries, now = await run_in_threadpool(load)
+        return self.render(request, who, "dlq.html", entries=entries, now=now, include_closed=include_closed,
+                           job=job or "")
+
+    async def health(self, request: Request, who: Identity) -> Response:
+        def load() -> reads.QueueHealth:
+            with self.session(who) as s:
+                return reads.queue_health(s)
+
+        health = await run_in_threadpool(load)
+        return self.render(request, who, "health.html", h=health, now=health.now)
+
+    # --- actions ----------------------------------------------------------------
+
+    def _visible_dlq(self, who: Identity, dlq_id: str) -> reads.DlqEntry | None:
+        with self.session(who) as s:
+            return reads.get_dlq(s, dlq_id)
+
+    async def replay(self, request: Request, who: Identity) -> Response:
+        dlq_id = request.path_params["dlq_id"]
+
+        def act() -> Response:
+            # Authorisation is a read under RLS: an entry of another workspace is invisible.
+            entry = self._visible_dlq(who, dlq_id)
+            if entry is None:
+                return self.problem(request, 404, f"no DLQ entry {dlq_id} in your workspace", who)
+            try:
+                publish = self.publisher()
+            except ConfigurationError as exc:
+                return _back("/dlq", error=f"cannot replay: {exc}")
+            try:
+                result = dlq_ops.replay_dlq(entry.id, actor=who.user, publish=_tolerant(publish),
+                                            settings=self.settings)
+            except MotirError as exc:  # e.g. the job is not defined in this process
+                return _back("/dlq", error=f"cannot replay: {exc}")
+            log.info("DLQ %s replayed by %s: %s", entry.id, who.user, result.status)
+            if result.status == "replayed" and result.run_id is not None:
+                return _back(f"/runs/{result.run_id}", notice=f"replayed by {who.user}: this is the new run")
+            if result.status == "already_replayed" and result.run_id is not None:
+                return _back(f"/runs/{result.run_id}", notice="already replayed: this is the run it made")
+            messages = {
+                "dismissed": "this entry was dismissed; it cannot be replayed",
+                "deduplicated": "the event's idempotency key was already used, so nothing ran; "
+                                "replay it from the CLI with a new key (motir dlq replay ID --key NEW)",
+                "not_found": "the entry no longer exists",
+            }
+            return _back("/dlq", error=messages.get(result.status, result.status))
+
+        return await run_in_threadpool(act)
+
+    async def dismiss(self, request: Request, who: Identity) -> Response:
+        dlq_id = request.path_params["dlq_id"]
+
+        def act() -> Response:
+            entry = self._visible_dlq(who, dlq_id)
+            if entry is None:
+                return self.problem(request, 404, f"no DLQ entry {dlq_id} in your workspace", who)
+            done = dlq_ops.dismiss_dlq(entry.id, actor=who.user, settings=self.settings)
+            return _back("/dlq", **({"notice": f"dismissed by {who.user}"} if done
+                                    else {"error": "already replayed or dismissed"}))
+
+        return await run_in_threadpool(act)
+
+    async def cancel(self, request: Request, who: Identity) -> Response:
+        run_id = request.path_params["run_id"]
+
+        def act() -> Response:
+            with self.session(who) as s:
+                detail = reads.get_run(s, run_id)
+            if detail is None:
+                return self.problem(request, 404, f"no run {run_id} in your workspace", who)
+            with engine_connection(self.settings) as conn:
+                done = statements.cancel(conn, detail.run.id)
+            log.info("run %s cancel requested by %s: %s", detail.run.id, who.user, done)
+            return _back(f"/runs/{detail.run.id}", **({"notice": f"cancelled by {who.user}"} if done
+                                                      else {"error": "the run had already finished"}))
+
+        return await run_in_threadpool(act)
+
+    # --- unauthenticated ------------------------------------------------------
+
+    async def metrics(self, request: Request) -> Response:
+        body = await run_in_threadpool(generate_latest, self.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    async def healthz(self, request: Request) -> Response:
+        return PlainTextResponse("ok")
+
+    async def stylesheet(self, request: Request) -> Response:
+        return FileResponse(HERE / "static" / "style.css", media_type="text/css",
+                            headers={"Cache-Control": "max-age=300"})
+
+    async def index(self, request: Request) -> Response:
+        return RedirectResponse("/runs", status_code=303)
+
+
+def _tolerant(publish: Publish) -> Publish:
+    """The run is committed before publishing; if the broker is down the sweeper
+    publishes it later, so a broker error must not turn a done replay into a 500."""
+
+    def wrapped(run_id: uuid.UUID, job_id: str, countdown: float) -> None:
+        try:
+            publish(run_id, job_id, countdown)
+        except Exception:  # noqa: BLE001 — logged; the sweeper publishes it later
+            log.warning("replay of run %s committed but not published; the sweeper will", run_id, exc_info=True)
+
+    return wrapped
+
+
+def _back(path: str, **message: str) -> Response:
+    return RedirectResponse(path + ("?" + urlencode(message) if message else ""), status_code=303)
+
+
+def _same_origin(request: Request) -> bool:
+    """Refuse a POST another site made the browser send (belt to the CSRF token's braces)."""
+    if request.headers.get("sec-fetch-site", "") == "cross-site":
+        return False
+    origin = request.headers.get("origin")
+    if not origin or origin == "null":
+        return origin is None  # absent: a non-browser client; "null": a sandboxed or privacy-stripped one
+    host = request.headers.get("host", "")
+    return urlsplit(origin).netloc == host
+
+
+def _timeline(d: reads.RunDetail) -> dict[str, Any]:
+    """Bars for the run page's SVG: attempts and steps on one time axis (percent units)."""
+    start = d.run.created_at
+    ends = [d.run.finished_at or d.now]
+    ends += [s.completed_at for s in d.steps] + [a.finished_at or d.now for a in d.attempts]
+    span = max((max(ends) - start).total_seconds(), 0.001)
+
+    def bar(t0: datetime, t1: datetime) -> tuple[float, float]:
+        x = max((t0 - start).total_seconds(), 0.0) / span * 100
+        w = max((t1 - t0).total_seconds() / span * 100, 0.4)
+        return round(min(x, 99.6), 2), round(min(w, 100 - min(x, 99.6)), 2)
+
+    rows = []
+    for a in d.attempts:
+        x, w = bar(a.started_at, a.finished_at or d.now)
+        rows.append({"kind": "attempt", "label": f"attempt {a.attempt}", "state": a.outcome, "x": x, "w": w,
+                     "duration": format_duration(((a.finished_at or d.now) - a.started_at).total_seconds())})
+    for s in d.steps:
+        x, w = bar(s.started_at, s.completed_at)
+        rows.append({"kind": "step", "label": s.step_id, "state": "step", "x": x, "w": w,
+                     "duration": format_duration(s.duration)})
+    return {"rows": rows, "span": format_duration(span), "height": 26 * len(rows) + 4}
+
+
+def create_app(
+    config: DashboardConfig | None = None,
+    *,
+    settings: Settings | None = None,
+    publish: Publish | None = None,
+) -> Starlette:
+    """The ASGI app. ``publish`` sends replayed runs to the broker; default: the
+    engine's Celery app, built on the first replay."""
+    config = config or DashboardConfig.from_env()
+    settings = settings or get_settings()
+    # Replay needs the failed job's definition in this process, as a worker does.
+    import importlib
+
+    for module in settings.imports:
+        importlib.import_module(module)
+    d = _Dashboard(config, settings, publish)
+    routes = [
+        Route("/", d.index),
+        Route("/runs", d.page(d.runs)),
+        Route("/runs/{run_id}", d.page(d.run)),
+        Route("/runs/{run_id}/cancel", d.page(d.cancel), methods=["POST"]),
+        Route("/dlq", d.page(d.dlq)),
+        Route("/dlq/{dlq_id}/replay", d.page(d.replay), methods=["POST"]),
+        Route("/dlq/{dlq_id}/dismiss", d.page(d.dismiss), methods=["POST"]),
+        Route("/health", d.page(d.health)),
+        Route("/metrics", d.metrics),
+        Route("/healthz", d.healthz),
+        Route("/static/style.css", d.stylesheet),
+    ]
+    return Starlette(routes=routes, middleware=[Middleware(SecurityHeaders)])
+
+
+class SecurityHeaders:
+    """Pure ASGI middleware: the same headers on every response, errors included."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        cacheable = scope.get("path") == "/static/style.css"
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                headers.setdefault("Content-Security-Policy", CSP)
+                headers.setdefault("X-Frame-Options", "DENY")
+                headers.setdefault("X-Content-Type-Options", "nosniff")
+                headers.setdefault("Referrer-Policy", "same-origin")
+                if not cacheable:
+                    headers.setdefault("Cache-Control", "no-store")
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)

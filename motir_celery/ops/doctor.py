@@ -1,0 +1,306 @@
+"""``motir doctor``: is this deployment able to run jobs? One line per check, each with its fix.
+
+Checks, in order (later ones are skipped when the database is unreachable):
+
+1. database reachable — the engine URL, with a short connect timeout;
+2. migrations at head — Alembic's version table against the shipped revisions
+   (``motir migrate --check`` compares the whole schema, RLS policies included);
+3. roles — ``motir_app`` and ``motir_engine`` exist;
+4. row-level security — enabled with its two policies on each table, and
+   *active* for the app connection (``row_security_active``): an app URL that
+   logs in as a superuser or a BYPASSRLS role would silently see every tenant;
+5. broker reachable;
+6. workers alive — answer a Celery ping, consume this engine's queue, and know
+   the jobs this process knows;
+7. sweeper recent — judged by its effect, since it keeps no heartbeat: no lease
+   expired, and no due run left unpublished, for longer than the sweeper's
+   period allows (the sweeper runs inside every worker);
+8. queue — depth, and how long the oldest due run has waited;
+9. DLQ — open entries (a warning: a decision is pending, nothing is broken).
+
+Each check gets its own short-lived connection (``NullPool``) with a connect
+timeout, so a dead host costs seconds, not minutes, and doctor never touches
+the pools the rest of the process uses.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from sqlalchemy import create_engine, make_url, text
+from sqlalchemy.engine import Engine
+from sqlalchemy.pool import NullPool
+
+from motir_celery.store.db import set_workspace_context
+from motir_celery.core.jobs import Job, all_jobs
+from motir_celery.store.models import Base
+from motir_celery.store.rls import policies_of
+from motir_celery.settings import Settings, get_settings
+
+__all__ = ["Check", "run_checks"]
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    #: "OK", "FAIL" or "WARN" (a warning does not fail ``motir doctor``).
+    status: str
+    detail: str
+    fix: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return self.status == "FAIL"
+
+
+def _ok(name: str, detail: str) -> Check:
+    return Check(name, "OK", detail)
+
+
+def _fail(name: str, detail: str, fix: str) -> Check:
+    return Check(name, "FAIL", detail, fix)
+
+
+def _engine(url: str, timeout: float) -> Engine:
+    return create_engine(url, poolclass=NullPool, connect_args={"connect_timeout": max(1, int(timeout)),
+                                                                "application_name": "motir-doctor"})
+
+
+def _where(url: str) -> str:
+    u = make_url(url)
+    return f"{u.host or 'local socket'}:{u.port or 5432}/{u.database} as {u.username or '(default user)'}"
+
+
+def run_checks(settings: Settings | None = None, *, timeout: float = 3.0, max_wait: float = 300.0) -> Iterator[Check]:
+    """Yield each check as it completes. ``max_wait``: the oldest due run may wait this long."""
+    settings = settings or get_settings()
+    if not settings.database_url:
+        yield _fail("database", "MOTIR_DATABASE_URL is not set",
+                    "export MOTIR_DATABASE_URL=postgresql+psycopg://motir_engine:…@host/db")
+        db_ok = False
+    else:
+        engine = _engine(settings.database_url, timeout)
+        try:
+            with engine.connect() as conn:
+                version = conn.execute(text("SHOW server_version")).scalar_one()
+            yield _ok("database", f"PostgreSQL {version} at {_where(settings.database_url)}")
+            db_ok = True
+        except Exception as exc:  # noqa: BLE001 — whatever it is, it is the answer
+            yield _fail("database", f"cannot connect to {_where(settings.database_url)}: {_first_line(exc)}",
+                        "check MOTIR_DATABASE_URL, that Postgres runs, and that this host may connect")
+            db_ok = False
+
+    if db_ok:
+        yield from _database_checks(engine, settings, max_wait)
+    else:
+        for name in ("migrations", "roles", "row-level security", "sweeper", "queue", "dlq"):
+            yield _fail(name, "skipped: the database is unreachable", "fix the database check first")
+
+    yield from _celery_checks(settings, timeout)
+
+
+def _database_checks(engine: Engine, settings: Settings, max_wait: float) -> Iterator[Check]:
+    yield _migrations(engine, settings)
+    yield _roles(engine, settings)
+    yield _rls(engine, settings)
+    with engine.connect() as conn:
+        yield _sweeper(conn, settings)
+        yield _queue(conn, settings, max_wait)
+        n = conn.execute(text(
+            "SELECT count(*) FROM job_run_dlq WHERE replayed_at IS NULL AND dismissed_at IS NULL"
+        )).scalar_one()
+    yield (_ok("dlq", "no open entries") if not n else
+           Check("dlq", "WARN", f"{n} open entr{'y' if n == 1 else 'ies'} waiting for a decision",
+                 "motir dlq list; then motir dlq replay ID --actor YOU (or dismiss)"))
+
+
+def _migrations(engine: Engine, settings: Settings) -> Check:
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    from motir_celery.store.migrate import alembic_config
+
+    try:
+        heads = set(ScriptDirectory.from_config(alembic_config(settings.database_url)).get_heads())
+        with engine.connect() as conn:
+            current = set(MigrationContext.configure(conn).get_current_heads())
+    except Exception as exc:  # noqa: BLE001
+        return _fail("migrations", f"cannot read the revision: {_first_line(exc)}", "motir migrate")
+    if not current:
+        return _fail("migrations", "the database is not migrated (no alembic_version)", "motir migrate")
+    if current != heads:
+        return _fail("migrations", f"at {', '.join(sorted(current))}; head is {', '.join(sorted(heads))}",
+                     "motir migrate (as the owner: MOTIR_MIGRATE_DATABASE_URL)")
+    return _ok("migrations", f"at head ({', '.join(sorted(heads))}); `motir migrate --check` compares the schema")
+
+
+def _roles(engine: Engine, settings: Settings) -> Check:
+    wanted = [settings.app_role, settings.engine_role]
+    with engine.connect() as conn:
+        found = set(conn.execute(text("SELECT rolname FROM pg_roles WHERE rolname = ANY(:r)"), {"r": wanted}).scalars())
+    missing = [r for r in wanted if r not in found]
+    if missing:
+        return _fail("roles", f"missing: {', '.join(missing)}", "motir migrate creates them (needs CREATEROLE)")
+    return _ok("roles", f"{', '.join(wanted)} exist")
+
+
+def _rls(engine: Engine, settings: Settings) -> Check:
+    declared = policies_of(Base.metadata)
+    tables = sorted(declared)
+    with engine.connect() as conn:
+        flags = {r.relname: r.relrowsecurity for r in conn.execute(
+            text("SELECT relname, relrowsecurity FROM pg_class "
+                 "WHERE relnamespace = current_schema()::regnamespace AND relname = ANY(:t)"),
+            {"t": tables},
+        )}
+        live = set(conn.execute(
+            text("SELECT tablename || '.' || policyname FROM pg_policies "
+                 "WHERE schemaname = current_schema() AND tablename = ANY(:t)"),
+            {"t": tables},
+        ).scalars())
+    off = [t for t in tables if not flags.get(t)]
+    absent = [f"{p.table}.{p.name}" for t in tables for p in declared[t] if f"{p.table}.{p.name}" not in live]
+    if off or absent:
+        detail = "; ".join(x for x in (off and f"RLS off on {', '.join(off)}",
+                                       absent and f"policies missing: {', '.join(absent)}") if x)
+        return _fail("row-level security", detail, "motir migrate --check shows the drift; motir migrate restores it")
+    # Is RLS actually applied to what the dashboard and user code use?
+    app_url = settings.app_database_url or settings.database_url
+    assert app_url is not None
+    app_engine = _engine(app_url, 3) if settings.app_database_url else engine
+    try:
+        with app_engine.begin() as conn:
+            if not settings.app_database_url:
+                conn.execute(text(f'SET LOCAL ROLE "{settings.app_role}"'))
+            set_workspace_context(conn, "motir-doctor-probe")
+            row = conn.execute(text(
+                "SELECT current_user AS who, row_security_active('job_queue') AS active, "
+                "(SELECT rolsuper OR rolbypassrls FROM pg_roles WHERE rolname = current_user) AS bypass"
+            )).one()
+    except Exception as exc:  # noqa: BLE001
+        how = "MOTIR_APP_DATABASE_URL" if settings.app_database_url else f"SET ROLE {settings.app_role}"
+        return _fail("row-level security", f"cannot open the app connection ({how}): {_first_line(exc)}",
+                     "set MOTIR_APP_DATABASE_URL to a login of motir_app, or GRANT motir_app TO the engine login")
+    if not row.active or row.bypass:
+        return _fail("row-level security", f"NOT enforced for the app connection (user {row.who}): "
+                     "it would see every workspace",
+                     "MOTIR_APP_DATABASE_URL must log in as motir_app (not a superuser, not BYPASSRLS)")
+    return _ok("row-level security", f"enabled on {len(tables)} tables, enforced for {row.who}")
+
+
+def _sweeper(conn: Any, settings: Settings) -> Check:
+    # Allow three sweeper periods (plus slack) past each deadline before blaming it.
+    grace = 3 * settings.sweep_interval + 5
+    row = conn.execute(
+        text("""
+            SELECT
+              (SELECT count(*) FROM job_queue WHERE state = 'running'
+                 AND lease_expires_at < now() - make_interval(secs => :grace)) AS stale_leases,
+              (SELECT count(*) FROM job_queue WHERE state = 'queued' AND run_at <= now()
+                 AND dispatched_at < now() - make_interval(secs => :republish + :grace)) AS unpublished
+        """),
+        {"grace": grace, "republish": settings.republish_after},
+    ).one()
+    if row.stale_leases or row.unpublished:
+        parts = []
+        if row.stale_leases:
+            parts.append(f"{row.stale_leases} run(s) with a lease expired over {grace:.0f}s ago")
+        if row.unpublished:
+            parts.append(f"{row.unpublished} due run(s) not re-published for over "
+                         f"{settings.republish_after + grace:.0f}s")
+        return _fail("sweeper", "; ".join(parts) + ": no sweeper has run lately",
+                     "the sweeper runs inside every worker: start `celery -A motir_celery worker`")
+    return _ok("sweeper", f"nothing overdue (no lease expired >{grace:.0f}s ago, no lost message)")
+
+
+def _queue(conn: Any, settings: Settings, max_wait: float) -> Check:
+    row = conn.execute(text("""
+        SELECT count(*) FILTER (WHERE state = 'queued') AS queued,
+               count(*) FILTER (WHERE state = 'queued' AND run_at <= now()) AS due,
+               count(*) FILTER (WHERE state = 'running') AS running,
+               extract(epoch FROM now() - min(run_at) FILTER (WHERE state = 'queued' AND run_at <= now())) AS oldest,
+               -- which job waits longest: a job no worker imports is the usual culprit
+               (SELECT job_id FROM job_queue WHERE state = 'queued' AND run_at <= now()
+                ORDER BY run_at LIMIT 1) AS oldest_job
+        FROM job_queue WHERE state IN ('queued', 'running')
+    """)).one()
+    from motir_celery.ops.timefmt import format_duration
+
+    oldest = float(row.oldest) if row.oldest is not None else None
+    detail = f"{row.queued} queued ({row.due} due), {row.running} running; oldest due run "
+    detail += f"({row.oldest_job}) waiting {format_duration(oldest)}" if oldest is not None else "waiting -"
+    if oldest is not None and oldest > max_wait:
+        return _fail("queue", detail + f" (over {format_duration(max_wait)})",
+                     f"workers are not keeping up, not consuming queue {settings.queue!r}, or do not import "
+                     f"{row.oldest_job!r} (MOTIR_IMPORTS): check `celery -A motir_celery inspect active_queues` "
+                     "and `inspect registered`, or add workers")
+    return _ok("queue", detail)
+
+
+def _celery_checks(settings: Settings, timeout: float) -> Iterator[Check]:
+    if not settings.broker_url:
+        yield _fail("broker", "CELERY_BROKER_URL is not set", "export CELERY_BROKER_URL=redis://host:6379/0")
+        yield _fail("workers", "skipped: no broker", "fix the broker check first")
+        return
+    from kombu import Connection
+
+    try:
+        with Connection(settings.broker_url, connect_timeout=timeout) as conn:
+            conn.ensure_connection(max_retries=1, timeout=timeout)
+            where = conn.as_uri()  # password masked
+        yield _ok("broker", f"reachable at {where}")
+    except Exception as exc:  # noqa: BLE001
+        yield _fail("broker", f"unreachable: {_first_line(exc)}", "check CELERY_BROKER_URL and that the broker runs")
+        yield _fail("workers", "skipped: the broker is unreachable", "fix the broker check first")
+        return
+    yield _workers(settings, timeout)
+
+
+def _workers(settings: Settings, timeout: float) -> Check:
+    from motir_celery.adapter.celery_app import create_app
+
+    app = create_app(settings)
+    try:
+        started = time.monotonic()
+        # A ping reaches every worker on the broker, other apps' too: only those that
+        # consume this engine's queue count, and only their task registries.
+        replies = app.control.ping(timeout=timeout) or []
+        names = sorted(name for reply in replies for name in reply)
+        start_one = (f"start one: celery -A motir_celery worker -Q {settings.queue} "
+                     "(with MOTIR_IMPORTS naming your job modules)")
+        if not names:
+            return _fail("workers", f"no worker answered a ping within {timeout:g}s", start_one)
+        inspect = app.control.inspect(destination=names, limit=len(names),
+                                      timeout=max(0.5, timeout - (time.monotonic() - started)))
+        consuming = {w: {q["name"] for q in qs} for w, qs in (inspect.active_queues() or {}).items()}
+        registered = {w: set(ts) for w, ts in (inspect.registered() or {}).items()}
+        serving = sorted(w for w, queues in consuming.items() if settings.queue in queues)
+        if not serving:
+            return _fail("workers", f"{len(names)} worker(s) answered, none consumes queue {settings.queue!r}",
+                         start_one)
+
+        def known(job: Job) -> bool:
+            # A job routed with define_job(..., queue=...) needs a worker on that queue.
+            # (Routes set in the app's task_routes are not followed here.)
+            queue = job.options.get("queue") or settings.queue
+            return any(job.task_name in registered.get(w, set()) for w, qs in consuming.items() if queue in qs)
+
+        unknown = [j.id for j in all_jobs() if not known(j)]
+        tasks = {t for w in serving for t in registered.get(w, set()) if t.startswith("motir.")}
+        detail = (f"{len(serving)} on queue {settings.queue!r} ({', '.join(serving[:4])}"
+                  f"{'…' if len(serving) > 4 else ''}); {len(tasks)} motir job(s) registered")
+        if unknown:
+            return _fail("workers", detail + f"; none knows {', '.join(unknown)}",
+                         "set MOTIR_IMPORTS on the workers to the modules that define these jobs")
+        return _ok("workers", detail)
+    except Exception as exc:  # noqa: BLE001
+        return _fail("workers", f"ping failed: {_first_line(exc)}", "check the broker and the workers' logs")
+    finally:
+        app.close()
+
+
+def _first_line(exc: BaseException) -> str:
+    text_ = str(exc).strip().splitlines()
+    return text_[0][:300] if text_ else type(exc).__name__

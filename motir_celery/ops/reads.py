@@ -1,0 +1,351 @@
+"""Operator reads: runs, one run in full, the DLQ, queue health.
+
+Every function takes a ``Session`` opened by ``db.workspace_session`` — the app
+role, with row-level security enforced — so what a caller can see is decided
+by Postgres from the workspace context, never by a ``WHERE`` this module might
+forget. The filters here (job, state, workspace) only narrow what RLS already
+allows; an admin context (``admin=True``) is what widens it.
+
+Each result carries ``now``, the database's clock at read time, so "3 min ago"
+and "waiting 40s" are measured on the same clock the engine decides with.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from motir_celery.store.models import RUN_STATES
+
+__all__ = [
+    "RunSummary",
+    "StepRow",
+    "AttemptRow",
+    "DlqEntry",
+    "RunDetail",
+    "QueueHealth",
+    "db_now",
+    "list_runs",
+    "get_run",
+    "list_dlq",
+    "get_dlq",
+    "queue_health",
+    "as_uuid",
+]
+
+MAX_LIMIT = 500
+
+
+def as_uuid(value: object) -> uuid.UUID | None:
+    """A run or DLQ id from a URL or the command line; ``None`` when it is not one."""
+    if isinstance(value, uuid.UUID):
+        return value
+    try:
+        return uuid.UUID(str(value).strip())
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    id: uuid.UUID
+    job_id: str
+    event_name: str
+    workspace_id: str | None
+    state: str
+    attempts: int
+    max_attempts: int
+    retry_policy: str
+    created_at: datetime
+    run_at: datetime
+    finished_at: datetime | None
+    claimed_by: str | None
+    #: An unreplayed, undismissed DLQ entry exists for this run.
+    in_dlq: bool
+
+    @property
+    def duration(self) -> float | None:
+        return (self.finished_at - self.created_at).total_seconds() if self.finished_at else None
+
+
+@dataclass(frozen=True)
+class StepRow:
+    step_id: str
+    attempt: int
+    started_at: datetime
+    completed_at: datetime
+    output: Any
+
+    @property
+    def duration(self) -> float:
+        return (self.completed_at - self.started_at).total_seconds()
+
+
+@dataclass(frozen=True)
+class AttemptRow:
+    attempt: int
+    worker: str
+    outcome: str
+    started_at: datetime
+    finished_at: datetime | None
+    error: Any
+
+    @property
+    def duration(self) -> float | None:
+        return (self.finished_at - self.started_at).total_seconds() if self.finished_at else None
+
+
+@dataclass(frozen=True)
+class DlqEntry:
+    id: uuid.UUID
+    run_id: uuid.UUID | None
+    workspace_id: str | None
+    function_id: str
+    event_name: str
+    event_data: Any
+    failure: Any
+    attempts: int
+    first_failed_at: datetime
+    last_failed_at: datetime
+    replayed_at: datetime | None
+    replayed_by: str | None
+    replay_run_id: uuid.UUID | None
+    dismissed_at: datetime | None
+    dismissed_by: str | None
+
+    @property
+    def open(self) -> bool:
+        return self.replayed_at is None and self.dismissed_at is None
+
+    @property
+    def status(self) -> str:
+        if self.replayed_at is not None:
+            return "replayed"
+        if self.dismissed_at is not None:
+            return "dismissed"
+        return "open"
+
+    @property
+    def error_message(self) -> str:
+        failure = self.failure if isinstance(self.failure, dict) else {}
+        kind = str(failure.get("type", "")).rsplit(".", 1)[-1]
+        message = str(failure.get("message", ""))
+        return f"{kind}: {message}" if kind else message
+
+
+@dataclass(frozen=True)
+class RunDetail:
+    run: RunSummary
+    now: datetime
+    event_id: uuid.UUID | None
+    event_data: Any
+    idempotency_key: str | None
+    scheduled_for: datetime | None
+    lease_expires_at: datetime | None
+    result: Any
+    steps: list[StepRow] = field(default_factory=list)
+    attempts: list[AttemptRow] = field(default_factory=list)
+    #: This run's own DLQ entry (at most one).
+    dlq: DlqEntry | None = None
+    #: The DLQ entry this run is the replay of, if any.
+    replay_of: DlqEntry | None = None
+
+
+@dataclass(frozen=True)
+class QueueHealth:
+    now: datetime
+    #: (job_id, state) → number of runs.
+    depth: dict[tuple[str, str], int]
+    #: job_id → seconds the oldest due queued run has waited past its run_at.
+    oldest_due: dict[str, float]
+    #: Running runs whose lease has expired (the sweeper has not reclaimed them yet).
+    expired_leases: int
+    dlq_open: int
+
+    def count(self, state: str) -> int:
+        return sum(n for (_, s), n in self.depth.items() if s == state)
+
+    @property
+    def jobs(self) -> list[str]:
+        return sorted({job for job, _ in self.depth})
+
+    @property
+    def oldest_due_seconds(self) -> float | None:
+        return max(self.oldest_due.values()) if self.oldest_due else None
+
+
+def db_now(session: Session) -> datetime:
+    return session.execute(text("SELECT now()")).scalar_one()
+
+
+_RUN_COLUMNS = """
+    q.id, q.job_id, q.event_name, q.workspace_id, q.state, q.attempts, q.max_attempts, q.retry_policy,
+    q.created_at, q.run_at, q.finished_at, q.claimed_by,
+    EXISTS (SELECT 1 FROM job_run_dlq d
+            WHERE d.run_id = q.id AND d.replayed_at IS NULL AND d.dismissed_at IS NULL) AS in_dlq
+"""
+
+
+def _summary(row: Any) -> RunSummary:
+    return RunSummary(
+        id=row.id, job_id=row.job_id, event_name=row.event_name, workspace_id=row.workspace_id,
+        state=row.state, attempts=row.attempts, max_attempts=row.max_attempts, retry_policy=row.retry_policy,
+        created_at=row.created_at, run_at=row.run_at, finished_at=row.finished_at, claimed_by=row.claimed_by,
+        in_dlq=row.in_dlq,
+    )
+
+
+def list_runs(
+    session: Session,
+    *,
+    job: str | None = None,
+    state: str | None = None,
+    workspace: str | None = None,
+    since: datetime | None = None,
+    limit: int = 50,
+) -> list[RunSummary]:
+    """Newest runs first. ``workspace`` narrows an admin's view; RLS bounds everyone's."""
+    if state is not None and state not in RUN_STATES:
+        raise ValueError(f"unknown state {state!r}; one of {', '.join(RUN_STATES)}")
+    where: list[str] = ["true"]
+    params: dict[str, Any] = {"limit": max(1, min(limit, MAX_LIMIT))}
+    if job:
+        where.append("q.job_id = :job")
+        params["job"] = job
+    if state:
+        where.append("q.state = :state")
+        params["state"] = state
+    if workspace:
+        where.append("q.workspace_id = :workspace")
+        params["workspace"] = workspace
+    if since is not None:
+        where.append("q.created_at >= :since")
+        params["since"] = since
+    rows = session.execute(
+        text(f"SELECT {_RUN_COLUMNS} FROM job_queue q WHERE {' AND '.join(where)} "
+             "ORDER BY q.created_at DESC, q.id LIMIT :limit"),
+        params,
+    ).all()
+    return [_summary(r) for r in rows]
+
+
+_DLQ_COLUMNS = """
+    d.id, d.run_id, d.workspace_id, d.function_id, d.event_name, d.event_data, d.failure, d.attempts,
+    d.first_failed_at, d.last_failed_at, d.replayed_at, d.replayed_by, d.replay_run_id,
+    d.dismissed_at, d.dismissed_by
+"""
+
+
+def _dlq(row: Any) -> DlqEntry:
+    return DlqEntry(**{k: getattr(row, k) for k in DlqEntry.__dataclass_fields__})
+
+
+def get_run(session: Session, run_id: uuid.UUID | str) -> RunDetail | None:
+    """One run with its event, steps, attempts and DLQ links; ``None`` if absent *or not visible*."""
+    rid = as_uuid(run_id)
+    if rid is None:
+        return None
+    row = session.execute(
+        text(f"""
+            SELECT {_RUN_COLUMNS}, now() AS now, q.event_id, e.data AS event_data, e.idempotency_key,
+                   q.scheduled_for, q.lease_expires_at, q.result
+            FROM job_queue q LEFT JOIN job_event e ON e.id = q.event_id
+            WHERE q.id = :id
+        """),
+        {"id": rid},
+    ).one_or_none()
+    if row is None:
+        return None
+    steps = [
+        StepRow(r.step_id, r.attempt, r.started_at, r.completed_at, r.output)
+        for r in session.execute(
+            text("SELECT step_id, attempt, started_at, completed_at, output FROM job_step "
+                 "WHERE run_id = :id ORDER BY started_at, completed_at, step_id"),
+            {"id": rid},
+        )
+    ]
+    attempts = [
+        AttemptRow(r.attempt, r.worker, r.outcome, r.started_at, r.finished_at, r.error)
+        for r in session.execute(
+            text("SELECT attempt, worker, outcome, started_at, finished_at, error FROM job_run "
+                 "WHERE run_id = :id ORDER BY attempt"),
+            {"id": rid},
+        )
+    ]
+    dlq_rows = session.execute(
+        text(f"SELECT {_DLQ_COLUMNS} FROM job_run_dlq d WHERE d.run_id = :id OR d.replay_run_id = :id"),
+        {"id": rid},
+    ).all()
+    own = next((_dlq(r) for r in dlq_rows if r.run_id == rid), None)
+    replay_of = next((_dlq(r) for r in dlq_rows if r.replay_run_id == rid), None)
+    return RunDetail(
+        run=_summary(row), now=row.now, event_id=row.event_id,
+        event_data=row.event_data if row.event_id else {"scheduled_for": row.scheduled_for},
+        idempotency_key=row.idempotency_key, scheduled_for=row.scheduled_for,
+        lease_expires_at=row.lease_expires_at, result=row.result,
+        steps=steps, attempts=attempts, dlq=own, replay_of=replay_of,
+    )
+
+
+def list_dlq(
+    session: Session,
+    *,
+    include_closed: bool = False,
+    job: str | None = None,
+    workspace: str | None = None,
+    limit: int = 50,
+) -> list[DlqEntry]:
+    """Newest failures first; only open entries (neither replayed nor dismissed) by default."""
+    where: list[str] = ["true"]
+    params: dict[str, Any] = {"limit": max(1, min(limit, MAX_LIMIT))}
+    if not include_closed:
+        where.append("d.replayed_at IS NULL AND d.dismissed_at IS NULL")
+    if job:
+        where.append("d.function_id = :job")
+        params["job"] = job
+    if workspace:
+        where.append("d.workspace_id = :workspace")
+        params["workspace"] = workspace
+    rows = session.execute(
+        text(f"SELECT {_DLQ_COLUMNS} FROM job_run_dlq d WHERE {' AND '.join(where)} "
+             "ORDER BY d.last_failed_at DESC, d.id LIMIT :limit"),
+        params,
+    ).all()
+    return [_dlq(r) for r in rows]
+
+
+def get_dlq(session: Session, dlq_id: uuid.UUID | str) -> DlqEntry | None:
+    did = as_uuid(dlq_id)
+    if did is None:
+        return None
+    row = session.execute(text(f"SELECT {_DLQ_COLUMNS} FROM job_run_dlq d WHERE d.id = :id"), {"id": did}).one_or_none()
+    return _dlq(row) if row else None
+
+
+def queue_health(session: Session) -> QueueHealth:
+    """Depth by job and state, the oldest due run per job, expired leases, open DLQ entries."""
+    now = db_now(session)
+    depth = {
+        (r.job_id, r.state): r.n
+        for r in session.execute(text("SELECT job_id, state, count(*) AS n FROM job_queue GROUP BY job_id, state"))
+    }
+    oldest = {
+        r.job_id: float(r.age)
+        for r in session.execute(text(
+            # Due = queued and run_at <= now(): the rows ix_job_queue_due indexes.
+            "SELECT job_id, extract(epoch FROM now() - min(run_at)) AS age FROM job_queue "
+            "WHERE state = 'queued' AND run_at <= now() GROUP BY job_id"
+        ))
+    }
+    expired = session.execute(
+        text("SELECT count(*) FROM job_queue WHERE state = 'running' AND lease_expires_at < now()")
+    ).scalar_one()
+    dlq_open = session.execute(
+        text("SELECT count(*) FROM job_run_dlq WHERE replayed_at IS NULL AND dismissed_at IS NULL")
+    ).scalar_one()
+    return QueueHealth(now=now, depth=depth, oldest_due=oldest, expired_leases=expired, dlq_open=dlq_open)

@@ -1,0 +1,324 @@
+"""The five tables, as SQLAlchemy 2.0 typed models — the schema's one source.
+
+Alembic revisions are generated from these classes and a test proves that a
+database built by ``upgrade head`` has no drift from them, row-level security
+policies included (``rls.py`` declares those next to the tables they guard).
+
+Conventions:
+
+* Every timestamp is ``timestamptz`` and is written with the database's
+  ``now()``. A worker's wall clock never decides "is it due" or "has the lease
+  expired" (DESIGN.md invariant 6).
+* Ids are UUIDs made by Postgres (``gen_random_uuid()``), so a row's identity
+  is fixed by the INSERT that creates it and no caller has to mint one.
+* ``workspace_id`` is an opaque text tenant id; NULL means a system row
+  (cron jobs, health checks), visible to the app role only under
+  ``motir.system_admin = 'true'``. Child tables copy it from their run so RLS
+  never needs a join.
+* Every foreign key is a ``ForeignKey`` with a ``relationship()`` on both
+  sides; ``ondelete`` is chosen per edge and mirrored by ``passive_deletes``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    ForeignKey,
+    Identity,
+    Index,
+    Integer,
+    MetaData,
+    SmallInteger,
+    Text,
+    UniqueConstraint,
+    text,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+__all__ = ["Base", "JobEvent", "JobQueue", "JobStep", "JobRun", "JobRunDlq", "RUN_STATES", "ATTEMPT_OUTCOMES"]
+
+#: A run's life: queued → running → (succeeded | failed | cancelled), or back to
+#: queued for a retry. Only ``queued`` is claimable.
+RUN_STATES = ("queued", "running", "succeeded", "failed", "cancelled")
+#: How one attempt ended. ``lost``: its lease expired (worker died or hung);
+#: ``suspended``: step.sleep / wait_for_event gave the worker back; ``deferred``:
+#: RateLimited put it back. The last two charge no attempt.
+ATTEMPT_OUTCOMES = ("running", "succeeded", "retrying", "failed", "cancelled", "lost", "suspended", "deferred")
+
+NAMING = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+TZ = DateTime(timezone=True)
+NOW = text("now()")
+NEW_UUID = text("gen_random_uuid()")
+
+
+def _in(column: str, values: tuple[str, ...]) -> str:
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class JobEvent(Base):
+    """One row per ``send_event`` call: the durable log that runs point back to."""
+
+    __tablename__ = "job_event"
+    __table_args__ = (
+        # Idempotency is per event name. NULL keys are distinct, so events sent
+        # without a key are never deduplicated against each other.
+        UniqueConstraint("name", "idempotency_key"),
+    )
+
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True, server_default=NEW_UUID)
+    name: Mapped[str] = mapped_column(Text)
+    data: Mapped[Any] = mapped_column(JSONB)
+    workspace_id: Mapped[str | None] = mapped_column(Text)
+    idempotency_key: Mapped[str | None] = mapped_column(Text)
+    received_at: Mapped[datetime] = mapped_column(TZ, server_default=NOW)
+
+    runs: Mapped[list[JobQueue]] = relationship(back_populates="event", passive_deletes=True)
+
+
+class JobQueue(Base):
+    """One row per run: the unit a worker claims. Its Celery message carries only the id."""
+
+    __tablename__ = "job_queue"
+    __table_args__ = (
+        # Fan-out dedup: one run per (event, job). Cron runs have event_id NULL
+        # and are never constrained by it — NULLs are distinct, and relied upon.
+        UniqueConstraint("event_id", "job_id"),
+        # Cron dedup, the other half of the constraint above: one run per
+        # (job, slot), and event runs (scheduled_for NULL) pass untouched.
+        UniqueConstraint("job_id", "scheduled_for"),
+        CheckConstraint(_in("state", RUN_STATES), name="state"),
+        CheckConstraint("attempts >= 0 AND max_attempts >= 1", name="attempts"),
+        # Due queued runs by run_at: the backlog and "oldest due run" that
+        # metrics and `motir doctor` report. Only queued rows are indexed, so the
+        # index stays the size of the backlog however many finished runs remain.
+        Index("ix_job_queue_due", "run_at", postgresql_where=text("state = 'queued'")),
+        # The sweeper's "message went missing" query walks this one: queued runs
+        # whose last message is oldest first. On run_at it would have to read
+        # every due row of a deep, healthy backlog to find none stale (measured:
+        # 7 ms at 10k rows, 248 ms at 1M); on dispatched_at it stops at the first
+        # fresh message. Column list of its own.
+        Index("ix_job_queue_stale", "dispatched_at", postgresql_where=text("state = 'queued'")),
+        # The sweeper's "worker died" query: running rows whose lease ran out.
+        # A column list of its own (lease_expires_at), so autogenerate never
+        # pairs it with the index above.
+        Index("ix_job_queue_leases", "lease_expires_at", postgresql_where=text("state = 'running'")),
+        # Operator listings (CLI, dashboard): newest runs of a job.
+        Index(None, "job_id", "created_at"),
+        # Retention (purge.py): finished runs older than a cutoff. Only finished
+        # rows are indexed, so queued and running runs cost it nothing.
+        Index("ix_job_queue_finished", "finished_at", postgresql_where=text("finished_at IS NOT NULL")),
+        # overlap="skip" cron jobs: at most one queued-or-running run per job,
+        # decided by this index inside the INSERT of the next slot (beat.py),
+        # never by a read-then-insert. Partial, so event jobs and overlap="allow"
+        # jobs (skip_overlap false) are never constrained, and its size is the
+        # number of skip jobs in flight. Column list (job_id) of its own: no
+        # other index is on job_id alone, so autogenerate cannot pair them.
+        Index(
+            "uq_job_queue_skip_overlap_active",
+            "job_id",
+            unique=True,
+            postgresql_where=text("skip_overlap AND state IN ('queued', 'running')"),
+        ),
+        # singleton_key=: at most one queued-or-running run per (job, key), decided
+        # by this index inside the fan-out INSERT; the key is free again once the
+        # run settles (the row leaves the predicate). Sleeping and waiting runs are
+        # queued, so they keep the key.
+        Index(
+            "uq_job_queue_singleton_active",
+            "job_id",
+            "singleton_key",
+            unique=True,
+            postgresql_where=text("singleton_key IS NOT NULL AND state IN ('queued', 'running')"),
+        ),
+        # concurrency=(limit, key): the claim counts the running runs of one
+        # (job, key) under an advisory lock; this index makes that count read
+        # only the running rows of that key. Column list of its own.
+        Index(
+            "ix_job_queue_concurrency_running",
+            "concurrency_key",
+            "job_id",
+            postgresql_where=text("concurrency_key IS NOT NULL AND state = 'running'"),
+        ),
+        # step.wait_for_event: send_event wakes the runs waiting for its event
+        # name; only waiting runs are indexed.
+        Index("ix_job_queue_waiting", "wait_event", postgresql_where=text("wait_event IS NOT NULL")),
+        CheckConstraint("priority BETWEEN 0 AND 9", name="priority"),
+    )
+
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True, server_default=NEW_UUID)
+    job_id: Mapped[str] = mapped_column(Text)
+    # NULL for cron runs. RESTRICT: an event is deleted (by purge) only once no
+    # run needs it any more.
+    event_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("job_event.id", ondelete="RESTRICT"))
+    # Copied from the event (or `scheduled.<job_id>` for cron) so the ledger and
+    # the handler see one name without a join.
+    event_name: Mapped[str] = mapped_column(Text)
+    workspace_id: Mapped[str | None] = mapped_column(Text)
+    # The cron slot this run is for; NULL for event runs.
+    scheduled_for: Mapped[datetime | None] = mapped_column(TZ)
+    # True on every row of an overlap="skip" cron job: puts its active run
+    # under uq_job_queue_skip_overlap_active. False for everything else.
+    skip_overlap: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    state: Mapped[str] = mapped_column(Text, server_default="queued")
+    # 0 (default) to 9, higher is more urgent: the order in which a freed
+    # concurrency slot or the sweeper picks queued runs, and the Celery message
+    # priority where the broker supports it.
+    priority: Mapped[int] = mapped_column(SmallInteger, server_default="0")
+    # Computed from the triggering event at fan-out (define_job's
+    # singleton_key= / concurrency= / cancel_on=), NULL when the job has none.
+    singleton_key: Mapped[str | None] = mapped_column(Text)
+    concurrency_key: Mapped[str | None] = mapped_column(Text)
+    cancel_key: Mapped[str | None] = mapped_column(Text)
+    # step.wait_for_event: the event name and the value it must carry at
+    # wait_path; NULL unless the run is suspended waiting.
+    wait_event: Mapped[str | None] = mapped_column(Text)
+    wait_path: Mapped[list[str] | None] = mapped_column(ARRAY(Text))
+    wait_value: Mapped[str | None] = mapped_column(Text)
+    # Times a RateLimited error put the run back without charging an attempt:
+    # waiting its turn is not failing.
+    deferrals: Mapped[int] = mapped_column(Integer, server_default="0")
+    # W3C traceparent active at send_event; the worker's span is its child.
+    traceparent: Mapped[str | None] = mapped_column(Text)
+    # Not claimable before this instant (retry backoff, RetryAfterError).
+    run_at: Mapped[datetime] = mapped_column(TZ, server_default=NOW)
+    # Charged at claim time, so a run that kills its worker still uses up attempts.
+    attempts: Mapped[int] = mapped_column(Integer, server_default="0")
+    # Recorded from the retry policy at enqueue so operators see it and a
+    # redeploy with another policy does not change a run in flight.
+    max_attempts: Mapped[int] = mapped_column(Integer)
+    retry_policy: Mapped[str] = mapped_column(Text)
+    # Minted at each claim; every write of the holder is fenced on it.
+    claim_token: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
+    claimed_by: Mapped[str | None] = mapped_column(Text)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(TZ)
+    # When a message for this run was last handed to the broker; the sweeper
+    # re-publishes only runs whose message is old, so a deep queue is not flooded.
+    dispatched_at: Mapped[datetime] = mapped_column(TZ, server_default=NOW)
+    result: Mapped[Any | None] = mapped_column(JSONB)
+    created_at: Mapped[datetime] = mapped_column(TZ, server_default=NOW)
+    finished_at: Mapped[datetime | None] = mapped_column(TZ)
+
+    event: Mapped[JobEvent | None] = relationship(back_populates="runs")
+    steps: Mapped[list[JobStep]] = relationship(back_populates="run", passive_deletes=True)
+    attempt_log: Mapped[list[JobRun]] = relationship(back_populates="run", passive_deletes=True)
+    dlq_entries: Mapped[list[JobRunDlq]] = relationship(
+        back_populates="run", passive_deletes=True, foreign_keys="JobRunDlq.run_id"
+    )
+    replays: Mapped[list[JobRunDlq]] = relationship(
+        back_populates="replay_run", passive_deletes=True, foreign_keys="JobRunDlq.replay_run_id"
+    )
+
+
+class JobStep(Base):
+    """A completed step's memoized result. Its primary key is the memo key."""
+
+    __tablename__ = "job_step"
+
+    # (run_id, step_id) is the primary key, hence unique: a second write of the
+    # same step is refused by the database, never by a read-then-insert.
+    run_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("job_queue.id", ondelete="CASCADE"), primary_key=True
+    )
+    step_id: Mapped[str] = mapped_column(Text, primary_key=True)
+    workspace_id: Mapped[str | None] = mapped_column(Text)
+    output: Mapped[Any] = mapped_column(JSONB)
+    # Which attempt stored it (1-based), for `runs show`.
+    attempt: Mapped[int] = mapped_column(Integer)
+    started_at: Mapped[datetime] = mapped_column(TZ)
+    completed_at: Mapped[datetime] = mapped_column(TZ, server_default=NOW)
+
+    run: Mapped[JobQueue] = relationship(back_populates="steps")
+
+
+class JobRun(Base):
+    """The attempt ledger: one row per claim of a run, and how it ended."""
+
+    __tablename__ = "job_run"
+    __table_args__ = (
+        # One open attempt per run: settles find the attempt they close by this,
+        # not by number, because a suspended (sleep, wait) or deferred attempt is
+        # not charged and the resumed one carries the same number.
+        Index("uq_job_run_open", "run_id", unique=True, postgresql_where=text("outcome = 'running'")),
+        # The ledger of one run, in order (runs show).
+        Index("ix_job_run_ledger", "run_id", "started_at"),
+        CheckConstraint(_in("outcome", ATTEMPT_OUTCOMES), name="outcome"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(always=True), primary_key=True)
+    run_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("job_queue.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    workspace_id: Mapped[str | None] = mapped_column(Text)
+    job_id: Mapped[str] = mapped_column(Text)
+    event_name: Mapped[str] = mapped_column(Text)
+    worker: Mapped[str] = mapped_column(Text)
+    outcome: Mapped[str] = mapped_column(Text, server_default="running")
+    # {"type", "message", "traceback"} of the exception that ended the attempt.
+    error: Mapped[Any | None] = mapped_column(JSONB)
+    started_at: Mapped[datetime] = mapped_column(TZ, server_default=NOW)
+    finished_at: Mapped[datetime | None] = mapped_column(TZ)
+
+    run: Mapped[JobQueue] = relationship(back_populates="attempt_log")
+
+
+class JobRunDlq(Base):
+    """A run that exhausted its retries: the durable record an operator acts on.
+
+    It copies the function id, event name and data so it stays actionable after
+    the run and event are purged (``run_id`` then becomes NULL).
+    """
+
+    __tablename__ = "job_run_dlq"
+    __table_args__ = (
+        # One DLQ entry per failed run; a replay makes a new run with its own.
+        UniqueConstraint("run_id"),
+        # The operator's listing: a workspace's newest failures first.
+        Index("ix_job_run_dlq_recent", "workspace_id", text("last_failed_at DESC")),
+    )
+
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True, server_default=NEW_UUID)
+    run_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("job_queue.id", ondelete="SET NULL"))
+    workspace_id: Mapped[str | None] = mapped_column(Text)
+    function_id: Mapped[str] = mapped_column(Text)
+    event_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
+    event_name: Mapped[str] = mapped_column(Text)
+    event_data: Mapped[Any] = mapped_column(JSONB)
+    idempotency_key: Mapped[str | None] = mapped_column(Text)
+    # The last attempt's error, {"type", "message", "traceback"}.
+    failure: Mapped[Any] = mapped_column(JSONB)
+    attempts: Mapped[int] = mapped_column(Integer)
+    first_failed_at: Mapped[datetime] = mapped_column(TZ)
+    last_failed_at: Mapped[datetime] = mapped_column(TZ, server_default=NOW)
+    # Replay audit: set by one conditional UPDATE, so two replays make one run.
+    replayed_at: Mapped[datetime | None] = mapped_column(TZ)
+    replayed_by: Mapped[str | None] = mapped_column(Text)
+    replay_run_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("job_queue.id", ondelete="SET NULL"))
+    # An operator decided not to replay; purge may then delete the entry.
+    dismissed_at: Mapped[datetime | None] = mapped_column(TZ)
+    dismissed_by: Mapped[str | None] = mapped_column(Text)
+
+    run: Mapped[JobQueue | None] = relationship(back_populates="dlq_entries", foreign_keys=[run_id])
+    replay_run: Mapped[JobQueue | None] = relationship(back_populates="replays", foreign_keys=[replay_run_id])
+
+
+from motir_celery.store import rls as _rls  # noqa: E402  (policies sit beside the tables they guard)
+
+_rls.declare_workspace_policies(Base.metadata, ["job_event", "job_queue", "job_step", "job_run", "job_run_dlq"])
