@@ -1,5 +1,7 @@
 # make run   - the demo, against $MOTIR_DATABASE_URL / $CELERY_BROKER_URL or embedded services
-# make test  - pytest (extra arguments: make test PYTEST_ARGS="-k claim -x")
+# make test  - pytest (extra arguments: make test PYTEST_ARGS="-k claim -x"); first installs the
+#              Debian packages the tests need when missing (.ci/system-packages: chromium, docker-compose)
+# make lint  - ruff check (the repository) and mypy motir_celery, as CI runs them
 #
 # Unset service URLs are filled in by `python -m motir_celery.dev.embedded env`, which
 # starts embedded Postgres / Redis under $MOTIR_DATA_DIR (default .motir/) and
@@ -24,15 +26,28 @@ define with-services
 embedded_env="$$($(PYTHON) -m motir_celery.dev.embedded env)"; eval "$$embedded_env"; $(1)
 endef
 
-.PHONY: run test setup stop-embedded
+.PHONY: run test lint setup system-packages stop-embedded
 
 run: setup
 	$(call with-services,$(PYTHON) -m motir_celery.dev.demo)
 
-test: setup
+test: system-packages setup
 	$(call with-services,$(PYTHON) -m pytest $(PYTEST_ARGS))
 
-# The one set-up both targets share: the pinned uv, then .venv exactly as uv.lock says.
+# Both checks run; either failing fails the target.
+lint: setup
+	@status=0; \
+	.venv/bin/ruff check || status=1; \
+	.venv/bin/mypy motir_celery || status=1; \
+	if (( status )); then echo "make lint: FAILED (ruff check / mypy motir_celery, above)" >&2; fi; \
+	exit $$status
+
+# chromium (the browser tests) and docker-compose: installed with apt-get as root, else
+# the command to run is printed and a missing chromium fails here, before pytest starts.
+system-packages:
+	bash .ci/system-packages
+
+# The one set-up the targets share: the pinned uv, then .venv exactly as uv.lock says.
 setup: $(UV)
 	$(UV) sync --locked
 
