@@ -29,8 +29,8 @@ import shutil
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from contextlib import contextmanager
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator
 

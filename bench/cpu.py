@@ -18,8 +18,7 @@ from typing import Any
 
 import psutil
 
-from bench.common import (DB, MOTIR_QUEUE, PLAIN_QUEUE, celery_workers, child_env, purge, succeeded, truncate,
-                          wait_for)
+from bench.common import DB, MOTIR_QUEUE, PLAIN_QUEUE, celery_workers, child_env, purge, succeeded, truncate, wait_for
 
 
 def _postgres_cpu() -> float:

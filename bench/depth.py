@@ -51,8 +51,8 @@ def _seed(url: str, lo: int, hi: int) -> None:
 
 
 def _measure(url: str, runs: int, sweeps: int) -> dict[str, float]:
-    from motir_celery.store import statements
     from motir_celery.core.events import send_event
+    from motir_celery.store import statements
 
     ids = [send_event("bench.three", {"n": i}, publish=None).run_ids[0] for i in range(runs)]
     engine = create_engine(url, poolclass=NullPool)

@@ -16,8 +16,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
 import tests.jobs  # noqa: F401  (registers the test jobs in this process)
-from motir_celery.core import events
-from motir_celery.core import runner
+from motir_celery.core import events, runner
 from motir_celery.core.runner import Outcome
 
 WORKER = "ops-test@host/1"

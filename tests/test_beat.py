@@ -32,17 +32,17 @@ from sqlalchemy.engine import Engine
 import tests.beat_jobs as bj
 import tests.jobs  # noqa: F401  (event jobs, for the "event enqueue unchanged" test)
 from motir_celery import enqueue_scheduled
-from motir_celery.store import statements
 from motir_celery.adapter.beat import SCHEDULER, MotirScheduler, OverlapSkipped, enqueue_slot
 from motir_celery.adapter.celery_app import attach, create_app
-from motir_celery.store.db import workspace_session
-from motir_celery.errors import JobDefinitionError
 from motir_celery.core.events import dispatch_event, send_event
 from motir_celery.core.jobs import get_job
-from motir_celery.store.statements import AlreadyQueued, Queued
 from motir_celery.core.schedule import latest_slot, schedule_options, slots_between
-from motir_celery.settings import Settings
 from motir_celery.core.system_jobs import HEALTH_CHECK
+from motir_celery.errors import JobDefinitionError
+from motir_celery.settings import Settings
+from motir_celery.store import statements
+from motir_celery.store.db import workspace_session
+from motir_celery.store.statements import AlreadyQueued, Queued
 from tests.conftest import ROOT, celery_worker, run_state, wait_for
 
 UTC = timezone.utc

@@ -18,13 +18,10 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 import tests.jobs  # noqa: F401  (registers the test jobs)
-from motir_celery.core import dlq
-from motir_celery.core import events
-from motir_celery.store import statements
-from motir_celery.core import runner
-from motir_celery.core import sweeper
-from motir_celery.errors import JobDefinitionError, PayloadError, RetryAfterError, StepOutputError
+from motir_celery.core import dlq, events, runner, sweeper
 from motir_celery.core.jobs import define_job
+from motir_celery.errors import JobDefinitionError, PayloadError, RetryAfterError, StepOutputError
+from motir_celery.store import statements
 from tests.conftest import count_effects, run_state
 
 

@@ -17,11 +17,10 @@ from sqlalchemy import text
 
 import tests.jobs  # noqa: F401  (registers the test jobs in this process too)
 from motir_celery import send_event
-from motir_celery.core import events
-from motir_celery.store import statements
-from motir_celery.core import runner
-from motir_celery.errors import JobDefinitionError
+from motir_celery.core import events, runner
 from motir_celery.core.jobs import define_job
+from motir_celery.errors import JobDefinitionError
+from motir_celery.store import statements
 from tests.conftest import ROOT, celery_worker, count_effects, run_state, wait_for
 
 

@@ -14,7 +14,6 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from motir_celery.errors import JobDefinitionError
 from motir_celery.core.schedule import (
     MAX_CATCHUP,
     ScheduleOptions,
@@ -27,6 +26,7 @@ from motir_celery.core.schedule import (
     slots_between,
     wall_to_instant,
 )
+from motir_celery.errors import JobDefinitionError
 
 UTC = timezone.utc
 PARIS = "Europe/Paris"

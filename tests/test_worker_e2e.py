@@ -133,8 +133,8 @@ def test_killed_worker_run_is_finished_by_another_without_redoing_steps(engine, 
 
 def test_dlq_replay_through_a_worker_runs_only_the_failed_subscriber(engine, broker, app, tmp_path):  # type: ignore[no-untyped-def]
     from motir_celery import replay_dlq
-    from tests.jobs import record
     from motir_celery.core.runner import Event
+    from tests.jobs import record
 
     with celery_worker(tmp_path, broker=broker):
         result = send_event("test.mixed", {"switch": f"e2e-{broker[:4]}"}, app=app)

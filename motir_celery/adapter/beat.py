@@ -31,15 +31,15 @@ from typing import Any
 from celery.beat import PersistentScheduler
 from sqlalchemy import text
 
+from motir_celery.core.jobs import Job, all_jobs, get_job
+from motir_celery.core.publish import Publish
+from motir_celery.core.runspec import spec_for
+from motir_celery.core.schedule import ScheduleOptions, is_slot, latest_slot, newest_slots, next_slot, schedule_options
+from motir_celery.errors import JobDefinitionError
+from motir_celery.settings import Settings
 from motir_celery.store import statements
 from motir_celery.store.db import engine_connection
-from motir_celery.errors import JobDefinitionError
-from motir_celery.core.jobs import Job, all_jobs, get_job
 from motir_celery.store.statements import AlreadyQueued, OverlapSkipped, Queued
-from motir_celery.core.runspec import spec_for
-from motir_celery.core.publish import Publish
-from motir_celery.core.schedule import ScheduleOptions, is_slot, latest_slot, newest_slots, next_slot, schedule_options
-from motir_celery.settings import Settings
 
 __all__ = ["enqueue_slot", "OverlapSkipped", "MotirCronMixin", "MotirScheduler", "SCHEDULER"]
 

@@ -15,9 +15,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
 
-from motir_celery.errors import JobDefinitionError, UnknownJobError
 from motir_celery.core.retries import RetryPolicy, resolve_policy
 from motir_celery.core.runspec import RunOptions, run_options
+from motir_celery.errors import JobDefinitionError, UnknownJobError
 
 __all__ = ["Job", "define_job", "get_job", "all_jobs", "subscribers", "cancelled_by", "on_job_defined", "task_name"]
 

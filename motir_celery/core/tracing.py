@@ -30,7 +30,7 @@ try:  # pragma: no cover - exercised by whichever environment has it
     # What get_tracer_provider() returns while no SDK is set up: all their spans are no-ops.
     _NO_SDK: tuple[type, ...] = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
 except ImportError:  # the extra is not installed
-    propagate = trace = None
+    propagate = trace = None  # type: ignore[assignment]
     _tracer = None
 
 

@@ -79,12 +79,12 @@ def _stop(worker: subprocess.Popen[bytes]) -> None:
 
 
 def _run(settings: object) -> int:
-    from motir_celery import send_event  # noqa: F401  (examples: the jobs, registered in this process too)
-    from motir_celery.dev import examples
+    from motir_celery import send_event
+    from motir_celery.dev import examples  # noqa: F401  (the jobs, registered in this process too)
     from motir_celery.ops import reads
     from motir_celery.ops.cli import _table
-    from motir_celery.store.db import workspace_session
     from motir_celery.ops.timefmt import format_duration
+    from motir_celery.store.db import workspace_session
 
     orders: list[dict[str, Any]] = [
         {"order_id": 1001, "items": ["tea", "mug"], "amount": 24.0, "behaviour": "ok"},

@@ -32,9 +32,9 @@ from prometheus_client.core import CollectorRegistry, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import text
 
+from motir_celery.settings import Settings
 from motir_celery.store.db import workspace_session
 from motir_celery.store.models import RUN_STATES
-from motir_celery.settings import Settings
 
 __all__ = ["MotirCollector", "build_registry", "QUANTILES"]
 

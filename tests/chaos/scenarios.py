@@ -35,9 +35,9 @@ from .harness import (
     PrivateRabbit,
     PrivateRedis,
     Result,
-    freeze,
     check,
     create_database,
+    freeze,
     kill_and_replace,
     reset_tables,
     wait_settled,
@@ -576,9 +576,9 @@ def bad_input(base: Base, *, runs: int = 200, workers: int = 2, rate: float = 20
     import kombu
 
     from motir_celery.core import events
-    from motir_celery.store.db import workspace_session
     from motir_celery.core.dlq import replay_dlq
     from motir_celery.errors import PayloadError, WorkspaceError
+    from motir_celery.store.db import workspace_session
 
     name = "9-bad-input"
     reset_tables(base.database_url)

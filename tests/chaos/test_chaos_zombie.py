@@ -15,8 +15,7 @@ import os
 from sqlalchemy import text
 
 import tests.chaos.jobs  # noqa: F401
-from motir_celery.core import events
-from motir_celery.core import runner
+from motir_celery.core import events, runner
 from motir_celery.settings import Settings
 
 
