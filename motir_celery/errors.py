@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 __all__ = [
     "MotirError",
     "ConfigurationError",
@@ -9,6 +11,7 @@ __all__ = [
     "UnknownJobError",
     "PayloadError",
     "StepOutputError",
+    "StepIdError",
     "WorkspaceError",
     "NonRetriableError",
     "RetryAfterError",
@@ -52,14 +55,27 @@ class NonRetriableError(MotirError):
     """Raise from a handler to fail the run now: no retry, straight to the DLQ."""
 
 
+#: The longest delay a handler may ask for (``RetryAfterError``, ``RateLimited``): one year.
+MAX_DELAY_SECONDS = 365 * 24 * 3600.0
+
+
+def checked_delay(what: str, value: object) -> float:
+    """``value`` as seconds, or ``ValueError`` naming it: a number, finite, from 0 to a year.
+    Checked where the delay is raised, so Postgres never sees one it would refuse."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{what} must be a number of seconds, got {value!r:.100}")
+    seconds = float(value)
+    if not math.isfinite(seconds) or not 0 <= seconds <= MAX_DELAY_SECONDS:
+        raise ValueError(f"{what} must be finite, >= 0 and at most {MAX_DELAY_SECONDS:.0f} s (a year), got {value!r}")
+    return seconds
+
+
 class RetryAfterError(MotirError):
     """Raise from a handler to retry after ``delay`` seconds (charges an attempt)."""
 
     def __init__(self, delay: float, message: str = "") -> None:
-        if delay < 0:
-            raise ValueError(f"RetryAfterError delay must be >= 0, got {delay!r}")
-        super().__init__(message or f"retry requested in {delay}s")
-        self.delay = float(delay)
+        self.delay = checked_delay("RetryAfterError delay", delay)
+        super().__init__(message or f"retry requested in {self.delay}s")
 
 
 class LostClaim(MotirError):
@@ -77,10 +93,8 @@ class RateLimited(MotirError):
     because waiting one's turn is not failing."""
 
     def __init__(self, retry_after: float, message: str = "") -> None:
-        if retry_after < 0:
-            raise ValueError(f"RateLimited retry_after must be >= 0, got {retry_after!r}")
-        super().__init__(message or f"rate limited; again in {retry_after}s")
-        self.retry_after = float(retry_after)
+        self.retry_after = checked_delay("RateLimited retry_after", retry_after)
+        super().__init__(message or f"rate limited; again in {self.retry_after}s")
 
 
 class Suspended(BaseException):
@@ -96,3 +110,9 @@ class Suspended(BaseException):
 class RunFailed(MotirError):
     """Raised by a Celery task after its run failed for good (already in the DLQ),
     so Flower shows the task as FAILURE. Never raised to user code."""
+
+
+class StepIdError(NonRetriableError, ValueError):
+    """A step id that cannot be stored: empty, too long, or with a reserved or
+    unprintable character. Raised by ``step.run`` before its body; retrying would
+    not change it, so the run goes straight to the DLQ."""

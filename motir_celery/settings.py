@@ -47,18 +47,26 @@ class Settings:
     #: Largest accepted JSON payload (event data, step output), in bytes.
     max_payload_bytes: int = 1_000_000
     pool_size: int = 5
-    #: Opt-in, off by default: step writes commit without waiting for the WAL
-    #: flush (``synchronous_commit = off`` for that one transaction). A Postgres
-    #: crash (not a worker crash) may then lose the last fraction of a second of
-    #: step records; each lost record only makes its step run again on the next
-    #: attempt — the at-least-once contract for step bodies. Settles keep a
-    #: synchronous commit (claims never wait for the flush: queue._CLAIM says
-    #: why). See docs/performance.md.
-    async_step_commit: bool = False
+    #: The performance switches (docs/performance.md, "Ablation", measures each on
+    #: and off; their hazards are stated where each is implemented).
+    #: Server-side prepared statements for the hot statements (store/statements.py).
+    #: Off behind a transaction pooler such as PgBouncer (they do not survive it).
+    prepared_statements: bool = True
+    #: The claim's commit does not wait for the WAL flush (store/statements.py, CLAIM).
+    claim_async_commit: bool = True
     #: On a plain Redis broker, push run messages onto kombu's lists directly
-    #: (messages.py) instead of through ``send_task``; ``0`` always uses ``send_task``.
+    #: (adapter/messages.py) instead of through ``send_task``; ``0`` always uses ``send_task``.
     direct_publish: bool = True
+    #: kombu's Redis acknowledgement emulation in the default app (adapter/celery_app.py):
+    #: off by default; ``1`` gives kombu's own default back.
+    redis_ack_emulation: bool = False
     extra: Mapping[str, str] = field(default_factory=dict)
+    #: Connection for admin reads (``workspace_session(..., admin=True)``: the CLI's
+    #: reads, the dashboard's admins, metrics): a login that is a member of
+    #: ``motir_admin``, the only role for which ``motir.system_admin`` counts
+    #: (docs/security.md). Unset without an app URL (development): the engine URL
+    #: with SET LOCAL ROLE motir_admin. MOTIR_ADMIN_DATABASE_URL, read here.
+    admin_database_url: str | None = field(default_factory=lambda: _url(os.environ, "MOTIR_ADMIN_DATABASE_URL"))
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
@@ -78,8 +86,10 @@ class Settings:
             republish_after=_positive(env, "MOTIR_REPUBLISH_AFTER", 60.0),
             max_payload_bytes=_count(env, "MOTIR_MAX_PAYLOAD_BYTES", 1_000_000),
             pool_size=_count(env, "MOTIR_POOL_SIZE", 5),
-            async_step_commit=_flag(env, "MOTIR_ASYNC_STEP_COMMIT", False),
+            prepared_statements=_flag(env, "MOTIR_PREPARED_STATEMENTS", True),
+            claim_async_commit=_flag(env, "MOTIR_CLAIM_ASYNC_COMMIT", True),
             direct_publish=_flag(env, "MOTIR_DIRECT_PUBLISH", True),
+            redis_ack_emulation=_flag(env, "MOTIR_REDIS_ACK_EMULATION", False),
         )
 
     def require_database_url(self) -> str:

@@ -58,13 +58,13 @@ import weakref
 from dataclasses import asdict
 from typing import Any
 
-from celery import Celery, bootsteps
+from celery import Celery
 
 from motir_celery.core import runner
-from motir_celery.core import sweeper
 from motir_celery.errors import ConfigurationError, RunFailed
 from motir_celery.core.jobs import TASK_OPTIONS, Job, on_job_defined
 from motir_celery.adapter.messages import publisher
+from motir_celery.adapter.worker import EngineStep, engine_thread
 from motir_celery.settings import Settings, get_settings
 
 __all__ = ["create_app", "attach", "default_app", "publisher"]
@@ -114,7 +114,7 @@ def create_app(settings: Settings | None = None, *, main: str = "motir_celery") 
         timezone="UTC",
         enable_utc=True,
     )
-    if settings.broker_url.startswith(("redis://", "rediss://", "redis+socket://")):
+    if settings.broker_url.startswith(("redis://", "rediss://", "redis+socket://")) and not settings.redis_ack_emulation:
         # No unacknowledged-message bookkeeping in Redis: see the module docstring.
         # REJECTED: in attach(), where the user's own tasks may rely on it.
         app.conf.broker_transport_options = {"ack_emulation": False}
@@ -136,7 +136,7 @@ def attach(app: Celery, *, settings: Settings | None = None) -> Celery:
         if key not in app.conf.changes:
             app.conf[key] = value
     app.conf.imports = tuple(app.conf.imports or ()) + tuple(settings.imports)
-    app.steps["worker"].add(SweeperStep)
+    app.steps["worker"].add(EngineStep)
     # `celery beat` fires the cron jobs through our scheduler (beat.py), unless the
     # user chose a scheduler of their own (then: beat.MotirCronMixin).
     if "beat_scheduler" not in app.conf.changes and app.conf.beat_scheduler == "celery.beat:PersistentScheduler":
@@ -164,6 +164,7 @@ def _register(app: Celery, job: Job) -> None:
 
     def run_job(self: Any, run_id: str, *_: Any) -> dict[str, str]:
         worker = f"{self.request.hostname or 'worker'}/{os.getpid()}"
+        engine_thread().ensure()  # this process's heartbeats (a prefork child's first run starts them)
         outcome = runner.execute(run_id, job_id=job.id, worker=worker, publish=publisher(self.app))
         if outcome.state == "failed":
             # Settled already (failed + DLQ row, committed). Raising only makes the
@@ -175,32 +176,3 @@ def _register(app: Celery, job: Job) -> None:
     run_job.__name__ = run_job.__qualname__ = "run_" + re.sub(r"\W", "_", job.id)
     run_job.__doc__ = f"Run of motir job {job.id!r}: claim, steps, settle."
     app.task(name=job.task_name, bind=True, **options)(run_job)
-
-
-class SweeperStep(bootsteps.StartStopStep):
-    """Runs the sweeper in a thread of the worker's main process."""
-
-    label = "motir sweeper"
-
-    def __init__(self, worker: Any, **kwargs: Any) -> None:
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self, worker: Any) -> None:
-        settings = get_settings()
-        publish = publisher(worker.app)
-
-        def loop() -> None:
-            while not self._stop.wait(settings.sweep_interval):
-                try:
-                    sweeper.sweep(publish, settings=settings)
-                except Exception:  # noqa: BLE001 — a database or broker blip: next period
-                    log.warning("sweep failed", exc_info=True)
-
-        self._thread = threading.Thread(target=loop, name="motir-sweeper", daemon=True)
-        self._thread.start()
-
-    def stop(self, worker: Any) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)

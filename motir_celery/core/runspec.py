@@ -17,6 +17,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from motir_celery.errors import JobDefinitionError
+from motir_celery.store.statements import RunSpec
 
 if TYPE_CHECKING:
     from motir_celery.core.jobs import Job
@@ -45,19 +46,6 @@ class RunOptions:
     cancel_on: tuple[CancelOn, ...] = ()
 
 
-@dataclass(frozen=True)
-class RunSpec:
-    """One row of a fan-out: the job and the values computed for its run."""
-
-    job_id: str
-    max_attempts: int
-    policy: str
-    priority: int = 0
-    singleton_key: str | None = None
-    concurrency_key: str | None = None
-    cancel_key: str | None = None
-
-
 def path_of(expr: str) -> list[str]:
     """``"data.order_id"`` → ``["order_id"]`` (a path into the event's data)."""
     parts = expr.split(".")
@@ -82,8 +70,11 @@ def value_at(data: Any, path: Iterable[str]) -> str | None:
 
 
 def _key(job_id: str, name: str, key: Any) -> Key | None:
-    if key is None or callable(key):
-        return key
+    if key is None:
+        return None
+    if callable(key):
+        fn: Callable[[Any], Any] = key
+        return fn
     if isinstance(key, str):
         if key != "workspace_id":
             path_of(key)

@@ -15,7 +15,7 @@ Each sweep, in one transaction per half:
 
 Any number of sweepers may run: ``FOR UPDATE SKIP LOCKED`` splits the rows.
 Workers run one in a background thread (``MOTIR_SWEEP_INTERVAL``); see
-``celery_app.SweeperStep``.
+``adapter/worker.py``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ Two ways in:
   settle, sweeper. It may see every tenant's rows (a policy of its own, see
   ``models.py``), because a worker must claim whatever run its message names.
 * ``workspace_session(workspace_id, admin=...)`` — the app role with row-level
-  security enforced. CLI reads, the dashboard and user code go through it.
+  security enforced (``motir_admin``, a member of it, for admin reads). CLI
+  reads, the dashboard and user code go through it.
 
 The workspace context is set with ``set_config(..., true)``: transaction-local,
 so it cannot leak to the next borrower of a pooled connection.
@@ -28,8 +29,9 @@ from sqlalchemy import event as sa_event
 from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import Session
 
-from motir_celery.errors import WorkspaceError
+from motir_celery.errors import ConfigurationError, WorkspaceError
 from motir_celery.settings import Settings, get_settings
+from motir_celery.store.rls import ADMIN_ROLE
 
 __all__ = [
     "get_engine",
@@ -37,7 +39,10 @@ __all__ = [
     "workspace_session",
     "set_workspace_context",
     "dispose_engines",
+    "side_engine",
+    "size_pool_for",
     "validate_workspace_id",
+    "reader_login",
 ]
 
 _engines: dict[tuple[str, int], Engine] = {}
@@ -53,18 +58,58 @@ def get_engine(url: str | None = None, *, settings: Settings | None = None) -> E
         with _lock:
             engine = _engines.get(key)
             if engine is None:
+                size = max(settings.pool_size, _runs_per_process)
                 engine = create_engine(
                     url,
-                    pool_size=settings.pool_size,
-                    max_overflow=settings.pool_size,
+                    # A run holds one connection while it runs (and briefly a second for a
+                    # wait's transaction or a step's send_event): `size` covers one per
+                    # concurrent run of this process, the overflow the rest.
+                    pool_size=size,
+                    max_overflow=size,
                     # Not pool_pre_ping: that is one more round trip on every checkout,
                     # i.e. on every run. `_ping_when_idle` tests only a connection that
                     # sat unused in the pool, where a database restart leaves dead sockets.
                     # Every timestamp is timestamptz compared with now(); the session
                     # TimeZone only changes how values print, never what they mean.
-                    connect_args={"application_name": "motir-celery"},
+                    connect_args=_connect_args(settings),
                 )
                 _ping_when_idle(engine)
+                _engines[key] = engine
+    return engine
+
+
+def _connect_args(settings: Settings) -> dict[str, Any]:
+    args: dict[str, Any] = {"application_name": "motir-celery"}
+    if not settings.prepared_statements:
+        # Behind a transaction pooler: psycopg must not prepare anything on its own either.
+        args["prepare_threshold"] = None
+    return args
+
+
+#: Concurrent runs in one process (Celery's threads pool: its concurrency), set by the adapter.
+_runs_per_process = 1
+
+
+def size_pool_for(runs: int) -> None:
+    """This process runs up to ``runs`` runs at once: size engines made from now on for them."""
+    global _runs_per_process
+    _runs_per_process = max(1, runs)
+
+
+def side_engine(settings: Settings | None = None) -> Engine:
+    """The engine of the worker's side duties (heartbeats, sweeps): one connection of its
+    own per process, so a busy run pool cannot starve them. Pinged before use (once a
+    second at most, so the cost is nothing)."""
+    settings = settings or get_settings()
+    url = settings.require_database_url()
+    key = ("side:" + url, os.getpid())
+    engine = _engines.get(key)
+    if engine is None:
+        with _lock:
+            engine = _engines.get(key)
+            if engine is None:
+                engine = create_engine(url, pool_size=1, max_overflow=0, pool_pre_ping=True,
+                                       connect_args=_connect_args(settings))
                 _engines[key] = engine
     return engine
 
@@ -157,6 +202,32 @@ def set_workspace_context(conn: Connection | Session, workspace_id: str | None, 
     )
 
 
+def reader_login(settings: Settings, *, admin: bool) -> tuple[str, str | None]:
+    """Where an RLS-enforced session logs in: (URL, role to ``SET LOCAL ROLE`` to, or None).
+
+    * workspace sessions: ``MOTIR_APP_DATABASE_URL`` (a login of ``motir_app``), else
+      the engine URL dropping to ``motir_app`` for the transaction (development);
+    * admin sessions: ``MOTIR_ADMIN_DATABASE_URL`` (a login that is a member of
+      ``motir_admin``), else — only without an app URL — the engine URL dropping to
+      ``motir_admin``. With an app URL but no admin URL there is no admin login:
+      refused, because the app login must not be able to act as admin.
+
+    Dropping a role with SET LOCAL ROLE is development mode: the login can RESET
+    ROLE, so it contains mistakes, not an attacker (``motir doctor`` says FAIL).
+    """
+    if admin:
+        if settings.admin_database_url:
+            return settings.admin_database_url, None
+        if settings.app_database_url:
+            raise ConfigurationError(
+                "admin reads need MOTIR_ADMIN_DATABASE_URL: a login that is a member of "
+                f"{ADMIN_ROLE} (the app login of MOTIR_APP_DATABASE_URL must not be one)")
+        return settings.require_database_url(), ADMIN_ROLE
+    if settings.app_database_url:
+        return settings.app_database_url, None
+    return settings.require_database_url(), settings.app_role
+
+
 @contextmanager
 def workspace_session(
     workspace_id: str | None, *, admin: bool = False, settings: Settings | None = None
@@ -165,13 +236,16 @@ def workspace_session(
 
     ``admin=True`` is the cross-workspace escape hatch of admin tooling (seed
     001): it shows system rows (NULL workspace) *and every workspace's rows*,
-    whatever ``workspace_id`` says. Without it, ``workspace_id=None`` sees nothing.
+    whatever ``workspace_id`` says — through a login of ``motir_admin``
+    (``reader_login``), since the policies ignore ``motir.system_admin`` for
+    anyone else. Without it, ``workspace_id=None`` sees nothing.
     """
     settings = settings or get_settings()
-    engine = get_engine(settings.app_database_url or settings.require_database_url(), settings=settings)
+    url, role = reader_login(settings, admin=admin)
+    engine = get_engine(url, settings=settings)
     with Session(engine) as session, session.begin():
-        if not settings.app_database_url:
-            # Same login as the engine: drop to the app role for this transaction only.
-            session.execute(text(f'SET LOCAL ROLE "{settings.app_role}"'))
+        if role is not None:
+            # Same login as the engine: drop to the reading role for this transaction only.
+            session.execute(text(f'SET LOCAL ROLE "{role}"'))
         set_workspace_context(session, workspace_id, admin=admin)
         yield session

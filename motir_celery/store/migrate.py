@@ -4,11 +4,13 @@
 The revisions live in the top-level ``migrations/`` folder of a checkout and are
 shipped inside the wheel as ``motir_celery/_migrations``.
 
-Row-level security and partial-index predicates are schema too, but Alembic
-does not compare them: ``compare_extra`` is registered as an autogenerate
-comparator, so ``alembic check`` fails when a policy was dropped or altered by
-hand, RLS was disabled on a table, or a partial index's WHERE changed, and
-``alembic revision --autogenerate`` writes the statements that put it back.
+Row-level security, the roles' table grants and partial-index predicates are
+schema too, but Alembic does not compare them: ``compare_extra`` is registered
+as an autogenerate comparator, so ``alembic check`` fails when a policy was
+dropped or altered by hand, RLS was disabled on a table, a role was granted a
+privilege nobody declared (``GRANT DELETE ON job_step TO motir_app``) or lost
+one, or a partial index's WHERE changed, and ``alembic revision
+--autogenerate`` writes the statements that put it back.
 """
 
 from __future__ import annotations
@@ -57,8 +59,8 @@ def check(url: str | None = None) -> None:
 
 
 class DriftOp(MigrateOperation):
-    """One difference Alembic does not see by itself (RLS, a partial index's
-    predicate); rendered into a revision as plain ``op.execute`` DDL."""
+    """One difference Alembic does not see by itself (RLS, a grant, a partial
+    index's predicate); rendered into a revision as plain ``op.execute`` DDL."""
 
     def __init__(self, kind: str, subject: Any, statements: list[str]) -> None:
         self.kind = kind
@@ -80,6 +82,10 @@ def _rls_statements(kind: str, subject: Any) -> list[str]:
         return [rls.create_policy_sql(subject)]
     if kind == "change_policy":
         return [rls.drop_policy_sql(subject.table, subject.name), rls.create_policy_sql(subject)]
+    if kind == "grant":
+        return [rls.grant_sql(subject)]
+    if kind == "revoke":
+        return [rls.revoke_sql(subject)]
     table, name = subject
     return [rls.drop_policy_sql(table, name)]
 
@@ -130,6 +136,8 @@ def compare_extra(autogen_context: Any, upgrade_ops: Any, schemas: Any) -> None:
     conn = autogen_context.connection
     for kind, subject in rls.compare_policies(conn, Base.metadata):
         upgrade_ops.ops.append(DriftOp(kind, subject, _rls_statements(kind, subject)))
+    for kind, grant in rls.compare_grants(conn, Base.metadata):
+        upgrade_ops.ops.append(DriftOp(kind, grant, _rls_statements(kind, grant)))
     for kind, name, statements in compare_index_predicates(conn, Base.metadata):
         upgrade_ops.ops.append(DriftOp(kind, name, statements))
 

@@ -1,24 +1,35 @@
-"""Row-level security: the roles, the policies, and their drift detection.
+"""Row-level security and grants: the roles, what each may do, and their drift detection.
 
-Three roles (DESIGN.md invariant 8):
+Four roles (DESIGN.md invariant 8; docs/security.md is the threat model):
 
 * the **owner** — whoever runs ``motir migrate``; owns the tables and, since
   RLS is ENABLEd but not FORCEd, is not filtered by it. Migrations only.
-* ``motir_app`` — RLS enforced. CLI reads, the dashboard and user code.
-* ``motir_engine`` — dispatcher, claim, step writes, sweeper. It has a policy
-  of its own that admits every row: a worker must claim whatever run its
+* ``motir_app`` — RLS enforced. Reads (CLI, dashboard, user code) and the
+  inserts a user's own transaction makes through ``send_event(session=…)``:
+  SELECT on the five tables, INSERT on ``job_event`` and ``job_queue`` only.
+  No UPDATE or DELETE anywhere, no write to steps, the ledger or the DLQ: the
+  history a worker wrote cannot be rewritten by the role user code holds.
+* ``motir_admin`` — a member of ``motir_app`` (its grants and policies), and the
+  only role for which ``motir.system_admin = 'true'`` means anything: the
+  policy's admin arm asks ``pg_has_role(current_user, 'motir_admin', 'MEMBER')``,
+  so an app-role connection that sets the GUC itself still sees only its
+  workspace. Granted by the DBA to the logins of admin tooling.
+* ``motir_engine`` — dispatcher, claim, step writes, sweeper, operator actions.
+  A policy of its own admits every row: a worker must claim whatever run its
   message names, whichever tenant it belongs to.
 
-The first migration creates both roles as NOLOGIN when they do not exist (that
-needs CREATEROLE); a DBA may create them beforehand, with LOGIN and passwords,
-and the migration then only grants. REJECTED: ``BYPASSRLS`` for the engine —
-granting it needs a superuser, and a policy says the same thing in the schema
-where drift detection can see it.
+The migrations create the roles as NOLOGIN when they do not exist (that needs
+CREATEROLE); a DBA may create them beforehand, with LOGIN and passwords, and the
+migration then only grants. REJECTED: ``BYPASSRLS`` for the engine — granting it
+needs a superuser, and a policy says the same thing in the schema where drift
+detection can see it.
 
-Policies are declared here, stored on the tables' ``info``, created by the
-migrations from the same declarations, and compared against ``pg_policies`` by
-an Alembic comparator, so ``alembic check`` reports a dropped or altered
-policy (or RLS switched off) exactly like a dropped index.
+Policies and grants are declared here, stored on the metadata's ``info``, and
+compared against ``pg_policies`` and the tables' ACLs by an Alembic comparator,
+so ``alembic check`` reports a dropped or altered policy, RLS switched off, or a
+hand-made ``GRANT DELETE … TO motir_app`` exactly like a dropped index.
+Migrations state their own DDL (a revision is frozen): they never call this
+module at run time.
 """
 
 from __future__ import annotations
@@ -31,26 +42,44 @@ from sqlalchemy.engine import Connection
 
 __all__ = [
     "APP_ROLE",
+    "ADMIN_ROLE",
     "ENGINE_ROLE",
+    "ROLES",
+    "APP_INSERTS",
+    "PRIVILEGES",
     "Policy",
+    "Grant",
     "declare_workspace_policies",
     "policies_of",
-    "create_roles_sql",
-    "grant_sql",
+    "grants_of",
     "enable_sql",
     "create_policy_sql",
     "drop_policy_sql",
+    "grant_sql",
+    "revoke_sql",
+    "compare_policies",
+    "compare_grants",
 ]
 
 APP_ROLE = "motir_app"
+ADMIN_ROLE = "motir_admin"
 ENGINE_ROLE = "motir_engine"
+ROLES = (APP_ROLE, ADMIN_ROLE, ENGINE_ROLE)
+
+#: The tables a user's own transaction writes (send_event(session=…): the event and its runs).
+APP_INSERTS = frozenset({"job_event", "job_queue"})
+#: Table privileges drift detection looks at (all of them but MAINTAIN, which PG 17 added).
+PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER")
 
 # missing_ok=true: a transaction with no workspace context sees nothing rather
 # than failing. Admin is the cross-workspace escape hatch and the only way to see
-# system rows (NULL workspace_id never equals anything, so the first arm hides them).
+# system rows (NULL workspace_id never equals anything, so the first arm hides
+# them) — honoured only for members of motir_admin, so that setting the GUC is
+# not enough: the session's role must have been granted the admin role.
 WORKSPACE_PREDICATE = (
     "(workspace_id = current_setting('motir.workspace_id', true)) "
-    "OR (current_setting('motir.system_admin', true) = 'true')"
+    "OR ((current_setting('motir.system_admin', true) = 'true') "
+    f"AND pg_has_role(current_user, '{ADMIN_ROLE}', 'MEMBER'))"
 )
 
 
@@ -63,34 +92,45 @@ class Policy:
     check: str
 
 
+@dataclass(frozen=True)
+class Grant:
+    """One table privilege of one role; ``column`` for a column-level grant (never declared)."""
+
+    table: str
+    role: str
+    privilege: str
+    column: str | None = None
+
+
+def _table_grants(table: str) -> tuple[Grant, ...]:
+    app = ("SELECT", "INSERT") if table in APP_INSERTS else ("SELECT",)
+    engine = ("SELECT", "INSERT", "UPDATE", "DELETE")
+    # motir_admin holds nothing of its own: it inherits motir_app's grants by membership.
+    return tuple(Grant(table, APP_ROLE, p) for p in app) + tuple(Grant(table, ENGINE_ROLE, p) for p in engine)
+
+
 def declare_workspace_policies(metadata: MetaData, tables: Iterable[str]) -> None:
     # On metadata.info, not table.info: Alembic would render table.info into revisions.
     declared = metadata.info.setdefault("rls_policies", {})
+    grants = metadata.info.setdefault("rls_grants", {})
     for name in tables:
         assert name in metadata.tables, name
         declared[name] = (
             Policy(name, f"{name}_workspace", APP_ROLE, WORKSPACE_PREDICATE, WORKSPACE_PREDICATE),
             Policy(name, f"{name}_engine", ENGINE_ROLE, "true", "true"),
         )
+        grants[name] = _table_grants(name)
 
 
 def policies_of(metadata: MetaData) -> dict[str, tuple[Policy, ...]]:
     return dict(metadata.info.get("rls_policies", {}))
 
 
-# --- DDL, used by the migrations and by the comparator's renderer -----------------
+def grants_of(metadata: MetaData) -> dict[str, tuple[Grant, ...]]:
+    return dict(metadata.info.get("rls_grants", {}))
 
 
-def create_roles_sql() -> str:
-    return "\n".join(
-        f"DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{role}') "
-        f"THEN CREATE ROLE {role} NOLOGIN; END IF; END $$;"
-        for role in (APP_ROLE, ENGINE_ROLE)
-    )
-
-
-def grant_sql(table: str) -> str:
-    return f"GRANT SELECT, INSERT, UPDATE, DELETE ON {table} TO {APP_ROLE}, {ENGINE_ROLE}"
+# --- DDL, used by the comparator's renderer -------------------------------------------
 
 
 def enable_sql(table: str, enabled: bool = True) -> str:
@@ -108,6 +148,20 @@ def drop_policy_sql(table: str, name: str) -> str:
     return f"DROP POLICY IF EXISTS {name} ON {table}"
 
 
+def _grantee(role: str) -> str:
+    return "PUBLIC" if role == "PUBLIC" else f'"{role}"'
+
+
+def grant_sql(g: Grant) -> str:
+    column = f" ({g.column})" if g.column else ""
+    return f"GRANT {g.privilege}{column} ON {g.table} TO {_grantee(g.role)}"
+
+
+def revoke_sql(g: Grant) -> str:
+    column = f" ({g.column})" if g.column else ""
+    return f"REVOKE {g.privilege}{column} ON {g.table} FROM {_grantee(g.role)}"
+
+
 # --- drift detection ----------------------------------------------------------------
 
 _LIVE_POLICIES = text(
@@ -121,6 +175,25 @@ _LIVE_POLICIES = text(
 _RLS_FLAGS = text(
     "SELECT relname, relrowsecurity FROM pg_class "
     "WHERE relnamespace = current_schema()::regnamespace AND relname = ANY(:tables)"
+)
+# Table and column privileges of the declared roles and of PUBLIC (grantee 0), from
+# the ACLs themselves: information_schema shows only what the current user may see.
+_LIVE_GRANTS = text(
+    """
+    SELECT c.relname AS table, coalesce(r.rolname, 'PUBLIC') AS role, a.privilege_type AS privilege,
+           NULL::text AS column
+    FROM pg_class c CROSS JOIN LATERAL aclexplode(c.relacl) a
+    LEFT JOIN pg_roles r ON r.oid = a.grantee
+    WHERE c.relnamespace = current_schema()::regnamespace AND c.relname = ANY(:tables)
+      AND (a.grantee = 0 OR r.rolname = ANY(:roles))
+    UNION ALL
+    SELECT c.relname, coalesce(r.rolname, 'PUBLIC'), a.privilege_type, att.attname::text
+    FROM pg_class c JOIN pg_attribute att ON att.attrelid = c.oid AND att.attacl IS NOT NULL
+    CROSS JOIN LATERAL aclexplode(att.attacl) a
+    LEFT JOIN pg_roles r ON r.oid = a.grantee
+    WHERE c.relnamespace = current_schema()::regnamespace AND c.relname = ANY(:tables)
+      AND (a.grantee = 0 OR r.rolname = ANY(:roles))
+    """
 )
 
 
@@ -141,11 +214,15 @@ def _normalised(conn: Connection, policy: Policy) -> tuple[Any, ...]:
     return _shape(match)
 
 
+def _existing_tables(conn: Connection) -> set[str]:
+    return set(conn.execute(text("SELECT tablename FROM pg_tables WHERE schemaname = current_schema()")).scalars())
+
+
 def compare_policies(conn: Connection, metadata: MetaData) -> list[tuple[str, Any]]:
     """Differences between declared and live RLS, as alembic-style diff tuples."""
     declared = policies_of(metadata)
     tables = list(declared)
-    existing = set(conn.execute(text("SELECT tablename FROM pg_tables WHERE schemaname = current_schema()")).scalars())
+    existing = _existing_tables(conn)
     live = {(r.tablename, r.policyname): r for r in conn.execute(_LIVE_POLICIES, {"tables": tables})}
     flags = dict(conn.execute(_RLS_FLAGS, {"tables": tables}).all())
     diffs: list[tuple[str, Any]] = []
@@ -163,3 +240,20 @@ def compare_policies(conn: Connection, metadata: MetaData) -> list[tuple[str, An
     for (table, name) in live:
         diffs.append(("remove_policy", (table, name)))
     return diffs
+
+
+def compare_grants(conn: Connection, metadata: MetaData) -> list[tuple[str, Grant]]:
+    """Privileges of the declared roles (and PUBLIC) that differ from the declaration:
+    ``("grant", g)`` for one missing, ``("revoke", g)`` for one nobody declared —
+    a hand-made ``GRANT DELETE ON job_step TO motir_app`` is the second kind."""
+    declared = {g for grants in grants_of(metadata).values() for g in grants}
+    tables = [t for t in grants_of(metadata) if t in _existing_tables(conn)]
+    if not tables:
+        return []
+    live = {Grant(r.table, r.role, r.privilege, r.column)
+            for r in conn.execute(_LIVE_GRANTS, {"tables": tables, "roles": list(ROLES)})
+            if r.privilege in PRIVILEGES}
+    wanted = {g for g in declared if g.table in tables}
+    order = lambda g: (g.table, g.role, g.privilege, g.column or "")  # noqa: E731 — stable diffs
+    return ([("grant", g) for g in sorted(wanted - live, key=order)]
+            + [("revoke", g) for g in sorted(live - wanted, key=order)])

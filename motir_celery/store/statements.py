@@ -1,9 +1,11 @@
-"""The queue repository: every hot statement of the engine, written out plainly.
+"""The statement catalogue: every statement of the engine's queue, written out plainly.
 
-Each function is one round trip. Claim, step write and settle are the hot path
-(a run of k new steps costs k + 1 statements and k + 1 commits: the last step
-rides in the settle); enqueue and sweep are the rest. Rules that hold for
-every statement here:
+Each hot statement is a ``Statement`` (``driver.py``): a name, a one-line
+description, and its SQL with the reason for each predicate beside it; rows are
+read by column name. A run of k new steps costs k + 2 statements, each its own
+transaction on the runner's autocommit connection: the claim, one fenced write
+per step (committed before the next body starts), the settle. Rules that hold
+for every statement here:
 
 * **The database decides.** "Already done?" is a unique constraint
   (``ON CONFLICT DO NOTHING``) or a conditional ``UPDATE``, never a read then a
@@ -11,25 +13,9 @@ every statement here:
 * **Fenced.** Every write a worker makes on a run it holds is conditional on
   ``claim_token``; a worker whose lease was reclaimed writes nothing.
 * **One clock.** "Due", "expired" and every stored instant use the database's
-  ``now()``; Python only ever binds *durations* (lease length, backoff),
-  never an instant read from its own clock.
+  ``now()``; Python only ever binds *durations* (lease length, backoff).
 
-Functions take a ``Connection`` and leave the transaction to the caller: the
-runner commits each statement on its own, ``send_event(session=...)`` writes
-inside the caller's transaction.
-
-The three statements every run executes (claim, step write, settle) skip
-SQLAlchemy's execution layer and go to the psycopg connection underneath as
-prepared statements: Core costs ~50-70 us of CPU per statement for
-compile-cache lookup and result wrapping, a fifth of a short run's CPU
-(docs/performance.md). They keep ``%(name)s`` placeholders and the same
-transaction and error semantics as the rest. The claim waits for its answer
-(``driver.hot``); the step writes and a success's settle are sent through ``driver.Pipe``
-(libpq's pipeline mode) and answered later, so a run waits for two answers
-however many steps it stores (steps.py says when they are read).
-``record_event`` is one statement too (the function ``motir_record_event``,
-migration 0004): at low load an idle client and server pay for every
-statement in wake-ups, not in work.
+Functions take a ``Connection`` and leave the transaction to the caller.
 """
 
 from __future__ import annotations
@@ -42,11 +28,12 @@ from typing import Any, Sequence
 
 from sqlalchemy import Connection, text
 
-from motir_celery.store.driver import Pipe, Prepared, hot, hot_rows
-from motir_celery.core.runspec import RunSpec
+from motir_celery.settings import get_settings
+from motir_celery.store.driver import Statement, first, rows
 
 __all__ = [
     "Claim",
+    "RunSpec",
     "Queued",
     "AlreadyQueued",
     "OverlapSkipped",
@@ -55,9 +42,8 @@ __all__ = [
     "enqueue_scheduled",
     "claim",
     "store_step",
-    "store_steps",
-    "send_store_steps",
     "renew_lease",
+    "renew_leases",
     "settle_succeeded",
     "settle_retry",
     "settle_failed",
@@ -65,6 +51,19 @@ __all__ = [
     "republish_due",
     "cancel",
 ]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One row of a fan-out: the job and the values computed for its run."""
+
+    job_id: str
+    max_attempts: int
+    policy: str
+    priority: int = 0
+    singleton_key: str | None = None
+    concurrency_key: str | None = None
+    cancel_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -99,8 +98,6 @@ class Claim:
     db_now: datetime | None = None
     concurrency_key: str | None = None
     traceparent: str | None = None
-    #: driver.Pipe's statements prepared on the claim's connection (names).
-    prepared: tuple[str, ...] = ()
 
 
 def _json(value: Any) -> str:
@@ -130,7 +127,9 @@ _RUNS_OF_E = """
 # The event, its runs and the wake-up of runs waiting for it, in one statement:
 # the function motir_record_event (migrations/versions/0004_record_event_function.py,
 # where its SQL is written out and explained). Its rows: (woken, event_id, run_id, job_id).
-_RECORD_EVENT = (  # psycopg placeholders: see driver.hot
+RECORD_EVENT = Statement(
+    "record_event",
+    "Write an event, one run per subscribing job, and wake the runs waiting for it (one statement).",
     """
     SELECT * FROM motir_record_event(
       %(name)s, CAST(%(data)s AS jsonb), %(workspace_id)s, %(key)s, %(traceparent)s,
@@ -154,8 +153,8 @@ def _specs(specs: Sequence[RunSpec], traceparent: str | None) -> dict[str, Any]:
     }
 
 
-def _runs(specs: Sequence[RunSpec], rows: Sequence[tuple[Any, ...]]) -> list[Queued | AlreadyQueued]:
-    created = {job_id: run_id for run_id, job_id in rows if run_id is not None}
+def _runs(specs: Sequence[RunSpec], created_rows: Sequence[dict[str, Any]]) -> list[Queued | AlreadyQueued]:
+    created = {r["job_id"]: r["run_id"] for r in created_rows if r["run_id"] is not None}
     return [Queued(created[s.job_id], s.job_id) if s.job_id in created else AlreadyQueued(s.job_id)
             for s in specs]
 
@@ -173,18 +172,20 @@ def record_event(
     """
     params = {"name": name, "data": data_json, "workspace_id": workspace_id, "key": idempotency_key,
               **_specs(specs, traceparent)}
-    rows = hot_rows(conn, _RECORD_EVENT, params)
-    recorded = [(event_id, run_id, job_id) for woken, event_id, run_id, job_id in rows if not woken]
+    found = rows(conn, RECORD_EVENT, params)
+    recorded = [r for r in found if not r["woken"]]
     if not recorded:
         return None, [], []
-    woken_runs = [Queued(run_id, job_id) for woken, _, run_id, job_id in rows if woken]
-    return recorded[0][0], _runs(specs, [(run_id, job_id) for _, run_id, job_id in recorded]), woken_runs
+    woken_runs = [Queued(r["run_id"], r["job_id"]) for r in found if r["woken"]]
+    return recorded[0]["event_id"], _runs(specs, recorded), woken_runs
 
 
-_FAN_OUT = (  # psycopg placeholders: see driver.hot
+FAN_OUT = Statement(
+    "fan_out",
+    "One run per subscribing job for an event already recorded, deduplicated by (event_id, job_id).",
     "WITH e AS (SELECT id, name, workspace_id FROM job_event WHERE id = %(event_id)s), runs AS ("
     + _RUNS_OF_E
-    + ") SELECT id, job_id FROM runs"
+    + ") SELECT id AS run_id, job_id FROM runs",
 )
 
 
@@ -194,8 +195,7 @@ def fan_out(
     """One run per spec for a recorded event, deduplicated by the database."""
     if not specs:
         return []
-    rows = hot_rows(conn, _FAN_OUT, {"event_id": event_id, **_specs(specs, traceparent)})
-    return _runs(specs, rows)
+    return _runs(specs, rows(conn, FAN_OUT, {"event_id": event_id, **_specs(specs, traceparent)}))
 
 
 _CANCEL_BY_KEY = text(
@@ -313,7 +313,9 @@ def enqueue_scheduled(
 
 # --- claim ------------------------------------------------------------------------
 
-_CLAIM = (  # psycopg placeholders: see driver.hot
+CLAIM = Statement(
+    "claim",
+    "Move a queued, due run to running for one worker; its event and memoized steps in the same round trip.",
     """
     WITH claimed AS (
       UPDATE job_queue
@@ -337,23 +339,19 @@ _CLAIM = (  # psycopg placeholders: see driver.hot
       INSERT INTO job_run (run_id, attempt, workspace_id, job_id, event_name, worker)
       SELECT id, attempts, workspace_id, job_id, event_name, %(worker)s FROM claimed
     )
-    SELECT c.id, c.job_id, c.claim_token, c.attempts, c.max_attempts, c.workspace_id, c.event_id, c.event_name,
-           e.data, c.scheduled_for,
+    SELECT c.id AS run_id, c.job_id, c.claim_token AS token, c.attempts AS attempt, c.max_attempts,
+           c.workspace_id, c.event_id, c.event_name, e.data AS event_data, c.scheduled_for,
            -- memoized steps in the same round trip (snapshot taken before this claim: prior attempts' steps)
            (SELECT coalesce(jsonb_object_agg(s.step_id, s.output), '{}'::jsonb)
-              FROM job_step s WHERE s.run_id = c.id),
-           now(), c.concurrency_key, c.traceparent,
-           -- Which statements of driver.Pipe this session has prepared: psycopg deallocates
-           -- every prepared statement of a connection after a ROLLBACK or a DROP on it.
-           (SELECT coalesce(array_agg(name), '{}') FROM pg_prepared_statements WHERE name LIKE 'motir\\_%%'),
-           -- The claim's commit does not wait for the WAL flush: losing it to a
-           -- crash of Postgres loses no work (the run is queued again, attempt
-           -- uncharged), and the run's first flushed write — a step or the
-           -- settle, later in the same WAL — makes it durable. REJECTED: an
-           -- option for it; there is nothing to trade.
-           set_config('synchronous_commit', 'off', true)
+              FROM job_step s WHERE s.run_id = c.id) AS steps,
+           now() AS db_now, c.concurrency_key, c.traceparent,
+           -- MOTIR_CLAIM_ASYNC_COMMIT (on by default): this commit does not wait for the
+           -- WAL flush. Hazard: a crash of Postgres itself may lose the claim; the run is
+           -- then queued again with the attempt uncharged, and no step is lost, because
+           -- every step record and settle after it is a flushed commit later in the WAL.
+           CASE WHEN %(async_commit)s THEN set_config('synchronous_commit', 'off', true) END AS async_commit
     FROM claimed c LEFT JOIN job_event e ON e.id = c.event_id
-    """
+    """,
 )
 
 
@@ -374,11 +372,12 @@ def lock_concurrency(conn: Connection, run_id: uuid.UUID) -> None:
 def claim(conn: Connection, run_id: uuid.UUID, *, job_id: str, worker: str, lease_seconds: float,
           concurrency_limit: int | None = None) -> Claim | None:
     """Move a queued, due run to running for this worker; ``None`` if it is not ours to run."""
-    row = hot(conn, _CLAIM, {"run_id": run_id, "job_id": job_id, "worker": worker, "lease": lease_seconds,
-                              "limit": concurrency_limit})
+    row = first(conn, CLAIM, {"run_id": run_id, "job_id": job_id, "worker": worker, "lease": lease_seconds,
+                              "limit": concurrency_limit, "async_commit": get_settings().claim_async_commit})
     if row is None:
         return None
-    return Claim(*row[:-1])  # the SELECT list is Claim's fields, in order (and the set_config)
+    del row["async_commit"]
+    return Claim(**row)
 
 
 _NEXT_IN_LINE = text(
@@ -404,85 +403,34 @@ def next_in_line(conn: Connection, job_id: str, key: str) -> uuid.UUID | None:
 
 # --- step write and heartbeat --------------------------------------------------------
 
-# The held steps of %(steps)s (steps_json) inserted for the run row r (id,
-# workspace_id, attempts) of a CTE named by the caller: the tail of both
-# _STORE_STEPS and _SETTLE_SUCCEEDED.
-_STEPS_OF_R = """
-      INSERT INTO job_step (run_id, step_id, workspace_id, output, attempt, started_at)
-      -- x -> 'output', not jsonb_to_recordset: that turns a step's JSON null into SQL NULL.
-      SELECT r.id, x ->> 'id', r.workspace_id, x -> 'output', r.attempts,
-             now() - make_interval(secs => CAST(x ->> 'elapsed' AS float8))
-      FROM {r} r, jsonb_array_elements(CAST(%(steps)s AS jsonb)) AS x
-      ON CONFLICT (run_id, step_id) DO NOTHING   -- already stored (a racing duplicate): the stored value wins
-"""
-
-_STORE_STEPS = (  # psycopg placeholders: see driver.hot
+STORE_STEP = Statement(
+    "store_step",
+    "Store one finished step's result, fenced on the claim token; committed before the next body starts.",
     """
     WITH run AS (
       SELECT id, workspace_id, attempts FROM job_queue
       WHERE id = %(run_id)s
         AND claim_token = %(token)s            -- fence: only the current holder writes
         AND state = 'running'                  -- a cancelled run stops at its next step boundary
-        -- Opt-in (MOTIR_ASYNC_STEP_COMMIT, off by default): this transaction's commit
-        -- does not wait for the WAL flush. Set inside the statement, so it costs no
-        -- round trip and touches no other transaction; CASE keeps it unevaluated when off.
-        AND CASE WHEN %(async_commit)s THEN set_config('synchronous_commit', 'off', true) IS NOT NULL
-                 ELSE true END
-      -- FOR SHARE: a concurrent reclaim or cancel waits for these inserts to commit, or
+      -- FOR SHARE: a concurrent reclaim or cancel waits for this insert to commit, or
       -- this statement re-checks the fence against the reclaimed row and writes nothing.
       FOR SHARE
-    ), stored AS ("""
-    + _STEPS_OF_R.replace("{r}", "run")
-    + """
-      RETURNING 1
     )
-    SELECT count(*) FROM stored
-    """
+    INSERT INTO job_step (run_id, step_id, workspace_id, output, attempt, started_at)
+    SELECT id, %(step_id)s, workspace_id, CAST(%(output)s AS jsonb), attempts,
+           now() - make_interval(secs => %(elapsed)s)
+    FROM run
+    ON CONFLICT (run_id, step_id) DO NOTHING   -- stored already (a racing duplicate): the stored value wins
+    RETURNING 1 AS stored
+    """,
 )
 
 
-_STORE_STEPS_PIPED = Prepared.of("motir_store_steps", _STORE_STEPS)
-
-#: A finished step not stored yet: (key, output JSON, seconds since its body began).
-Finished = tuple[str, str, float]
-
-
-def steps_json(steps: Sequence[Finished]) -> str:
-    """Finished steps as one JSON array of {"id", "output", "elapsed"}. Each output is
-    JSON already (steps.encode_json), so it is spliced in, not encoded again."""
-    return "[" + ",".join(f'{{"id":{json.dumps(key)},"output":{output},"elapsed":{elapsed!r}}}'
-                          for key, output, elapsed in steps) + "]"
-
-
-def _steps_params(claim_: Claim, steps: Sequence[Finished], async_commit: bool) -> dict[str, Any]:
-    return {"run_id": claim_.run_id, "token": claim_.token, "steps": steps_json(steps),
-            "async_commit": async_commit}
-
-
-def send_store_steps(pipe: Pipe, claim_: Claim, steps: Sequence[Finished], tag: Any, *,
-                     async_commit: bool = False) -> None:
-    """store_steps without waiting: its answer (one row, the count stored) comes
-    from ``pipe.answers``, tagged ``tag``."""
-    pipe.send(_STORE_STEPS_PIPED, _steps_params(claim_, steps, async_commit), tag)
-
-
-def store_steps(conn: Connection, claim_: Claim, steps: Sequence[Finished], *, async_commit: bool = False) -> int:
-    """Store finished steps in one statement and commit; how many were stored: all
-    of them, or 0 when the fence refused them (lost claim or cancelled), or fewer
-    when some were stored already.
-
-    ``async_commit``: commit without waiting for the WAL flush. The records are
-    visible and fenced at once; only a crash of Postgres itself within the
-    flush delay (``wal_writer_delay``, 200 ms by default) can lose them, and a lost
-    record only runs its step again (as does every later, equally lost one).
-    """
-    row = hot(conn, _STORE_STEPS, _steps_params(claim_, steps, async_commit))
-    return int(row[0]) if row is not None else 0
-
-
 def store_step(conn: Connection, claim_: Claim, step_id: str, output_json: str, elapsed: float) -> bool:
-    """One step's ``store_steps``; ``False`` when the fence refused it."""
-    return store_steps(conn, claim_, [(step_id, output_json, elapsed)]) == 1
+    """Store one step; ``False`` when nothing was written (fenced, or stored already)."""
+    params = {"run_id": claim_.run_id, "token": claim_.token, "step_id": step_id, "output": output_json,
+              "elapsed": elapsed}
+    return first(conn, STORE_STEP, params) is not None
 
 
 _RENEW_LEASE = text(
@@ -492,6 +440,23 @@ _RENEW_LEASE = text(
     RETURNING 1
     """
 )
+
+_RENEW_LEASES = text(
+    """
+    UPDATE job_queue q SET lease_expires_at = now() + make_interval(secs => :lease)
+    FROM unnest(CAST(:run_ids AS uuid[]), CAST(:tokens AS uuid[])) AS h(run_id, token)
+    WHERE q.id = h.run_id
+      AND q.claim_token = h.token              -- fence: each holder renews only its own claim
+      AND q.state = 'running'                  -- a settled or cancelled run is not renewed
+    RETURNING q.id
+    """
+)
+
+
+def renew_leases(conn: Connection, claims: Sequence[Claim], lease_seconds: float) -> set[uuid.UUID]:
+    """The heartbeat of every run a process holds, in one statement; the run ids still held."""
+    params = {"lease": lease_seconds, "run_ids": [c.run_id for c in claims], "tokens": [c.token for c in claims]}
+    return set(conn.execute(_RENEW_LEASES, params).scalars())
 
 
 _STORE_CLOCK_STEP = text(
@@ -615,44 +580,32 @@ def stored_output(conn: Connection, claim_: Claim, step_id: str) -> Any:
 
 # --- settle ---------------------------------------------------------------------
 
-_SETTLE_SUCCEEDED = (  # psycopg placeholders: see driver.hot
+SETTLE_SUCCEEDED = Statement(
+    "settle_succeeded",
+    "Mark a run succeeded with its result and close the attempt's ledger row, fenced on the claim token.",
     """
     WITH settled AS (
       UPDATE job_queue
       SET state = 'succeeded', result = CAST(%(result)s AS jsonb), finished_at = now(),
           claim_token = NULL, lease_expires_at = NULL
-      WHERE id = %(run_id)s AND claim_token = %(token)s AND state = 'running'   -- fence
-      RETURNING id, attempts, workspace_id
-    ), held AS (
-      -- The handler's finished steps not stored yet (steps.Step), the last one at
-      -- least: stored in this commit, and only if the fenced settle above took the row.
-      """
-    + _STEPS_OF_R.replace("{r}", "settled")
-    + """
+      WHERE id = %(run_id)s
+        AND claim_token = %(token)s            -- fence: only the current holder settles
+        AND state = 'running'                  -- a cancelled run stays cancelled
+      RETURNING id
+    ), ledger AS (
+      UPDATE job_run r SET outcome = 'succeeded', finished_at = now()
+      FROM settled s WHERE r.run_id = s.id
+        AND r.outcome = 'running'              -- the open attempt, not an earlier one
     )
-    UPDATE job_run r SET outcome = 'succeeded', finished_at = now()
-    FROM settled s WHERE r.run_id = s.id AND r.outcome = 'running'   -- the open attempt
-    RETURNING 1
-    """
+    SELECT count(*) AS settled FROM settled
+    """,
 )
 
 
-def settle_succeeded(conn: Connection, claim_: Claim, result_json: str, steps: Sequence[Finished] = ()) -> bool:
-    """Settle a run that succeeded, storing ``steps`` (finished, not stored yet)
-    in the same statement and commit."""
-    return hot(conn, _SETTLE_SUCCEEDED, _settle_params(claim_, result_json, steps)) is not None
-
-
-def _settle_params(claim_: Claim, result_json: str, steps: Sequence[Finished]) -> dict[str, Any]:
-    return {"run_id": claim_.run_id, "token": claim_.token, "result": result_json, "steps": steps_json(steps)}
-
-
-_SETTLE_SUCCEEDED_PIPED = Prepared.of("motir_settle_succeeded", _SETTLE_SUCCEEDED)
-
-
-def send_settle_succeeded(pipe: Pipe, claim_: Claim, result_json: str, steps: Sequence[Finished], tag: Any) -> None:
-    """settle_succeeded without waiting, behind the step writes still in flight."""
-    pipe.send(_SETTLE_SUCCEEDED_PIPED, _settle_params(claim_, result_json, steps), tag)
+def settle_succeeded(conn: Connection, claim_: Claim, result_json: str) -> bool:
+    """Settle a run that succeeded; ``False`` when fenced (cancelled or reclaimed)."""
+    row = first(conn, SETTLE_SUCCEEDED, {"run_id": claim_.run_id, "token": claim_.token, "result": result_json})
+    return row is not None and row["settled"] == 1
 
 
 _SETTLE_RETRY = text(

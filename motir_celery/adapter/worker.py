@@ -1,0 +1,99 @@
+"""The worker's side thread: the heartbeats of the runs its process holds, and the sweeper.
+
+The one place that starts and supervises a worker's side duties. One daemon
+thread per process (``forks.per_process``: a prefork child gets its own on its
+first run), ticking about once a second:
+
+* heartbeats (``core/leases.py``) in every process that runs runs;
+* the sweep (``core/sweeper.py``) every ``MOTIR_SWEEP_INTERVAL`` in the worker's
+  main process (``EngineStep``, a bootstep), where the solo and threads pools
+  also run their runs.
+
+Each duty uses a connection of its own (``db.side_engine``), so a busy run pool
+cannot starve it. A duty that fails is logged and tried again next tick; a
+thread that died anyway is started again by the next run.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from celery import bootsteps
+
+from motir_celery.adapter.messages import publisher
+from motir_celery.core import leases, sweeper
+from motir_celery.core.publish import Publish
+from motir_celery.forks import per_process
+from motir_celery.settings import get_settings
+from motir_celery.store.db import size_pool_for
+
+__all__ = ["EngineStep", "engine_thread"]
+
+log = logging.getLogger("motir_celery.worker")
+
+
+class EngineThread:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._sweep: Callable[[], object] | None = None
+
+    def ensure(self, publish: Publish | None = None) -> None:
+        """Running from now on (sweeping too, with ``publish``)."""
+        with self._lock:
+            if publish is not None:
+                settings = get_settings()
+                self._sweep = lambda: sweeper.sweep(publish, settings=settings)
+            if self._thread is None or not self._thread.is_alive():
+                self._stop.clear()
+                self._thread = threading.Thread(target=self._loop, name="motir-engine", daemon=True)
+                self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        settings = get_settings()
+        # Often enough that a renewal due at lease / 3 is never late by more than lease / 6.
+        tick = min(1.0, settings.lease_seconds / 6)
+        next_sweep = time.monotonic() + settings.sweep_interval
+        while not self._stop.wait(tick):
+            _duty("lease renewal", leases.renew_due)
+            sweep = self._sweep
+            if sweep is not None and time.monotonic() >= next_sweep:
+                _duty("sweep", sweep)
+                next_sweep = time.monotonic() + settings.sweep_interval
+
+
+def _duty(name: str, fn: Callable[[], object]) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 — a database or broker blip: next tick
+        log.warning("%s failed", name, exc_info=True)
+
+
+engine_thread = per_process(EngineThread)
+
+
+class EngineStep(bootsteps.StartStopStep):
+    """In the worker's main process: size the pool for the threads pool, start the sweeper."""
+
+    label = "motir engine"
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        pool = getattr(worker, "pool_cls", None)
+        pool_name = pool if isinstance(pool, str) else getattr(pool, "__module__", "") or ""
+        if "thread" in pool_name:
+            size_pool_for(int(worker.concurrency or 1))
+
+    def start(self, worker: Any) -> None:
+        engine_thread().ensure(publisher(worker.app))
+
+    def stop(self, worker: Any) -> None:
+        engine_thread().stop()
