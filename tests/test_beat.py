@@ -219,7 +219,7 @@ def test_rls_hides_a_system_scheduled_row_from_workspaces_and_shows_it_to_admins
     assert row.workspace_id is None
     count = text("SELECT count(*) FROM job_queue WHERE id = :id")
     with workspace_session(None, admin=True) as s:
-        assert s.execute(text("SELECT current_user")).scalar_one() == "motir_app"
+        assert s.execute(text("SELECT current_user")).scalar_one() == "motir_admin"
         assert s.execute(count, {"id": result.run_id}).scalar_one() == 1
     for ws, admin in (("acme", False), (None, False)):
         with workspace_session(ws, admin=admin) as s:

@@ -4,28 +4,73 @@ The rows are written through the owner connection (the test login, which RLS
 does not filter) and counted there first, so "zero rows" under the app role
 means the policy hid them, not that they were never written. Reads and writes
 then go through ``workspace_session``, which drops to ``motir_app`` for the
-transaction; a test checks that this really happens.
+transaction (a test checks that this really happens), or through real logins
+of this session's own that are members of ``motir_app`` / ``motir_admin`` only
+(what MOTIR_APP_DATABASE_URL and MOTIR_ADMIN_DATABASE_URL log in as), for what
+the grants refuse and what a self-set ``motir.system_admin`` does not open.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Iterator
 
 import psycopg.errors
 import pytest
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, make_url, text
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import ProgrammingError
+from sqlalchemy.pool import NullPool
 
 from motir_celery.store.db import set_workspace_context, workspace_session
-from motir_celery.store.rls import APP_ROLE
+from motir_celery.store.rls import ADMIN_ROLE, APP_ROLE, ENGINE_ROLE
 from motir_celery.settings import Settings, get_settings
 
 RLS_TABLES = ("job_event", "job_queue", "job_step", "job_run", "job_run_dlq")
+APP_INSERTS = ("job_event", "job_queue")
+ENGINE_ONLY = ("job_step", "job_run", "job_run_dlq")
 A, B = "ws-a", "ws-b"
+LOGINS = f"motir_t{uuid.uuid4().hex[:8]}"
+
+
+def _create_login(engine: Engine, name: str, member_of: str) -> Iterator[str]:
+    # Roles are cluster-wide: a login of this test session's own, dropped at the end,
+    # so that concurrent sessions never see a role they did not make.
+    with engine.begin() as conn:
+        conn.execute(text(f'CREATE ROLE "{name}" LOGIN IN ROLE {member_of}'))
+    try:
+        yield name
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(f'DROP ROLE IF EXISTS "{name}"'))
+
+
+@pytest.fixture(scope="module")
+def app_login(engine: Engine) -> Iterator[str]:
+    """A real login that is only a member of motir_app, as MOTIR_APP_DATABASE_URL would be."""
+    yield from _create_login(engine, f"{LOGINS}_app", APP_ROLE)
+
+
+@pytest.fixture(scope="module")
+def admin_login(engine: Engine) -> Iterator[str]:
+    """A login the DBA made a member of motir_admin, as MOTIR_ADMIN_DATABASE_URL would be."""
+    yield from _create_login(engine, f"{LOGINS}_admin", ADMIN_ROLE)
+
+
+@contextmanager
+def _login(user: str) -> Iterator[Connection]:
+    """One transaction on a fresh connection as ``user`` (the server trusts local logins)."""
+    url = make_url(get_settings().require_database_url()).set(username=user, password=None)
+    eng = create_engine(url, poolclass=NullPool)
+    try:
+        with eng.connect() as conn, conn.begin():
+            assert conn.execute(text("SELECT session_user")).scalar_one() == user
+            yield conn
+    finally:
+        eng.dispose()
 
 
 @pytest.fixture
@@ -148,57 +193,159 @@ def _insert_one(s: object, table: str, ws: str | None, run_id: uuid.UUID) -> Non
     s.execute(text(sql), params)  # type: ignore[attr-defined]
 
 
-def test_app_role_may_write_its_own_workspace(
-    seeded: dict[str | None, uuid.UUID], app_settings: Settings, engine: Engine
+@pytest.mark.parametrize("table", APP_INSERTS)
+def test_app_role_may_insert_events_and_runs_in_its_own_workspace(
+    table: str, seeded: dict[str | None, uuid.UUID], app_settings: Settings, engine: Engine
 ) -> None:
-    # The control for the refusals below: the grants (identity sequence included) let the app role write.
-    for table in RLS_TABLES:
+    # The control for the refusals below: what send_event(session=...) writes, the app role may write.
+    with workspace_session(A, settings=app_settings) as s:
+        _insert_one(s, table, A, seeded[A])
+    with engine.connect() as conn:
+        assert _workspaces(conn, table)[A] == 2, table
+
+
+@pytest.mark.parametrize("table", ENGINE_ONLY)
+def test_app_role_cannot_insert_step_records_attempts_or_dlq_entries(
+    table: str, seeded: dict[str | None, uuid.UUID], app_settings: Settings, engine: Engine
+) -> None:
+    with pytest.raises(ProgrammingError) as err:
         with workspace_session(A, settings=app_settings) as s:
             _insert_one(s, table, A, seeded[A])
-        with engine.connect() as conn:
-            assert _workspaces(conn, table)[A] == 2, table
+    assert isinstance(err.value.orig, psycopg.errors.InsufficientPrivilege), table
+    assert "permission denied" in str(err.value.orig), table
+    with engine.connect() as conn:
+        assert _workspaces(conn, table) == Counter({A: 1, B: 1, None: 1}), table
 
 
 @pytest.mark.parametrize("target", [B, None], ids=["other-workspace", "system-row"])
+@pytest.mark.parametrize("table", APP_INSERTS)
 def test_insert_into_another_workspace_is_refused(
-    target: str | None, seeded: dict[str | None, uuid.UUID], app_settings: Settings, engine: Engine
+    table: str, target: str | None, seeded: dict[str | None, uuid.UUID], app_settings: Settings, engine: Engine
 ) -> None:
-    for table in RLS_TABLES:
-        with pytest.raises(ProgrammingError) as err:
-            with workspace_session(A, settings=app_settings) as s:
-                # Child rows even point at the target's own run: A's context still refuses them.
-                _insert_one(s, table, target, seeded[target])
-        assert isinstance(err.value.orig, psycopg.errors.InsufficientPrivilege), table
-        assert "row-level security" in str(err.value.orig), table
-        with engine.connect() as conn:
-            assert _workspaces(conn, table) == Counter({A: 1, B: 1, None: 1}), table
-
-
-def test_update_and_delete_of_workspace_b_rows_from_a_change_nothing(
-    seeded: object, app_settings: Settings, engine: Engine
-) -> None:
-    for table in RLS_TABLES:
+    with pytest.raises(ProgrammingError) as err:
         with workspace_session(A, settings=app_settings) as s:
-            updated = s.execute(text(f"UPDATE {table} SET workspace_id = workspace_id WHERE workspace_id = :b"),
-                                {"b": B})
-            deleted = s.execute(text(f"DELETE FROM {table} WHERE workspace_id IS DISTINCT FROM :a"), {"a": A})
-            assert (updated.rowcount, deleted.rowcount) == (0, 0), table
-            # A's own row is writable: the zeros above are the policy, not missing grants.
-            assert s.execute(text(f"UPDATE {table} SET workspace_id = workspace_id")).rowcount == 1, table
-        with engine.connect() as conn:
-            assert _workspaces(conn, table) == Counter({A: 1, B: 1, None: 1}), table
+            _insert_one(s, table, target, seeded[target])
+    assert isinstance(err.value.orig, psycopg.errors.InsufficientPrivilege), table
+    assert "row-level security" in str(err.value.orig), table
+    with engine.connect() as conn:
+        assert _workspaces(conn, table) == Counter({A: 1, B: 1, None: 1}), table
 
 
-def test_moving_a_row_into_another_workspace_is_refused(
-    seeded: object, app_settings: Settings, engine: Engine
+WRITES = {
+    "update": "UPDATE {table} SET workspace_id = workspace_id WHERE workspace_id = :a",
+    "delete": "DELETE FROM {table} WHERE workspace_id = :a",
+    "move": "UPDATE {table} SET workspace_id = :b WHERE workspace_id = :a",
+    "truncate": "TRUNCATE {table} CASCADE",
+}
+
+
+@pytest.mark.parametrize("write", list(WRITES))
+@pytest.mark.parametrize("table", RLS_TABLES)
+def test_app_role_cannot_update_or_delete_even_its_own_rows(
+    table: str, write: str, seeded: object, app_login: str, engine: Engine
 ) -> None:
-    for table in RLS_TABLES:
+    # A real login of motir_app (not the owner dropping a role), in its own workspace,
+    # where RLS would let it see the row: the grant is what refuses.
+    with _login(app_login) as conn:
+        set_workspace_context(conn, A)
+        assert _workspaces(conn, table) == Counter({A: 1}), table  # visible: only the grant says no
         with pytest.raises(ProgrammingError) as err:
-            with workspace_session(A, settings=app_settings) as s:
-                s.execute(text(f"UPDATE {table} SET workspace_id = :b WHERE workspace_id = :a"), {"a": A, "b": B})
-        assert "row-level security" in str(err.value.orig), table
-        with engine.connect() as conn:
+            conn.execute(text(WRITES[write].format(table=table)), {"a": A, "b": B})
+        assert isinstance(err.value.orig, psycopg.errors.InsufficientPrivilege), (table, write)
+    with engine.connect() as conn:
+        assert _workspaces(conn, table) == Counter({A: 1, B: 1, None: 1}), table
+
+
+def test_replay_audit_cannot_be_changed_by_the_app_role(seeded: object, app_login: str, engine: Engine) -> None:
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE job_run_dlq SET replayed_at = now(), replayed_by = 'alice' WHERE workspace_id = :a"),
+                     {"a": A})
+    for sql in ("UPDATE job_run_dlq SET replayed_by = 'mallory' WHERE workspace_id = :a",
+                "UPDATE job_run_dlq SET replayed_at = NULL, replayed_by = NULL WHERE workspace_id = :a",
+                "DELETE FROM job_run_dlq WHERE workspace_id = :a"):
+        with _login(app_login) as conn:
+            set_workspace_context(conn, A)
+            with pytest.raises(ProgrammingError) as err:
+                conn.execute(text(sql), {"a": A})
+            assert isinstance(err.value.orig, psycopg.errors.InsufficientPrivilege), sql
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT replayed_by FROM job_run_dlq WHERE workspace_id = :a"),
+                            {"a": A}).scalar_one() == "alice"
+
+
+def test_app_role_setting_system_admin_itself_sees_no_foreign_rows(seeded: object, app_login: str) -> None:
+    for table in RLS_TABLES:
+        with _login(app_login) as conn:
+            conn.execute(text("SELECT set_config('motir.workspace_id', :a, true), "
+                              "set_config('motir.system_admin', 'true', true)"), {"a": A})
+            assert conn.execute(text("SELECT current_setting('motir.system_admin')")).scalar_one() == "true"
+            assert _workspaces(conn, table) == Counter({A: 1}), table  # no B row, no system row
+        with _login(app_login) as conn:
+            conn.execute(text("SELECT set_config('motir.system_admin', 'true', true)"))
+            assert _workspaces(conn, table) == Counter(), table
+
+
+def test_admin_role_member_with_system_admin_sees_every_row(seeded: object, admin_login: str) -> None:
+    for table in RLS_TABLES:
+        with _login(admin_login) as conn:
+            set_workspace_context(conn, None, admin=True)
             assert _workspaces(conn, table) == Counter({A: 1, B: 1, None: 1}), table
+        with _login(admin_login) as conn:  # the same login without the GUC: just a workspace reader
+            set_workspace_context(conn, A)
+            assert _workspaces(conn, table) == Counter({A: 1}), table
+
+
+def test_admin_role_member_cannot_write_history_either(seeded: object, admin_login: str, engine: Engine) -> None:
+    for table in RLS_TABLES:
+        with _login(admin_login) as conn:
+            set_workspace_context(conn, None, admin=True)
+            with pytest.raises(ProgrammingError) as err:
+                conn.execute(text(f"DELETE FROM {table}"))
+            assert isinstance(err.value.orig, psycopg.errors.InsufficientPrivilege), table
+    with engine.connect() as conn:
+        assert _workspaces(conn, "job_step") == Counter({A: 1, B: 1, None: 1})
+
+
+@pytest.mark.parametrize("role", [ENGINE_ROLE, ADMIN_ROLE, "postgres"])
+def test_app_login_cannot_set_itself_a_stronger_role(role: str, app_login: str) -> None:
+    with _login(app_login) as conn:
+        with pytest.raises(ProgrammingError) as err:
+            conn.execute(text(f'SET LOCAL ROLE "{role}"'))
+        assert isinstance(err.value.orig, psycopg.errors.InsufficientPrivilege), role
+    with _login(app_login) as conn:  # RESET ROLE: back to the login itself, which is only an app reader
+        conn.execute(text("RESET ROLE"))
+        conn.execute(text("SELECT set_config('motir.system_admin', 'true', true)"))
+        assert conn.execute(text("SELECT count(*) FROM job_queue")).scalar_one() == 0
+
+
+def test_send_event_in_an_app_role_transaction_wakes_its_own_workspace_waiters_only(
+    app_settings: Settings, engine: Engine
+) -> None:
+    from motir_celery.core.events import send_event
+
+    waiting = {}
+    with engine.begin() as conn:
+        for ws in (A, B):
+            waiting[ws] = conn.execute(text(
+                "INSERT INTO job_queue (job_id, event_name, workspace_id, max_attempts, retry_policy, run_at, "
+                "wait_event, wait_path, wait_value) VALUES ('job.w', 'test.start', :ws, 3, 'transient', "
+                "now() + interval '1 day', 'test.done', ARRAY['order'], '7') RETURNING id"), {"ws": ws}).scalar_one()
+    with workspace_session(A, settings=app_settings) as s:
+        assert s.execute(text("SELECT current_user")).scalar_one() == APP_ROLE
+        result = send_event("test.done", {"order": 7}, workspace_id=A, session=s, jobs=[])
+    assert [r.run_id for r in result.woken] == [waiting[A]]
+    with engine.connect() as conn:
+        due = dict(conn.execute(text("SELECT workspace_id, run_at <= now() FROM job_queue WHERE job_id = 'job.w'")).all())
+    assert due == {A: True, B: False}
+
+
+def test_wake_helper_is_not_executable_by_public(engine: Engine) -> None:
+    with engine.connect() as conn:
+        grantees = set(conn.execute(text(
+            "SELECT coalesce(r.rolname, 'PUBLIC') FROM pg_proc p CROSS JOIN LATERAL aclexplode(p.proacl) a "
+            "LEFT JOIN pg_roles r ON r.oid = a.grantee WHERE p.proname = 'motir_wake_waiters' "
+            "AND a.privilege_type = 'EXECUTE'")).scalars())
+    assert "PUBLIC" not in grantees and APP_ROLE in grantees
 
 
 @pytest.mark.parametrize("end", ["commit", "rollback"])
@@ -211,7 +358,7 @@ def test_workspace_context_does_not_survive_into_the_next_transaction_on_a_poole
         with pool.connect() as conn:
             with conn.begin() as tx:
                 pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
-                conn.execute(text(f"SET LOCAL ROLE {APP_ROLE}"))
+                conn.execute(text(f"SET LOCAL ROLE {ADMIN_ROLE if admin else APP_ROLE}"))
                 set_workspace_context(conn, A, admin=admin)
                 # Control: the context is in force inside its transaction.
                 assert conn.execute(text("SELECT current_setting('motir.workspace_id', true)")).scalar_one() == A
@@ -226,7 +373,7 @@ def test_workspace_context_does_not_survive_into_the_next_transaction_on_a_poole
                 "current_setting('motir.system_admin', true), current_user"
             )).one()
             assert ws in (None, "") and adm in (None, "", "false")
-            assert user != APP_ROLE
+            assert user not in (APP_ROLE, ADMIN_ROLE)
             conn.execute(text(f"SET LOCAL ROLE {APP_ROLE}"))
             assert _workspaces(conn, "job_queue") == Counter()
             conn.rollback()
@@ -252,7 +399,7 @@ def test_workspace_session_context_ends_with_its_transaction(seeded: object, app
             pytest.fail("the workspace_session connection never came back from the pool; the test proves nothing")
         assert conn.execute(text("SELECT current_setting('motir.workspace_id', true)")).scalar_one() in (None, "")
         assert conn.execute(text("SELECT current_setting('motir.system_admin', true)")).scalar_one() in (None, "", "false")
-        assert conn.execute(text("SELECT current_user")).scalar_one() != APP_ROLE
+        assert conn.execute(text("SELECT current_user")).scalar_one() not in (APP_ROLE, ADMIN_ROLE)
         conn.execute(text(f"SET LOCAL ROLE {APP_ROLE}"))
         assert _workspaces(conn, "job_event") == Counter()
         conn.rollback()

@@ -8,11 +8,16 @@ from alembic import op
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
-from motir_celery.store import rls
-
-# RLS is generated from the same declarations the drift check compares against
-# (motir_celery.store.rls): roles, grants, ENABLE, and the two policies per table.
+# Roles, grants, ENABLE and the two policies per table, as this revision made them.
+# Frozen here (it once read motir_celery.store.rls at run time): a revision must
+# produce the same schema whatever the package says today. 0005 narrows the app
+# role's grants and puts the admin arm behind membership in motir_admin.
 RLS_TABLES = ['job_event', 'job_queue', 'job_step', 'job_run', 'job_run_dlq']
+ROLES = ('motir_app', 'motir_engine')
+WORKSPACE_PREDICATE = (
+    "(workspace_id = current_setting('motir.workspace_id', true)) "
+    "OR (current_setting('motir.system_admin', true) = 'true')"
+)
 
 revision = '0001'
 down_revision = None
@@ -112,25 +117,19 @@ def upgrade() -> None:
     sa.ForeignKeyConstraint(['run_id'], ['job_queue.id'], name=op.f('fk_job_step_run_id_job_queue'), ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('run_id', 'step_id', name=op.f('pk_job_step'))
     )
-    op.execute(rls.create_roles_sql())
+    op.execute("\n".join(
+        f"DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{role}') "
+        f"THEN CREATE ROLE {role} NOLOGIN; END IF; END $$;"
+        for role in ROLES
+    ))
     for table in RLS_TABLES:
-        op.execute(rls.grant_sql(table))
-        op.execute(rls.enable_sql(table))
-    for policies in rls.policies_of(_declared()).values():
-        for policy in policies:
-            op.execute(rls.create_policy_sql(policy))
-
-
-def _declared():
-    # The policy declarations as this revision knows them; a later revision that
-    # changes a policy states its own DDL instead of re-reading the models.
-    from sqlalchemy import MetaData
-
-    metadata = MetaData()
-    for name in RLS_TABLES:
-        sa.Table(name, metadata)
-    rls.declare_workspace_policies(metadata, RLS_TABLES)
-    return metadata
+        op.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON {table} TO motir_app, motir_engine")
+        op.execute(f"ALTER TABLE {table} ENABLE ROW LEVEL SECURITY")
+    for table in RLS_TABLES:
+        for name, role, predicate in ((f"{table}_workspace", "motir_app", WORKSPACE_PREDICATE),
+                                      (f"{table}_engine", "motir_engine", "true")):
+            op.execute(f"CREATE POLICY {name} ON {table} AS PERMISSIVE FOR ALL TO {role} "
+                       f"USING ({predicate}) WITH CHECK ({predicate})")
 
 
 def downgrade() -> None:
