@@ -1,0 +1,321 @@
+"""Ablation: what each performance mechanism buys, measured with it on and off in one run.
+
+    python -m bench.ablation                  # every mechanism, ~10 min; rewrites its section of docs/performance.md
+    python -m bench.ablation --rounds 2 --only direct_publish --output -
+
+Issue 16's rule: a mechanism that buys under 5 % throughput and under 0.3 ms
+p50 is removed. Each mechanism is switched by one environment variable that the
+engine reads (``MECHANISMS``; its ON value is the engine's default), given to
+the sender and to the workers alike: every measurement runs in a fresh process
+(``--measure``) with that environment, so nothing cached in this process leaks
+from one setting into the next. A measurement (``measure``) is one throughput drain
+(``--runs`` queued first, then 1 worker x 2 started: runs/s over the 5%..95% span,
+as ``throughput.motir_round``) and then, on the same workers, one latency run (one
+event every 20 ms, p50 of enqueue -> completion, as ``throughput.motir_latency``),
+on a database and a queue of its own.
+
+Drift on this 2-core machine is larger than the effects measured, so every OFF
+measurement sits between two ON measurements (the defaults, all mechanisms on):
+ON, off A, ON, off B, ..., ON, in an order rotated each round. A mechanism's
+ratio and delta are the medians over the rounds of its OFF against the mean of
+the two ON beside it; the control row switches nothing off, so its ratio and
+delta are what drift alone produces. Not part of pytest, nor of ``python -m bench``,
+which keeps this section when it rewrites the file (it lies below its notes marker).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import create_engine, text
+from sqlalchemy.pool import NullPool
+
+from bench.common import ROOT, child_cwd, child_env, create_bench_database, drop_database
+from bench.stats import median
+
+DB = "motir_bench_ablation"
+QUEUE = "bench-ablation"
+BEGIN, END = "<!-- ablation:begin -->", "<!-- ablation:end -->"
+INTERVAL = 0.02
+#: Issue 16: a mechanism stays if it buys at least this much.
+KEEP_RATIO, KEEP_MS = 1.05, 0.3
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    key: str
+    var: str
+    on: str  # the engine's default
+    off: str
+    what: str
+
+
+MECHANISMS = (
+    Mechanism("direct_publish", "MOTIR_DIRECT_PUBLISH", "1", "0",
+              "a run's message pushed onto Redis with one LPUSH instead of Celery's send_task"),
+    Mechanism("prepared_statements", "MOTIR_PREPARED_STATEMENTS", "1", "0",
+              "server-side prepared statements for claim, step write and settle"),
+    Mechanism("claim_async_commit", "MOTIR_CLAIM_ASYNC_COMMIT", "1", "0",
+              "the claim's commit does not wait for the WAL flush"),
+    Mechanism("no_ack_emulation", "MOTIR_REDIS_ACK_EMULATION", "0", "1",
+              "kombu's Redis ack emulation off in the default app (on is kombu's default)"),
+)
+CONTROL = "control"
+
+
+def engine_reads(var: str) -> bool:
+    """Whether the engine that the workers run (BENCH_ENGINE_PATH or this checkout) mentions ``var``."""
+    pkg = child_cwd() / "motir_celery"
+    return any(var in p.read_text(errors="replace") for p in pkg.rglob("*.py"))
+
+
+# --- one measurement, in a process of its own ----------------------------------------
+
+
+def measure(spec: dict[str, Any]) -> dict[str, Any]:
+    """A drain, then a latency run on the same (now warm) workers, with this process's environment.
+
+    The same methods as ``throughput.motir_round`` and ``motir_latency``, with one worker start
+    instead of two: a third of a measurement's time was starting and stopping workers.
+    """
+    import bench.workload  # noqa: F401  (the jobs, as the workers import them through MOTIR_IMPORTS)
+    import motir_celery
+    from bench.common import celery_workers, purge, succeeded, truncate, wait_for
+    from bench.stats import drain_rate, percentile
+    from bench.throughput import prequeue_motir
+    from motir_celery.adapter.celery_app import default_app
+
+    url, queue, n, events = spec["url"], spec["queue"], spec["runs"], spec["events"]
+    truncate(url)
+    purge(default_app(), queue)
+    engine = create_engine(url, poolclass=NullPool)
+    t0 = time.perf_counter()
+    prequeue_motir(url, n)
+    sent: dict[Any, float] = {}
+    with celery_workers("motir_celery", queue, 1, 2, tag="ablation") as procs:
+        wait_for(lambda: succeeded(url) >= n, procs, timeout=180, tag="ablation", poll=0.25)
+        t1 = time.perf_counter()
+        start = time.perf_counter()
+        for i in range(events):
+            t = time.time()
+            sent[motir_celery.send_event("bench.three", {"n": i}).run_ids[0]] = t
+            time.sleep(max(0.0, start + (i + 1) * INTERVAL - time.perf_counter()))
+        wait_for(lambda: succeeded(url) >= n + events, procs, timeout=120, tag="ablation")
+    with engine.connect() as conn:
+        done: dict[Any, float] = dict(conn.execute(text(
+            "SELECT id, extract(epoch FROM finished_at)::float8 FROM job_queue WHERE state = 'succeeded'")).all())
+        bad = conn.execute(text("SELECT count(*) FROM job_queue WHERE state <> 'succeeded'")).scalar_one()
+    engine.dispose()
+    if bad or len(done) != n + events:
+        raise RuntimeError(f"{bad} runs did not succeed")
+    lat = [done[run_id] - t for run_id, t in sent.items()]
+    drained = [at for run_id, at in done.items() if run_id not in sent]
+    return {"tp": drain_rate(drained), "p50": percentile(lat, 50), "p99": percentile(lat, 99),
+            "tp_s": t1 - t0, "lat_s": time.perf_counter() - t1}
+
+
+# The engine the workers run is the sender's too: motir_celery is imported from the child's
+# working directory (--engine, or this checkout) before this checkout's bench is put first.
+_CHILD = ("import json, sys; import motir_celery; sys.path.insert(0, sys.argv[1]); from bench.ablation import measure; "
+          "print(json.dumps(measure(json.loads(sys.argv[2]))))")
+
+
+def _slot(url: str, setting: dict[str, str], runs: int, events: int) -> dict[str, Any]:
+    env = child_env(MOTIR_DATABASE_URL=url, MOTIR_IMPORTS="bench.workload", MOTIR_QUEUE=QUEUE, **setting)
+    spec = json.dumps({"url": url, "queue": QUEUE, "runs": runs, "events": events})
+    last = ""
+    for attempt in range(2):  # the engine may be mid-edit in a work tree: one retry
+        done = subprocess.run([sys.executable, "-c", _CHILD, str(ROOT), spec], env=env, cwd=child_cwd(),
+                              capture_output=True, text=True, timeout=600)
+        if done.returncode == 0:
+            result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+            return result
+        last = done.stderr[-3000:]
+        print(f"    measurement failed (attempt {attempt + 1}):\n{last}", file=sys.stderr, flush=True)
+        time.sleep(5)
+    raise RuntimeError(f"measurement failed twice: {last}")
+
+
+# --- the interleaved schedule ---------------------------------------------------------
+
+
+def schedule(keys: list[str], rounds: int) -> list[str | None]:
+    """ON (None), then each key followed by ON, in an order rotated each round."""
+    seq: list[str | None] = [None]
+    for r in range(rounds):
+        k = r % len(keys)
+        for key in keys[k:] + keys[:k]:
+            seq += [key, None]
+    return seq
+
+
+def pair(seq: list[str | None], results: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """Each OFF of ``key`` against the mean of the ON measurements beside it."""
+    on_tp: list[float] = []
+    off_tp: list[float] = []
+    ratio: list[float] = []
+    on_p50: list[float] = []
+    off_p50: list[float] = []
+    delta: list[float] = []
+    for i, k in enumerate(seq):
+        if k != key:
+            continue
+        before, after, off = results[i - 1], results[i + 1], results[i]
+        tp = (before["tp"] + after["tp"]) / 2
+        p50 = (before["p50"] + after["p50"]) / 2
+        for xs, x in ((on_tp, tp), (off_tp, off["tp"]), (ratio, tp / off["tp"]),
+                      (on_p50, p50), (off_p50, off["p50"]), (delta, off["p50"] - p50)):
+            xs.append(x)
+    return {"on_tp": median(on_tp), "off_tp": median(off_tp), "ratio": median(ratio), "ratios": ratio,
+            "on_p50": median(on_p50), "off_p50": median(off_p50), "delta": median(delta), "deltas": delta}
+
+
+def verdict(row: dict[str, Any]) -> str:
+    tp, ms = row["ratio"] >= KEEP_RATIO, row["delta"] * 1e3 >= KEEP_MS
+    if tp or ms:
+        return "keep (" + " and ".join(x for x, y in (("throughput", tp), ("p50", ms)) if y) + ")"
+    return "remove"
+
+
+# --- report -----------------------------------------------------------------------
+
+
+def render(rows: dict[str, dict[str, Any]], skipped: list[Mechanism], meta: dict[str, Any]) -> str:
+    by_key = {m.key: m for m in MECHANISMS}
+    md = [BEGIN, "## Ablation: what each performance mechanism buys (generated)", "",
+          "Generated by the suite's ablation, not by `python -m bench` (which keeps this section):", "",
+          f"    {meta['command']}", "",
+          f"{meta['date']}, commit `{meta['commit']}`, run took {meta['elapsed'] / 60:.1f} min, load average at start "
+          f"{meta['load']}. 1 worker x 2 (prefork -c 2). Each measurement: a drain of {meta['runs']:,} queued runs "
+          f"(runs/s over its 5%..95% span) and {meta['events']} events one every {INTERVAL * 1e3:.0f} ms "
+          "(p50 enqueue -> completion), in a fresh sender process and fresh workers with the setting in their "
+          f"environment. {meta['rounds']} rounds; every OFF measurement sits between two ON measurements (the "
+          "engine's defaults), so ON is the mean of those two and ratio (ON / OFF) and delta (OFF - ON) are "
+          "medians of the per-round pairs. The control row switches nothing off: its ratio and delta are the "
+          "drift alone. Rule (issue 16): keep if it buys >= 5 % throughput or >= 0.3 ms p50.", "",
+          "| mechanism (switch: on / off) | throughput on | off | ratio | p50 on ms | off ms | delta ms | verdict |",
+          "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for key, r in rows.items():
+        if key == CONTROL:
+            name, v = "control: nothing switched off", "(noise)"
+        else:
+            m = by_key[key]
+            name, v = f"{m.what} (`{m.var}` {m.on} / {m.off})", verdict(r)
+        md.append(f"| {name} | {r['on_tp']:.0f} | {r['off_tp']:.0f} | {r['ratio']:.2f} | {r['on_p50'] * 1e3:.2f} "
+                  f"| {r['off_p50'] * 1e3:.2f} | {r['delta'] * 1e3:+.2f} | {v} |")
+    md += ["", "Per round (ratio; delta ms): " + "; ".join(
+        f"{key} " + ", ".join(f"{x:.2f}" for x in r["ratios"]) + " / "
+        + ", ".join(f"{d * 1e3:+.2f}" for d in r["deltas"]) for key, r in rows.items()) + "."]
+    if skipped:
+        md += ["", "Not measured (the engine does not read the switch): "
+               + ", ".join(f"`{m.var}`" for m in skipped) + "."]
+    md.append(END)
+    return "\n".join(md) + "\n"
+
+
+def write_section(path: Path, section: str) -> None:
+    """Replace the section between the markers; the first time, put it just below the suite's notes marker."""
+    from bench.__main__ import NOTES_MARKER
+
+    old = path.read_text() if path.exists() else ""
+    if BEGIN in old and END in old:
+        head, rest = old.split(BEGIN, 1)
+        new = head + section.rstrip("\n") + rest.split(END, 1)[1]
+    elif NOTES_MARKER in old:
+        head, rest = old.split(NOTES_MARKER, 1)
+        new = head + NOTES_MARKER + "\n" + section + rest
+    else:
+        new = old + "\n" + NOTES_MARKER + "\n" + section
+    path.write_text(new)
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "motir_celery"], cwd=ROOT, capture_output=True,
+                               text=True).stdout
+        return out.strip() + ("+changes" if dirty.strip() else "")
+    except OSError:
+        return "?"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.ablation", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=1500, help="runs per throughput drain")
+    parser.add_argument("--events", type=int, default=200, help="events per latency measurement")
+    parser.add_argument("--only", help="comma-separated mechanisms: " + ",".join(m.key for m in MECHANISMS))
+    parser.add_argument("--no-control", dest="control", action="store_false", help="skip the control row")
+    parser.add_argument("--output", default=str(ROOT / "docs" / "performance.md"),
+                        help="markdown file whose ablation section is rewritten ('-' for none)")
+    parser.add_argument("--keep", action="store_true", help="keep the ablation database afterwards")
+    parser.add_argument("--engine", help="path of another checkout whose motir_celery is measured")
+    args = parser.parse_args()
+    if args.engine:
+        os.environ["BENCH_ENGINE_PATH"] = str(Path(args.engine).resolve())
+    for var in ("MOTIR_DATABASE_URL", "CELERY_BROKER_URL"):
+        if not os.environ.get(var):
+            sys.exit(f"set {var}")
+    wanted = set(args.only.split(",")) if args.only else {m.key for m in MECHANISMS}
+    unknown = wanted - {m.key for m in MECHANISMS}
+    if unknown:
+        parser.error(f"unknown mechanism(s): {', '.join(sorted(unknown))}")
+    chosen = [m for m in MECHANISMS if m.key in wanted]
+    active = [m for m in chosen if engine_reads(m.var)]
+    skipped = [m for m in chosen if m not in active]
+    for m in skipped:
+        print(f"skipped: the engine does not read {m.var}", flush=True)
+    if not active:
+        sys.exit("no mechanism to measure")
+
+    started = time.perf_counter()
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - started:6.0f}s] {msg}", flush=True)
+
+    os.environ.setdefault("BENCH_SERVER_URL", os.environ["MOTIR_DATABASE_URL"])
+    url = create_bench_database(DB)
+    defaults = {m.var: m.on for m in active}
+    keys = [m.key for m in active] + ([CONTROL] if args.control else [])
+    settings: dict[str | None, dict[str, str]] = {None: defaults, CONTROL: defaults}
+    settings.update({m.key: {**defaults, m.var: m.off} for m in active})
+    seq = schedule(keys, args.rounds)
+    results: list[dict[str, Any]] = []
+    try:
+        for i, key in enumerate(seq):
+            r = _slot(url, settings[key], args.runs, args.events)
+            results.append(r)
+            log(f"{i + 1}/{len(seq)} {key or 'ON':<20} {r['tp']:7.1f} runs/s  p50 {r['p50'] * 1e3:5.2f} ms  "
+                f"p99 {r['p99'] * 1e3:5.2f} ms  ({r['tp_s']:.0f}s + {r['lat_s']:.0f}s)")
+    finally:
+        if not args.keep:
+            drop_database(DB)
+    rows = {key: pair(seq, results, key) for key in keys}
+    elapsed = time.perf_counter() - started
+    command = ("python -m bench.ablation " + " ".join(a for a in sys.argv[1:])).strip()
+    meta = {"command": command, "date": date, "commit": _commit(), "elapsed": elapsed, "load": load,
+            "runs": args.runs, "events": args.events, "rounds": args.rounds}
+    section = render(rows, skipped, meta)
+    Path("/tmp/bench-ablation.json").write_text(json.dumps({"meta": meta, "schedule": seq, "results": results},
+                                                           indent=1))
+    print()
+    print(section.replace("**", ""))
+    if args.output != "-":
+        write_section(Path(args.output), section)
+        print(f"written to {args.output} (raw numbers: /tmp/bench-ablation.json)")
+
+
+if __name__ == "__main__":
+    main()
