@@ -18,9 +18,10 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 import tests.jobs  # noqa: F401  (registers the test jobs)
-from motir_celery.core import dlq, events, runner, sweeper
+from motir_celery.core import dlq, events, leases, runner, sweeper
 from motir_celery.core.jobs import define_job
 from motir_celery.errors import JobDefinitionError, PayloadError, RetryAfterError, StepOutputError
+from motir_celery.settings import reset_settings
 from motir_celery.store import statements
 from tests.conftest import count_effects, run_state
 
@@ -227,14 +228,10 @@ def test_non_json_step_result_fails_the_run_with_the_step_and_type_named(engine)
     assert isinstance(StepOutputError("x"), TypeError)
 
 
-@pytest.mark.parametrize("slow", [False, True], ids=["held-for-the-settle", "stored-on-its-own"])
-def test_a_step_that_returns_none_is_stored_as_json_null_and_replayed(engine, monkeypatch, slow):  # type: ignore[no-untyped-def]
-    from motir_celery.core import steps
-
-    monkeypatch.setattr(steps, "MAX_LAG", 0.0 if slow else 60.0)
+def test_a_step_that_returns_none_is_stored_as_json_null_and_replayed(engine):  # type: ignore[no-untyped-def]
     calls: list[str] = []
 
-    @define_job(f"test.none-{slow}", event=f"test.none-{slow}")
+    @define_job("test.none", event="test.none")
     def returns_none(event: Any, step: Any) -> Any:
         first = step.run("first", lambda: calls.append("first"))
         step.run("second", lambda: calls.append("second"))
@@ -242,14 +239,14 @@ def test_a_step_that_returns_none_is_stored_as_json_null_and_replayed(engine, mo
             raise RuntimeError("retried: the stored nulls are replayed")
         return first
 
-    (run_id,) = events.send_event(f"test.none-{slow}", {}).run_ids
-    assert execute(run_id, f"test.none-{slow}").state == "retrying"
+    (run_id,) = events.send_event("test.none", {}).run_ids
+    assert execute(run_id, "test.none").state == "retrying"
     with engine.begin() as conn:
         conn.execute(text("UPDATE job_queue SET run_at = now() WHERE id = :r"), {"r": run_id})
         stored = conn.execute(text("SELECT step_id, output = 'null'::jsonb FROM job_step WHERE run_id = :r"),
                               {"r": run_id}).all()
     assert sorted(stored) == [("first", True), ("second", True)]
-    assert execute(run_id, f"test.none-{slow}").state == "succeeded"
+    assert execute(run_id, "test.none").state == "succeeded"
     assert calls == ["first", "second"]
 
 
@@ -264,21 +261,6 @@ def test_a_step_output_with_a_nul_character_fails_the_run_naming_the_step(engine
     assert failure["type"].endswith("StepOutputError") and "'nul'" in failure["message"]
 
 
-def test_a_pipelined_write_the_server_refuses_is_raised_after_every_answer_and_frees_the_connection(engine):  # type: ignore[no-untyped-def]
-    from motir_celery.store.driver import Pipe, Prepared
-
-    with engine.connect() as conn:
-        conn = conn.execution_options(isolation_level="AUTOCOMMIT")
-        pipe = Pipe(conn, [])
-        pipe.send(Prepared.of("motir_test_ok", "SELECT %(n)s::int"), {"n": 1}, "before")
-        pipe.send(Prepared.of("motir_test_refused", "SELECT 1 / %(n)s::int"), {"n": 0}, "refused")
-        pipe.send(Prepared.of("motir_test_ok", "SELECT %(n)s::int"), {"n": 2}, "after")
-        with pytest.raises(DBAPIError, match="division by zero"):
-            pipe.answers(block=True)
-        assert pipe.idle
-        assert conn.execute(text("SELECT 3")).scalar_one() == 3  # out of pipeline mode: no hang
-
-
 def test_a_zombie_whose_lease_was_reclaimed_can_neither_write_a_step_nor_settle(engine):  # type: ignore[no-untyped-def]
     (run_id,) = events.send_event("test.three", {}).run_ids
     zombie = claim(engine, run_id, "test.three-steps", worker="zombie")
@@ -291,29 +273,28 @@ def test_a_zombie_whose_lease_was_reclaimed_can_neither_write_a_step_nor_settle(
         assert statements.store_step(conn, zombie, "a", '"zombie"', 0.0) is False
         assert statements.renew_lease(conn, zombie, 30) is False
         assert statements.settle_succeeded(conn, zombie, '"zombie"') is False
-        assert statements.settle_succeeded(conn, zombie, '"zombie"', [("z", '"zombie"', 0.0)]) is False
         assert statements.settle_failed(conn, zombie, '{"type": "x"}') is None
         assert statements.settle_retry(conn, zombie, '{"type": "x"}', 0) is False
     with engine.begin() as conn:
         assert statements.store_step(conn, rescuer, "a", '"rescuer"', 0.0) is True
         assert statements.settle_succeeded(conn, rescuer, '"done"') is True
-    assert one(engine, "SELECT output FROM job_step WHERE run_id = :r", r=run_id)[0] == "rescuer"  # and no "z"
+    assert one(engine, "SELECT output FROM job_step WHERE run_id = :r", r=run_id)[0] == "rescuer"
     assert run_state(engine, run_id) == "succeeded"
 
 
-def test_held_steps_are_stored_by_one_fenced_statement_and_a_stored_one_keeps_its_value(engine):  # type: ignore[no-untyped-def]
+def test_a_stored_step_keeps_its_value_and_a_cancelled_run_stores_nothing(engine):  # type: ignore[no-untyped-def]
     from motir_celery import cancel_run
 
     (run_id,) = events.send_event("test.three", {}).run_ids
     held = claim(engine, run_id, "test.three-steps")
     assert held is not None
     with engine.begin() as conn:
-        assert statements.store_steps(conn, held, [("a", '"first"', 0.0)]) == 1
-        # "a" is there already: only "b" is stored, and the answer says one of two.
-        assert statements.store_steps(conn, held, [("a", '"again"', 0.0), ("b", '{"n":[1,"x\\"y"]}', 0.5)]) == 1
+        assert statements.store_step(conn, held, "a", '"first"', 0.0) is True
+        assert statements.store_step(conn, held, "a", '"again"', 0.0) is False  # stored already: kept
+        assert statements.store_step(conn, held, "b", '{"n":[1,"x\\"y"]}', 0.5) is True
     cancel_run(run_id)
-    with engine.begin() as conn:  # the fence refuses the whole batch
-        assert statements.store_steps(conn, held, [("c", '3', 0.0), ("d", '4', 0.0)]) == 0
+    with engine.begin() as conn:  # the fence refuses
+        assert statements.store_step(conn, held, "c", "3", 0.0) is False
     with engine.connect() as conn:
         stored = dict(conn.execute(text("SELECT step_id, output FROM job_step WHERE run_id = :r"), {"r": run_id}).all())
     assert stored == {"a": "first", "b": {"n": [1, 'x"y']}}
@@ -382,83 +363,34 @@ def _commits(engine, run_id: str) -> dict[str, bool]:  # type: ignore[no-untyped
             "WHERE s.run_id = :r"), {"r": run_id}).all())
 
 
-def test_fast_steps_are_held_and_stored_with_the_settle_in_one_commit(engine, monkeypatch):  # type: ignore[no-untyped-def]
-    from motir_celery.core import steps
-
-    monkeypatch.setattr(steps, "MAX_LAG", 60.0)  # every body is fast, and no record is sent before the settle
-    seen_by_third: list[list[str]] = []
-
-    @define_job("test.held", event="test.held")
-    def held(event: Any, step: Any) -> Any:
-        a = step.run("first", lambda: 1)
-        b = step.run("second", lambda: a + 1)
-        step.run("third", lambda: seen_by_third.append(_stored_steps(engine, event.run_id)) or b + 1)
-        return "ok"
-
-    (run_id,) = events.send_event("test.held", {}).run_ids
-    assert execute(run_id, "test.held").state == "succeeded"
-    assert seen_by_third == [[]]
-    assert _commits(engine, run_id) == {"first": True, "second": True, "third": True}
-
-
-def test_a_step_body_longer_than_max_lag_is_stored_before_the_next_body_starts(engine, monkeypatch):  # type: ignore[no-untyped-def]
-    """With every body slower than MAX_LAG, a run of k steps commits k flushed
-    transactions: steps 1..k-1 one each, before the next body, and step k with the result."""
-    from motir_celery.core import steps
-
-    monkeypatch.setattr(steps, "MAX_LAG", 0.0)
+def test_every_step_is_committed_before_the_next_body_starts_and_before_the_settle(engine):  # type: ignore[no-untyped-def]
     seen: list[list[str]] = []
 
-    @define_job("test.slow-bodies", event="test.slow-bodies")
-    def slow_bodies(event: Any, step: Any) -> Any:
+    @define_job("test.committed-each", event="test.committed-each")
+    def committed_each(event: Any, step: Any) -> Any:
         for name in ("a", "b", "c"):
-            step.run(name, lambda: seen.append(_stored_steps(engine, event.run_id)) or 1)
+            step.run(name, lambda: seen.append(_stored_steps(engine, event.run_id)) or 1)  # fast bodies
+        seen.append(_stored_steps(engine, event.run_id))
         return "ok"
 
-    (run_id,) = events.send_event("test.slow-bodies", {}).run_ids
-    assert execute(run_id, "test.slow-bodies").state == "succeeded"
-    assert seen == [[], ["a"], ["a", "b"]]
-    assert _commits(engine, run_id) == {"a": False, "b": False, "c": True}
+    (run_id,) = events.send_event("test.committed-each", {}).run_ids
+    assert execute(run_id, "test.committed-each").state == "succeeded"
+    assert seen == [[], ["a"], ["a", "b"], ["a", "b", "c"]]
+    assert _commits(engine, run_id) == {"a": False, "b": False, "c": False}  # none rode in the settle
 
 
-def test_a_held_record_is_sent_while_a_longer_body_runs(engine):  # type: ignore[no-untyped-def]
-    """A fast step's record is held for the next write, but never longer than about
-    MAX_LAG: the flusher thread sends it while the next, longer body still runs."""
+def test_a_step_record_that_waits_on_a_lock_is_committed_before_the_next_body(engine):  # type: ignore[no-untyped-def]
     seen_by_second: list[list[str]] = []
-
-    def second(run_id: str) -> int:
-        deadline = time.monotonic() + 5
-        while "first" not in (stored := _stored_steps(engine, run_id)) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        seen_by_second.append(stored)
-        return 2
-
-    @define_job("test.held-then-long", event="test.held-then-long")
-    def held_then_long(event: Any, step: Any) -> Any:
-        step.run("first", lambda: 1)
-        step.run("second", second, event.run_id)
-        return "ok"
-
-    (run_id,) = events.send_event("test.held-then-long", {}).run_ids
-    assert execute(run_id, "test.held-then-long").state == "succeeded"
-    assert seen_by_second == [["first"]]
-    assert _commits(engine, run_id) == {"first": False, "second": True}
-
-
-def test_no_step_body_starts_while_a_record_sent_more_than_max_lag_ago_is_unanswered(engine):  # type: ignore[no-untyped-def]
-    seen_by_third: list[list[str]] = []
 
     @define_job("test.lagging", event="test.lagging")
     def lagging(event: Any, step: Any) -> Any:
-        step.run("first", lambda: _hold_run_row(engine, event.run_id, 0.3) and 1)
-        step.run("second", lambda: time.sleep(0.02) or 2)  # longer than MAX_LAG
-        # "first" has waited for its answer since before "second" began: it is read before this body.
-        step.run("third", lambda: seen_by_third.append(_stored_steps(engine, event.run_id)) or 3)
-        return "ok"
+        holder = step.run("first", lambda: bool(_hold_run_row(engine, event.run_id, 0.3)))
+        step.run("second", lambda: seen_by_second.append(_stored_steps(engine, event.run_id)) or 2)
+        return holder
 
     (run_id,) = events.send_event("test.lagging", {}).run_ids
     assert execute(run_id, "test.lagging").state == "succeeded"
-    assert seen_by_third[0][:1] == ["first"]
+    assert seen_by_second == [["first"]]
 
 
 def test_a_handler_failing_after_its_last_step_keeps_that_step_for_the_retry(engine):  # type: ignore[no-untyped-def]
@@ -475,10 +407,11 @@ def test_a_handler_failing_after_its_last_step_keeps_that_step_for_the_retry(eng
             count_effects(engine, run_id, "c")) == (1, 1, 1)
 
 
-def test_only_the_claim_commits_without_waiting_for_the_wal_flush(engine):  # type: ignore[no-untyped-def]
+def test_only_the_claim_commits_without_waiting_for_the_wal_flush(engine, monkeypatch):  # type: ignore[no-untyped-def]
     """The claim turns synchronous_commit off for its own transaction (nothing is
     lost with it: the run's next flushed write carries it); a step write and the
-    settle keep the server's setting, and nothing leaks into the next transaction."""
+    settle keep the server's setting, and nothing leaks into the next transaction.
+    MOTIR_CLAIM_ASYNC_COMMIT=0 (the ablation's "off") leaves the claim flushed too."""
     (run_id,) = events.send_event("test.three", {}).run_ids
     setting = "SELECT current_setting('synchronous_commit')"
     with engine.begin() as conn:
@@ -492,6 +425,16 @@ def test_only_the_claim_commits_without_waiting_for_the_wal_flush(engine):  # ty
         assert statements.settle_succeeded(conn, held, '"done"') is True
         assert conn.execute(text(setting)).scalar_one() == "on"
     assert run_state(engine, run_id) == "succeeded"
+    (other,) = events.send_event("test.three", {"n": 2}).run_ids
+    monkeypatch.setenv("MOTIR_CLAIM_ASYNC_COMMIT", "0")
+    reset_settings()
+    try:
+        with engine.begin() as conn:
+            assert statements.claim(conn, other, job_id="test.three-steps", worker="w", lease_seconds=30)
+            assert conn.execute(text(setting)).scalar_one() == "on"
+    finally:
+        monkeypatch.delenv("MOTIR_CLAIM_ASYNC_COMMIT")
+        reset_settings()
 
 
 def _kill_the_pooled_connection(engine, monkeypatch) -> int:  # type: ignore[no-untyped-def]
@@ -532,66 +475,14 @@ def test_a_pooled_socket_killed_under_the_worker_is_replaced_and_the_run_claimed
     assert execute(run_id, "test.three-steps").state == "succeeded"
 
 
-def _claims_on_backends(monkeypatch) -> list[int]:  # type: ignore[no-untyped-def]
-    """The server process of every claim the runner makes from now on."""
-    pids: list[int] = []
-    real = statements.claim
-
-    def spy(conn, *args, **kwargs):  # type: ignore[no-untyped-def]
-        pids.append(conn.connection.driver_connection.info.backend_pid)
-        return real(conn, *args, **kwargs)
-
-    monkeypatch.setattr(statements, "claim", spy)
-    return pids
-
-
-def test_a_worker_thread_claims_its_next_run_on_the_connection_it_kept(engine, monkeypatch):  # type: ignore[no-untyped-def]
-    pids = _claims_on_backends(monkeypatch)
+def test_a_run_hands_its_connection_back_to_the_pool_when_it_ends(engine):  # type: ignore[no-untyped-def]
+    """A run holds one connection while it runs and none between runs: a threads pool of
+    N never needs more than N connections, whatever happened before."""
     first, second = (events.send_event("test.three", {"i": i}).run_ids[0] for i in range(2))
     assert execute(first, "test.three-steps").state == "succeeded"
-    assert engine.pool.checkedout() == 1  # kept between runs, not handed back
+    assert engine.pool.checkedout() == 0
     assert execute(second, "test.three-steps").state == "succeeded"
-    assert pids[0] == pids[1]
-    assert engine.pool.checkedout() == 1
-
-
-def test_a_kept_connection_whose_server_process_died_is_replaced_and_the_run_claimed(engine, monkeypatch):  # type: ignore[no-untyped-def]
-    pids = _claims_on_backends(monkeypatch)
-    first, second = (events.send_event("test.three", {"i": i}).run_ids[0] for i in range(2))
-    assert execute(first, "test.three-steps").state == "succeeded"
-    with engine.pool._creator().cursor() as admin:  # a connection outside the pool
-        admin.execute("SELECT pg_terminate_backend(%s)", (pids[0],))
-    assert execute(second, "test.three-steps").state == "succeeded"
-    assert pids[0] == pids[1] != pids[2]  # the dead claim, then the claim on a fresh connection
-    assert count_effects(engine, second) == 3
-
-
-def test_a_connection_left_inside_a_transaction_is_closed_not_kept(engine):  # type: ignore[no-untyped-def]
-    kept = runner._KeptConnection()
-    conn = engine.connect()
-    conn.execute(text("SELECT 1"))  # autobegin: a transaction is open
-    kept.put(conn)
-    assert kept.held is None and conn.closed
-    idle = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
-    kept.put(idle)
-    assert kept.take(engine) is idle
-    idle.close()
-
-
-def test_a_connection_kept_before_a_fork_is_neither_used_nor_closed_in_the_child(engine):  # type: ignore[no-untyped-def]
-    import os
-
-    kept = runner._KeptConnection()
-    parents = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
-    kept.held = (os.getpid() + 1, engine.pool, parents)  # as a forked child finds its parent's
-    try:
-        ours = kept.take(engine)
-        assert ours is not parents and not parents.closed  # the parent's socket is left alone
-        assert parents in runner._inherited  # and kept from the garbage collector's check-in
-        ours.close()
-    finally:
-        runner._inherited.remove(parents)
-        parents.close()
+    assert engine.pool.checkedout() == 0
 
 
 def test_retry_after_error_requeues_at_the_requested_time_on_the_database_clock(engine):  # type: ignore[no-untyped-def]
@@ -671,8 +562,10 @@ def test_failure_beyond_the_retry_budget_leaves_a_failed_run_and_its_dlq_row(eng
     assert count_effects(engine, run_id, "a") == 1  # step a was memoized across the retry
 
 
-def test_failed_run_and_dlq_row_are_one_transaction(engine):  # type: ignore[no-untyped-def]
-    """Make the DLQ insert fail inside the settle: the run must not be marked failed either."""
+def test_failed_run_and_dlq_row_are_one_transaction_and_a_refused_settle_follows_the_retry_policy(engine):  # type: ignore[no-untyped-def]
+    """Make the DLQ insert fail inside the settle: the run is not marked failed either,
+    and the attempt is not left to its lease — it ends with the database's own message
+    and the run is retried under its policy."""
     (run_id,) = events.send_event("test.refuses", {}).run_ids
     with engine.begin() as conn:
         conn.execute(text("""
@@ -681,23 +574,21 @@ def test_failed_run_and_dlq_row_are_one_transaction(engine):  # type: ignore[no-
             CREATE TRIGGER crash BEFORE INSERT ON job_run_dlq FOR EACH ROW EXECUTE FUNCTION test.crash();
         """))
     try:
-        with pytest.raises(Exception, match="simulated crash"):
-            execute(run_id, "test.refuses")
+        assert execute(run_id, "test.refuses").state == "retrying"
         row = one(engine, "SELECT state, (SELECT count(*) FROM job_run_dlq) AS dlq FROM job_queue WHERE id = :r",
                   r=run_id)
-        assert (row.state, row.dlq) == ("running", 0)  # neither half happened
+        assert (row.state, row.dlq) == ("queued", 0)  # neither half of the failure happened
+        error = one(engine, "SELECT error FROM job_run WHERE run_id = :r", r=run_id)[0]
+        assert "simulated crash" in error["message"]
     finally:
         with engine.begin() as conn:
             conn.execute(text("DROP TRIGGER crash ON job_run_dlq; DROP FUNCTION test.crash()"))
-    # Its lease runs out; the sweeper finds the attempts spent and writes both halves together.
-    expire_lease(engine, run_id)
     with engine.begin() as conn:
-        conn.execute(text("UPDATE job_queue SET max_attempts = 1 WHERE id = :r"), {"r": run_id})
-    assert sweeper.sweep(None).failed == 1
+        conn.execute(text("UPDATE job_queue SET max_attempts = 2, run_at = now() WHERE id = :r"), {"r": run_id})
+    assert execute(run_id, "test.refuses").state == "failed"
     row = one(engine, "SELECT state, (SELECT count(*) FROM job_run_dlq WHERE run_id = :r) AS dlq "
                       "FROM job_queue WHERE id = :r", r=run_id)
     assert (row.state, row.dlq) == ("failed", 1)
-
 
 def test_non_retriable_error_goes_straight_to_the_dlq(engine):  # type: ignore[no-untyped-def]
     (run_id,) = events.send_event("test.refuses", {}).run_ids
@@ -792,11 +683,14 @@ def test_heartbeat_keeps_a_long_step_claimed_past_its_lease(engine):  # type: ig
 
     t = threading.Thread(target=sweep_constantly)
     t.start()
+    heartbeat = threading.Thread(target=lambda: [leases.renew_due() for _ in iter(lambda: stop.wait(0.1), True)])
+    heartbeat.start()  # the worker's engine thread (adapter/worker.py) does this
     try:
         outcome = runner.execute(run_id, job_id="test.slow", worker="w", settings=short)
     finally:
         stop.set()
         t.join()
+        heartbeat.join()
     assert outcome.state == "succeeded"
     with engine.connect() as conn:
         outcomes = conn.execute(text("SELECT outcome FROM job_run WHERE run_id = :r"), {"r": run_id}).scalars().all()
