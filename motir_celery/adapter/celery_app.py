@@ -50,9 +50,9 @@ and reads everything from the environment (``settings.py``).
 from __future__ import annotations
 
 import importlib
-import re
 import logging
 import os
+import re
 import threading
 import weakref
 from dataclasses import asdict
@@ -60,11 +60,11 @@ from typing import Any
 
 from celery import Celery
 
-from motir_celery.core import runner
-from motir_celery.errors import ConfigurationError, RunFailed
-from motir_celery.core.jobs import TASK_OPTIONS, Job, on_job_defined
 from motir_celery.adapter.messages import publisher
 from motir_celery.adapter.worker import EngineStep, engine_thread
+from motir_celery.core import runner
+from motir_celery.core.jobs import TASK_OPTIONS, Job, on_job_defined
+from motir_celery.errors import ConfigurationError, RunFailed
 from motir_celery.settings import Settings, get_settings
 
 __all__ = ["create_app", "attach", "default_app", "publisher"]
@@ -175,4 +175,6 @@ def _register(app: Celery, job: Job) -> None:
 
     run_job.__name__ = run_job.__qualname__ = "run_" + re.sub(r"\W", "_", job.id)
     run_job.__doc__ = f"Run of motir job {job.id!r}: claim, steps, settle."
-    app.task(name=job.task_name, bind=True, **options)(run_job)
+    # shared=False: every app registers its own jobs here; a shared task would be
+    # registered again by every later app of the process (DuplicateTaskNameWarning).
+    app.task(name=job.task_name, bind=True, shared=False, **options)(run_job)

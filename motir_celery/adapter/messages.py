@@ -52,6 +52,7 @@ from celery import Celery, signals
 
 from motir_celery.core.jobs import TASK_OPTIONS, _registry, task_name
 from motir_celery.core.publish import Publish
+from motir_celery.forks import per_process
 from motir_celery.settings import get_settings
 
 __all__ = ["publisher"]
@@ -117,18 +118,22 @@ _HARMLESS_OPTIONS = frozenset({
 _PRIORITY_STEPS = (0, 3, 6, 9)  # kombu's Redis default: a priority is pushed to the list of the step below it
 _PRIORITY_SEP = "\x06\x16"     # kombu's Redis separator between a queue's name and its priority step
 
-_lanes: "weakref.WeakKeyDictionary[Celery, tuple[int, _RedisLane | None]]" = weakref.WeakKeyDictionary()
-_lanes_lock = threading.Lock()
+class _Lanes:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.by_app: "weakref.WeakKeyDictionary[Celery, _RedisLane | None]" = weakref.WeakKeyDictionary()
+
+
+_lanes = per_process(_Lanes)  # a forked child opens its own sockets
 
 
 def _lane(app: Celery) -> "_RedisLane | None":
     """This process's short way for ``app``; ``None`` where the broker rules it out."""
-    with _lanes_lock:
-        held = _lanes.get(app)
-        if held is None or held[0] != os.getpid():  # a forked child opens its own sockets
-            held = (os.getpid(), _RedisLane.for_app(app))
-            _lanes[app] = held
-        return held[1]
+    lanes = _lanes()
+    with lanes.lock:
+        if app not in lanes.by_app:
+            lanes.by_app[app] = _RedisLane.for_app(app)
+        return lanes.by_app[app]
 
 
 # Stand-ins for what differs between two messages of a job (_Plan.render).

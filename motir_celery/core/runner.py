@@ -40,8 +40,16 @@ from motir_celery.core.jobs import get_job
 from motir_celery.core.publish import Publish, publish_or_log
 from motir_celery.core.steps import Step, encode_json
 from motir_celery.core.tracing import run_span
-from motir_celery.errors import (LostClaim, NonRetriableError, RateLimited, RetryAfterError, RunCancelled,
-                                 StepOutputError, Suspended, UnknownJobError)
+from motir_celery.errors import (
+    LostClaim,
+    NonRetriableError,
+    RateLimited,
+    RetryAfterError,
+    RunCancelled,
+    StepOutputError,
+    Suspended,
+    UnknownJobError,
+)
 from motir_celery.settings import Settings, get_settings
 from motir_celery.store import statements
 from motir_celery.store.db import get_engine

@@ -184,7 +184,7 @@ class Step:
             return self._memo[key], self._claim.db_now
         with self._conn.begin():
             row = statements.store_clock_step(self._conn, self._claim, key, seconds=seconds, until=until)
-            reason = "" if row is not None else why_fenced(self._conn, self._claim)
+            reason = "" if row is not None else statements.why_fenced(self._conn, self._claim)
         if row is None:
             self._refused(key, reason)
         window, now = row  # type: ignore[misc]
@@ -195,7 +195,7 @@ class Step:
         with self._conn.begin():
             run_at = statements.suspend(self._conn, self._claim, outcome="suspended", until=until, wait=wait,
                                    republish_after=self._republish_after)
-            reason = "" if run_at is not None else why_fenced(self._conn, self._claim)
+            reason = "" if run_at is not None else statements.why_fenced(self._conn, self._claim)
         if run_at is None:
             self._refused("(suspend)", reason)
         raise Suspended(run_at)
@@ -242,7 +242,7 @@ class Step:
             elif now < until:
                 run_at = statements.suspend(tx, self._claim, outcome="suspended", until=until,
                                        wait=(event, path, value), republish_after=self._republish_after)
-                reason = "" if run_at is not None else why_fenced(tx, self._claim)
+                reason = "" if run_at is not None else statements.why_fenced(tx, self._claim)
         if reason:
             self._refused(key, reason)
         if run_at is not None:

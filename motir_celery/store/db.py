@@ -12,13 +12,12 @@ Two ways in:
 The workspace context is set with ``set_config(..., true)``: transaction-local,
 so it cannot leak to the next borrower of a pooled connection.
 
-Engines are created lazily per process and per URL, and disposed after a fork
-(Celery's prefork pool) so a child never shares a socket with its parent.
+Engines are created lazily per process and per URL (``forks.per_process``), so
+a prefork child never shares a socket with its parent.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from contextlib import contextmanager
@@ -30,6 +29,7 @@ from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import Session
 
 from motir_celery.errors import ConfigurationError, WorkspaceError
+from motir_celery.forks import per_process
 from motir_celery.settings import Settings, get_settings
 from motir_celery.store.rls import ADMIN_ROLE
 
@@ -45,18 +45,26 @@ __all__ = [
     "reader_login",
 ]
 
-_engines: dict[tuple[str, int], Engine] = {}
-_lock = threading.Lock()
+class _Engines:
+    """This process's engines by URL (``forks.per_process``: a forked child starts
+    with none, and its parent's pooled sockets are neither used nor closed there)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.by_url: dict[str, Engine] = {}
+
+
+_engines = per_process(_Engines)
 
 
 def get_engine(url: str | None = None, *, settings: Settings | None = None) -> Engine:
     settings = settings or get_settings()
     url = url or settings.require_database_url()
-    key = (url, os.getpid())
-    engine = _engines.get(key)
+    engines = _engines()
+    engine = engines.by_url.get(url)
     if engine is None:
-        with _lock:
-            engine = _engines.get(key)
+        with engines.lock:
+            engine = engines.by_url.get(url)
             if engine is None:
                 size = max(settings.pool_size, _runs_per_process)
                 engine = create_engine(
@@ -74,7 +82,7 @@ def get_engine(url: str | None = None, *, settings: Settings | None = None) -> E
                     connect_args=_connect_args(settings),
                 )
                 _ping_when_idle(engine)
-                _engines[key] = engine
+                engines.by_url[url] = engine
     return engine
 
 
@@ -102,15 +110,15 @@ def side_engine(settings: Settings | None = None) -> Engine:
     second at most, so the cost is nothing)."""
     settings = settings or get_settings()
     url = settings.require_database_url()
-    key = ("side:" + url, os.getpid())
-    engine = _engines.get(key)
+    engines = _engines()
+    engine = engines.by_url.get("side:" + url)
     if engine is None:
-        with _lock:
-            engine = _engines.get(key)
+        with engines.lock:
+            engine = engines.by_url.get("side:" + url)
             if engine is None:
                 engine = create_engine(url, pool_size=1, max_overflow=0, pool_pre_ping=True,
                                        connect_args=_connect_args(settings))
-                _engines[key] = engine
+                engines.by_url["side:" + url] = engine
     return engine
 
 
@@ -146,29 +154,12 @@ def _ping_when_idle(engine: Engine) -> None:
 
 
 def dispose_engines() -> None:
-    """Drop every pooled connection of this process (call after fork, and at shutdown)."""
-    with _lock:
-        for (url, pid), engine in list(_engines.items()):
-            # close=False: after a fork the parent still owns these sockets.
-            engine.dispose(close=pid == os.getpid())
-            del _engines[(url, pid)]
-
-
-_inherited: list[Engine] = []
-
-
-def _after_fork_in_child() -> None:
-    # The parent's pooled sockets must be neither used nor closed here (closing
-    # one would end the parent's session): keep the engines referenced so they
-    # are never garbage-collected, and start from an empty cache.
-    global _lock
-    _inherited.extend(_engines.values())
-    _engines.clear()
-    _lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    """Drop every pooled connection of this process (at shutdown, and in tests)."""
+    engines = _engines()
+    with engines.lock:
+        for engine in engines.by_url.values():
+            engine.dispose()
+        engines.by_url.clear()
 
 
 @contextmanager

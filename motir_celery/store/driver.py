@@ -38,7 +38,7 @@ class Statement(NamedTuple):
 
 def rows(conn: Connection, statement: Statement, params: dict[str, Any]) -> list[dict[str, Any]]:
     """Every row of ``statement``, each a dict by column name."""
-    raw = conn.connection.driver_connection
+    raw: psycopg.Connection[Any] = conn.connection.driver_connection  # type: ignore[assignment]
     try:
         with raw.cursor(row_factory=dict_row) as cursor:
             cursor.execute(statement.sql, params, prepare=get_settings().prepared_statements)

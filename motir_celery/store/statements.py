@@ -714,7 +714,7 @@ _RECLAIM_EXPIRED = text(
 
 def reclaim_expired(conn: Connection, *, batch: int = 500) -> list[tuple[uuid.UUID, str, str]]:
     """Requeue (or fail into the DLQ) runs whose lease expired; returns (run_id, job_id, new_state)."""
-    return [tuple(r) for r in conn.execute(_RECLAIM_EXPIRED, {"batch": batch})]  # type: ignore[misc]
+    return [(r.id, r.job_id, r.state) for r in conn.execute(_RECLAIM_EXPIRED, {"batch": batch})]
 
 
 _REPUBLISH_DUE = text(
@@ -737,7 +737,7 @@ _REPUBLISH_DUE = text(
 
 def republish_due(conn: Connection, *, after_seconds: float, batch: int = 500) -> list[tuple[uuid.UUID, str]]:
     """Runs due whose message is older than ``after_seconds``: publish each again after commit."""
-    return [tuple(r) for r in conn.execute(_REPUBLISH_DUE, {"after": after_seconds, "batch": batch})]  # type: ignore[misc]
+    return [(r.id, r.job_id) for r in conn.execute(_REPUBLISH_DUE, {"after": after_seconds, "batch": batch})]
 
 
 # --- cancel ---------------------------------------------------------------------
