@@ -25,6 +25,27 @@ def motir(*args: str, ok: bool = True) -> Result:
     return result
 
 
+@pytest.fixture(scope="module")
+def logins(database_url: str):  # type: ignore[no-untyped-def]
+    """URLs of two logins of this session's own: a member of motir_app only, a member of motir_admin only
+    (roles are cluster-wide; these are dropped at the end). The test server trusts local logins."""
+    owner = create_engine(database_url)
+    names = [f"motir_t{uuid.uuid4().hex[:8]}_{kind}" for kind in ("app", "admin")]
+    with owner.begin() as conn:
+        conn.execute(text(f'CREATE ROLE "{names[0]}" LOGIN IN ROLE motir_app'))
+        conn.execute(text(f'CREATE ROLE "{names[1]}" LOGIN IN ROLE motir_admin'))
+    try:
+        yield tuple(make_url(database_url).set(username=n).render_as_string(hide_password=False) for n in names)
+    finally:
+        from motir_celery.store.db import dispose_engines
+
+        dispose_engines()  # close this process's pooled sessions of these logins first
+        with owner.begin() as conn:
+            for n in names:
+                conn.execute(text(f'DROP ROLE IF EXISTS "{n}"'))
+        owner.dispose()
+
+
 @pytest.fixture
 def env(monkeypatch: pytest.MonkeyPatch, database_url: str, broker_url: str):  # type: ignore[no-untyped-def]
     """The CLI reads its settings from the environment, like every motir process."""
@@ -209,17 +230,43 @@ def test_doctor_reports_every_check_with_ok_or_fail_and_a_fix(env, engine) -> No
         assert any(line.split("  ")[0] in ("OK", "FAIL", "WARN") and name in line for line in result.stdout.splitlines()), name
     checks = _checks(motir("doctor", "--timeout", "1", "--json", ok=False))
     assert {n: c["status"] for n, c in checks.items() if n != "workers"} == {
-        "database": "OK", "migrations": "OK", "roles": "OK", "row-level security": "OK",
+        "database": "OK", "migrations": "OK", "roles": "OK", "row-level security": "FAIL",
         "sweeper": "OK", "queue": "OK", "dlq": "OK", "broker": "OK"}
     assert checks["workers"]["status"] == "FAIL" and "celery -A motir_celery worker" in checks["workers"]["fix"]
-    assert "enforced for motir_app" in checks["row-level security"]["detail"]
+    # No MOTIR_APP_DATABASE_URL: the engine's login drops to motir_app, and RESET ROLE undoes it.
+    rls_check = checks["row-level security"]
+    assert "development mode" in rls_check["detail"] and "enforced for motir_app" in rls_check["detail"]
+    assert "superuser" in rls_check["detail"] and "MOTIR_APP_DATABASE_URL" in rls_check["fix"]
+
+
+def test_doctor_says_ok_for_rls_only_with_app_and_admin_logins_that_cannot_leave_their_roles(
+        env, engine, logins) -> None:  # type: ignore[no-untyped-def]
+    app_url, admin_url = logins
+    env.setenv("MOTIR_APP_DATABASE_URL", app_url)
+    reset_settings()
+    checks = _checks(motir("doctor", "--timeout", "1", "--json", ok=False))
+    assert checks["row-level security"]["status"] == "WARN"  # no admin URL: admin reads are refused
+    assert "MOTIR_ADMIN_DATABASE_URL" in checks["row-level security"]["fix"]
+    env.setenv("MOTIR_ADMIN_DATABASE_URL", admin_url)
+    reset_settings()
+    checks = _checks(motir("doctor", "--timeout", "1", "--json", ok=False))
+    assert checks["row-level security"]["status"] == "OK", checks["row-level security"]
+    assert "cannot leave it" in checks["row-level security"]["detail"]
+    env.setenv("MOTIR_APP_DATABASE_URL", admin_url)  # an admin member as the app login: it could self-grant
+    reset_settings()
+    checks = _checks(motir("doctor", "--timeout", "1", "--json", ok=False))
+    assert checks["row-level security"]["status"] == "FAIL" and "motir_admin" in checks["row-level security"]["detail"]
 
 
 def test_doctor_is_all_ok_with_a_worker_that_consumes_the_queue_and_knows_the_jobs(
-        env, engine, broker_url, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+        env, engine, broker_url, tmp_path, monkeypatch, logins) -> None:  # type: ignore[no-untyped-def]
     from motir_celery.ops import doctor
     from motir_celery.core.jobs import all_jobs
     from tests.conftest import celery_worker
+
+    env.setenv("MOTIR_APP_DATABASE_URL", logins[0])  # production shape: RLS read through logins of their own
+    env.setenv("MOTIR_ADMIN_DATABASE_URL", logins[1])
+    reset_settings()
 
     # Other test modules register jobs in this process that the test worker (tests.jobs) never imports.
     mine = [j for j in all_jobs() if j.handler.__module__ in ("tests.jobs", "motir_celery.core.system_jobs")]
@@ -277,12 +324,61 @@ def test_purge_shows_progress_on_stderr_and_a_summary_table(env, engine) -> None
     assert bad.exit_code == 2 and "30d" in bad.output
 
 
-def test_dashboard_binds_to_loopback_unless_told_otherwise(env, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_dashboard_binds_to_loopback_and_refuses_another_address_without_a_named_proxy_or_in_dev_mode(
+        env, monkeypatch, logins) -> None:  # type: ignore[no-untyped-def]
     import uvicorn
 
     calls: list[dict[str, Any]] = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append(kw))
     motir("dashboard")
     assert calls[-1]["host"] == "127.0.0.1"
-    exposed = motir("dashboard", "--host", "0.0.0.0")
-    assert calls[-1]["host"] == "0.0.0.0" and "warning" in exposed.stderr and "proxy" in exposed.stderr
+    refused = motir("dashboard", "--host", "0.0.0.0", ok=False)
+    assert refused.exit_code == 1 and "MOTIR_DASHBOARD_TRUSTED_PROXIES" in refused.output and len(calls) == 1
+    env.setenv("MOTIR_DASHBOARD_TRUSTED_PROXIES", "10.0.0.0/8")
+    dev = motir("dashboard", "--host", "0.0.0.0", ok=False)  # no MOTIR_APP_DATABASE_URL: development mode
+    assert dev.exit_code == 1 and "development mode" in dev.output and len(calls) == 1
+    env.setenv("MOTIR_APP_DATABASE_URL", logins[0])
+    reset_settings()
+    motir("dashboard", "--host", "0.0.0.0")
+    assert calls[-1]["host"] == "0.0.0.0" and calls[-1]["proxy_headers"] is False
+
+
+def test_dashboard_hash_password_prints_a_hash_the_users_file_accepts(env) -> None:  # type: ignore[no-untyped-def]
+    from motir_celery.ops.dashboard.passwords import verify_password
+
+    result = CliRunner().invoke(main, ["dashboard", "hash-password", "--stdin"], input="s3cret:pw\n")
+    assert result.exit_code == 0, result.output
+    stored = result.stdout.strip()
+    assert stored.startswith("$argon2id$") and "s3cret" not in stored
+    assert verify_password(stored, "s3cret:pw") and not verify_password(stored, "s3cret")
+    scrypt = CliRunner().invoke(main, ["dashboard", "hash-password", "--stdin", "--scheme", "scrypt"], input="pw\n")
+    assert scrypt.stdout.startswith("$scrypt$") and verify_password(scrypt.stdout.strip(), "pw")
+
+
+@pytest.mark.parametrize("args,named", [
+    (["runs", "list", "--since", "99999999999d"], "--since"),
+    (["runs", "list", "--since", "9" * 400 + "d"], "--since"),
+    (["runs", "list", "--job", "j" * 5000], "--job"),
+    (["runs", "list", "--workspace", "ws\x01a"], "--workspace"),
+    (["dlq", "list", "--job", "x" * 201], "--job"),
+    (["purge", "--older-than", "99999999999d", "--dry-run"], "--older-than"),
+    (["doctor", "--max-wait", "1e400s"], "--max-wait"),
+    (["doctor", "--timeout", "nan"], "--timeout"),
+    (["dlq", "dismiss", str(uuid.uuid4()), "--actor", " "], "--actor"),
+])
+def test_out_of_range_or_unusable_options_are_refused_in_one_line_naming_the_option(
+        env, engine, args, named) -> None:  # type: ignore[no-untyped-def]
+    result = motir(*args, ok=False)
+    assert result.exit_code == 2 and named in result.output and "Traceback" not in result.output, result.output
+    assert len([line for line in result.output.splitlines() if line.startswith("Error")]) == 1
+
+
+@pytest.mark.parametrize("args,said", [
+    (["send", "test.three", "--data", '{"a": "\\ud800"}'], "lone surrogate"),
+    (["send", "test.three", "--key", "k" * 10_000], "idempotency_key"),
+])
+def test_send_refuses_what_postgres_could_not_store_in_one_line(env, engine, args, said) -> None:  # type: ignore[no-untyped-def]
+    result = motir(*args, ok=False)
+    assert result.exit_code == 1 and said in result.output and "Traceback" not in result.output, result.output
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM job_event")).scalar_one() == 0

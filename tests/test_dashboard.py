@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import re
 import uuid
 from datetime import datetime, timezone
@@ -17,12 +16,14 @@ from starlette.testclient import TestClient
 from motir_celery.store import statements
 from motir_celery.ops.dashboard import AuthConfig, DashboardConfig, create_app
 from motir_celery.ops.dashboard.auth import CsrfTokens, Identity
+from motir_celery.ops.dashboard.passwords import hash_password
 from motir_celery.store.db import engine_connection
 from tests.ops_helpers import dead_letter, emit, fix_switch, run_event
 
 ALICE = {"X-Motir-User": "alice", "X-Motir-Workspace": "ws-a"}
 BOB = {"X-Motir-User": "bob", "X-Motir-Workspace": "ws-b"}
 OPS = {"X-Motir-User": "ops", "X-Motir-Admin": "true"}
+PROXY = ("127.0.0.1", 50000)
 
 
 class Published(list):  # type: ignore[type-arg]
@@ -37,7 +38,9 @@ def published() -> Published:
 
 @pytest.fixture
 def client(database_url: str, published: Published) -> TestClient:
-    return TestClient(create_app(DashboardConfig(secret="test-secret"), publish=published), follow_redirects=False)
+    # A loopback peer: header mode believes identity headers only from its trusted proxies (loopback by default).
+    return TestClient(create_app(DashboardConfig(secret="test-secret"), publish=published), follow_redirects=False,
+                      client=PROXY)
 
 
 def csrf(client: TestClient, headers: dict[str, str], page: str = "/dlq") -> str:
@@ -74,7 +77,7 @@ def test_a_user_with_neither_a_workspace_nor_admin_sees_nothing(client: TestClie
 
 def test_identity_header_names_are_configurable(database_url: str) -> None:
     auth = AuthConfig(user_header="X-Forwarded-User", workspace_header="X-Forwarded-Tenant", admin_header="X-Ops")
-    app = TestClient(create_app(DashboardConfig(auth=auth)))
+    app = TestClient(create_app(DashboardConfig(auth=auth)), client=PROXY)
     assert app.get("/runs", headers=ALICE).status_code == 401
     page = app.get("/runs", headers={"X-Forwarded-User": "alice", "X-Forwarded-Tenant": "ws-a"})
     assert page.status_code == 200 and "alice · ws-a" in page.text
@@ -83,9 +86,11 @@ def test_identity_header_names_are_configurable(database_url: str) -> None:
 def test_basic_auth_reads_users_from_the_users_file_and_challenges_without_credentials(
         database_url: str, tmp_path: Path) -> None:
     users = tmp_path / "users"
-    digest = hashlib.sha256(b"s3cret:with:colons").hexdigest()
-    users.write_text(f"# user:password:workspace\nalice:plain-pw:ws-a\nops:sha256:{digest}:*\n")
-    app = TestClient(create_app(DashboardConfig(auth=AuthConfig(mode="basic", users_file=str(users)))))
+    users.write_text(f"# user:hash:workspace\nalice:{hash_password('plain-pw')}:ws-a\n"
+                     f"ops:{hash_password('s3cret:with:colons', scheme='scrypt')}:*\n")
+    users.chmod(0o600)
+    app = TestClient(create_app(DashboardConfig(auth=AuthConfig(mode="basic", users_file=str(users)))),
+                     client=PROXY)
     challenge = app.get("/runs")
     assert challenge.status_code == 401 and challenge.headers["www-authenticate"].startswith("Basic realm=")
     assert app.get("/runs", auth=("alice", "wrong")).status_code == 401
@@ -163,7 +168,7 @@ def test_replay_records_the_user_from_the_identity_and_shows_the_new_run(
     assert row.replayed_by == "alice" and str(row.replay_run_id) == new_run
     assert published == [(row.replay_run_id, "test.mixed-fail")]  # published after commit, that job only
     page = client.get(response.headers["location"], headers=ALICE).text
-    assert "replayed by alice: this is the new run" in page and "Replay of" in page
+    assert "replayed: this is the new run" in page and "Replay of" in page
     assert '<meta http-equiv="refresh"' in page  # a queued run's page follows it
     original = client.get(f"/runs/{run_id}", headers=ALICE).text
     assert "Replayed by <strong>alice</strong>" in original and 'data-testid="replay"' not in original
@@ -211,7 +216,10 @@ def test_dismiss_and_cancel_are_audited_actions_too(client: TestClient, engine: 
     assert client.post(f"/runs/{queued}/cancel", data={"csrf": token}, headers=BOB).status_code == 403  # alice's token
     assert client.post(f"/runs/{queued}/cancel", data={"csrf": token_for("bob")}, headers=BOB).status_code == 404
     done = client.post(f"/runs/{queued}/cancel", data={"csrf": token}, headers=ALICE)
-    assert done.status_code == 303 and "cancelled+by+alice" in done.headers["location"]
+    assert done.status_code == 303 and done.headers["location"].endswith("?notice=cancelled")
+    assert "cancelled (a running run" in client.get(done.headers["location"], headers=ALICE).text
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT state FROM job_queue WHERE id = :r"), {"r": queued}).scalar() == "cancelled"
 
 
 # --- safety -------------------------------------------------------------------------

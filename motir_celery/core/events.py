@@ -5,6 +5,14 @@ an event twice creates no second run. Subscribers come from the job registry
 of the sending process, so a process that sends events imports the job modules
 (``MOTIR_IMPORTS``) just as workers do.
 
+An idempotency key is at most 255 printable characters (no NUL, no lone
+surrogate: Postgres could not store them). A key reused for the same event name
+writes nothing (``deduplicated``); reused with *different* data (or another
+workspace) it still writes nothing — the first event stands — but the result
+says ``conflicting=True`` and a warning is logged: the caller has two meanings
+for one key, which is a bug worth hearing about, not one worth an exception in
+a retry path (docs/jobs.md, "Idempotency keys").
+
 Publishing happens strictly **after** the commit that created the rows: a
 message can then never name a run that does not exist (or that a rollback
 removed). A crash between the commit and the publish leaves a queued run with
@@ -14,6 +22,7 @@ no message; the sweeper re-publishes it.
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -30,7 +39,12 @@ from motir_celery.core.runspec import path_of, spec_for, value_at
 from motir_celery.settings import Settings, get_settings
 from motir_celery.core.tracing import current_traceparent
 
-__all__ = ["SendResult", "send_event", "dispatch_event", "publish_after_commit"]
+__all__ = ["SendResult", "send_event", "dispatch_event", "publish_after_commit", "MAX_IDEMPOTENCY_KEY"]
+
+log = logging.getLogger("motir_celery.core.events")
+
+#: Longest idempotency key, in characters (a UUID is 36; Stripe's limit is 255 too).
+MAX_IDEMPOTENCY_KEY = 255
 
 
 @dataclass(frozen=True)
@@ -41,6 +55,9 @@ class SendResult:
     runs: list[statements.Queued | statements.AlreadyQueued] = field(default_factory=list)
     #: The idempotency key was already used for this event name: nothing was written.
     deduplicated: bool = False
+    #: Deduplicated, and the stored event's data or workspace differ from this call's:
+    #: one key was given two meanings. Nothing was written (the first event stands); logged.
+    conflicting: bool = False
     #: Runs that were waiting for this event (step.wait_for_event), due now.
     woken: list[statements.Queued] = field(default_factory=list)
     #: Runs this event cancelled (cancel_on).
@@ -52,21 +69,31 @@ class SendResult:
 
 
 def _validate(name: Any, data: Any, workspace_id: Any, idempotency_key: Any, limit: int) -> tuple[str, str | None]:
-    if not isinstance(name, str) or not name.strip() or len(name) > 200:
-        raise PayloadError(f"event name must be a non-empty string of at most 200 characters, got {name!r}")
+    if not isinstance(name, str) or not name.strip() or len(name) > 200 or not name.isprintable():
+        raise PayloadError(f"event name must be a non-empty printable string of at most 200 characters, "
+                           f"got {name!r:.80}")
     try:
         encoded = json.dumps(data, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise PayloadError(f"data of event {name!r} is not JSON ({type(data).__name__}): {exc}") from None
     if "\\u0000" in encoded:
         raise PayloadError(f"data of event {name!r} contains a NUL character, which Postgres jsonb cannot store")
+    if "\\ud" in encoded:  # a surrogate escape: fine in a pair (non-BMP characters), not alone
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise PayloadError(f"data of event {name!r} contains a lone surrogate (half of a UTF-16 pair), "
+                               "which is not Unicode text and which Postgres jsonb cannot store") from None
     if len(encoded) > limit:
         raise PayloadError(f"data of event {name!r} is {len(encoded)} bytes of JSON, over the {limit}-byte limit")
     if workspace_id is None and isinstance(data, dict) and data.get("workspace_id") is not None:
         workspace_id = data["workspace_id"]
     workspace_id = validate_workspace_id(workspace_id)
-    if idempotency_key is not None and (not isinstance(idempotency_key, str) or not idempotency_key):
-        raise PayloadError(f"idempotency_key must be a non-empty string, got {idempotency_key!r}")
+    if idempotency_key is not None and (
+            not isinstance(idempotency_key, str) or not idempotency_key
+            or len(idempotency_key) > MAX_IDEMPOTENCY_KEY or not idempotency_key.isprintable()):
+        raise PayloadError(f"idempotency_key must be a non-empty string of at most {MAX_IDEMPOTENCY_KEY} printable "
+                           f"characters (no NUL, control character or lone surrogate), got {idempotency_key!r:.80}")
     return encoded, workspace_id
 
 
@@ -82,11 +109,17 @@ def write_event(conn: Connection, name: str, data: Any, encoded: str, workspace_
     event_id, runs, woken = statements.record_event(conn, name, encoded, workspace_id, idempotency_key, specs,
                                                traceparent=traceparent)
     if event_id is None:
+        # What the key already stands for (None when RLS hides it: another workspace's event).
         existing = conn.execute(
-            text("SELECT id FROM job_event WHERE name = :name AND idempotency_key = :key"),
-            {"name": name, "key": idempotency_key},
-        ).scalar()
-        return SendResult(existing, [], deduplicated=True)
+            text("SELECT id, data = CAST(:data AS jsonb) AND workspace_id IS NOT DISTINCT FROM :ws AS same "
+                 "FROM job_event WHERE name = :name AND idempotency_key = :key"),
+            {"name": name, "key": idempotency_key, "data": encoded, "ws": workspace_id},
+        ).one_or_none()
+        conflicting = existing is None or not existing.same
+        if conflicting:
+            log.warning("idempotency key %r of event %r was already used with other data or another workspace: "
+                        "nothing was written, the first event stands", idempotency_key, name)
+        return SendResult(existing.id if existing else None, [], deduplicated=True, conflicting=conflicting)
     cancelled = _cancel_on(conn, name, data)
     return SendResult(event_id, runs, woken=woken, cancelled=cancelled)
 

@@ -81,7 +81,7 @@ def define_job(
     ``concurrency=(limit, key)``, ``cancel_on=[CancelOn(...)]``; cron jobs also
     take ``catchup=`` and ``overlap=``.
     """
-    if not isinstance(id, str) or not JOB_ID.match(id):
+    if not isinstance(id, str) or not JOB_ID.fullmatch(id):  # fullmatch: `$` also matches before a final newline
         raise JobDefinitionError(
             f"job id {id!r} must be 1-200 characters of letters, digits, '.', '_' or '-'"
         )

@@ -15,6 +15,7 @@ operators see it and a redeploy cannot change a run in flight.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -39,8 +40,14 @@ class RetryPolicy:
     name: str = "custom"
 
     def __post_init__(self) -> None:
-        if self.max_attempts < 1:
-            raise JobDefinitionError(f"RetryPolicy.max_attempts must be >= 1, got {self.max_attempts}")
+        # Every number finite and of the right type: NaN compares false with every bound
+        # below (so it would pass them) and an infinite delay cannot be stored as run_at.
+        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) or self.max_attempts < 1:
+            raise JobDefinitionError(f"RetryPolicy.max_attempts must be an integer >= 1, got {self.max_attempts!r}")
+        for name in ("backoff", "factor", "max_backoff", "jitter"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise JobDefinitionError(f"RetryPolicy.{name} must be a finite number, got {value!r}")
         if self.backoff < 0 or self.max_backoff < 0 or self.factor < 1:
             raise JobDefinitionError(f"RetryPolicy backoff must be >= 0 and factor >= 1, got {self!r}")
         if not 0 <= self.jitter < 1:
@@ -48,7 +55,11 @@ class RetryPolicy:
 
     def delay(self, attempt: int) -> float:
         """Seconds to wait after failed attempt number ``attempt`` (1-based)."""
-        base = min(self.backoff * self.factor ** max(attempt - 1, 0), self.max_backoff)
+        try:
+            grown = self.backoff * self.factor ** max(attempt - 1, 0)
+        except OverflowError:  # factor ** attempt beyond a float: the cap applies
+            grown = self.max_backoff
+        base = min(grown, self.max_backoff)
         if self.jitter:
             base *= 1 + random.uniform(-self.jitter, self.jitter)
         return max(base, 0.0)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import math
 import sys
 import uuid
 from datetime import datetime, timezone
@@ -133,6 +134,28 @@ def _operator_session(settings: Settings) -> Any:
     return workspace_session(None, admin=True, settings=settings)
 
 
+def _text_option(value: str | None, param: str) -> str | None:
+    """A filter option as ``reads.check_filter`` accepts it, or a one-line error naming it."""
+    try:
+        return reads.check_filter(param, value)
+    except reads.FilterError as exc:
+        raise click.BadParameter(str(exc).split(": ", 1)[1], param_hint=param) from None
+
+
+def _actor(value: str) -> str:
+    actor = value.strip()
+    if not actor or len(actor) > 200 or not actor.isprintable():
+        raise click.BadParameter("a printable name of at most 200 characters", param_hint="--actor")
+    return actor
+
+
+def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    # FloatRange lets NaN through (it compares false with both bounds).
+    if not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number")
+    return value
+
+
 def _uuid_arg(value: str, what: str) -> uuid.UUID:
     parsed = reads.as_uuid(value)
     if parsed is None:
@@ -153,7 +176,8 @@ def main() -> None:
 @click.option("--check", is_flag=True, help="Only compare the database with the models (RLS included); exit 1 on drift.")
 @click.option("--set-role-passwords", is_flag=True,
               help="Give motir_app / motir_engine LOGIN with the passwords in $MOTIR_APP_PASSWORD / "
-                   "$MOTIR_ENGINE_PASSWORD (never taken from the command line).")
+                   "$MOTIR_ENGINE_PASSWORD, and motir_admin with $MOTIR_ADMIN_PASSWORD when it is set "
+                   "(never taken from the command line).")
 def migrate(check: bool, set_role_passwords: bool) -> None:
     """Upgrade the schema to head (as the owner: MOTIR_MIGRATE_DATABASE_URL, else MOTIR_DATABASE_URL)."""
     from sqlalchemy import make_url
@@ -187,10 +211,14 @@ def _set_role_passwords(url: str, settings: Settings) -> None:
     from sqlalchemy import create_engine
     from sqlalchemy.pool import NullPool
 
+    from motir_celery.store.rls import ADMIN_ROLE
+
     wanted = {settings.app_role: "MOTIR_APP_PASSWORD", settings.engine_role: "MOTIR_ENGINE_PASSWORD"}
     missing = [var for var in wanted.values() if not os.environ.get(var)]
     if missing:
         raise click.ClickException(f"--set-role-passwords needs {', '.join(missing)} in the environment")
+    if os.environ.get("MOTIR_ADMIN_PASSWORD"):  # optional: a DBA may grant motir_admin to logins of their own
+        wanted[ADMIN_ROLE] = "MOTIR_ADMIN_PASSWORD"
     engine = create_engine(url, poolclass=NullPool)
     try:
         with engine.begin() as conn:
@@ -223,6 +251,7 @@ def send(name: str, data_json: str, workspace: str | None, idempotency_key: str 
         data = json.loads(data_json)
     except json.JSONDecodeError as exc:
         raise click.BadParameter(f"not JSON: {exc}", param_hint="--data") from None
+    workspace = _text_option(workspace, "--workspace")
     settings = _settings()
     _load_jobs(settings)
     if not subscribers(name):
@@ -261,6 +290,7 @@ def runs() -> None:
 def runs_list(job: str | None, state: str | None, workspace: str | None, since: str | None, limit: int,
               as_json: bool) -> None:
     """Newest runs first."""
+    job, workspace = _text_option(job, "--job"), _text_option(workspace, "--workspace")
     settings = _settings()
     with _operator_session(settings) as s:
         now = reads.db_now(s)
@@ -368,6 +398,7 @@ def dlq() -> None:
 @json_option
 def dlq_list(include_closed: bool, job: str | None, workspace: str | None, limit: int, as_json: bool) -> None:
     """Open entries, newest failure first."""
+    job, workspace = _text_option(job, "--job"), _text_option(workspace, "--workspace")
     with _operator_session(_settings()) as s:
         now = reads.db_now(s)
         entries = reads.list_dlq(s, include_closed=include_closed, job=job, workspace=workspace, limit=limit)
@@ -395,10 +426,9 @@ def dlq_replay(dlq_id: str, actor: str, idempotency_key: str | None, as_json: bo
     from motir_celery import replay_dlq
 
     did = _uuid_arg(dlq_id, "DLQ entry")
-    if not actor.strip():
-        raise click.BadParameter("must not be empty", param_hint="--actor")
+    actor = _actor(actor)
     _load_jobs(_settings())
-    result = replay_dlq(did, actor=actor.strip(), idempotency_key=idempotency_key)
+    result = replay_dlq(did, actor=actor, idempotency_key=idempotency_key)
     if as_json:
         _print_json(result)
     else:
@@ -423,6 +453,7 @@ def dlq_dismiss(dlq_id: str, actor: str) -> None:
     from motir_celery.core.dlq import dismiss_dlq
 
     did = _uuid_arg(dlq_id, "DLQ entry")
+    actor = _actor(actor)
     if dismiss_dlq(did, actor=actor):
         click.echo(f"dismissed by {actor}")
     else:
@@ -510,7 +541,8 @@ def jobs(slots: int, as_json: bool) -> None:
 
 
 @main.command()
-@click.option("--timeout", default=3.0, show_default=True, help="Seconds to wait for the database, broker and workers.")
+@click.option("--timeout", default=3.0, show_default=True, type=click.FloatRange(0.1, 600), callback=_finite,
+              help="Seconds to wait for the database, broker and workers.")
 @click.option("--max-wait", default="5m", show_default=True,
               help="Fail when the oldest due run has waited longer than this.")
 @json_option
@@ -581,26 +613,54 @@ def purge(older_than: str, batch_size: int, dry_run: bool, as_json: bool) -> Non
 # --- dashboard -------------------------------------------------------------------
 
 
-@main.command()
+@main.group(invoke_without_command=True)
 @click.option("--host", default="127.0.0.1", show_default=True,
-              help="Interface to bind. Anything but loopback exposes the dashboard: put it behind your proxy.")
-@click.option("--port", default=8089, show_default=True, type=int)
-@click.option("--log-level", default="info", show_default=True)
-def dashboard(host: str, port: int, log_level: str) -> None:
+              help="Interface to bind. Another address needs a proxy in front (docs/security.md): header "
+                   "mode refuses it without MOTIR_DASHBOARD_TRUSTED_PROXIES, and development mode always.")
+@click.option("--port", default=8089, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+@click.pass_context
+def dashboard(ctx: click.Context, host: str, port: int, log_level: str) -> None:
     """Serve the web dashboard (runs, run timelines, DLQ with Replay, queue health, /metrics)."""
+    if ctx.invoked_subcommand is not None:
+        return
     try:
         import uvicorn
 
         from motir_celery.ops.dashboard import DashboardConfig, create_app
+        from motir_celery.ops.dashboard.app import check_bind
     except ImportError as exc:
         raise click.ClickException(f"the dashboard needs its extra: pip install 'motir-celery[dashboard]' ({exc})") from None
+    settings = _settings()
     config = DashboardConfig.from_env()
-    if host not in ("127.0.0.1", "localhost", "::1") and config.auth.mode == "header":
-        _progress(f"warning: binding {host} with header identity: anyone who reaches this port can claim to be "
-                  "anyone. Only run it like this behind a proxy that sets and strips the identity headers.")
-    app = create_app(config)
+    check_bind(host, config, settings)  # ConfigurationError: a one-line refusal, before anything listens
+    if not settings.app_database_url:
+        _progress("development mode: reads drop to motir_app from the engine's login (SET LOCAL ROLE); "
+                  "set MOTIR_APP_DATABASE_URL and MOTIR_ADMIN_DATABASE_URL in production (docs/security.md)")
+    app = create_app(config, settings=settings)
     _progress(f"dashboard on http://{host}:{port}/ (identity: {config.auth.mode})")
     uvicorn.run(app, host=host, port=port, log_level=log_level, proxy_headers=False, server_header=False)
+
+
+@dashboard.command("hash-password")
+@click.option("--stdin", "from_stdin", is_flag=True, help="Read the password from the first line of stdin.")
+@click.option("--scheme", type=click.Choice(["argon2", "scrypt"]),
+              help="Default: argon2id when argon2-cffi is installed (the dashboard extra), else scrypt.")
+def hash_password_command(from_stdin: bool, scheme: str | None) -> None:
+    """Print a password hash for the users file (user:HASH:workspace). Never pass the password as an argument."""
+    from motir_celery.ops.dashboard.passwords import hash_password
+
+    if from_stdin:
+        password = sys.stdin.readline().rstrip("\r\n")
+    else:
+        password = click.prompt("password", hide_input=True, confirmation_prompt=True, err=True)
+    if not password:
+        raise click.ClickException("an empty password cannot be hashed")
+    try:
+        click.echo(hash_password(password, scheme=scheme))
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -5,10 +5,16 @@ Checks, in order (later ones are skipped when the database is unreachable):
 1. database reachable — the engine URL, with a short connect timeout;
 2. migrations at head — Alembic's version table against the shipped revisions
    (``motir migrate --check`` compares the whole schema, RLS policies included);
-3. roles — ``motir_app`` and ``motir_engine`` exist;
-4. row-level security — enabled with its two policies on each table, and
-   *active* for the app connection (``row_security_active``): an app URL that
-   logs in as a superuser or a BYPASSRLS role would silently see every tenant;
+3. roles — ``motir_app``, ``motir_admin`` and ``motir_engine`` exist;
+4. row-level security — enabled with its two policies on each table, the
+   roles' grants as declared (no UPDATE or DELETE for the app role), and
+   *active* for the app connection (``row_security_active``); FAIL when the
+   app connection's login can leave the app role: a superuser, BYPASSRLS, the
+   owner, the engine or an admin member that ``RESET ROLE`` returns to — which
+   is what development mode (no ``MOTIR_APP_DATABASE_URL``) always is — or an
+   app login that is itself a member of ``motir_admin`` (it could set
+   ``motir.system_admin`` for itself). The admin login (``MOTIR_ADMIN_DATABASE_URL``)
+   must be a member of ``motir_admin`` and bypass nothing;
 5. broker reachable;
 6. workers alive — answer a Celery ping, consume this engine's queue, and know
    the jobs this process knows;
@@ -36,7 +42,7 @@ from sqlalchemy.pool import NullPool
 from motir_celery.store.db import set_workspace_context
 from motir_celery.core.jobs import Job, all_jobs
 from motir_celery.store.models import Base
-from motir_celery.store.rls import policies_of
+from motir_celery.store.rls import ADMIN_ROLE, compare_grants, policies_of
 from motir_celery.settings import Settings, get_settings
 
 __all__ = ["Check", "run_checks"]
@@ -137,7 +143,7 @@ def _migrations(engine: Engine, settings: Settings) -> Check:
 
 
 def _roles(engine: Engine, settings: Settings) -> Check:
-    wanted = [settings.app_role, settings.engine_role]
+    wanted = [settings.app_role, ADMIN_ROLE, settings.engine_role]
     with engine.connect() as conn:
         found = set(conn.execute(text("SELECT rolname FROM pg_roles WHERE rolname = ANY(:r)"), {"r": wanted}).scalars())
     missing = [r for r in wanted if r not in found]
@@ -160,11 +166,14 @@ def _rls(engine: Engine, settings: Settings) -> Check:
                  "WHERE schemaname = current_schema() AND tablename = ANY(:t)"),
             {"t": tables},
         ).scalars())
+        grants = [f"{kind} {g.privilege}{f' ({g.column})' if g.column else ''} on {g.table} "
+                  f"{'to' if kind == 'grant' else 'from'} {g.role}" for kind, g in compare_grants(conn, Base.metadata)]
     off = [t for t in tables if not flags.get(t)]
     absent = [f"{p.table}.{p.name}" for t in tables for p in declared[t] if f"{p.table}.{p.name}" not in live]
-    if off or absent:
+    if off or absent or grants:
         detail = "; ".join(x for x in (off and f"RLS off on {', '.join(off)}",
-                                       absent and f"policies missing: {', '.join(absent)}") if x)
+                                       absent and f"policies missing: {', '.join(absent)}",
+                                       grants and f"grants drifted (needed: {', '.join(grants)})") if x)
         return _fail("row-level security", detail, "motir migrate --check shows the drift; motir migrate restores it")
     # Is RLS actually applied to what the dashboard and user code use?
     app_url = settings.app_database_url or settings.database_url
@@ -179,6 +188,7 @@ def _rls(engine: Engine, settings: Settings) -> Check:
                 "SELECT current_user AS who, row_security_active('job_queue') AS active, "
                 "(SELECT rolsuper OR rolbypassrls FROM pg_roles WHERE rolname = current_user) AS bypass"
             )).one()
+            escape = tuple(conn.execute(_ESCAPES, {"engine": settings.engine_role, "admin": ADMIN_ROLE}).one())
     except Exception as exc:  # noqa: BLE001
         how = "MOTIR_APP_DATABASE_URL" if settings.app_database_url else f"SET ROLE {settings.app_role}"
         return _fail("row-level security", f"cannot open the app connection ({how}): {_first_line(exc)}",
@@ -187,7 +197,68 @@ def _rls(engine: Engine, settings: Settings) -> Check:
         return _fail("row-level security", f"NOT enforced for the app connection (user {row.who}): "
                      "it would see every workspace",
                      "MOTIR_APP_DATABASE_URL must log in as motir_app (not a superuser, not BYPASSRLS)")
-    return _ok("row-level security", f"enabled on {len(tables)} tables, enforced for {row.who}")
+    login, exits = escape
+    if not settings.app_database_url:
+        return _fail("row-level security",
+                     f"development mode: enforced for {row.who} only while the engine's login ({login}) keeps "
+                     f"SET LOCAL ROLE; RESET ROLE returns to {login} ({', '.join(exits) or 'another role'})",
+                     "set MOTIR_APP_DATABASE_URL to a login that is only a member of motir_app "
+                     "(and MOTIR_ADMIN_DATABASE_URL for admin reads)")
+    if exits:
+        return _fail("row-level security", f"the app login {login} can leave the app role: it is or may become "
+                     f"{', '.join(exits)}",
+                     f"log in as a role that is only a member of {settings.app_role} "
+                     f"(REVOKE the others FROM {login})")
+    admin = _admin_login(settings)
+    if admin is not None:
+        return admin
+    return _ok("row-level security", f"enabled on {len(tables)} tables, enforced for {row.who} (login {login}, "
+               f"which cannot leave it)")
+
+
+# Roles the login may become (RESET ROLE, SET ROLE) that would not be bound by the app
+# policy: superusers, BYPASSRLS, the tables' owner, the engine (its policy admits all),
+# and the admin role (for which motir.system_admin opens every workspace).
+_ESCAPES = text(
+    """
+    SELECT session_user AS login, coalesce(array_agg(r.rolname || CASE
+             WHEN r.rolsuper THEN ' (superuser)' WHEN r.rolbypassrls THEN ' (BYPASSRLS)'
+             WHEN r.oid = (SELECT relowner FROM pg_class WHERE oid = 'job_queue'::regclass) THEN ' (owner)'
+             WHEN r.rolname = :engine THEN ' (engine policy: every row)'
+             ELSE ' (admin: motir.system_admin counts)' END ORDER BY r.rolname)
+           FILTER (WHERE r.oid IS NOT NULL), '{}') AS exits
+    FROM (SELECT 1) AS one
+    LEFT JOIN pg_roles r ON pg_has_role(session_user, r.oid, 'MEMBER')
+      AND (r.rolsuper OR r.rolbypassrls OR r.rolname IN (:engine, :admin)
+           OR r.oid = (SELECT relowner FROM pg_class WHERE oid = 'job_queue'::regclass))
+    """
+)
+
+
+def _admin_login(settings: Settings) -> Check | None:
+    """A FAIL for an admin URL that is not a plain member of motir_admin; a WARN without one."""
+    if not settings.admin_database_url:
+        return Check("row-level security", "WARN", "enforced for the app login; no MOTIR_ADMIN_DATABASE_URL, so "
+                     "admin reads (the CLI's, dashboard admins, metrics) are refused",
+                     f"set MOTIR_ADMIN_DATABASE_URL to a login that is a member of {ADMIN_ROLE}")
+    eng = _engine(settings.admin_database_url, 3)
+    try:
+        with eng.connect() as conn:
+            login, exits = conn.execute(_ESCAPES, {"engine": settings.engine_role, "admin": ADMIN_ROLE}).one()
+    except Exception as exc:  # noqa: BLE001
+        return _fail("row-level security", f"cannot open the admin connection: {_first_line(exc)}",
+                     "check MOTIR_ADMIN_DATABASE_URL")
+    finally:
+        eng.dispose()
+    admin_only = [e for e in exits if e.startswith(f"{ADMIN_ROLE} ")]
+    others = [e for e in exits if e not in admin_only]
+    if not admin_only:
+        return _fail("row-level security", f"the admin login {login} is not a member of {ADMIN_ROLE}: admin reads "
+                     "see nothing beyond one workspace", f"GRANT {ADMIN_ROLE} TO {login}")
+    if others:
+        return _fail("row-level security", f"the admin login {login} can also become {', '.join(others)}",
+                     f"log in as a role that is only a member of {ADMIN_ROLE}")
+    return None
 
 
 def _sweeper(conn: Any, settings: Settings) -> Check:

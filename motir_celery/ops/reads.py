@@ -6,6 +6,11 @@ by Postgres from the workspace context, never by a ``WHERE`` this module might
 forget. The filters here (job, state, workspace) only narrow what RLS already
 allows; an admin context (``admin=True``) is what widens it.
 
+Filters are checked before they reach SQL (``check_filter``): a NUL, a
+non-printable character or an over-long value is a ``FilterError`` naming the
+filter (a 400 in the dashboard, a one-line error in the CLI), not a database
+error.
+
 Each result carries ``now``, the database's clock at read time, so "3 min ago"
 and "waiting 40s" are measured on the same clock the engine decides with.
 """
@@ -36,9 +41,35 @@ __all__ = [
     "get_dlq",
     "queue_health",
     "as_uuid",
+    "FilterError",
+    "check_filter",
 ]
 
 MAX_LIMIT = 500
+#: Longest filter value (job ids and workspace ids are at most 200 characters).
+MAX_FILTER_LENGTH = 200
+
+
+class FilterError(ValueError):
+    """A filter value that cannot name anything; ``param`` says which."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+def check_filter(param: str, value: str | None) -> str | None:
+    """``value`` stripped (``None`` when empty), or ``FilterError`` for what no id can be."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise FilterError(param, f"must be text, got {type(value).__name__}")
+    value = value.strip()
+    if len(value) > MAX_FILTER_LENGTH:
+        raise FilterError(param, f"longer than {MAX_FILTER_LENGTH} characters")
+    if not value.isprintable():
+        raise FilterError(param, "contains a control character (a NUL, a newline, …)")
+    return value or None
 
 
 def as_uuid(value: object) -> uuid.UUID | None:
@@ -211,7 +242,8 @@ def list_runs(
 ) -> list[RunSummary]:
     """Newest runs first. ``workspace`` narrows an admin's view; RLS bounds everyone's."""
     if state is not None and state not in RUN_STATES:
-        raise ValueError(f"unknown state {state!r}; one of {', '.join(RUN_STATES)}")
+        raise FilterError("state", f"unknown state {state!r:.40}; one of {', '.join(RUN_STATES)}")
+    job, workspace = check_filter("job", job), check_filter("workspace", workspace)
     where: list[str] = ["true"]
     params: dict[str, Any] = {"limit": max(1, min(limit, MAX_LIMIT))}
     if job:
@@ -301,6 +333,7 @@ def list_dlq(
     limit: int = 50,
 ) -> list[DlqEntry]:
     """Newest failures first; only open entries (neither replayed nor dismissed) by default."""
+    job, workspace = check_filter("job", job), check_filter("workspace", workspace)
     where: list[str] = ["true"]
     params: dict[str, Any] = {"limit": max(1, min(limit, MAX_LIMIT))}
     if not include_closed:

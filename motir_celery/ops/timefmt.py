@@ -9,6 +9,7 @@ clock does not make a run look five minutes old.
 
 from __future__ import annotations
 
+import math
 import re
 from datetime import datetime, timedelta, timezone
 from zoneinfo import ZoneInfo
@@ -16,17 +17,22 @@ from zoneinfo import ZoneInfo
 __all__ = ["parse_duration", "parse_since", "format_duration", "format_ago", "format_instant", "next_slots", "describe_cron"]
 
 _UNITS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|min|h|d|w)\s*$", re.IGNORECASE)
+_DURATION = re.compile(r"\s*(\d{1,12}(?:\.\d{1,9})?)\s*(s|m|min|h|d|w)\s*", re.IGNORECASE)
+#: Longest duration accepted (a retention period, a look-back): 100 years. Longer
+#: ones overflow datetime arithmetic, and mean "everything" anyway.
+MAX_DURATION = timedelta(days=36_525)
 
 
 def parse_duration(text: str) -> timedelta:
-    """``"90s"``, ``"15m"``, ``"2h"``, ``"30d"``, ``"1w"`` → timedelta (must be > 0)."""
-    match = _DURATION.match(text or "")
+    """``"90s"``, ``"15m"``, ``"2h"``, ``"30d"``, ``"1w"`` → timedelta (> 0, at most 100 years)."""
+    match = _DURATION.fullmatch(text or "") if len(text or "") <= 40 else None
     if not match:
-        raise ValueError(f"{text!r} is not a duration: use a number and a unit, e.g. 90s, 15m, 2h, 30d, 1w")
+        raise ValueError(f"{text!r:.40} is not a duration: use a number and a unit, e.g. 90s, 15m, 2h, 30d, 1w")
     seconds = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if not math.isfinite(seconds) or seconds > MAX_DURATION.total_seconds():
+        raise ValueError(f"{text!r:.40}: the duration must be at most 100 years")
     if seconds <= 0:
-        raise ValueError(f"{text!r}: the duration must be greater than zero")
+        raise ValueError(f"{text!r:.40}: the duration must be greater than zero")
     return timedelta(seconds=seconds)
 
 
@@ -35,12 +41,15 @@ def parse_since(text: str, now: datetime) -> datetime:
     try:
         return now - parse_duration(text)
     except ValueError:
-        pass
+        if len(text) <= 40 and _DURATION.fullmatch(text):
+            raise  # a duration, out of range: say so, not "neither a duration nor a date"
     try:
+        if len(text) > 40:
+            raise ValueError(text)
         value = datetime.fromisoformat(text.strip())
     except ValueError:
         raise ValueError(
-            f"{text!r} is neither a duration (30m, 2h, 7d) nor an ISO date/time (2024-05-01T12:00)"
+            f"{text!r:.40} is neither a duration (30m, 2h, 7d) nor an ISO date/time (2024-05-01T12:00)"
         ) from None
     return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
 

@@ -13,9 +13,16 @@ Safety, by default:
 * writes (replay, dismiss, cancel) first read the target through that same
   context, then act through the engine, audited with the caller's name;
 * every POST needs a CSRF token bound to the caller, and a same-site ``Origin``;
+* every query parameter is checked (length, control characters, range): a bad
+  one is a 400 naming it, never a database error; the banner after an action
+  shows only texts from ``NOTICES`` / ``ERRORS``, chosen by a code in the URL,
+  so a link cannot make the page say anything else;
 * responses carry a strict Content-Security-Policy (no scripts at all), deny
   framing, and are not cached; pages show no URL, password or setting;
-* ``motir dashboard`` binds to 127.0.0.1 unless told otherwise.
+* ``motir dashboard`` binds to 127.0.0.1 unless told otherwise, and refuses
+  another address in header mode without trusted proxies, or when the reads
+  would drop to the app role from the engine's login (development mode)
+  (``check_bind``).
 
 ``/metrics`` (Prometheus) and ``/healthz`` need no identity: the metrics carry
 job ids and counts, no workspace and no payload.
@@ -45,18 +52,17 @@ from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from motir_celery.core import dlq as dlq_ops
-from motir_celery.store import statements
 from motir_celery.ops import reads
-from motir_celery.store.db import engine_connection, workspace_session
+from motir_celery.store.db import workspace_session
 from motir_celery.errors import ConfigurationError, MotirError
 from motir_celery.ops.metrics import build_registry
 from motir_celery.store.models import RUN_STATES
 from motir_celery.core.publish import Publish
 from motir_celery.settings import Settings, get_settings
 from motir_celery.ops.timefmt import format_ago, format_duration, format_instant, parse_since
-from motir_celery.ops.dashboard.auth import AuthConfig, Authenticator, AuthError, CsrfTokens, Identity
+from motir_celery.ops.dashboard.auth import AuthConfig, Authenticator, AuthError, CsrfTokens, Identity, is_loopback
 
-__all__ = ["DashboardConfig", "create_app"]
+__all__ = ["DashboardConfig", "create_app", "check_bind", "NOTICES", "ERRORS"]
 
 log = logging.getLogger("motir_celery.ops.dashboard")
 
@@ -131,9 +137,15 @@ class _Dashboard:
     def session(self, who: Identity) -> Any:
         return workspace_session(who.workspace, admin=who.admin, settings=self.settings)
 
+    @staticmethod
+    def caller(who: Identity) -> dlq_ops.Caller:
+        return dlq_ops.Caller(who.user, who.workspace, who.admin)
+
     def render(self, request: Request, who: Identity, name: str, status: int = 200, **context: Any) -> Response:
+        # Banner texts come from fixed tables; an unknown code shows nothing.
         context.update(who=who, csrf=self.csrf.issue(who), flower_url=self.config.flower_url,
-                       notice=request.query_params.get("notice"), error=request.query_params.get("error"))
+                       notice=NOTICES.get(request.query_params.get("notice", "")),
+                       error=ERRORS.get(request.query_params.get("error", "")))
         return self.templates.TemplateResponse(request, name, context, status_code=status)
 
     def problem(self, request: Request, status: int, message: str, who: Identity | None = None,
@@ -158,39 +170,43 @@ class _Dashboard:
                 if not _same_origin(request) or not self.csrf.verify(token if isinstance(token, str) else None, who):
                     return self.problem(request, 403, "this form is stale or came from another site: "
                                         "reload the page and try again", who)
-            return await handler(request, who)
+            try:
+                return await handler(request, who)
+            except BadParameter as exc:
+                return self.problem(request, 400, str(exc), who)
+            except ConfigurationError as exc:  # e.g. an admin without MOTIR_ADMIN_DATABASE_URL
+                log.error("dashboard misconfigured: %s", exc)
+                return self.problem(request, 503, "the dashboard is not configured for this request "
+                                    "(see its log)", who)
 
         return endpoint
 
     # --- pages ------------------------------------------------------------------
 
     async def runs(self, request: Request, who: Identity) -> Response:
-        q = request.query_params
-        filters = {k: q.get(k, "").strip() for k in ("job", "state", "workspace", "since")}
-        try:
-            limit = max(1, min(int(q.get("limit") or 50), reads.MAX_LIMIT))
-        except ValueError:
-            limit = 50
+        q = _params(request, "job", "state", "workspace", "since", "limit")
+        filters = {k: q.get(k) or "" for k in ("job", "state", "workspace", "since")}
+        limit = _int_param(q.get("limit"), "limit", 1, reads.MAX_LIMIT, default=50)
+        if filters["state"] and filters["state"] not in RUN_STATES:
+            raise BadParameter("state", f"one of {', '.join(RUN_STATES)}")
 
-        def load() -> tuple[list[reads.RunSummary], datetime, str | None]:
+        def load() -> tuple[list[reads.RunSummary], datetime]:
             with self.session(who) as s:
                 now = reads.db_now(s)
-                problem = None
                 since = None
                 if filters["since"]:
                     try:
                         since = parse_since(filters["since"], now)
                     except ValueError as exc:
-                        problem = str(exc)
-                state = filters["state"] if filters["state"] in RUN_STATES else None
-                rows = reads.list_runs(s, job=filters["job"] or None, state=state,
+                        raise BadParameter("since", str(exc)) from None
+                rows = reads.list_runs(s, job=filters["job"] or None, state=filters["state"] or None,
                                        workspace=(filters["workspace"] or None) if who.admin else None,
                                        since=since, limit=limit)
-                return rows, now, problem
+                return rows, now
 
-        rows, now, problem = await run_in_threadpool(load)
+        rows, now = await run_in_threadpool(load)
         return self.render(request, who, "runs.html", runs=rows, now=now, filters=filters,
-                           filter_error=problem, limit=limit)
+                           filter_error=None, limit=limit)
 
     async def run(self, request: Request, who: Identity) -> Response:
         run_id = request.path_params["run_id"]
@@ -207,8 +223,11 @@ class _Dashboard:
                            live=detail.run.state in ("queued", "running"))
 
     async def dlq(self, request: Request, who: Identity) -> Response:
-        include_closed = request.query_params.get("all") == "1"
-        job = request.query_params.get("job", "").strip() or None
+        q = _params(request, "all", "job")
+        if q.get("all") not in (None, "", "0", "1"):
+            raise BadParameter("all", "0 or 1")
+        include_closed = q.get("all") == "1"
+        job = q.get("job") or None
 
         def load() -> tuple[list[reads.DlqEntry], datetime]:
             with self.session(who) as s:
@@ -228,68 +247,56 @@ class _Dashboard:
 
     # --- actions ----------------------------------------------------------------
 
-    def _visible_dlq(self, who: Identity, dlq_id: str) -> reads.DlqEntry | None:
-        with self.session(who) as s:
-            return reads.get_dlq(s, dlq_id)
+    # Authorisation is a read under RLS, in core.dlq's *_as functions: an entry or
+    # run of another workspace is invisible, so a 404 exactly like a missing one.
 
     async def replay(self, request: Request, who: Identity) -> Response:
-        dlq_id = request.path_params["dlq_id"]
+        dlq_id = _path_id(request, "dlq_id")
 
         def act() -> Response:
-            # Authorisation is a read under RLS: an entry of another workspace is invisible.
-            entry = self._visible_dlq(who, dlq_id)
-            if entry is None:
-                return self.problem(request, 404, f"no DLQ entry {dlq_id} in your workspace", who)
+            if dlq_id is None:
+                return self.problem(request, 404, "no such DLQ entry in your workspace", who)
             try:
                 publish = self.publisher()
-            except ConfigurationError as exc:
-                return _back("/dlq", error=f"cannot replay: {exc}")
+            except ConfigurationError:
+                log.exception("replay of %s by %s: no broker", dlq_id, who.user)
+                return _back("/dlq", error="no-broker")
             try:
-                result = dlq_ops.replay_dlq(entry.id, actor=who.user, publish=_tolerant(publish),
-                                            settings=self.settings)
-            except MotirError as exc:  # e.g. the job is not defined in this process
-                return _back("/dlq", error=f"cannot replay: {exc}")
-            log.info("DLQ %s replayed by %s: %s", entry.id, who.user, result.status)
+                result = dlq_ops.replay_as(self.caller(who), dlq_id, publish=_tolerant(publish),
+                                           settings=self.settings)
+            except MotirError:  # e.g. the job is not defined in this process
+                log.exception("replay of %s by %s failed", dlq_id, who.user)
+                return _back("/dlq", error="replay-failed")
+            if result.status == "not_found":
+                return self.problem(request, 404, f"no DLQ entry {dlq_id} in your workspace", who)
             if result.status == "replayed" and result.run_id is not None:
-                return _back(f"/runs/{result.run_id}", notice=f"replayed by {who.user}: this is the new run")
+                return _back(f"/runs/{result.run_id}", notice="replayed")
             if result.status == "already_replayed" and result.run_id is not None:
-                return _back(f"/runs/{result.run_id}", notice="already replayed: this is the run it made")
-            messages = {
-                "dismissed": "this entry was dismissed; it cannot be replayed",
-                "deduplicated": "the event's idempotency key was already used, so nothing ran; "
-                                "replay it from the CLI with a new key (motir dlq replay ID --key NEW)",
-                "not_found": "the entry no longer exists",
-            }
-            return _back("/dlq", error=messages.get(result.status, result.status))
+                return _back(f"/runs/{result.run_id}", notice="already-replayed")
+            return _back("/dlq", error=result.status)
 
         return await run_in_threadpool(act)
 
     async def dismiss(self, request: Request, who: Identity) -> Response:
-        dlq_id = request.path_params["dlq_id"]
+        dlq_id = _path_id(request, "dlq_id")
 
         def act() -> Response:
-            entry = self._visible_dlq(who, dlq_id)
-            if entry is None:
-                return self.problem(request, 404, f"no DLQ entry {dlq_id} in your workspace", who)
-            done = dlq_ops.dismiss_dlq(entry.id, actor=who.user, settings=self.settings)
-            return _back("/dlq", **({"notice": f"dismissed by {who.user}"} if done
-                                    else {"error": "already replayed or dismissed"}))
+            status = dlq_ops.dismiss_as(self.caller(who), dlq_id, settings=self.settings) if dlq_id else "not_found"
+            if status == "not_found":
+                return self.problem(request, 404, f"no DLQ entry {dlq_id or ''} in your workspace", who)
+            return _back("/dlq", **({"notice": "dismissed"} if status == "dismissed" else {"error": "closed"}))
 
         return await run_in_threadpool(act)
 
     async def cancel(self, request: Request, who: Identity) -> Response:
-        run_id = request.path_params["run_id"]
+        run_id = _path_id(request, "run_id")
 
         def act() -> Response:
-            with self.session(who) as s:
-                detail = reads.get_run(s, run_id)
-            if detail is None:
-                return self.problem(request, 404, f"no run {run_id} in your workspace", who)
-            with engine_connection(self.settings) as conn:
-                done = statements.cancel(conn, detail.run.id)
-            log.info("run %s cancel requested by %s: %s", detail.run.id, who.user, done)
-            return _back(f"/runs/{detail.run.id}", **({"notice": f"cancelled by {who.user}"} if done
-                                                      else {"error": "the run had already finished"}))
+            status = dlq_ops.cancel_as(self.caller(who), run_id, settings=self.settings) if run_id else "not_found"
+            if status == "not_found":
+                return self.problem(request, 404, f"no run {run_id or ''} in your workspace", who)
+            return _back(f"/runs/{run_id}", **({"notice": "cancelled"} if status == "cancelled"
+                                               else {"error": "finished"}))
 
         return await run_in_threadpool(act)
 
@@ -308,6 +315,87 @@ class _Dashboard:
 
     async def index(self, request: Request) -> Response:
         return RedirectResponse("/runs", status_code=303)
+
+
+#: The banner after an action: a code in the redirect's query string picks one of these.
+NOTICES = {
+    "replayed": "replayed: this is the new run",
+    "already-replayed": "already replayed: this is the run it made",
+    "dismissed": "dismissed: the entry is closed",
+    "cancelled": "cancelled (a running run stops at its next step boundary)",
+}
+ERRORS = {
+    "dismissed": "this entry was dismissed; it cannot be replayed",
+    "deduplicated": "the event's idempotency key was already used, so nothing ran; "
+                    "replay it from the CLI with a new key (motir dlq replay ID --key NEW)",
+    "closed": "already replayed or dismissed",
+    "finished": "the run had already finished",
+    "no-broker": "cannot replay: the dashboard has no broker configured (CELERY_BROKER_URL)",
+    "replay-failed": "cannot replay: see the dashboard's log (is the job defined in MOTIR_IMPORTS?)",
+}
+
+#: Longest query parameter value accepted.
+MAX_PARAM = 200
+
+
+class BadParameter(Exception):
+    """A query parameter no page can use: a 400 that names it."""
+
+    def __init__(self, name: str, expected: str) -> None:
+        super().__init__(f"bad parameter {name!r}: {expected}")
+
+
+def _params(request: Request, *names: str) -> dict[str, str]:
+    """The named query parameters, stripped; a repeated, over-long or control-character one is refused."""
+    out: dict[str, str] = {}
+    for name in names:
+        values = request.query_params.getlist(name)
+        if len(values) > 1:
+            raise BadParameter(name, "given more than once")
+        if not values:
+            continue
+        value = values[0].strip()
+        if len(value) > MAX_PARAM:
+            raise BadParameter(name, f"longer than {MAX_PARAM} characters")
+        if not value.isprintable():
+            raise BadParameter(name, "contains a control character")
+        out[name] = value
+    return out
+
+
+def _int_param(raw: str | None, name: str, low: int, high: int, *, default: int) -> int:
+    if not raw:
+        return default
+    if not raw.isdigit() or not low <= int(raw) <= high:
+        raise BadParameter(name, f"a whole number from {low} to {high}")
+    return int(raw)
+
+
+def _path_id(request: Request, name: str) -> uuid.UUID | None:
+    return reads.as_uuid(request.path_params[name])
+
+
+def check_bind(host: str, config: DashboardConfig, settings: Settings) -> None:
+    """Refuse to serve on a non-loopback address when the identity or the reads are not safe there.
+
+    * header mode believes identity headers from its trusted proxies only; with none
+      configured that means loopback, so another address must name the proxy
+      (MOTIR_DASHBOARD_TRUSTED_PROXIES);
+    * without MOTIR_APP_DATABASE_URL, reads drop to the app role from the engine's
+      login (development mode): a session could RESET ROLE, so not on a network.
+    """
+    if is_loopback(host):
+        return
+    if config.auth.mode == "header" and not config.auth.trusted_proxies:
+        raise ConfigurationError(
+            f"refusing to bind {host} in header identity mode without MOTIR_DASHBOARD_TRUSTED_PROXIES: anyone who "
+            "reaches this port could claim to be anyone. Name your proxy's addresses (IPs or CIDRs), use "
+            "MOTIR_DASHBOARD_AUTH=basic, or bind 127.0.0.1")
+    if not settings.app_database_url:
+        raise ConfigurationError(
+            f"refusing to bind {host} in development mode (no MOTIR_APP_DATABASE_URL: reads drop to the app role "
+            "from the engine's login, which can RESET ROLE): set MOTIR_APP_DATABASE_URL to a login of motir_app "
+            "(and MOTIR_ADMIN_DATABASE_URL for admins), or bind 127.0.0.1")
 
 
 def _tolerant(publish: Publish) -> Publish:

@@ -1,16 +1,25 @@
 """Who is asking: the dashboard's identities, and CSRF tokens bound to them.
 
-Two ways to say who the caller is (``MOTIR_DASHBOARD_AUTH``):
+Two ways to say who the caller is (``MOTIR_DASHBOARD_AUTH``; docs/security.md):
 
 * ``header`` (default) — a reverse proxy that has authenticated the user (SSO,
   oauth2-proxy, your API gateway) sets ``X-Motir-User``, ``X-Motir-Workspace``
-  and, for operators, ``X-Motir-Admin: true``. The header names are settings.
-  The dashboard trusts these headers, which is only safe when nothing but the
-  proxy can reach it — hence the 127.0.0.1 default bind; the proxy must also
-  strip these headers from the client's request.
+  and, for operators, ``X-Motir-Admin: true`` (exactly ``true``; ``false`` or
+  absent is not admin; any other value is a 400). The header names are settings.
+  Identity headers are believed only from the proxy's own address:
+  ``MOTIR_DASHBOARD_TRUSTED_PROXIES`` (IPs or CIDRs, comma-separated; unset:
+  loopback only). From any other peer they are refused (403), so a client that
+  reaches the port directly cannot claim to be anyone. A request carrying an
+  identity header twice, or a value with a comma (two values merged), is
+  refused (400): a proxy that appends instead of replacing would otherwise let
+  the client's own value through.
 * ``basic`` — HTTP basic auth against a users file (``MOTIR_DASHBOARD_USERS_FILE``),
-  one ``user:password:workspace`` per line; workspace ``*`` makes an admin. A
-  password may be given as ``sha256:<hex digest>`` instead of in clear.
+  one ``user:hash:workspace`` per line; workspace ``*`` makes an admin. The hash
+  comes from ``motir dashboard hash-password`` (argon2id or scrypt,
+  ``passwords.py``). Clear text is refused unless
+  ``MOTIR_DASHBOARD_ALLOW_PLAINTEXT_PASSWORDS=1`` (development only), unsalted
+  ``sha256:`` always. A file others may write is refused; one they may read is
+  loudly warned about.
 
 There is no anonymous access to any page that shows or changes a run: no
 identity → 401. An identity must carry a workspace or be an admin (403
@@ -29,23 +38,32 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import hmac
+import ipaddress
+import logging
 import os
 import secrets
+import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence, Union
 
 from itsdangerous import BadSignature, SignatureExpired, TimestampSigner
 from starlette.requests import Request
 
-from motir_celery.store.db import validate_workspace_id
 from motir_celery.errors import ConfigurationError, WorkspaceError
+from motir_celery.ops.dashboard.passwords import dummy_hash, hash_kind, verify_password
+from motir_celery.store.db import validate_workspace_id
 
-__all__ = ["Identity", "AuthConfig", "Authenticator", "AuthError", "CsrfTokens", "load_users"]
+__all__ = ["Identity", "AuthConfig", "Authenticator", "AuthError", "CsrfTokens", "load_users", "parse_networks",
+           "is_loopback"]
 
-_TRUE = {"1", "true", "yes", "on"}
+log = logging.getLogger("motir_celery.ops.dashboard")
+
+Network = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
+LOOPBACK: tuple[Network, ...] = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128"))
+#: The only spellings of the admin header: "true" is admin, "false" is not; anything else is a 400.
+ADMIN_TRUE, ADMIN_FALSE = "true", "false"
 
 
 @dataclass(frozen=True)
@@ -67,6 +85,28 @@ class AuthError(Exception):
         self.status, self.message, self.challenge = status, message, challenge
 
 
+def parse_networks(raw: str, *, name: str = "MOTIR_DASHBOARD_TRUSTED_PROXIES") -> tuple[Network, ...]:
+    """``"10.0.0.5, 192.168.0.0/16, ::1"`` → networks; a malformed entry names the variable."""
+    out: list[Network] = []
+    for item in (part.strip() for part in raw.split(",")):
+        if not item:
+            continue
+        try:
+            out.append(ipaddress.ip_network(item, strict=False))
+        except ValueError:
+            raise ConfigurationError(f"{name}: {item!r} is not an IP address or CIDR") from None
+    return tuple(out)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 @dataclass(frozen=True)
 class AuthConfig:
     mode: str = "header"
@@ -75,6 +115,14 @@ class AuthConfig:
     admin_header: str = "X-Motir-Admin"
     users_file: str | None = None
     realm: str = "motir"
+    #: Peers whose identity headers are believed (header mode). Empty: loopback only.
+    trusted_proxies: tuple[Network, ...] = ()
+    #: Development only: accept clear-text passwords in the users file (warned at start).
+    allow_plaintext: bool = False
+
+    @property
+    def trusted_peers(self) -> tuple[Network, ...]:
+        return self.trusted_proxies or LOOPBACK
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "AuthConfig":
@@ -85,12 +133,17 @@ class AuthConfig:
         users_file = env.get("MOTIR_DASHBOARD_USERS_FILE", "").strip() or None
         if mode == "basic" and not users_file:
             raise ConfigurationError("MOTIR_DASHBOARD_AUTH=basic needs MOTIR_DASHBOARD_USERS_FILE")
+        plaintext = env.get("MOTIR_DASHBOARD_ALLOW_PLAINTEXT_PASSWORDS", "").strip().lower()
+        if plaintext not in ("", "0", "1", "false", "true"):
+            raise ConfigurationError(f"MOTIR_DASHBOARD_ALLOW_PLAINTEXT_PASSWORDS={plaintext!r}: use 1 or 0")
         return cls(
             mode=mode,
             user_header=env.get("MOTIR_DASHBOARD_USER_HEADER", "").strip() or cls.user_header,
             workspace_header=env.get("MOTIR_DASHBOARD_WORKSPACE_HEADER", "").strip() or cls.workspace_header,
             admin_header=env.get("MOTIR_DASHBOARD_ADMIN_HEADER", "").strip() or cls.admin_header,
             users_file=users_file,
+            trusted_proxies=parse_networks(env.get("MOTIR_DASHBOARD_TRUSTED_PROXIES", "")),
+            allow_plaintext=plaintext in ("1", "true"),
         )
 
 
@@ -101,32 +154,65 @@ class _User:
     admin: bool
 
     def check(self, given: str) -> bool:
-        if self.password.startswith("sha256:"):
-            digest = hashlib.sha256(given.encode()).hexdigest()
-            return hmac.compare_digest(digest, self.password[len("sha256:"):].lower())
-        return hmac.compare_digest(given.encode(), self.password.encode())
+        return verify_password(self.password, given)
 
 
-def load_users(path: str | Path) -> dict[str, _User]:
-    """Parse a users file: ``user:password:workspace`` per line, ``*`` = admin, ``#`` comments."""
+def _check_file_mode(path: Path, *, plaintext: bool) -> None:
+    mode = path.stat().st_mode
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ConfigurationError(f"{path} is writable by group or others (mode {stat.filemode(mode)}): anyone who "
+                                 "can write it can make themselves admin; chmod go-w it")
+    if mode & (stat.S_IRGRP | stat.S_IROTH):
+        if plaintext:
+            raise ConfigurationError(f"{path} holds clear-text passwords and is readable by group or others "
+                                     f"(mode {stat.filemode(mode)}); chmod 600 it")
+        log.warning("WARNING: %s is readable by group or others (mode %s): its password hashes can be guessed "
+                    "offline by whoever reads it; chmod 600 it unless a container user needs the read",
+                    path, stat.filemode(mode))
+
+
+def load_users(path: str | Path, *, allow_plaintext: bool = False) -> dict[str, _User]:
+    """Parse a users file: ``user:hash:workspace`` per line, ``*`` = admin, ``#`` comments."""
+    path = Path(path)
     users: dict[str, _User] = {}
-    for number, raw in enumerate(Path(path).read_text().splitlines(), 1):
+    plaintext: list[str] = []
+    for number, raw in enumerate(path.read_text().splitlines(), 1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
         user, sep1, rest = line.partition(":")
         password, sep2, workspace = rest.rpartition(":")
         if not (sep1 and sep2 and user and password and workspace):
-            raise ConfigurationError(f"{path}:{number}: expected user:password:workspace (workspace * = admin)")
+            raise ConfigurationError(f"{path}:{number}: expected user:hash:workspace (workspace * = admin)")
+        kind = hash_kind(password)
+        if kind == "sha256":
+            raise ConfigurationError(f"{path}:{number}: user {user!r} has an unsalted sha256: password, which is "
+                                     "not a password hash; make one with `motir dashboard hash-password`")
+        if kind == "plain":
+            if not allow_plaintext:
+                raise ConfigurationError(
+                    f"{path}:{number}: user {user!r} has a clear-text password; store a hash from "
+                    "`motir dashboard hash-password` (MOTIR_DASHBOARD_ALLOW_PLAINTEXT_PASSWORDS=1 accepts clear "
+                    "text, for development only)")
+            plaintext.append(user)
         admin = workspace == "*"
         users[user] = _User(password, None if admin else workspace, admin)
+    _check_file_mode(path, plaintext=bool(plaintext))
+    if plaintext:
+        log.warning("WARNING: %s holds clear-text passwords (users %s), accepted because "
+                    "MOTIR_DASHBOARD_ALLOW_PLAINTEXT_PASSWORDS=1: development only", path, ", ".join(plaintext))
     return users
 
 
 class Authenticator:
     def __init__(self, config: AuthConfig) -> None:
         self.config = config
-        self._users = load_users(config.users_file) if config.mode == "basic" and config.users_file else {}
+        self._users = (load_users(config.users_file, allow_plaintext=config.allow_plaintext)
+                       if config.mode == "basic" and config.users_file else {})
+        kinds = {hash_kind(u.password) for u in self._users.values()}
+        # An unknown user is checked against a hash as costly as the real ones (no timing oracle).
+        costliest = next((k for k in ("argon2", "scrypt") if k in kinds), "plain" if kinds else "scrypt")
+        self._dummy = _User(dummy_hash(costliest), None, False)
 
     def identify(self, request: Request) -> Identity:
         """The caller's identity, or ``AuthError`` (401 without one, 403 without a workspace)."""
@@ -142,16 +228,45 @@ class Authenticator:
             raise AuthError(403, f"user {user!r} has no workspace and is not an admin: nothing to show")
         return Identity(user, workspace, admin)
 
+    def _peer_trusted(self, request: Request) -> bool:
+        host = request.client.host if request.client else ""
+        try:
+            peer = ipaddress.ip_address(host)
+        except ValueError:
+            return False
+        return any(peer in net for net in self.config.trusted_peers)
+
+    @staticmethod
+    def _single(request: Request, name: str) -> str | None:
+        values: Sequence[str] = request.headers.getlist(name)
+        if len(values) > 1:
+            raise AuthError(400, f"the {name} header was sent {len(values)} times: refused (does your proxy "
+                                 "append to it instead of replacing it?)")
+        if not values:
+            return None
+        value = values[0].strip()
+        if "," in value:
+            raise AuthError(400, f"the {name} header holds several values: refused")
+        return value
+
     def _header(self, request: Request) -> tuple[str, str | None, bool]:
         cfg = self.config
-        user = request.headers.get(cfg.user_header, "").strip()
+        names = (cfg.user_header, cfg.workspace_header, cfg.admin_header)
+        present = [n for n in names if n.lower() in request.headers]
+        if present and not self._peer_trusted(request):
+            peer = request.client.host if request.client else "unknown"
+            raise AuthError(403, f"identity headers from {peer}, which is not a trusted proxy "
+                                 "(MOTIR_DASHBOARD_TRUSTED_PROXIES): refused")
+        user = self._single(request, cfg.user_header) or ""
+        workspace = self._single(request, cfg.workspace_header) or None
+        admin_value = self._single(request, cfg.admin_header)
         if not user:
             raise AuthError(401, f"no identity: the {cfg.user_header} header is missing (set by your proxy)")
         if len(user) > 200 or not user.isprintable():
             raise AuthError(400, f"{cfg.user_header} is not a usable user name")
-        workspace = request.headers.get(cfg.workspace_header, "").strip() or None
-        admin = request.headers.get(cfg.admin_header, "").strip().lower() in _TRUE
-        return user, workspace, admin
+        if admin_value not in (None, "", ADMIN_TRUE, ADMIN_FALSE):
+            raise AuthError(400, f"{cfg.admin_header} must be exactly {ADMIN_TRUE!r} or {ADMIN_FALSE!r}")
+        return user, workspace, admin_value == ADMIN_TRUE
 
     def _basic(self, request: Request) -> tuple[str, str | None, bool]:
         header = request.headers.get("authorization", "")
@@ -164,7 +279,7 @@ class Authenticator:
             raise AuthError(401, "malformed basic credentials", challenge=True) from None
         record = self._users.get(user)
         # Same work whether or not the user exists, so timing does not reveal user names.
-        ok = (record or _User("sha256:" + "0" * 64, None, False)).check(password)
+        ok = (record or self._dummy).check(password)
         if record is None or not ok:
             raise AuthError(401, "wrong user name or password", challenge=True)
         return user, record.workspace, record.admin
