@@ -89,7 +89,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """
     import bench.workload  # noqa: F401  (the jobs, as the workers import them through MOTIR_IMPORTS)
     import motir_celery
-    from bench.common import celery_workers, purge, succeeded, truncate, wait_for
+    from bench.common import celery_workers, purge, truncate, wait_for
     from bench.stats import drain_rate, percentile
     from bench.throughput import prequeue_motir
     from motir_celery.adapter.celery_app import default_app
@@ -98,18 +98,36 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     truncate(url)
     purge(default_app(), queue)
     engine = create_engine(url, poolclass=NullPool)
+    poll = create_engine(url, pool_size=1)  # one kept connection: its backend is left out of the CPU
+    with poll.connect() as conn:
+        poll_pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+
+    def count() -> int:
+        with poll.connect() as conn:
+            return int(conn.execute(text("SELECT count(*) FROM job_queue WHERE state = 'succeeded'")).scalar_one())
+
     t0 = time.perf_counter()
     prequeue_motir(url, n)
     sent: dict[Any, float] = {}
+    mark: dict[str, float] = {}
     with celery_workers("motir_celery", queue, 1, 2, tag="ablation") as procs:
-        wait_for(lambda: succeeded(url) >= n, procs, timeout=180, tag="ablation", poll=0.25)
+
+        def drained() -> bool:
+            c = count()
+            if "count" not in mark and c >= n // 10:  # past the workers' start-up
+                mark.update(count=c, cpu=_cpu(procs[0].pid, poll_pid))
+            return c >= n
+
+        wait_for(drained, procs, timeout=180, tag="ablation", poll=0.05)
+        cpu_ms = (_cpu(procs[0].pid, poll_pid) - mark["cpu"]) / (n - mark["count"]) * 1e3
         t1 = time.perf_counter()
         start = time.perf_counter()
         for i in range(events):
             t = time.time()
             sent[motir_celery.send_event("bench.three", {"n": i}).run_ids[0]] = t
             time.sleep(max(0.0, start + (i + 1) * INTERVAL - time.perf_counter()))
-        wait_for(lambda: succeeded(url) >= n + events, procs, timeout=120, tag="ablation")
+        wait_for(lambda: count() >= n + events, procs, timeout=120, tag="ablation")
+    poll.dispose()
     with engine.connect() as conn:
         done: dict[Any, float] = dict(conn.execute(text(
             "SELECT id, extract(epoch FROM finished_at)::float8 FROM job_queue WHERE state = 'succeeded'")).all())
@@ -118,9 +136,33 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     if bad or len(done) != n + events:
         raise RuntimeError(f"{bad} runs did not succeed")
     lat = [done[run_id] - t for run_id, t in sent.items()]
-    drained = [at for run_id, at in done.items() if run_id not in sent]
-    return {"tp": drain_rate(drained), "p50": percentile(lat, 50), "p99": percentile(lat, 99),
+    drained_at = [at for run_id, at in done.items() if run_id not in sent]
+    return {"tp": drain_rate(drained_at), "p50": percentile(lat, 50), "p99": percentile(lat, 99), "cpu_ms": cpu_ms,
             "tp_s": t1 - t0, "lat_s": time.perf_counter() - t1}
+
+
+def _cpu(worker_pid: int, poll_pid: int) -> float:
+    """CPU seconds (user + system) of a worker (main process and pool children) and of the
+    Postgres backends serving the ablation database, less the driver's own polling backend."""
+    import psutil
+
+    main = psutil.Process(worker_pid)
+    total = 0.0
+    for p in [main, *main.children(recursive=True)]:
+        try:
+            c = p.cpu_times()
+            total += c.user + c.system
+        except psutil.Error:
+            continue
+    for p in psutil.process_iter(["name", "cmdline"]):
+        try:
+            if (p.pid != poll_pid and "postgres" in (p.info["name"] or "")
+                    and f" {DB} " in " ".join(p.info["cmdline"] or []) + " "):
+                c = p.cpu_times()
+                total += c.user + c.system
+        except psutil.Error:
+            continue
+    return total
 
 
 # The engine the workers run is the sender's too: motir_celery is imported from the child's
@@ -166,6 +208,8 @@ def pair(seq: list[str | None], results: list[dict[str, Any]], key: str) -> dict
     on_p50: list[float] = []
     off_p50: list[float] = []
     delta: list[float] = []
+    on_cpu: list[float] = []
+    off_cpu: list[float] = []
     for i, k in enumerate(seq):
         if k != key:
             continue
@@ -173,10 +217,12 @@ def pair(seq: list[str | None], results: list[dict[str, Any]], key: str) -> dict
         tp = (before["tp"] + after["tp"]) / 2
         p50 = (before["p50"] + after["p50"]) / 2
         for xs, x in ((on_tp, tp), (off_tp, off["tp"]), (ratio, tp / off["tp"]),
-                      (on_p50, p50), (off_p50, off["p50"]), (delta, off["p50"] - p50)):
+                      (on_p50, p50), (off_p50, off["p50"]), (delta, off["p50"] - p50),
+                      (on_cpu, (before["cpu_ms"] + after["cpu_ms"]) / 2), (off_cpu, off["cpu_ms"])):
             xs.append(x)
     return {"on_tp": median(on_tp), "off_tp": median(off_tp), "ratio": median(ratio), "ratios": ratio,
-            "on_p50": median(on_p50), "off_p50": median(off_p50), "delta": median(delta), "deltas": delta}
+            "on_p50": median(on_p50), "off_p50": median(off_p50), "delta": median(delta), "deltas": delta,
+            "on_cpu": median(on_cpu), "off_cpu": median(off_cpu)}
 
 
 def verdict(row: dict[str, Any]) -> str:
@@ -191,27 +237,40 @@ def verdict(row: dict[str, Any]) -> str:
 
 def render(rows: dict[str, dict[str, Any]], skipped: list[Mechanism], meta: dict[str, Any]) -> str:
     by_key = {m.key: m for m in MECHANISMS}
+    control = rows.get(CONTROL)
+    drift_tp = abs(control["ratio"] - 1) if control else 0.0
+    drift_ms = abs(control["delta"]) * 1e3 if control else 0.0
+    marked = False
     md = [BEGIN, "## Ablation: what each performance mechanism buys (generated)", "",
           "Generated by the suite's ablation, not by `python -m bench` (which keeps this section):", "",
           f"    {meta['command']}", "",
-          f"{meta['date']}, commit `{meta['commit']}`, run took {meta['elapsed'] / 60:.1f} min, load average at start "
+          f"{meta['date']}, `{meta['commit']}`, run took {meta['elapsed'] / 60:.1f} min, load average at start "
           f"{meta['load']}. 1 worker x 2 (prefork -c 2). Each measurement: a drain of {meta['runs']:,} queued runs "
           f"(runs/s over its 5%..95% span) and {meta['events']} events one every {INTERVAL * 1e3:.0f} ms "
           "(p50 enqueue -> completion), in a fresh sender process and fresh workers with the setting in their "
-          f"environment. {meta['rounds']} rounds; every OFF measurement sits between two ON measurements (the "
-          "engine's defaults), so ON is the mean of those two and ratio (ON / OFF) and delta (OFF - ON) are "
-          "medians of the per-round pairs. The control row switches nothing off: its ratio and delta are the "
-          "drift alone. Rule (issue 16): keep if it buys >= 5 % throughput or >= 0.3 ms p50.", "",
-          "| mechanism (switch: on / off) | throughput on | off | ratio | p50 on ms | off ms | delta ms | verdict |",
-          "|---|---:|---:|---:|---:|---:|---:|---|"]
+          f"environment. Rounds: {meta['rounds']}; every OFF measurement sits between two ON measurements (the "
+          "engine's defaults): ON is the mean of those two, and the ratio and the delta are medians of the "
+          "per-round pairs (so they need not equal the ratio or difference of the medians beside them). The control row switches nothing off: its ratio and delta are the "
+          "drift alone. Rule (issue 16): keep if it buys >= 5 % throughput or >= 0.3 ms p50. CPU ms/run "
+          "(not in the rule): user + system time of the worker (main process and pool children) and of its "
+          "Postgres backends from 10% of the drain to its end, per run: steadier than wall-clock figures "
+          "when other work shares the cores.", "",
+          "| mechanism (switch: on / off) | throughput on, runs/s | off | ratio on/off, median of rounds "
+          "| p50 on, ms | off | delta off - on, ms, median of rounds | verdict | CPU ms/run on | off |",
+          "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for key, r in rows.items():
         if key == CONTROL:
             name, v = "control: nothing switched off", "(noise)"
         else:
             m = by_key[key]
             name, v = f"{m.what} (`{m.var}` {m.on} / {m.off})", verdict(r)
+            if control and not (r["ratio"] - 1 > drift_tp or r["delta"] * 1e3 > drift_ms):
+                v, marked = v + " *", True
         md.append(f"| {name} | {r['on_tp']:.0f} | {r['off_tp']:.0f} | {r['ratio']:.2f} | {r['on_p50'] * 1e3:.2f} "
-                  f"| {r['off_p50'] * 1e3:.2f} | {r['delta'] * 1e3:+.2f} | {v} |")
+                  f"| {r['off_p50'] * 1e3:.2f} | {r['delta'] * 1e3:+.2f} | {v} | {r['on_cpu']:.2f} | {r['off_cpu']:.2f} |")
+    if marked:
+        md += ["", "\\* what it buys is no larger than the control's drift (ratio off 1 by "
+               f"{drift_tp:.2f}, delta {drift_ms:.2f} ms): the verdict rests on noise; rerun when the machine is quiet."]
     md += ["", "Per round (ratio; delta ms): " + "; ".join(
         f"{key} " + ", ".join(f"{x:.2f}" for x in r["ratios"]) + " / "
         + ", ".join(f"{d * 1e3:+.2f}" for d in r["deltas"]) for key, r in rows.items()) + "."]
@@ -239,11 +298,13 @@ def write_section(path: Path, section: str) -> None:
 
 
 def _commit() -> str:
+    if os.environ.get("BENCH_ENGINE_PATH"):
+        return f"engine at {os.environ['BENCH_ENGINE_PATH']}"
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
         dirty = subprocess.run(["git", "status", "--porcelain", "--", "motir_celery"], cwd=ROOT, capture_output=True,
                                text=True).stdout
-        return out.strip() + ("+changes" if dirty.strip() else "")
+        return "commit " + out.strip() + (" with uncommitted changes in motir_celery/" if dirty.strip() else "")
     except OSError:
         return "?"
 
@@ -252,8 +313,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.ablation", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--runs", type=int, default=1500, help="runs per throughput drain")
-    parser.add_argument("--events", type=int, default=200, help="events per latency measurement")
+    parser.add_argument("--runs", type=int, default=1200, help="runs per throughput drain")
+    parser.add_argument("--events", type=int, default=150, help="events per latency measurement")
     parser.add_argument("--only", help="comma-separated mechanisms: " + ",".join(m.key for m in MECHANISMS))
     parser.add_argument("--no-control", dest="control", action="store_false", help="skip the control row")
     parser.add_argument("--output", default=str(ROOT / "docs" / "performance.md"),
@@ -295,16 +356,19 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     try:
         for i, key in enumerate(seq):
+            load1 = os.getloadavg()[0]
             r = _slot(url, settings[key], args.runs, args.events)
+            r["load1"] = load1
             results.append(r)
             log(f"{i + 1}/{len(seq)} {key or 'ON':<20} {r['tp']:7.1f} runs/s  p50 {r['p50'] * 1e3:5.2f} ms  "
-                f"p99 {r['p99'] * 1e3:5.2f} ms  ({r['tp_s']:.0f}s + {r['lat_s']:.0f}s)")
+                f"p99 {r['p99'] * 1e3:5.2f} ms  cpu {r['cpu_ms']:.2f} ms/run  ({r['tp_s']:.0f}s + {r['lat_s']:.0f}s)")
     finally:
         if not args.keep:
             drop_database(DB)
     rows = {key: pair(seq, results, key) for key in keys}
     elapsed = time.perf_counter() - started
     command = ("python -m bench.ablation " + " ".join(a for a in sys.argv[1:])).strip()
+    load += " (at the end: " + " ".join(f"{x:.2f}" for x in os.getloadavg()) + ")"
     meta = {"command": command, "date": date, "commit": _commit(), "elapsed": elapsed, "load": load,
             "runs": args.runs, "events": args.events, "rounds": args.rounds}
     section = render(rows, skipped, meta)
