@@ -110,7 +110,11 @@ def plain_round(n: int, workers: int, concurrency: int, *, timeout: float = 900,
 def motir_latency(url: str, events: int, interval: float, concurrency: int,
                   env: dict[str, str] | None = None, app: str = "motir_celery") -> dict[str, float]:
     import motir_celery
-    from motir_celery.adapter.celery_app import default_app
+
+    try:
+        from motir_celery.adapter.celery_app import default_app
+    except ModuleNotFoundError:  # the sender of a --baseline from before the layers' folders (bench/__main__.py)
+        from motir_celery.celery_app import default_app  # type: ignore[no-redef]
 
     truncate(url)
     purge(default_app(), MOTIR_QUEUE)
