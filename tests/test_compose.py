@@ -25,6 +25,7 @@ SECRETS = {
     "MOTIR_OWNER_PASSWORD": "owner-pw-1",
     "MOTIR_ENGINE_PASSWORD": "engine-pw-2",
     "MOTIR_APP_PASSWORD": "app-pw-3",
+    "MOTIR_ADMIN_PASSWORD": "admin-pw-5",
     "MOTIR_DASHBOARD_SECRET": "dash-secret-4",
 }
 SERVICES = {"postgres", "redis", "migrate", "worker", "beat", "flower", "dashboard"}
@@ -96,10 +97,11 @@ def test_each_role_logs_in_with_its_own_password_from_the_environment(compose: d
     text = COMPOSE.read_text()
     logins = dict(re.findall(r"postgresql\+psycopg://(\w+):\$\{(\w+)", text))
     assert logins == {"motir_engine": "MOTIR_ENGINE_PASSWORD", "motir_app": "MOTIR_APP_PASSWORD",
-                      "motir_owner": "MOTIR_OWNER_PASSWORD"}
+                      "motir_admin": "MOTIR_ADMIN_PASSWORD", "motir_owner": "MOTIR_OWNER_PASSWORD"}
     # No literal password anywhere: every credential is ${VAR:?…}, required at start.
     assert not re.search(r"://\w+:(?!\$\{)[^@\s]+@", text)
-    for var in ("MOTIR_OWNER_PASSWORD", "MOTIR_ENGINE_PASSWORD", "MOTIR_APP_PASSWORD", "MOTIR_DASHBOARD_SECRET"):
+    for var in ("MOTIR_OWNER_PASSWORD", "MOTIR_ENGINE_PASSWORD", "MOTIR_APP_PASSWORD", "MOTIR_ADMIN_PASSWORD",
+                "MOTIR_DASHBOARD_SECRET"):
         assert f"${{{var}:?" in text, f"{var} is not required"
     services = compose["services"]
     # Only the one-shot migration holds the owner's credentials.
@@ -116,6 +118,11 @@ def test_published_ports_are_loopback_only_and_the_dashboard_requires_sign_in(co
     dash = services["dashboard"]["environment"]
     assert dash["MOTIR_DASHBOARD_AUTH"] == "basic" and dash["MOTIR_DASHBOARD_USERS_FILE"].startswith("/run/secrets/")
     assert "dashboard_users" in compose["secrets"]
+    # Only the dashboard holds the admin login; workers never read across workspaces through it.
+    assert [n for n, s in services.items() if "MOTIR_ADMIN_DATABASE_URL" in (s.get("environment") or {})] == ["dashboard"]
+    # The recipe stores a password hash, never a clear-text password (issue 17).
+    header = COMPOSE.read_text().split("x-motir-image")[0]
+    assert "hash-password" in header and "openssl rand -hex 12)\" > dashboard-users.txt" not in header
 
 
 def test_the_image_compose_builds_installs_the_dashboard_and_flower() -> None:

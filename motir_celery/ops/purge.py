@@ -37,6 +37,7 @@ from sqlalchemy import Connection, text
 from sqlalchemy.exc import IntegrityError
 
 from motir_celery.store.db import get_engine
+from motir_celery.ops.timefmt import MAX_DURATION
 from motir_celery.settings import Settings, get_settings
 
 __all__ = ["PurgeReport", "purge", "FINISHED_STATES"]
@@ -165,11 +166,15 @@ def purge(
     settings: Settings | None = None,
 ) -> PurgeReport:
     """Delete finished runs, closed DLQ entries and unneeded events older than ``older_than``."""
+    if not isinstance(older_than, timedelta):
+        raise TypeError(f"older_than must be a timedelta, got {type(older_than).__name__}")
     age = older_than.total_seconds()
     if age <= 0:
         raise ValueError("older_than must be positive")
-    if batch_size < 1:
-        raise ValueError("batch_size must be at least 1")
+    if older_than > MAX_DURATION:  # timefmt's bound: more would overflow now() - interval in Postgres
+        raise ValueError("older_than must be at most 100 years")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= 100_000:
+        raise ValueError(f"batch_size must be a whole number from 1 to 100000, got {batch_size!r}")
     engine = get_engine(settings=settings or get_settings())
     report = PurgeReport(older_than_seconds=age, dry_run=dry_run)
     params = {"age": age, "batch": batch_size}
