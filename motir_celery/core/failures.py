@@ -13,7 +13,7 @@ import json
 import re
 import traceback
 
-__all__ = ["storable_error", "bounded", "clean", "MAX_MESSAGE", "MAX_TRACEBACK"]
+__all__ = ["storable_error", "describe", "bounded", "clean", "MAX_MESSAGE", "MAX_TRACEBACK"]
 
 #: The longest stored message and log text, and the stored traceback's tail, in characters.
 MAX_MESSAGE = 2000
@@ -39,6 +39,11 @@ def _message(exc: BaseException) -> str:
         return str(exc)
     except Exception:  # noqa: BLE001 — a __str__ that raises still gets its failure stored
         return f"<{type(exc).__name__}: str() failed>"
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: message``, bounded and clean, for a log line."""
+    return bounded(f"{type(exc).__name__}: {_message(exc)}")
 
 
 def storable_error(exc: BaseException) -> str:

@@ -34,8 +34,8 @@ from typing import Any
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from motir_celery.core import leases
-from motir_celery.core.failures import bounded, storable_error
+from motir_celery.core import concurrency, leases
+from motir_celery.core.failures import describe, storable_error
 from motir_celery.core.jobs import get_job
 from motir_celery.core.publish import Publish, publish_or_log
 from motir_celery.core.steps import Step, encode_json
@@ -89,33 +89,25 @@ def execute(run_id: uuid.UUID | str, *, job_id: str, worker: str, publish: Publi
         log.warning("dropping message with a malformed run id %s for job %s", shown, job_id)
         return Outcome(shown, "skipped", "malformed run id")
     engine = get_engine(settings=settings)
-    for last in (False, True):
-        try:
-            return _execute(engine, run_uuid, job_id, worker, publish, settings)
-        except _ClaimDisconnected:
-            # The pooled socket died under us (a database restart); SQLAlchemy has
-            # invalidated the pool. Either the claim never reached the server, or it
-            # committed and its reply was lost: then the retry finds the run
-            # unclaimable and the sweeper requeues it when the lease expires.
-            if last:
-                raise
-            log.info("run %s: connection lost before the claim; claiming on a new one", run_uuid)
-    raise AssertionError("unreachable")
-
-
-class _ClaimDisconnected(Exception):
-    pass
+    try:
+        return _execute(engine, run_uuid, job_id, worker, publish, settings)
+    except DBAPIError as exc:
+        if not exc.connection_invalidated:
+            raise
+        # The pooled socket died under us (a database restart): SQLAlchemy invalidated
+        # the pool. Once more on a fresh socket: a claim that never reached the server
+        # claims now; a run already claimed is refused here and left to its lease.
+        log.info("run %s: connection lost; trying once more on a new one", run_uuid)
+        return _execute(engine, run_uuid, job_id, worker, publish, settings)
 
 
 def _execute(engine: Engine, run_uuid: uuid.UUID, job_id: str, worker: str, publish: Publish | None,
              settings: Settings) -> Outcome:
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        try:
-            claim = _claim(engine, conn, run_uuid, job_id, worker, settings)
-        except DBAPIError as exc:
-            if exc.connection_invalidated:
-                raise _ClaimDisconnected() from exc
-            raise
+        limit = concurrency.limit_of(job_id)
+        claim = (statements.claim(conn, run_uuid, job_id=job_id, worker=worker,
+                                  lease_seconds=settings.lease_seconds) if limit is None else
+                 concurrency.claim_limited(engine, run_uuid, job_id, worker, settings.lease_seconds, limit))
         if claim is None:
             # Duplicate or stale delivery, a run not due yet, or a forged id: ack and do nothing.
             log.debug("run %s of %s not claimable (duplicate, stale, not due or unknown)", run_uuid, job_id)
@@ -126,30 +118,13 @@ def _execute(engine: Engine, run_uuid: uuid.UUID, job_id: str, worker: str, publ
                 return _attempt(claim, conn, engine, publish, settings)
         finally:
             if claim.concurrency_key is not None:
-                _free_slot(engine, claim, publish)
-
-
-def _claim(engine: Engine, conn: Connection, run_id: uuid.UUID, job_id: str, worker: str,
-           settings: Settings) -> statements.Claim | None:
-    """Claim on the attempt's connection. A job with ``concurrency=(limit, key)`` counts
-    the key's running runs and claims in one transaction under the key's advisory lock,
-    so two workers cannot both take the last slot; the run that frees a slot publishes
-    the next in line."""
-    try:
-        limit = get_job(job_id).run_options.concurrency_limit
-    except UnknownJobError:
-        limit = None  # claimed normally; the attempt then fails with the clear error
-    if limit is None:
-        return statements.claim(conn, run_id, job_id=job_id, worker=worker, lease_seconds=settings.lease_seconds)
-    with engine.begin() as tx:
-        statements.lock_concurrency(tx, run_id)
-        return statements.claim(tx, run_id, job_id=job_id, worker=worker, lease_seconds=settings.lease_seconds,
-                                concurrency_limit=limit)
+                concurrency.free_slot(engine, claim, publish)
 
 
 def _attempt(claim: statements.Claim, conn: Connection, engine: Engine, publish: Publish | None,
              settings: Settings) -> Outcome:
-    event_data = claim.event_data if claim.event_id else {"scheduled_for": _iso(claim.scheduled_for)}
+    when = claim.scheduled_for
+    event_data = claim.event_data if claim.event_id else {"scheduled_for": when.isoformat() if when else None}
     step = Step(claim, conn, max_bytes=settings.max_payload_bytes, lease_seconds=settings.lease_seconds,
                 transaction=engine.begin, event_data=event_data, publish=publish,
                 republish_after=settings.republish_after)
@@ -187,28 +162,28 @@ def _settle_success(claim: statements.Claim, conn: Connection, publish: Publish 
     try:
         if not statements.settle_succeeded(conn, claim, encoded):
             return Outcome(str(claim.run_id), _fenced_state(conn, claim))
-    except DBAPIError as exc:
-        return _refused_settle(claim, conn, publish, settings, exc)
+    except DBAPIError as refused:
+        return _settle(claim, conn, publish, settings, _refusal(claim, refused), _backoff(claim))
     return Outcome(str(claim.run_id), "succeeded")
 
 
 def _settle(claim: statements.Claim, conn: Connection, publish: Publish | None, settings: Settings,
             exc: BaseException, delay: float | None, *, defer: bool = False) -> Outcome:
-    """A failed (``delay`` None, or no attempts left) or deferred attempt, settled."""
+    """A failed (``delay`` None, or no attempts left) or deferred attempt, settled. If
+    Postgres refuses that too, the attempt fails with the database's own message."""
     try:
         return _write_settle(claim, conn, publish, settings, exc, delay, defer)
     except DBAPIError as refused:
-        return _refused_settle(claim, conn, publish, settings, refused)
+        return _write_settle(claim, conn, publish, settings, _refusal(claim, refused), _backoff(claim), False)
 
 
-def _refused_settle(claim: statements.Claim, conn: Connection, publish: Publish | None, settings: Settings,
-                    refused: DBAPIError) -> Outcome:
-    """Postgres refused a settle (not a lost connection): fail the attempt with its own
-    message, under the retry policy. Twice refused, or the database is away: the lease."""
+def _refusal(claim: statements.Claim, refused: DBAPIError) -> BaseException:
+    """The database's own error for a refused settle; a lost connection is re-raised
+    (the database is away: the lease and the sweeper take over)."""
     if refused.connection_invalidated:
         raise refused
-    log.error("run %s: the database refused its settle: %s", claim.run_id, bounded(str(refused.orig)))
-    return _write_settle(claim, conn, publish, settings, refused.orig or refused, _backoff(claim), False)
+    log.error("run %s: the database refused its settle: %s", claim.run_id, describe(refused.orig or refused))
+    return refused.orig or refused
 
 
 def _write_settle(claim: statements.Claim, conn: Connection, publish: Publish | None, settings: Settings,
@@ -230,7 +205,7 @@ def _write_settle(claim: statements.Claim, conn: Connection, publish: Publish | 
         if dlq_id is None:
             return Outcome(run, _fenced_state(conn, claim))
         log.error("run %s of %s failed for good after %d attempt(s): %s; DLQ entry %s",
-                  run, claim.job_id, claim.attempt, bounded(f"{type(exc).__name__}: {exc}"), dlq_id)
+                  run, claim.job_id, claim.attempt, describe(exc), dlq_id)
         return Outcome(run, "failed", str(dlq_id))
     if not settled:
         return Outcome(run, _fenced_state(conn, claim))
@@ -249,25 +224,9 @@ def _backoff(claim: statements.Claim) -> float:
         return 0.0
 
 
-def _free_slot(engine: Engine, claim: statements.Claim, publish: Publish | None) -> None:
-    """concurrency=(limit, key): this run no longer holds its slot — hand it to the next."""
-    try:
-        with engine.begin() as tx:
-            next_run = statements.next_in_line(tx, claim.job_id, claim.concurrency_key or "")
-    except Exception:  # noqa: BLE001 — the sweeper re-publishes waiting runs anyway
-        log.warning("run %s: could not hand its concurrency slot on", claim.run_id, exc_info=True)
-        return
-    if next_run is not None and publish is not None:
-        publish_or_log(publish, next_run, claim.job_id)
-
-
 def _fenced_state(conn: Connection, claim: statements.Claim) -> str:
     with conn.begin():
         return "cancelled" if statements.why_fenced(conn, claim) == "cancelled" else "lost"
-
-
-def _iso(value: datetime | None) -> str | None:
-    return value.isoformat() if value else None
 
 
 def _as_uuid(value: uuid.UUID | str) -> uuid.UUID | None:

@@ -40,7 +40,7 @@ from motir_celery.errors import LostClaim, RunCancelled, StepIdError, StepOutput
 from motir_celery.store import statements
 from motir_celery.store.statements import Claim
 
-__all__ = ["Step", "SEPARATOR", "MAX_STEP_ID", "encode_json"]
+__all__ = ["Step", "StepRun", "SEPARATOR", "MAX_STEP_ID", "encode_json"]
 
 T = TypeVar("T")
 
@@ -68,19 +68,11 @@ def encode_json(value: Any, *, what: str, limit: int) -> str:
     return encoded
 
 
-class Step:
-    """Handed to every handler as its second argument."""
+class StepRun:
+    """The run path of ``Step``: the memo, the fenced store, the step id rules."""
 
-    def __init__(self, claim: Claim, conn: Connection, *, max_bytes: int, lease_seconds: float,
-                 transaction: Callable[[], ContextManager[Connection]], event_data: Any = None,
-                 publish: Publish | None = None, republish_after: float = 60.0) -> None:
+    def __init__(self, claim: Claim, conn: Connection, *, max_bytes: int, lease_seconds: float) -> None:
         self._claim = claim
-        # For the waits and events (below the run path): what they need besides the memo.
-        self._event_data = event_data
-        self._publish = publish
-        self._republish_after = republish_after
-        # A wait's lock, look-back and suspension are one transaction on a pooled connection.
-        self._transaction = transaction
         self._conn = conn  # the attempt's connection, in autocommit: one statement, one commit
         self._memo: dict[str, Any] = dict(claim.steps)
         self._seen: dict[str, int] = {}
@@ -155,6 +147,35 @@ class Step:
         if reason == "cancelled":
             raise RunCancelled(f"run {self.run_id} was cancelled; {what}")
         raise LostClaim(f"run {self.run_id}: this worker lost its claim; {what}")
+
+
+    def _key(self, step_id: str) -> str:
+        if not isinstance(step_id, str) or not step_id:
+            raise StepIdError(f"step id must be a non-empty string, got {step_id!r:.100}")
+        if len(step_id) > MAX_STEP_ID:
+            raise StepIdError(f"step id {step_id[:40]!r}... is {len(step_id)} characters, "
+                              f"over the {MAX_STEP_ID}-character limit")
+        if SEPARATOR in step_id:
+            raise StepIdError(f"step id {step_id!r} contains {SEPARATOR!r}, which is reserved for repeated steps")
+        if "\x00" in step_id or _SURROGATE.search(step_id) or not step_id.isprintable():
+            raise StepIdError(f"step id {step_id!r} contains a NUL, a lone surrogate or an unprintable character")
+        n = self._seen.get(step_id, 0)
+        self._seen[step_id] = n + 1
+        return step_id if n == 0 else f"{step_id}{SEPARATOR}{n}"
+
+
+class Step(StepRun):
+    """Handed to every handler as its second argument: ``run`` and the waits and events."""
+
+    def __init__(self, claim: Claim, conn: Connection, *, max_bytes: int, lease_seconds: float,
+                 transaction: Callable[[], ContextManager[Connection]], event_data: Any = None,
+                 publish: Publish | None = None, republish_after: float = 60.0) -> None:
+        super().__init__(claim, conn, max_bytes=max_bytes, lease_seconds=lease_seconds)
+        self._event_data = event_data
+        self._publish = publish
+        self._republish_after = republish_after
+        # A wait's lock, look-back and suspension are one transaction on a pooled connection.
+        self._transaction = transaction
 
     # --- giving the worker back ---------------------------------------------------
 
@@ -248,17 +269,3 @@ class Step:
         if run_at is not None:
             raise Suspended(run_at)  # committed: the run waits in the queue, not in this process
         return self._store(key, json.dumps(found), 0.0)  # type: ignore[no-any-return]
-
-    def _key(self, step_id: str) -> str:
-        if not isinstance(step_id, str) or not step_id:
-            raise StepIdError(f"step id must be a non-empty string, got {step_id!r:.100}")
-        if len(step_id) > MAX_STEP_ID:
-            raise StepIdError(f"step id {step_id[:40]!r}... is {len(step_id)} characters, "
-                              f"over the {MAX_STEP_ID}-character limit")
-        if SEPARATOR in step_id:
-            raise StepIdError(f"step id {step_id!r} contains {SEPARATOR!r}, which is reserved for repeated steps")
-        if "\x00" in step_id or _SURROGATE.search(step_id) or not step_id.isprintable():
-            raise StepIdError(f"step id {step_id!r} contains a NUL, a lone surrogate or an unprintable character")
-        n = self._seen.get(step_id, 0)
-        self._seen[step_id] = n + 1
-        return step_id if n == 0 else f"{step_id}{SEPARATOR}{n}"

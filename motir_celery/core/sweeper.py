@@ -23,10 +23,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from motir_celery.store import statements
-from motir_celery.store.db import get_engine
 from motir_celery.core.publish import Publish, publish_or_log
 from motir_celery.settings import Settings, get_settings
+from motir_celery.store import statements
+from motir_celery.store.db import get_engine
 
 __all__ = ["SweepReport", "sweep"]
 

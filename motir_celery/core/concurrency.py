@@ -1,0 +1,50 @@
+"""``concurrency=(limit, key)``: at most ``limit`` running runs per key of a job.
+
+The claim of such a run counts the key's running runs and claims in one
+transaction, under the key's advisory lock, so two workers cannot both take the
+last slot; a refused claim leaves the run queued. The run that frees a slot
+(settled, suspended, cancelled or lost) publishes the next in line.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from sqlalchemy import Engine
+
+from motir_celery.core.jobs import get_job
+from motir_celery.core.publish import Publish, publish_or_log
+from motir_celery.errors import UnknownJobError
+from motir_celery.store import statements
+
+__all__ = ["limit_of", "claim_limited", "free_slot"]
+
+log = logging.getLogger("motir_celery.concurrency")
+
+
+def limit_of(job_id: str) -> int | None:
+    try:
+        return get_job(job_id).run_options.concurrency_limit
+    except UnknownJobError:
+        return None  # claimed normally; the attempt then fails with the clear error
+
+
+def claim_limited(engine: Engine, run_id: uuid.UUID, job_id: str, worker: str, lease_seconds: float,
+                  limit: int) -> statements.Claim | None:
+    with engine.begin() as tx:
+        statements.lock_concurrency(tx, run_id)
+        return statements.claim(tx, run_id, job_id=job_id, worker=worker, lease_seconds=lease_seconds,
+                                concurrency_limit=limit)
+
+
+def free_slot(engine: Engine, claim: statements.Claim, publish: Publish | None) -> None:
+    """This run no longer holds its slot: hand it to the next queued run of the key."""
+    try:
+        with engine.begin() as tx:
+            next_run = statements.next_in_line(tx, claim.job_id, claim.concurrency_key or "")
+    except Exception:  # noqa: BLE001 — the sweeper re-publishes waiting runs anyway
+        log.warning("run %s: could not hand its concurrency slot on", claim.run_id, exc_info=True)
+        return
+    if next_run is not None and publish is not None:
+        publish_or_log(publish, next_run, claim.job_id)
