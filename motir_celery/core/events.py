@@ -11,7 +11,7 @@ writes nothing (``deduplicated``); reused with *different* data (or another
 workspace) it still writes nothing — the first event stands — but the result
 says ``conflicting=True`` and a warning is logged: the caller has two meanings
 for one key, which is a bug worth hearing about, not one worth an exception in
-a retry path (docs/jobs.md, "Idempotency keys").
+a retry path (docs/security.md, "Refused inputs").
 
 Publishing happens strictly **after** the commit that created the rows: a
 message can then never name a run that does not exist (or that a rollback
