@@ -79,9 +79,8 @@ def _sizes(args: argparse.Namespace) -> dict[str, Any]:
 
 # --- sections ---------------------------------------------------------------------
 
-SIDE_ORDER = ("motir", "motir_async", "motir_events", "baseline", "plain", "plain_noack", "procrastinate", "dbos")
+SIDE_ORDER = ("motir", "motir_events", "baseline", "plain", "plain_noack", "procrastinate", "dbos")
 SIDE_NAMES = {"motir": "motir-celery (3 durable steps)",
-              "motir_async": "motir-celery, MOTIR_ASYNC_STEP_COMMIT=1",
               "motir_events": "motir-celery, Celery task events on (as while Flower watches)",
               "baseline": "motir-celery, baseline engine (--baseline)",
               "plain": "plain Celery (no durability)",
@@ -106,10 +105,6 @@ def _engine_at(path: str | None) -> Iterator[None]:
         del os.environ["BENCH_ENGINE_PATH"]
 
 
-def _async_env() -> dict[str, str]:
-    return child_env(MOTIR_ASYNC_STEP_COMMIT="1")
-
-
 def section_throughput(url: str, sz: dict[str, Any], args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     from bench import peersenv, throughput
 
@@ -117,16 +112,16 @@ def section_throughput(url: str, sz: dict[str, Any], args: argparse.Namespace, l
     for i, (label, workers, conc, dbos_conc, clients) in enumerate(CONFIGS):
         names = ["motir"]
         if i == 0:  # the variants: first configuration only, to keep the run short
-            names += ["motir_async", "motir_events"] + (["baseline"] if args.baseline else [])
+            names += ["motir_events"] + (["baseline"] if args.baseline else [])
         names += ["plain"] + (["plain_noack"] if i == 0 else []) + (["procrastinate", "dbos"] if args.peers else [])
         sides: dict[str, list[float]] = {k: [] for k in names}
         for r in range(sz["rounds"]):
             for side in names:
                 t0 = time.perf_counter()
-                if side in ("motir", "motir_async", "motir_events", "baseline"):
+                if side in ("motir", "motir_events", "baseline"):
                     with _engine_at(args.baseline if side == "baseline" else None):
                         v = throughput.motir_round(
-                            url, sz["runs"], workers, conc, env=_async_env() if side == "motir_async" else None,
+                            url, sz["runs"], workers, conc,
                             app="bench.motir_events_app" if side == "motir_events" else "motir_celery")
                 elif side in ("plain", "plain_noack"):
                     v = throughput.plain_round(sz["runs"], workers, conc, env=child_env(
@@ -174,7 +169,6 @@ def section_latency(url: str, sz: dict[str, Any], args: argparse.Namespace, log:
     for side, results in rounds.items():
         out[side] = {"p50": median([r["p50"] for r in results]), "p99": median([r["p99"] for r in results]),
                      "n": sum(r["n"] for r in results), "p50s": [r["p50"] for r in results]}
-    out["motir_async"] = throughput.motir_latency(url, n, interval, 2, env=_async_env())
     out["motir_events"] = throughput.motir_latency(url, n, interval, 2, app="bench.motir_events_app")
     if args.peers:
         out["dbos"] = peersenv.run("bench.peers.dbos_side", "latency", "--admin-dsn", admin_dsn(), "--events", n,
@@ -216,8 +210,7 @@ def _stepcost(rounds: int, engine_path: str | None, **extra: str) -> dict:
 
 
 def section_steps(url: str, sz: dict[str, Any], args: argparse.Namespace, log: Callable[[str], None]) -> dict:
-    out = {"motir": _stepcost(sz["step_rounds"], None),
-           "motir_async": _stepcost(sz["step_rounds"], None, MOTIR_ASYNC_STEP_COMMIT="1")}
+    out = {"motir": _stepcost(sz["step_rounds"], None)}
     if args.baseline:
         out["baseline"] = _stepcost(sz["step_rounds"], args.baseline)
     for side, r in out.items():
@@ -234,7 +227,6 @@ def section_cpu(url: str, sz: dict[str, Any], args: argparse.Namespace, log: Cal
     if args.baseline:
         variants["baseline"] = (args.baseline, "motir_celery", {})
     variants["motir_events"] = (None, "bench.motir_events_app", {})
-    variants["motir_async"] = (None, "motir_celery", {"MOTIR_ASYNC_STEP_COMMIT": "1"})
     variants["plain"] = (None, "bench.plain_app", {})
     r = cpu.measure(url, variants, runs=sz["cpu_runs"], rounds=sz["cpu_rounds"], engine_at=_engine_at)
     for k, v in r["variants"].items():
@@ -363,9 +355,7 @@ def render(results: dict[str, Any], env: dict[str, str], command: str, elapsed: 
                       ("motir / DBOS", "motir", "dbos", 3.0),
                       ("motir / baseline engine (before -> after)", "motir", "baseline", None),
                       ("motir / plain Celery with Redis ack emulation off", "motir", "plain_noack", None),
-                      ("motir async-step-commit / plain Celery", "motir_async", "plain", None),
-                      ("motir task-events-on / plain Celery", "motir_events", "plain", None),
-                      ("motir async-step-commit / Procrastinate", "motir_async", "procrastinate", None)]
+                      ("motir task-events-on / plain Celery", "motir_events", "plain", None)]
         for name, mine, other, target in ratio_rows:
             if not any(other in e and mine in e for e in tp.values()):
                 continue
