@@ -11,9 +11,9 @@ from click.testing import CliRunner, Result
 from sqlalchemy import create_engine, make_url, text
 
 from motir_celery.core import jobs as job_registry
-from motir_celery.ops.cli import main
 from motir_celery.core.jobs import Job
 from motir_celery.core.retries import resolve_policy
+from motir_celery.ops.cli import main
 from motir_celery.settings import reset_settings
 from tests.ops_helpers import dead_letter, emit, run_event
 
@@ -206,11 +206,11 @@ def test_jobs_lists_triggers_retry_policies_and_next_cron_slots_in_words(env, mo
                   timezone="Europe/Paris", retry_policy=resolve_policy("idempotent"))
     monkeypatch.setitem(job_registry._registry, nightly.id, nightly)  # this test only
     out = motir("jobs").stdout
-    line = next(l for l in out.splitlines() if l.startswith("test.cli-weekday-report"))
+    line = next(x for x in out.splitlines() if x.startswith("test.cli-weekday-report"))
     assert "cron 30 6 * * 1-5 (Europe/Paris) — at 06:30 on Monday-Friday" in line
     assert "idempotent: 5 attempts, backoff 30.0s ×3" in line
     assert line.count("(") >= 4 and " in " in line  # "in 3h 12m (Tue 06:30 CET), …"
-    three = next(l for l in out.splitlines() if l.startswith("test.three-steps"))
+    three = next(x for x in out.splitlines() if x.startswith("test.three-steps"))
     assert "event test.three" in three and "fast: 3 attempts" in three
 
     as_json = {j["id"]: j for j in json.loads(motir("jobs", "--json").stdout)}
@@ -260,8 +260,8 @@ def test_doctor_says_ok_for_rls_only_with_app_and_admin_logins_that_cannot_leave
 
 def test_doctor_is_all_ok_with_a_worker_that_consumes_the_queue_and_knows_the_jobs(
         env, engine, broker_url, tmp_path, monkeypatch, logins) -> None:  # type: ignore[no-untyped-def]
-    from motir_celery.ops import doctor
     from motir_celery.core.jobs import all_jobs
+    from motir_celery.ops import doctor
     from tests.conftest import celery_worker
 
     env.setenv("MOTIR_APP_DATABASE_URL", logins[0])  # production shape: RLS read through logins of their own

@@ -13,10 +13,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import text
 from starlette.testclient import TestClient
 
-from motir_celery.store import statements
 from motir_celery.ops.dashboard import AuthConfig, DashboardConfig, create_app
 from motir_celery.ops.dashboard.auth import CsrfTokens, Identity
 from motir_celery.ops.dashboard.passwords import hash_password
+from motir_celery.store import statements
 from motir_celery.store.db import engine_connection
 from tests.ops_helpers import dead_letter, emit, fix_switch, run_event
 

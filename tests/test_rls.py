@@ -25,9 +25,9 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import ProgrammingError
 from sqlalchemy.pool import NullPool
 
+from motir_celery.settings import Settings, get_settings
 from motir_celery.store.db import set_workspace_context, workspace_session
 from motir_celery.store.rls import ADMIN_ROLE, APP_ROLE, ENGINE_ROLE
-from motir_celery.settings import Settings, get_settings
 
 RLS_TABLES = ("job_event", "job_queue", "job_step", "job_run", "job_run_dlq")
 APP_INSERTS = ("job_event", "job_queue")

@@ -116,7 +116,7 @@ def test_operator_actions_on_visible_rows_act_through_the_engine_and_record_the_
     assert dlq.dismiss_as(alice, dismissable) == "closed"
     assert dlq.cancel_as(dlq.Caller("ops", None, admin=True), queued) == "cancelled"
     with engine.connect() as conn:
-        audit = dict(conn.execute(text("SELECT id, coalesce(replayed_by, dismissed_by) FROM job_run_dlq")).all())
+        audit: dict[uuid.UUID, str] = dict(conn.execute(text("SELECT id, coalesce(replayed_by, dismissed_by) FROM job_run_dlq")).all())
         assert conn.execute(text("SELECT state FROM job_queue WHERE id = :r"), {"r": queued}).scalar_one() == "cancelled"
     assert audit == {replayable: "alice", dismissable: "alice"}
 

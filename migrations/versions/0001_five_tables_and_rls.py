@@ -4,8 +4,8 @@ Revision ID: 0001
 Revises: 
 Create Date: 2026-11-29 15:51:38.997051
 """
-from alembic import op
 import sqlalchemy as sa
+from alembic import op
 from sqlalchemy.dialects import postgresql
 
 # Roles, grants, ENABLE and the two policies per table, as this revision made them.

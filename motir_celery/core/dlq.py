@@ -35,12 +35,12 @@ from typing import Literal
 
 from sqlalchemy import text
 
-from motir_celery.store import statements
-from motir_celery.store.db import engine_connection, get_engine, workspace_session
 from motir_celery.core.events import write_event
 from motir_celery.core.jobs import get_job
 from motir_celery.core.publish import Publish, publish_or_log
 from motir_celery.settings import Settings, get_settings
+from motir_celery.store import statements
+from motir_celery.store.db import engine_connection, get_engine, workspace_session
 
 __all__ = ["ReplayResult", "Caller", "replay_dlq", "dismiss_dlq", "replay_as", "dismiss_as", "cancel_as"]
 

@@ -27,17 +27,18 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from sqlalchemy import Connection, event as sa_event, text
+from sqlalchemy import Connection, text
+from sqlalchemy import event as sa_event
 from sqlalchemy.orm import Session
 
-from motir_celery.store import statements
-from motir_celery.store.db import get_engine, validate_workspace_id
-from motir_celery.errors import PayloadError
 from motir_celery.core.jobs import Job, cancelled_by, subscribers
 from motir_celery.core.publish import Publish, publish_or_log
 from motir_celery.core.runspec import path_of, spec_for, value_at
-from motir_celery.settings import Settings, get_settings
 from motir_celery.core.tracing import current_traceparent
+from motir_celery.errors import PayloadError
+from motir_celery.settings import Settings, get_settings
+from motir_celery.store import statements
+from motir_celery.store.db import get_engine, validate_workspace_id
 
 __all__ = ["SendResult", "send_event", "dispatch_event", "publish_after_commit", "MAX_IDEMPOTENCY_KEY"]
 

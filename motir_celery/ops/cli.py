@@ -22,13 +22,12 @@ import math
 import sys
 import uuid
 from datetime import datetime, timezone
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import click
 
-from motir_celery.ops import reads
 from motir_celery.errors import MotirError
-from motir_celery.settings import Settings, get_settings
+from motir_celery.ops import reads
 from motir_celery.ops.timefmt import (
     describe_cron,
     format_ago,
@@ -38,6 +37,7 @@ from motir_celery.ops.timefmt import (
     parse_duration,
     parse_since,
 )
+from motir_celery.settings import Settings, get_settings
 
 __all__ = ["main"]
 
@@ -593,7 +593,9 @@ def purge(older_than: str, batch_size: int, dry_run: bool, as_json: bool) -> Non
         raise click.BadParameter(str(exc), param_hint="--older-than") from None
     _progress(f"{'counting' if dry_run else 'purging'} what finished more than {format_duration(age.total_seconds())} ago"
               f"{'' if dry_run else f', {batch_size} rows per batch'}…")
-    progress: Callable[[str, int], None] = lambda kind, n: _progress(f"  {kind}: {n} deleted so far")
+    def progress(kind: str, n: int) -> None:
+        _progress(f"  {kind}: {n} deleted so far")
+
     report = do_purge(age, batch_size=batch_size, dry_run=dry_run, progress=None if as_json else progress)
     if as_json:
         _print_json(report)

@@ -39,11 +39,11 @@ from sqlalchemy import create_engine, make_url, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.pool import NullPool
 
-from motir_celery.store.db import set_workspace_context
 from motir_celery.core.jobs import Job, all_jobs
+from motir_celery.settings import Settings, get_settings
+from motir_celery.store.db import set_workspace_context
 from motir_celery.store.models import Base
 from motir_celery.store.rls import ADMIN_ROLE, compare_grants, policies_of
-from motir_celery.settings import Settings, get_settings
 
 __all__ = ["Check", "run_checks"]
 
@@ -315,10 +315,10 @@ def _celery_checks(settings: Settings, timeout: float) -> Iterator[Check]:
         yield _fail("broker", "CELERY_BROKER_URL is not set", "export CELERY_BROKER_URL=redis://host:6379/0")
         yield _fail("workers", "skipped: no broker", "fix the broker check first")
         return
-    from kombu import Connection
+    from kombu import Connection  # type: ignore[attr-defined]  # kombu is untyped
 
     try:
-        with Connection(settings.broker_url, connect_timeout=timeout) as conn:
+        with Connection(settings.broker_url, connect_timeout=timeout) as conn:  # type: ignore[no-untyped-call]
             conn.ensure_connection(max_retries=1, timeout=timeout)
             where = conn.as_uri()  # password masked
         yield _ok("broker", f"reachable at {where}")

@@ -36,9 +36,9 @@ from typing import Callable
 from sqlalchemy import Connection, text
 from sqlalchemy.exc import IntegrityError
 
-from motir_celery.store.db import get_engine
 from motir_celery.ops.timefmt import MAX_DURATION
 from motir_celery.settings import Settings, get_settings
+from motir_celery.store.db import get_engine
 
 __all__ = ["PurgeReport", "purge", "FINISHED_STATES"]
 

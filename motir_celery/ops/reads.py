@@ -211,7 +211,8 @@ class QueueHealth:
 
 
 def db_now(session: Session) -> datetime:
-    return session.execute(text("SELECT now()")).scalar_one()
+    now: datetime = session.execute(text("SELECT now()")).scalar_one()
+    return now
 
 
 _RUN_COLUMNS = """

@@ -26,8 +26,8 @@ from sqlalchemy import Connection, MetaData, text
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.schema import CreateIndex
 
-from motir_celery.store import rls
 from motir_celery.settings import get_settings
+from motir_celery.store import rls
 
 __all__ = ["alembic_config", "upgrade", "check", "migrations_dir"]
 

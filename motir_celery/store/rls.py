@@ -224,7 +224,7 @@ def compare_policies(conn: Connection, metadata: MetaData) -> list[tuple[str, An
     tables = list(declared)
     existing = _existing_tables(conn)
     live = {(r.tablename, r.policyname): r for r in conn.execute(_LIVE_POLICIES, {"tables": tables})}
-    flags = dict(conn.execute(_RLS_FLAGS, {"tables": tables}).all())
+    flags: dict[str, bool] = {r.relname: r.relrowsecurity for r in conn.execute(_RLS_FLAGS, {"tables": tables})}
     diffs: list[tuple[str, Any]] = []
     for table, policies in declared.items():
         if table not in existing:

@@ -52,15 +52,15 @@ from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from motir_celery.core import dlq as dlq_ops
-from motir_celery.ops import reads
-from motir_celery.store.db import workspace_session
-from motir_celery.errors import ConfigurationError, MotirError
-from motir_celery.ops.metrics import build_registry
-from motir_celery.store.models import RUN_STATES
 from motir_celery.core.publish import Publish
-from motir_celery.settings import Settings, get_settings
-from motir_celery.ops.timefmt import format_ago, format_duration, format_instant, parse_since
+from motir_celery.errors import ConfigurationError, MotirError
+from motir_celery.ops import reads
 from motir_celery.ops.dashboard.auth import AuthConfig, Authenticator, AuthError, CsrfTokens, Identity, is_loopback
+from motir_celery.ops.metrics import build_registry
+from motir_celery.ops.timefmt import format_ago, format_duration, format_instant, parse_since
+from motir_celery.settings import Settings, get_settings
+from motir_celery.store.db import workspace_session
+from motir_celery.store.models import RUN_STATES
 
 __all__ = ["DashboardConfig", "create_app", "check_bind", "NOTICES", "ERRORS"]
 
