@@ -137,7 +137,7 @@ def test_an_operator_opens_a_failed_run_presses_replay_and_watches_the_new_run_s
         # 4. The dependency is fixed; press Replay. The new run appears and runs to success.
         fix_switch(engine, switch)
         page.get_by_test_id("dlq-entry").get_by_test_id("replay").click()
-        expect(page.get_by_role("status")).to_contain_text("replayed by alice")
+        expect(page.get_by_role("status")).to_contain_text("replayed: this is the new run")
         new_run = page.url.split("?")[0].rsplit("/", 1)[1]
         assert new_run != str(failed)
         expect(page.locator("h1 .state")).to_have_text("succeeded", timeout=30_000)  # the page refreshes itself
