@@ -234,6 +234,8 @@ class Authenticator:
             peer = ipaddress.ip_address(host)
         except ValueError:
             return False
+        if isinstance(peer, ipaddress.IPv6Address) and peer.ipv4_mapped is not None:
+            peer = peer.ipv4_mapped  # a dual-stack socket reports IPv4 peers as ::ffff:a.b.c.d
         return any(peer in net for net in self.config.trusted_peers)
 
     @staticmethod
