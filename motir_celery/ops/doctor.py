@@ -4,7 +4,7 @@ Checks, in order (later ones are skipped when the database is unreachable):
 
 1. database reachable — the engine URL, with a short connect timeout;
 2. migrations at head — Alembic's version table against the shipped revisions
-   (``motir migrate --check`` compares the whole schema, RLS policies included);
+   (``motir migrate --check`` compares the whole schema, RLS policies and grants included);
 3. roles — ``motir_app``, ``motir_admin`` and ``motir_engine`` exist;
 4. row-level security — enabled with its two policies on each table, the
    roles' grants as declared (no UPDATE or DELETE for the app role), and
