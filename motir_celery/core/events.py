@@ -25,7 +25,7 @@ import json
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 from sqlalchemy import Connection, text
 from sqlalchemy import event as sa_event
@@ -40,12 +40,38 @@ from motir_celery.settings import Settings, get_settings
 from motir_celery.store import statements
 from motir_celery.store.db import get_engine, validate_workspace_id
 
-__all__ = ["SendResult", "send_event", "dispatch_event", "publish_after_commit", "MAX_IDEMPOTENCY_KEY"]
+__all__ = ["SendResult", "send_event", "dispatch_event", "publish_after_commit", "MAX_IDEMPOTENCY_KEY",
+           "Joined", "join_transactions", "joined_transaction"]
 
 log = logging.getLogger("motir_celery.core.events")
 
 #: Longest idempotency key, in characters (a UUID is 36; Stripe's limit is 255 too).
 MAX_IDEMPOTENCY_KEY = 255
+
+
+#: A framework's open transaction that a write without ``session=`` joins: the connection
+#: to write on (in that transaction), and ``on_commit(fn)``, which calls ``fn`` once it has
+#: committed and never if it rolls back.
+Joined = tuple[Connection, Callable[[Callable[[], None]], None]]
+
+_join: Callable[[str | None], ContextManager[Joined] | None] | None = None
+
+
+def join_transactions(hook: Callable[[str | None], ContextManager[Joined] | None] | None) -> None:
+    """Let a framework that owns the caller's transaction take the writes (contrib/django).
+
+    ``hook(workspace_id)`` is asked on every write made without ``session=``: None sends it
+    through the engine as usual (autocommit); a context manager yielding ``Joined`` writes it
+    there and publishes on that transaction's commit.
+    """
+    global _join
+    _join = hook
+
+
+def joined_transaction(workspace_id: str | None) -> ContextManager[Joined] | None:
+    """The framework transaction a write of ``workspace_id``'s rows joins, or None (see
+    ``join_transactions``). Every write path of the core without ``session=`` asks this first."""
+    return _join(workspace_id) if _join is not None else None
 
 
 @dataclass(frozen=True)
@@ -165,6 +191,13 @@ def send_event(
     if session is not None:
         result = write_event(session.connection(), *args, **extra)
         publish_after_commit(session, result.runs + result.woken, publish)
+        return result
+    joined = joined_transaction(workspace_id)
+    if joined is not None:
+        with joined as (conn, on_commit):
+            result = write_event(conn, *args, **extra)
+            pending = result.runs + result.woken
+            on_commit(lambda: _publish(pending, publish))
         return result
     engine = get_engine(settings=settings)
     if cancelled_by(name):
