@@ -99,6 +99,15 @@ def _ends_in_the_dlq(engine: Engine, tmp_path: Path, run_id: object, *, attempts
     return dict(entry.failure)
 
 
+def _every_task_done(worker: Any, timeout: float = 30.0) -> None:
+    """Every message the worker received has been through its task (Celery's INFO/ERROR line)."""
+    def done() -> bool:
+        log = worker.output()
+        ended = len(re.findall(r"\] (?:succeeded in|raised |retry:)", log))
+        return ended >= log.count("] received")
+    wait_for(done, timeout=timeout, what="the worker's tasks to end")
+
+
 @pytest.fixture
 def worker(broker_url: str, tmp_path: Path):  # type: ignore[no-untyped-def]
     with celery_worker(tmp_path, broker=broker_url, env=_env(tmp_path)) as w:
@@ -156,14 +165,16 @@ def test_a_2000_level_nested_step_result_is_a_step_output_error_not_a_retried_re
     assert _executions(tmp_path, run_id, "deep") == 1
 
 
-def test_a_10_mb_exception_message_is_stored_and_logged_bounded(engine, worker, tmp_path):  # type: ignore[no-untyped-def]
-    (run_id,) = send_event("hot.huge-message", {}).run_ids
-    failure = _ends_in_the_dlq(engine, tmp_path, run_id, attempts=2, error_type="BadNews")
+def test_a_10_mb_exception_message_is_stored_and_logged_bounded(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
+    with celery_worker(tmp_path, broker=broker_url, env=_env(tmp_path)) as worker:
+        (run_id,) = send_event("hot.huge-message", {}).run_ids
+        failure = _ends_in_the_dlq(engine, tmp_path, run_id, attempts=2, error_type="BadNews")
+        _every_task_done(worker)  # the failure's log lines come after its settle's commit
     assert 0 < len(failure["message"]) < 20_000
     assert failure["message"].startswith("xxx")
     for attempt in _attempts(engine, run_id):
         assert len(str(attempt.error)) < 64_000  # message, traceback and all
-    time.sleep(0.5)  # the worker's last lines flushed
+    # The worker has stopped: its log is complete, every process's lines in.
     longest = max(len(line) for line in worker.output().splitlines())
     assert longest < 20_000, f"a worker log line of {longest} characters"
 
