@@ -2,6 +2,9 @@
 # make test  - pytest (extra arguments: make test PYTEST_ARGS="-k claim -x"); first installs the
 #              Debian packages the tests need when missing (.ci/system-packages: chromium, docker-compose)
 # make lint  - ruff check (the repository) and mypy motir_celery, as CI runs them
+# make test-pgbouncer - the worker end-to-end, hot-path and shortened chaos tests a second time,
+#              through a private PgBouncer in transaction pooling (tests/pgbouncer.py) with
+#              MOTIR_PREPARED_STATEMENTS=0; a database error in any worker log fails the test
 #
 # Unset service URLs are filled in by `python -m motir_celery.dev.embedded env`, which
 # starts embedded Postgres / Redis under $MOTIR_DATA_DIR (default .motir/) and
@@ -26,13 +29,22 @@ define with-services
 embedded_env="$$($(PYTHON) -m motir_celery.dev.embedded env)"; eval "$$embedded_env"; $(1)
 endef
 
-.PHONY: run test lint setup system-packages stop-embedded
+.PHONY: run test test-pgbouncer lint setup system-packages stop-embedded
 
 run: setup
 	$(call with-services,$(PYTHON) -m motir_celery.dev.demo)
 
 test: system-packages setup
 	$(call with-services,$(PYTHON) -m pytest $(PYTEST_ARGS))
+
+# The second pass (CI runs it after `make test`): the tests whose workers talk to the database
+# most, through PgBouncer (pool_mode = transaction, default_pool_size 4) in front of the same
+# server. The session creates, migrates and drops its database through it too.
+PGBOUNCER_TESTS := tests/test_worker_e2e.py tests/test_hot_path.py tests/test_pgbouncer.py tests/chaos
+
+test-pgbouncer: system-packages setup
+	$(call with-services,MOTIR_TEST_SCAN_WORKER_LOGS=1 $(PYTHON) -m tests.pgbouncer run -- \
+		$(PYTHON) -m pytest $(PGBOUNCER_TESTS) $(PYTEST_ARGS))
 
 # Both checks run; either failing fails the target.
 lint: setup

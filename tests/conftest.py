@@ -118,6 +118,36 @@ def _clean_tables(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
 
 
+#: `make test-pgbouncer` sets MOTIR_TEST_SCAN_WORKER_LOGS=1: then a test whose worker (or beat)
+#: logs under its tmp_path hold one of these lines fails, even if its assertions passed.
+WORKER_LOG_ERRORS = ("psycopg.errors", "psycopg.OperationalError", "DuplicatePreparedStatement",
+                     "prepared statement", "sweep failed", "lease renewal failed", "raised unexpected",
+                     "the database refused its settle", "cron pass failed")
+_scan_logs = os.environ.get("MOTIR_TEST_SCAN_WORKER_LOGS") == "1"
+_tmp_path_key = pytest.StashKey[Path]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    report = yield
+    if not _scan_logs:
+        return report
+    if call.when == "call" and isinstance(getattr(item, "funcargs", None), dict):
+        if isinstance(tmp := item.funcargs.get("tmp_path"), Path):  # type: ignore[attr-defined]
+            item.stash[_tmp_path_key] = tmp
+    elif call.when == "teardown" and report.passed and _tmp_path_key in item.stash:
+        # At teardown every worker fixture has stopped, so its log is complete.
+        found = [f"{log.relative_to(item.stash[_tmp_path_key])}: {line.strip()[:300]}"
+                 for log in sorted(item.stash[_tmp_path_key].rglob("*.log"))
+                 for line in log.read_text(errors="replace").splitlines()
+                 if any(p in line for p in WORKER_LOG_ERRORS)]
+        if found:
+            report.outcome = "failed"
+            report.longrepr = ("worker logs hold database errors (MOTIR_TEST_SCAN_WORKER_LOGS=1):\n"
+                               + "\n".join(found[:40]) + (f"\n... {len(found) - 40} more" if len(found) > 40 else ""))
+    return report
+
+
 def count_effects(eng: Engine, run_id: object, step: str | None = None) -> int:
     """How many times a step body really ran (tests.jobs records each execution)."""
     sql = "SELECT count(*) FROM test.side_effect WHERE run_id = :r" + (" AND step = :s" if step else "")
