@@ -65,8 +65,8 @@ class Settings:
     #: reads, the dashboard's admins, metrics): a login that is a member of
     #: ``motir_admin``, the only role for which ``motir.system_admin`` counts
     #: (docs/security.md). Unset without an app URL (development): the engine URL
-    #: with SET LOCAL ROLE motir_admin. MOTIR_ADMIN_DATABASE_URL, read here.
-    admin_database_url: str | None = field(default_factory=lambda: _url(os.environ, "MOTIR_ADMIN_DATABASE_URL"))
+    #: with SET LOCAL ROLE motir_admin.
+    admin_database_url: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
@@ -74,6 +74,7 @@ class Settings:
         return cls(
             database_url=_url(env, "MOTIR_DATABASE_URL"),
             app_database_url=_url(env, "MOTIR_APP_DATABASE_URL"),
+            admin_database_url=_url(env, "MOTIR_ADMIN_DATABASE_URL"),
             migrate_database_url=_url(env, "MOTIR_MIGRATE_DATABASE_URL"),
             broker_url=env.get("CELERY_BROKER_URL") or None,
             result_backend=env.get("CELERY_RESULT_BACKEND") or None,
