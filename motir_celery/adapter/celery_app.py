@@ -49,7 +49,6 @@ and reads everything from the environment (``settings.py``).
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import re
@@ -58,7 +57,8 @@ import weakref
 from dataclasses import asdict
 from typing import Any
 
-from celery import Celery
+from celery import Celery, signals
+from celery.exceptions import Retry
 
 from motir_celery.adapter.messages import publisher
 from motir_celery.adapter.worker import EngineStep, engine_thread
@@ -67,7 +67,7 @@ from motir_celery.core.jobs import TASK_OPTIONS, Job, on_job_defined
 from motir_celery.errors import ConfigurationError, RunFailed
 from motir_celery.settings import Settings, get_settings
 
-__all__ = ["create_app", "attach", "default_app", "publisher"]
+__all__ = ["create_app", "attach", "default_app", "publisher", "import_jobs"]
 
 log = logging.getLogger("motir_celery.celery")
 
@@ -77,12 +77,15 @@ _default_lock = threading.Lock()
 
 def default_app() -> Celery:
     """The app ``send_event`` & co. publish through: the one given to
-    ``motir_celery.attach``, else ours, built from the environment on first use."""
+    ``motir_celery.attach``, else ours, built from the environment on first use —
+    with its job modules imported (a producer fans an event out to the jobs it knows)."""
     global _default
     with _default_lock:
         if _default is None:
             _default = create_app()
-        return _default
+        app = _default
+    import_jobs(app)  # outside the lock: a job module may ask for motir_celery.app
+    return app
 
 
 def use_as_default(app: Celery) -> None:
@@ -123,11 +126,21 @@ def create_app(settings: Settings | None = None, *, main: str = "motir_celery") 
 
 def attach(app: Celery, *, settings: Settings | None = None) -> Celery:
     """Host the engine on ``app``: register every job (and every later one) as a task,
-    run the sweeper in its workers, and import ``MOTIR_IMPORTS`` there."""
-    settings = settings or get_settings()
+    run the sweeper in its workers, and import ``MOTIR_IMPORTS`` there.
+
+    The job modules are not imported here but when Celery imports the app's own
+    (``app.conf.imports``: the ``import_modules`` signal of a worker, beat, ``celery
+    shell``), when a producer first publishes through it (``default_app``), or when
+    the CLI asks (``import_jobs``): the module that calls ``attach(app)`` may then
+    define tasks after the call that the job modules import, and a Django project's
+    job modules may import models (Celery sets Django up first). Each is imported the
+    way Celery imports ``-A proj``: from the current folder too.
+    """
     if app.conf.get("motir_attached"):
         return app
     app.conf.motir_attached = True
+    if settings is not None:
+        _attach_settings[app] = settings
     for key, value in {
         "worker_prefetch_multiplier": 1,
         # Not task_acks_late, nor task events: Celery's defaults (off); see the module docstring.
@@ -135,7 +148,6 @@ def attach(app: Celery, *, settings: Settings | None = None) -> Celery:
         # Ours are defaults: a setting the user made on their own app wins.
         if key not in app.conf.changes:
             app.conf[key] = value
-    app.conf.imports = tuple(app.conf.imports or ()) + tuple(settings.imports)
     app.steps["worker"].add(EngineStep)
     # `celery beat` fires the cron jobs through our scheduler (beat.py), unless the
     # user chose a scheduler of their own (then: beat.MotirCronMixin).
@@ -143,10 +155,36 @@ def attach(app: Celery, *, settings: Settings | None = None) -> Celery:
         app.conf.beat_scheduler = "motir_celery.beat:MotirScheduler"
     from motir_celery.core import system_jobs  # noqa: F401  (registers system.daily-health-check)
     on_job_defined(lambda job: _register(app, job))
-    # The beat scheduler and the CLI need the jobs without a worker's imports.
-    for module in settings.imports:
-        importlib.import_module(module)
+    signals.import_modules.connect(_on_import_modules, sender=app, weak=False)
     return app
+
+
+#: Settings given to attach() explicitly (create_app's); otherwise read when the jobs are imported.
+_attach_settings: "weakref.WeakKeyDictionary[Celery, Settings]" = weakref.WeakKeyDictionary()
+_imported: "weakref.WeakSet[Celery]" = weakref.WeakSet()
+_import_lock = threading.RLock()
+
+
+def import_jobs(app: Celery) -> None:
+    """Import ``MOTIR_IMPORTS`` for ``app``, once, with the current folder on ``sys.path``
+    while doing so (Celery's ``import_from_cwd``, as for ``-A`` and ``app.conf.imports``)."""
+    with _import_lock:
+        if app in _imported:
+            return
+        _imported.add(app)  # first: a job module that publishes while being imported does not loop
+        settings = _attach_settings.get(app) or get_settings()
+        try:
+            for module in settings.imports:
+                app.loader.import_task_module(module)
+        except BaseException:
+            _imported.discard(app)
+            raise
+
+
+def _on_import_modules(sender: Celery, **_: Any) -> None:
+    # After the app's own signal handlers connected before ours (Celery's Django fixup:
+    # django.setup()), before app.conf.imports.
+    import_jobs(sender)
 
 
 _registered: "weakref.WeakKeyDictionary[Celery, set[str]]" = weakref.WeakKeyDictionary()
@@ -171,6 +209,13 @@ def _register(app: Celery, job: Job) -> None:
             # task show as FAILURE in Flower and Celery's events; the message is
             # acknowledged all the same (late acks too ack failures), so it is not redelivered.
             raise RunFailed(f"run {outcome.run_id} of {job.id} failed for good; DLQ entry {outcome.detail}")
+        if outcome.state == "retrying":
+            # Settled already: queued again for its next attempt, whose message the runner
+            # published (or the sweeper will). Raising Retry only makes the task end in
+            # state RETRY (Flower's "Retried", the task-retried event, the task_retry
+            # signal): Celery sends a new message in Task.retry(), never for a Retry raised
+            # by the task itself, and acknowledges this one as for any ending.
+            raise Retry(f"run {outcome.run_id} of {job.id}: attempt failed, next attempt {outcome.detail}")
         return asdict(outcome)
 
     run_job.__name__ = run_job.__qualname__ = "run_" + re.sub(r"\W", "_", job.id)
