@@ -80,8 +80,10 @@ def get_engine(url: str | None = None, *, settings: Settings | None = None) -> E
                     # Every timestamp is timestamptz compared with now(); the session
                     # TimeZone only changes how values print, never what they mean.
                     connect_args=_connect_args(settings),
+                    pool_pre_ping=not settings.ping_idle_only,
                 )
-                _ping_when_idle(engine)
+                if settings.ping_idle_only:
+                    _ping_when_idle(engine)
                 engines.by_url[url] = engine
     return engine
 
@@ -127,15 +129,15 @@ PING_AFTER_IDLE_SECONDS = 1.0
 
 
 def _ping_when_idle(engine: Engine) -> None:
-    """Pessimistic disconnect handling, paid only where it can matter.
+    """Pessimistic disconnect handling, paid only where it can matter
+    (``MOTIR_PING_IDLE_ONLY``, on by default; off: SQLAlchemy's ``pool_pre_ping``).
 
     A connection checked in less than ``PING_AFTER_IDLE_SECONDS`` ago answered a
-    statement a moment ago; a busy worker (a run every few milliseconds) never
-    pings. One that sat longer is pinged on checkout, and if the ping fails the
-    pool replaces it (``DisconnectionError`` makes the pool connect afresh),
-    just as ``pool_pre_ping`` would. A restart inside that second surfaces as
-    a disconnect on the first statement: SQLAlchemy then invalidates the whole
-    pool, and the runner claims again on a new socket (``runner._claim``).
+    statement a moment ago; a busy worker never pings. One that sat longer is
+    pinged on checkout and replaced if the ping fails, as ``pool_pre_ping`` would.
+    Hazard: a database restart inside that second surfaces as a disconnect on the
+    run's first statement; the pool is invalidated and the runner tries once more
+    on a new socket (``runner.execute``); a run already claimed waits for its lease.
     """
 
     @sa_event.listens_for(engine, "checkin")
