@@ -18,8 +18,12 @@ from the environment. ``attach(app)`` hosts the engine on your own app instead.
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from motir_celery.core.jobs import CanvasNotSupported, Job, define_job, use_invoker
+from motir_celery.core.results import JobFailed, JobRevoked, ResultTimeout, RunHandle
+from motir_celery.core.retries import RetryPolicy
+from motir_celery.core.runspec import CancelOn
 from motir_celery.errors import (
     ConfigurationError,
     JobDefinitionError,
@@ -34,14 +38,13 @@ from motir_celery.errors import (
     UnknownJobError,
     WorkspaceError,
 )
-from motir_celery.core.jobs import define_job
-from motir_celery.core.retries import RetryPolicy
-from motir_celery.core.runspec import CancelOn
 
 if TYPE_CHECKING:
     from celery import Celery
+    from sqlalchemy.ext.asyncio import AsyncSession
     from sqlalchemy.orm import Session
 
+    from motir_celery.core.direct import PublishFor
     from motir_celery.core.dlq import ReplayResult
     from motir_celery.core.events import SendResult
     from motir_celery.store.statements import AlreadyQueued, Queued
@@ -49,6 +52,12 @@ if TYPE_CHECKING:
 __all__ = [
     "define_job",
     "send_event",
+    "send_event_async",
+    "RunHandle",
+    "JobFailed",
+    "JobRevoked",
+    "ResultTimeout",
+    "CanvasNotSupported",
     "replay_dlq",
     "cancel_run",
     "enqueue_scheduled",
@@ -125,10 +134,60 @@ def enqueue_scheduled(job_id: str, scheduled_for: Any, *, app: "Celery | None" =
 def attach(app: "Celery") -> "Celery":
     """Host the engine on your own Celery app (tasks ``motir.<job_id>``, sweeper,
     imports); ``send_event`` and ``replay_dlq`` then publish through it."""
-    from motir_celery.adapter.celery_app import attach as _attach, use_as_default
+    from motir_celery.adapter.celery_app import attach as _attach
+    from motir_celery.adapter.celery_app import use_as_default
 
     use_as_default(_attach(app))
     return app
+
+
+async def send_event_async(
+    name: str,
+    data: Any,
+    *,
+    workspace_id: str | None = None,
+    idempotency_key: str | None = None,
+    session: "AsyncSession | None" = None,
+    priority: int | None = None,
+    app: "Celery | None" = None,
+) -> "SendResult":
+    """``send_event`` for asyncio code: psycopg's async connection, the publish in a
+    thread executor; ``session`` is SQLAlchemy's ``AsyncSession`` (see ``core/aio.py``)."""
+    from motir_celery.core import aio
+
+    return await aio.send_event_async(
+        name, data, workspace_id=workspace_id, idempotency_key=idempotency_key, session=session,
+        priority=priority, publish=_publish(app),
+    )
+
+
+def _publish_for(queue: str | None, priority: int | None):  # type: ignore[no-untyped-def]
+    from motir_celery.adapter.celery_app import default_app
+    from motir_celery.adapter.routing import publisher_for
+
+    return publisher_for(default_app(), queue, priority)
+
+
+class _DirectRuns:
+    """``job.delay()`` / ``apply_async()`` and their async twins (core/direct.py, core/aio.py),
+    published through the default app: the one ``attach()`` was given, else ours."""
+
+    def apply_async(self, job: Job, args: Sequence[Any], kwargs: Mapping[str, Any],
+                    options: dict[str, Any]) -> RunHandle:
+        from motir_celery.core import direct
+
+        publish_for: "PublishFor" = _publish_for
+        return direct.apply_async(job, args, kwargs, options, publish_for=publish_for)
+
+    async def apply_async_async(self, job: Job, args: Sequence[Any], kwargs: Mapping[str, Any],
+                                options: dict[str, Any]) -> RunHandle:
+        from motir_celery.core import aio
+
+        publish_for: "PublishFor" = _publish_for
+        return await aio.apply_async_async(job, args, kwargs, options, publish_for=publish_for)
+
+
+use_invoker(_DirectRuns())
 
 
 def __getattr__(name: str) -> Any:

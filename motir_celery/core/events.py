@@ -33,6 +33,7 @@ from sqlalchemy.orm import Session
 
 from motir_celery.core.jobs import Job, cancelled_by, subscribers
 from motir_celery.core.publish import Publish, publish_or_log
+from motir_celery.core.results import RunHandle
 from motir_celery.core.runspec import path_of, spec_for, value_at
 from motir_celery.core.tracing import current_traceparent
 from motir_celery.errors import PayloadError
@@ -93,6 +94,11 @@ class SendResult:
     @property
     def run_ids(self) -> list[uuid.UUID]:
         return [r.run_id for r in self.runs if isinstance(r, statements.Queued)]
+
+    @property
+    def results(self) -> list[RunHandle]:
+        """A result handle per run created: ``.state``, ``.get(timeout=)`` (core/results.py)."""
+        return [RunHandle(r.run_id, r.job_id) for r in self.runs if isinstance(r, statements.Queued)]
 
 
 def _validate(name: Any, data: Any, workspace_id: Any, idempotency_key: Any, limit: int) -> tuple[str, str | None]:

@@ -4,8 +4,15 @@ Like Celery's ``shared_task``, ``define_job`` works at import time without an
 app: it records the job in a process-wide registry, and whichever Celery app
 hosts the engine (ours, or the user's through ``attach``) turns every
 registered job into a task named ``motir.<job_id>`` — now, or as soon as the
-app is attached. Mistakes (a duplicate id, no trigger, an unknown retry policy)
-are errors here, at definition time.
+app is attached. Mistakes (a duplicate id, both triggers, an unknown retry
+policy) are errors here, at definition time.
+
+A job with neither ``event=`` nor ``cron=`` is a *direct* job: started the way
+a Celery task is, ``job.delay(*args, **kwargs)`` / ``job.apply_async(...)``, and
+called as ``handler(step, *args, **kwargs)``. Those calls are written by
+``core/direct.py`` (and ``core/aio.py``), which sit above this module: the
+package's face wires them in (``use_invoker``), as the adapter hands the core
+its ``Publish`` callable, so no import points up.
 """
 
 from __future__ import annotations
@@ -13,13 +20,15 @@ from __future__ import annotations
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable, Mapping, NoReturn, Protocol, Sequence
 
+from motir_celery.core.results import RunHandle
 from motir_celery.core.retries import RetryPolicy, resolve_policy
 from motir_celery.core.runspec import RunOptions, run_options
-from motir_celery.errors import JobDefinitionError, UnknownJobError
+from motir_celery.errors import JobDefinitionError, MotirError, UnknownJobError
 
-__all__ = ["Job", "define_job", "get_job", "all_jobs", "subscribers", "cancelled_by", "on_job_defined", "task_name"]
+__all__ = ["Job", "define_job", "get_job", "all_jobs", "subscribers", "cancelled_by", "on_job_defined", "task_name",
+           "CanvasNotSupported", "Invoker", "use_invoker"]
 
 JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,199}$")
 
@@ -31,7 +40,7 @@ class Handler(Protocol):
 @dataclass(frozen=True)
 class Job:
     id: str
-    handler: Callable[[Any, Any], Any]
+    handler: Callable[..., Any]
     events: tuple[str, ...] = ()
     cron: str | None = None
     timezone: str = "UTC"
@@ -45,12 +54,99 @@ class Job:
     def task_name(self) -> str:
         return task_name(self.id)
 
-    def __call__(self, event: Any, step: Any) -> Any:
-        return self.handler(event, step)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # handler(event, step), or a direct job's handler(step, *args, **kwargs), called inline.
+        return self.handler(*args, **kwargs)
+
+    @property
+    def direct(self) -> bool:
+        """Neither ``event=`` nor ``cron=``: started by ``delay()`` / ``apply_async()``."""
+        return not self.events and self.cron is None
+
+    # --- Celery-shaped calls (core/direct.py; docs/jobs.md, "Direct jobs") -------------
+
+    def delay(self, *args: Any, **kwargs: Any) -> RunHandle:
+        """One durable run of this direct job with these arguments; its result handle."""
+        return _invoker_for(self).apply_async(self, args, kwargs, {})
+
+    def apply_async(self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None,
+                    **options: Any) -> RunHandle:
+        """``delay`` with options: ``countdown=``, ``eta=``, ``queue=``, ``priority=``,
+        ``task_id=`` / ``idempotency_key=``, ``workspace_id=``, ``session=``."""
+        return _invoker_for(self).apply_async(self, args or (), kwargs or {}, options)
+
+    async def delay_async(self, *args: Any, **kwargs: Any) -> RunHandle:
+        """``delay`` for asyncio code (psycopg's async connection; never blocks the loop)."""
+        return await _invoker_for(self).apply_async_async(self, args, kwargs, {})
+
+    async def apply_async_async(self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None,
+                                **options: Any) -> RunHandle:
+        """``apply_async`` for asyncio code; ``session=`` takes an ``AsyncSession``."""
+        return await _invoker_for(self).apply_async_async(self, args or (), kwargs or {}, options)
+
+    def s(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise CanvasNotSupported(_CANVAS.format(job=self.id, what="s"))
+
+    def si(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise CanvasNotSupported(_CANVAS.format(job=self.id, what="si"))
+
+    def signature(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise CanvasNotSupported(_CANVAS.format(job=self.id, what="signature"))
+
+    subtask = signature
+
+    def map(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise CanvasNotSupported(_CANVAS.format(job=self.id, what="map"))
+
+    starmap = chunks = map
 
 
 def task_name(job_id: str) -> str:
     return f"motir.{job_id}"
+
+
+class CanvasNotSupported(MotirError, TypeError):
+    """``job.s()`` & co.: durable jobs are not Celery canvas members (docs/migrating.md)."""
+
+
+_CANVAS = (
+    "job {job!r}.{what}(): durable jobs do not take part in Celery's canvas (chain, group, chord): "
+    "the links between them would live in Celery's result backend, outside Postgres, and a crash "
+    "between two links would lose the rest. Compose durably instead: call the pieces as steps of one "
+    "job (step.run('a', a) then step.run('b', b, a_result) is a chain; several steps then one that "
+    "uses their results is a group + chord), or start the next job from a step "
+    "(step.send_event(step_id, name, data), or step.run(step_id, lambda: other.delay(...).task_id))."
+)
+
+
+class Invoker(Protocol):
+    """What writes a direct run (core/direct.py, core/aio.py), wired in by the package's face."""
+
+    def apply_async(self, job: Job, args: Sequence[Any], kwargs: Mapping[str, Any],
+                    options: dict[str, Any]) -> RunHandle: ...
+
+    async def apply_async_async(self, job: Job, args: Sequence[Any], kwargs: Mapping[str, Any],
+                                options: dict[str, Any]) -> RunHandle: ...
+
+
+_invoker: Invoker | None = None
+
+
+def use_invoker(invoker: Invoker) -> None:
+    """Write direct runs through ``invoker`` (``motir_celery/__init__.py`` calls this)."""
+    global _invoker
+    _invoker = invoker
+
+
+def _invoker_for(job: Job) -> Invoker:
+    if not job.direct:
+        trigger = (f"its event {job.events[0]!r} (send_event({job.events[0]!r}, data))" if job.events
+                   else f"its cron {job.cron!r} (celery beat)")
+        raise JobDefinitionError(f"job {job.id!r} is started by {trigger}, not by .delay() / .apply_async(): "
+                                 "only a job defined with neither event= nor cron= is (a direct job)")
+    if _invoker is None:  # only if motir_celery/__init__.py was never imported, which Python does not allow
+        raise JobDefinitionError("direct runs are not wired in: import motir_celery")
+    return _invoker
 
 
 #: define_job options that are the Celery task's own (celery_app registers them,
@@ -71,11 +167,13 @@ def define_job(
     timezone: str | None = None,
     retry_policy: str | RetryPolicy = "transient",
     **options: Any,
-) -> Callable[[Callable[[Any, Any], Any]], Job]:
+) -> Callable[[Callable[..., Any]], Job]:
     """Register ``handler(event, step)`` as job ``id``.
 
     ``event`` names the event(s) that start a run; ``cron`` schedules one
-    instead (see docs/jobs.md, "Scheduled jobs"). ``retry_policy`` is
+    instead (see docs/jobs.md, "Scheduled jobs"); with neither, the job is
+    direct: ``job.delay(*args, **kwargs)`` starts a run of
+    ``handler(step, *args, **kwargs)`` (docs/jobs.md, "Direct jobs"). ``retry_policy`` is
     ``"transient"`` (default), ``"idempotent"``, ``"none"`` or a ``RetryPolicy``.
     Durable-flow options (docs/jobs.md): ``priority=0..9``, ``singleton_key=``,
     ``concurrency=(limit, key)``, ``cancel_on=[CancelOn(...)]``; cron jobs also
@@ -89,8 +187,6 @@ def define_job(
     for name in events:
         if not isinstance(name, str) or not name:
             raise JobDefinitionError(f"job {id!r}: event names must be non-empty strings, got {name!r}")
-    if not events and cron is None:
-        raise JobDefinitionError(f"job {id!r} has no trigger: pass event=... or cron=...")
     if events and cron is not None:
         raise JobDefinitionError(f"job {id!r}: pass event=... or cron=..., not both")
     policy = resolve_policy(retry_policy)
@@ -103,7 +199,7 @@ def define_job(
     if cron is not None:
         cron, zone = parse_cron(cron, timezone, job_id=id)
 
-    def decorate(handler: Callable[[Any, Any], Any]) -> Job:
+    def decorate(handler: Callable[..., Any]) -> Job:
         if not callable(handler):
             raise JobDefinitionError(f"job {id!r}: the handler must be callable")
         job = Job(id=id, handler=handler, events=events, cron=cron, timezone=zone,

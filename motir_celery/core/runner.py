@@ -36,6 +36,7 @@ from sqlalchemy.exc import DBAPIError
 
 from motir_celery.core import concurrency, leases
 from motir_celery.core.failures import describe, storable_error
+from motir_celery.core.handlers import call_handler
 from motir_celery.core.jobs import get_job
 from motir_celery.core.publish import Publish, publish_or_log
 from motir_celery.core.steps import Step, encode_json
@@ -134,7 +135,7 @@ def _attempt(claim: statements.Claim, conn: Connection, engine: Engine, publish:
         event = Event(name=claim.event_name, data=event_data, id=str(claim.event_id) if claim.event_id else None,
                       workspace_id=claim.workspace_id, run_id=run, attempt=claim.attempt,
                       scheduled_for=claim.scheduled_for)
-        result = job.handler(event, step)
+        result = call_handler(job, event, step)  # handler(event, step) | (step, *args, **kwargs) | async def
         encoded = encode_json(result, what=f"the handler of {claim.job_id!r} returned a value that",
                               limit=settings.max_payload_bytes)
     except Suspended as exc:

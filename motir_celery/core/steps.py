@@ -33,6 +33,7 @@ from typing import Any, Callable, ContextManager, TypeVar
 from sqlalchemy import Connection
 
 from motir_celery.core import events
+from motir_celery.core.handlers import coroutine_step, is_coroutine_function
 from motir_celery.core.publish import Publish
 from motir_celery.core.runspec import path_of, value_at
 from motir_celery.core.tracing import step_span
@@ -94,16 +95,22 @@ class StepRun:
         return self._claim.attempt
 
     def run(self, step_id: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run ``fn(*args, **kwargs)`` once for this run, or return its stored result."""
+        """Run ``fn(*args, **kwargs)`` once for this run, or return its stored result
+        (an awaitable of it when ``fn`` is a coroutine function: ``handlers.py``)."""
         key = self._key(step_id)
+        if is_coroutine_function(fn):
+            return coroutine_step(self, key, fn, args, kwargs)  # type: ignore[return-value, arg-type]
         if key in self._memo:
             return self._memo[key]  # type: ignore[no-any-return]
         self._still_held(key)
         with step_span(key):
             started = time.monotonic()
             value = fn(*args, **kwargs)
-            encoded = encode_json(value, what=f"step {key!r} returned a value that", limit=self._max_bytes)
+            encoded = self._encode(key, value)
         return self._store(key, encoded, time.monotonic() - started)  # type: ignore[no-any-return]
+
+    def _encode(self, key: str, value: Any) -> str:
+        return encode_json(value, what=f"step {key!r} returned a value that", limit=self._max_bytes)
 
     def _store(self, key: str, encoded: str, elapsed: float) -> Any:
         """Commit the step's record (fenced) and memoize it; raise if the run is no longer ours."""

@@ -311,6 +311,75 @@ def enqueue_scheduled(
     return OverlapSkipped(job_id, skipped.id, blocking)
 
 
+# --- direct runs (job.delay / apply_async) and their results -------------------------
+
+DIRECT_RUN = Statement(
+    "direct_run",
+    "Write a direct run's event (direct.<job_id>, its arguments) and its one run, due at run_at (one statement).",
+    """
+    WITH e AS (
+      INSERT INTO job_event (name, data, workspace_id, idempotency_key)
+      VALUES (%(name)s, CAST(%(data)s AS jsonb), %(workspace_id)s, %(key)s)
+      -- (name, idempotency_key) is unique and the name is the job's own: a key
+      -- (Celery's task_id) used twice for this job writes nothing. NULL keys never conflict.
+      ON CONFLICT (name, idempotency_key) DO NOTHING
+      RETURNING id, name, workspace_id
+    ), due AS (
+      -- countdown is a duration on the database's clock; eta an absolute instant the
+      -- caller chose (bound as timestamptz, so its zone is kept). Never this process's clock.
+      SELECT coalesce(CAST(%(eta)s AS timestamptz), now() + make_interval(secs => %(countdown)s)) AS run_at
+    ), runs AS (
+      INSERT INTO job_queue (event_id, job_id, event_name, workspace_id, max_attempts, retry_policy, priority,
+                             singleton_key, concurrency_key, cancel_key, traceparent, run_at, dispatched_at)
+      SELECT e.id, %(job_id)s, e.name, e.workspace_id, %(max_attempts)s, %(policy)s, %(priority)s,
+             %(singleton)s, %(concurrency)s, %(cancel_key)s, %(traceparent)s, due.run_at,
+             -- due later than republish_after: no message now, the sweeper publishes it once due
+             -- ("message older than republish_after" then holds at run_at); else published now.
+             greatest(now(), due.run_at - make_interval(secs => %(after)s))
+      FROM e, due
+      -- No conflict target: one run per (event, job), one active run per (job, singleton_key).
+      ON CONFLICT DO NOTHING
+      RETURNING id, run_at
+    )
+    SELECT e.id AS event_id, runs.id AS run_id,
+           -- seconds until due by the database's clock: the Celery countdown of its message
+           extract(epoch FROM runs.run_at - now())::float8 AS due_in
+    FROM e LEFT JOIN runs ON true
+    """,
+)
+
+DIRECT_RUN_EXISTING = Statement(
+    "direct_run_existing",
+    "The run a refused direct run stands for: the one its idempotency key made, or the active run of its singleton key.",
+    """
+    (SELECT q.id AS run_id, e.data = CAST(%(data)s AS jsonb) AS same   -- same arguments, or a key with two meanings
+     FROM job_event e JOIN job_queue q ON q.event_id = e.id
+     WHERE e.name = %(name)s AND e.idempotency_key = %(key)s   -- the key's event (unique)
+       AND q.job_id = %(job_id)s)                               -- and its run
+    UNION ALL
+    (SELECT id, NULL FROM job_queue
+     WHERE job_id = %(job_id)s AND singleton_key = %(singleton)s  -- uq_job_queue_singleton_active refused it
+       AND state IN ('queued', 'running'))
+    LIMIT 1
+    """,
+)
+
+RUN_RESULT = Statement(
+    "run_result",
+    "A run's state, result and how its latest attempt ended (the result handle's .state and .get).",
+    """
+    SELECT q.state, q.result, q.attempts, r.outcome AS last_outcome, r.error AS last_error
+    FROM job_queue q
+    LEFT JOIN LATERAL (
+      SELECT outcome, error FROM job_run
+      WHERE run_id = q.id                      -- this run's ledger (ix_job_run_ledger)
+      ORDER BY started_at DESC LIMIT 1         -- its latest attempt: retrying, failed, lost...
+    ) r ON true
+    WHERE q.id = %(run_id)s
+    """,
+)
+
+
 # --- claim ------------------------------------------------------------------------
 
 CLAIM = Statement(

@@ -1,0 +1,193 @@
+"""asyncio producers: ``await send_event_async(...)`` and ``await job.delay_async(...)``.
+
+For FastAPI / Starlette / aiohttp code. The rows are written over psycopg's
+async connection (SQLAlchemy's async engine on the same ``postgresql+psycopg``
+URL), so the event loop runs while Postgres works; the statements are the
+catalogue's own (``RECORD_EVENT``, ``DIRECT_RUN``), sent as they are. With
+``session=`` an ``AsyncSession`` takes the place of a ``Session``: the rows are
+written in its transaction and published when it commits.
+
+The broker publish is synchronous code (kombu, or the Redis lane's LPUSH), so
+it runs in the loop's default thread executor, after the commit:
+
+* without ``session``, the call awaits it, so when ``await`` returns the
+  message is out, as with ``send_event``;
+* with ``session``, the commit hook (SQLAlchemy's ``after_commit``, which runs
+  inside ``await session.commit()``) hands it to the executor and returns; the
+  executor publishes a moment later. A refused publish is logged, the row is
+  committed, the sweeper publishes it.
+
+An async engine's connections belong to the loop that opened them, so there is
+one engine per event loop (and per process, ``forks.per_process``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, create_async_engine
+
+from motir_celery.core import direct
+from motir_celery.core.events import SendResult, _cancel_on, _validate, publish_after_commit
+from motir_celery.core.jobs import Job, cancelled_by, subscribers
+from motir_celery.core.publish import Publish, publish_or_log
+from motir_celery.core.results import RunHandle
+from motir_celery.core.runspec import spec_for
+from motir_celery.core.tracing import current_traceparent
+from motir_celery.errors import PayloadError
+from motir_celery.forks import per_process
+from motir_celery.settings import Settings, get_settings
+from motir_celery.store import statements
+from motir_celery.store.driver import Statement
+
+if TYPE_CHECKING:
+    from motir_celery.core.direct import PublishFor
+
+__all__ = ["send_event_async", "apply_async_async", "async_engine"]
+
+
+class _Engines:
+    def __init__(self) -> None:
+        self.by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, AsyncEngine]]" = \
+            weakref.WeakKeyDictionary()
+
+
+_engines = per_process(_Engines)
+
+
+def async_engine(settings: Settings | None = None) -> AsyncEngine:
+    """This loop's async engine for the database URL (autocommit: one statement, one commit)."""
+    settings = settings or get_settings()
+    url = settings.require_database_url()
+    per_loop = _engines().by_loop.setdefault(asyncio.get_running_loop(), {})
+    engine = per_loop.get(url)
+    if engine is None:
+        connect_args: dict[str, Any] = {"application_name": "motir-celery"}
+        if not settings.prepared_statements:
+            connect_args["prepare_threshold"] = None  # behind a transaction pooler (store/db.py)
+        engine = per_loop[url] = create_async_engine(
+            url, pool_size=settings.pool_size, max_overflow=settings.pool_size, connect_args=connect_args,
+        ).execution_options(isolation_level="AUTOCOMMIT")
+    return engine
+
+
+async def _rows(conn: AsyncConnection, statement: Statement, params: dict[str, Any]) -> list[dict[str, Any]]:
+    """driver.rows for an async connection: the catalogued SQL as it is, rows by column name."""
+    result = await conn.exec_driver_sql(statement.sql, params)
+    return [dict(r) for r in result.mappings().all()] if result.returns_rows else []
+
+
+def _offloaded(publish: Publish, loop: asyncio.AbstractEventLoop) -> Publish:
+    """``publish`` handed to the loop's thread executor (for commit hooks: fire and log)."""
+    pending: set[asyncio.Future[Any]] = set()
+
+    def submit(run_id: Any, job_id: str, countdown: float = 0.0) -> None:
+        future = loop.run_in_executor(None, publish_or_log, publish, run_id, job_id, countdown)
+        pending.add(future)  # held until done: a dropped future may be collected mid-flight
+        future.add_done_callback(pending.discard)
+
+    return submit
+
+
+def _publish_all(runs: Sequence[Any], publish: Publish) -> None:
+    for run in runs:
+        if isinstance(run, statements.Queued) and not publish_or_log(publish, run.run_id, run.job_id):
+            break  # the broker is away: the sweeper publishes the rest
+
+
+# --- send_event_async -------------------------------------------------------------
+
+
+async def _write_event(conn: AsyncConnection, name: str, data: Any, encoded: str, workspace_id: str | None,
+                       key: str | None, jobs: Sequence[Job], priority: int | None) -> SendResult:
+    """events.write_event, over an async connection."""
+    specs = [spec_for(job, data, workspace_id, priority) for job in jobs]
+    params = {"name": name, "data": encoded, "workspace_id": workspace_id, "key": key,
+              **statements._specs(specs, current_traceparent())}
+    found = await _rows(conn, statements.RECORD_EVENT, params)
+    recorded = [r for r in found if not r["woken"]]
+    if not recorded:
+        existing = (await conn.execute(
+            text("SELECT id, data = CAST(:data AS jsonb) AND workspace_id IS NOT DISTINCT FROM :ws AS same "
+                 "FROM job_event WHERE name = :name AND idempotency_key = :key"),
+            {"name": name, "key": key, "data": encoded, "ws": workspace_id},
+        )).one_or_none()
+        conflicting = existing is None or not existing.same
+        return SendResult(existing.id if existing else None, [], deduplicated=True, conflicting=conflicting)
+    woken = [statements.Queued(r["run_id"], r["job_id"]) for r in found if r["woken"]]
+    cancelled = await conn.run_sync(_cancel_on, name, data) if cancelled_by(name) else []
+    return SendResult(recorded[0]["event_id"], statements._runs(specs, recorded), woken=woken, cancelled=cancelled)
+
+
+async def send_event_async(
+    name: str,
+    data: Any,
+    *,
+    workspace_id: str | None = None,
+    idempotency_key: str | None = None,
+    session: AsyncSession | None = None,
+    publish: Publish | None = None,
+    priority: int | None = None,
+    settings: Settings | None = None,
+) -> SendResult:
+    """``send_event`` for asyncio code; ``session`` is an ``AsyncSession``."""
+    settings = settings or get_settings()
+    encoded, workspace_id = _validate(name, data, workspace_id, idempotency_key, settings.max_payload_bytes)
+    if priority is not None and (not isinstance(priority, int) or not 0 <= priority <= 9):
+        raise PayloadError(f"priority must be an integer from 0 to 9, got {priority!r}")
+    args = (name, data, encoded, workspace_id, idempotency_key, subscribers(name), priority)
+    loop = asyncio.get_running_loop()
+    if session is not None:
+        result = await _write_event(await session.connection(), *args)
+        if publish is not None:
+            publish_after_commit(session.sync_session, [*result.runs, *result.woken], _offloaded(publish, loop))
+        return result
+    engine = async_engine(settings)
+    if cancelled_by(name):  # the event and its cancellations in one transaction
+        async with engine.execution_options(isolation_level="READ COMMITTED").begin() as conn:
+            result = await _write_event(conn, *args)
+    else:
+        async with engine.connect() as conn:
+            result = await _write_event(conn, *args)
+    if publish is not None:
+        await loop.run_in_executor(None, _publish_all, [*result.runs, *result.woken], publish)
+    return result
+
+
+# --- job.delay_async ---------------------------------------------------------------
+
+
+async def apply_async_async(job: Job, args: Sequence[Any], kwargs: Mapping[str, Any], options: Mapping[str, Any],
+                            *, publish_for: "PublishFor | None" = None,
+                            settings: Settings | None = None) -> RunHandle:
+    """``direct.apply_async`` for asyncio code; ``session=`` is an ``AsyncSession``."""
+    settings = settings or get_settings()
+    session: AsyncSession | None = options.get("session")
+    call = direct.prepare(job, args, kwargs, {k: v for k, v in options.items() if k != "session"}, settings)
+    publish = publish_for(call.queue, call.priority) if publish_for is not None else None
+    loop = asyncio.get_running_loop()
+    if session is not None:
+        written = await _write_direct(await session.connection(), call, settings)
+        if publish is not None and direct.should_publish(written, settings):
+            run = statements.Queued(written.run_id, job.id)  # type: ignore[arg-type]
+            publish_after_commit(session.sync_session, [run],
+                                 _offloaded(direct.delayed(publish, written.due_in), loop))
+        return direct.handle(call, written, settings)
+    async with async_engine(settings).connect() as conn:
+        written = await _write_direct(conn, call, settings)
+    if publish is not None and direct.should_publish(written, settings):
+        assert written.run_id is not None  # should_publish: a new run
+        await loop.run_in_executor(None, publish_or_log, publish, written.run_id, job.id, max(written.due_in, 0.0))
+    return direct.handle(call, written, settings)
+
+
+async def _write_direct(conn: AsyncConnection, call: direct.DirectCall, settings: Settings) -> direct.Written:
+    found = await _rows(conn, statements.DIRECT_RUN, call.params(settings))
+    written = direct.interpret(call, found[0] if found else None)
+    if written is not None:
+        return written
+    again = await _rows(conn, statements.DIRECT_RUN_EXISTING, call.existing_params())
+    return direct.existing(call, again[0] if again else None)

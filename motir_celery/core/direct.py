@@ -1,0 +1,250 @@
+"""Direct runs: ``job.delay(*args, **kwargs)`` and ``job.apply_async(...)``, Celery-shaped.
+
+A direct job (``define_job`` with neither ``event=`` nor ``cron=``) is started
+the way a Celery task is. One call writes one event named ``direct.<job_id>``
+whose data is ``{"args": [...], "kwargs": {...}}`` and, in the same statement,
+its one run (``statements.DIRECT_RUN``): the event log, the DLQ (which copies
+the event's data, so a replay re-runs the same arguments), ``motir runs show``
+and RLS treat it as any other run; no schema change. The worker calls
+``handler(step, *args, **kwargs)``; ``step.run_id`` and ``step.attempt`` carry
+what an event job reads from ``event``.
+
+* **Arguments** are checked as event data is (JSON, no NUL or lone surrogate,
+  at most ``MOTIR_MAX_PAYLOAD_BYTES``) before anything is written, and come
+  back as JSON gives them (a tuple as a list), as with Celery's json serializer.
+* **Idempotency.** ``idempotency_key=`` — or Celery's ``task_id=``, the natural
+  key of a call site that already passes one — is the event's key, unique per
+  ``(name, key)``, so per job: a second call with it writes nothing and returns
+  the first call's run with ``deduplicated=True``. A singleton job
+  (``singleton_key=``) whose run is active answers the same way.
+* **countdown / eta.** The run's ``run_at`` is computed by Postgres in the
+  INSERT: ``now() + countdown`` (a duration is bound, never this process's
+  clock), or ``eta`` bound as ``timestamptz`` (an absolute instant the caller
+  chose; a naive one is taken as UTC, as Celery does with ``enable_utc``). The
+  claim refuses the run before it is due. A run due within
+  ``MOTIR_REPUBLISH_AFTER`` is published at once with a Celery countdown of
+  the database's ``run_at - now()``; a later one gets no message until the
+  sweeper publishes it once due (long countdowns are what Redis's visibility
+  timeout redelivers in a loop).
+* **queue / priority.** ``priority=`` (0-9) is the run's priority, stored on its
+  row and sent as the message priority. ``queue=`` routes this call's message;
+  a message the sweeper re-publishes (the first one was lost) follows the job's
+  own route (``define_job(queue=)`` / ``task_routes``).
+* **Publishing** happens after the commit that created the run; with
+  ``session=`` (SQLAlchemy), or inside a framework transaction that
+  ``events.join_transactions`` hands in (Django's ``atomic()``), when that
+  transaction commits, and never if it rolls back.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Callable, Mapping, Sequence
+
+from sqlalchemy import Connection
+from sqlalchemy.orm import Session
+
+from motir_celery.core.events import _validate, joined_transaction, publish_after_commit
+from motir_celery.core.jobs import Job
+from motir_celery.core.publish import Publish, publish_or_log
+from motir_celery.core.results import RunHandle
+from motir_celery.core.runspec import spec_for
+from motir_celery.core.tracing import current_traceparent
+from motir_celery.errors import PayloadError, checked_delay
+from motir_celery.settings import Settings, get_settings
+from motir_celery.store import statements
+from motir_celery.store.db import get_engine
+from motir_celery.store.driver import first
+from motir_celery.store.statements import RunSpec
+
+__all__ = ["DIRECT_PREFIX", "event_name", "DirectCall", "prepare", "apply_async", "arguments", "PublishFor",
+           "APPLY_ASYNC_OPTIONS"]
+
+log = logging.getLogger("motir_celery.core.direct")
+
+DIRECT_PREFIX = "direct."
+
+#: publish_for(queue, priority) -> the Publish callable for one call's message(s).
+PublishFor = Callable[[str | None, int | None], Publish]
+
+#: What apply_async accepts besides args and kwargs (anything else is refused by name).
+APPLY_ASYNC_OPTIONS = ("countdown", "eta", "queue", "priority", "task_id", "idempotency_key", "workspace_id",
+                       "session")
+#: Celery canvas options: refused with the same advice as job.s().
+_CANVAS_OPTIONS = ("link", "link_error", "chain", "chord", "group_id")
+
+
+def event_name(job_id: str) -> str:
+    return f"{DIRECT_PREFIX}{job_id}"
+
+
+def arguments(data: Any) -> tuple[list[Any], dict[str, Any]]:
+    """A direct run's ``(args, kwargs)`` from its event data."""
+    if not isinstance(data, dict):
+        return [], {}
+    return list(data.get("args") or ()), dict(data.get("kwargs") or {})
+
+
+@dataclass(frozen=True)
+class DirectCall:
+    """One validated direct call, ready for ``statements.DIRECT_RUN``."""
+
+    job: Job
+    name: str
+    encoded: str
+    workspace_id: str | None
+    key: str | None
+    countdown: float
+    eta: datetime | None
+    queue: str | None
+    priority: int | None
+    spec: RunSpec
+
+    def params(self, settings: Settings) -> dict[str, Any]:
+        s = self.spec
+        return {"name": self.name, "data": self.encoded, "workspace_id": self.workspace_id, "key": self.key,
+                "eta": self.eta, "countdown": self.countdown, "job_id": s.job_id, "max_attempts": s.max_attempts,
+                "policy": s.policy, "priority": s.priority, "singleton": s.singleton_key,
+                "concurrency": s.concurrency_key, "cancel_key": s.cancel_key,
+                "traceparent": current_traceparent(), "after": settings.republish_after}
+
+    def existing_params(self) -> dict[str, Any]:
+        return {"name": self.name, "key": self.key, "job_id": self.job.id, "singleton": self.spec.singleton_key,
+                "data": self.encoded}
+
+
+def prepare(job: Job, args: Sequence[Any], kwargs: Mapping[str, Any], options: Mapping[str, Any],
+            settings: Settings) -> DirectCall:
+    """Check one call before anything is written: its options, its arguments, its timing."""
+    from_canvas = [k for k in options if k in _CANVAS_OPTIONS]
+    if from_canvas:
+        job.s()  # raises CanvasNotSupported, with the durable alternatives
+    unknown = sorted(set(options) - set(APPLY_ASYNC_OPTIONS))
+    if unknown:
+        raise TypeError(f"apply_async() of job {job.id!r}: unsupported option(s) {', '.join(unknown)}; "
+                        f"supported: args, kwargs, {', '.join(APPLY_ASYNC_OPTIONS)}")
+    if isinstance(args, (str, bytes, Mapping)) or not isinstance(args, Sequence):
+        raise PayloadError(f"args of job {job.id!r} must be a list or tuple, got {type(args).__name__}")
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise PayloadError(f"kwargs of job {job.id!r} must be a mapping with string keys")
+    key, task_id = options.get("idempotency_key"), options.get("task_id")
+    if key is not None and task_id is not None and key != task_id:
+        raise PayloadError(f"job {job.id!r}: idempotency_key and task_id differ; give one (task_id is the key)")
+    key = key if key is not None else task_id
+    key = str(key) if isinstance(key, uuid.UUID) else key
+    workspace_id = options.get("workspace_id")
+    if workspace_id is None and isinstance(kwargs.get("workspace_id"), str):
+        workspace_id = kwargs["workspace_id"]  # as send_event takes data["workspace_id"]
+    data = {"args": list(args), "kwargs": dict(kwargs)}
+    name = event_name(job.id)
+    try:
+        encoded, workspace_id = _validate(name, data, workspace_id, key, settings.max_payload_bytes)
+    except PayloadError as exc:
+        raise PayloadError(f"arguments of job {job.id!r}: {exc}") from None
+    countdown, eta = options.get("countdown"), options.get("eta")
+    if countdown is not None and eta is not None:
+        raise ValueError(f"job {job.id!r}: give countdown= or eta=, not both")
+    seconds = 0.0 if countdown is None else checked_delay(f"countdown of job {job.id!r}", countdown)
+    if eta is not None:
+        if not isinstance(eta, datetime):
+            raise ValueError(f"eta of job {job.id!r} must be a datetime, got {eta!r:.80}")
+        eta = eta if eta.tzinfo is not None else eta.replace(tzinfo=timezone.utc)
+    priority = options.get("priority")
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)
+                                 or not 0 <= priority <= 9):
+        raise PayloadError(f"priority must be an integer from 0 to 9, got {priority!r}")
+    queue = options.get("queue")
+    if queue is not None and (not isinstance(queue, str) or not queue):
+        raise ValueError(f"queue of job {job.id!r} must be a non-empty string, got {queue!r}")
+    return DirectCall(job, name, encoded, workspace_id, key, seconds, eta, queue, priority,
+                      spec_for(job, data, workspace_id, priority))
+
+
+@dataclass(frozen=True)
+class Written:
+    """What DIRECT_RUN did: the run (new, or the existing one it stands for) and when it is due."""
+
+    run_id: uuid.UUID | None
+    deduplicated: bool
+    due_in: float = 0.0
+
+
+def interpret(call: DirectCall, row: Mapping[str, Any] | None) -> Written | None:
+    """DIRECT_RUN's row as a Written; None when it was refused (look the existing run up)."""
+    if row is None or row["run_id"] is None:
+        return None
+    due_in = float(row["due_in"] or 0.0)
+    return Written(row["run_id"], False, due_in if math.isfinite(due_in) else 0.0)
+
+
+def existing(call: DirectCall, row: Mapping[str, Any] | None) -> Written:
+    """The refused call's existing run (None when row-level security hides it)."""
+    if row is None or row.get("same") is False:
+        log.warning("idempotency key %r of job %r was already used with other arguments or another workspace: "
+                    "nothing was written, the first run stands", call.key, call.job.id)
+    return Written(row["run_id"] if row else None, True)
+
+
+def write(conn: Connection, call: DirectCall, settings: Settings) -> Written:
+    """The event and its run, in ``conn``'s transaction (in autocommit: one statement, committed)."""
+    written = interpret(call, first(conn, statements.DIRECT_RUN, call.params(settings)))
+    if written is not None:
+        return written
+    return existing(call, first(conn, statements.DIRECT_RUN_EXISTING, call.existing_params()))
+
+
+def delayed(publish: Publish, due_in: float) -> Publish:
+    """``publish`` with the run's countdown (the database's run_at - now()) on its message."""
+    if due_in <= 0:
+        return publish
+
+    def later(run_id: uuid.UUID, job_id: str, countdown: float = 0.0) -> None:
+        publish(run_id, job_id, max(countdown, due_in))
+
+    return later
+
+
+def should_publish(written: Written, settings: Settings) -> bool:
+    """A new run due within republish_after gets its message now; a later one, from the sweeper."""
+    return written.run_id is not None and not written.deduplicated and written.due_in <= settings.republish_after
+
+
+def _publish_one(publish: Publish, run: statements.Queued) -> None:
+    publish_or_log(publish, run.run_id, run.job_id)
+
+
+def handle(call: DirectCall, written: Written, settings: Settings | None) -> RunHandle:
+    return RunHandle(written.run_id, call.job.id, deduplicated=written.deduplicated, settings=settings)
+
+
+def apply_async(job: Job, args: Sequence[Any], kwargs: Mapping[str, Any], options: Mapping[str, Any], *,
+                publish_for: PublishFor | None = None, settings: Settings | None = None) -> RunHandle:
+    """Write one direct run of ``job`` and publish it after commit; its result handle."""
+    settings = settings or get_settings()
+    session: Session | None = options.get("session")
+    call = prepare(job, args, kwargs, {k: v for k, v in options.items() if k != "session"}, settings)
+    publish = publish_for(call.queue, call.priority) if publish_for is not None else None
+    if session is not None:
+        written = write(session.connection(), call, settings)
+        if publish is not None and should_publish(written, settings):
+            run = statements.Queued(written.run_id, job.id)  # type: ignore[arg-type]
+            publish_after_commit(session, [run], delayed(publish, written.due_in))
+        return handle(call, written, settings)
+    joined = joined_transaction(call.workspace_id)  # a framework's transaction (contrib/django), if any
+    if joined is not None:
+        with joined as (conn, on_commit):
+            written = write(conn, call, settings)
+            if publish is not None and should_publish(written, settings):
+                run = statements.Queued(written.run_id, job.id)  # type: ignore[arg-type]
+                late = delayed(publish, written.due_in)
+                on_commit(lambda: _publish_one(late, run))
+        return handle(call, written, settings)
+    with get_engine(settings=settings).connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        written = write(conn, call, settings)
+    if publish is not None and should_publish(written, settings):
+        publish_or_log(publish, written.run_id, job.id, max(written.due_in, 0.0))  # type: ignore[arg-type]
+    return handle(call, written, settings)

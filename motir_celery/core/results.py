@@ -1,0 +1,204 @@
+"""The result handle of a run: ``.id``, ``.state``, ``.ready()``, ``.get(timeout=)``, read from Postgres.
+
+What ``job.delay()`` / ``job.apply_async()`` return, and what ``SendResult.results``
+holds for each run an event created. No Celery result backend is involved: the
+run's row is the result (``job_queue.result``, written by the settle that
+ended it), and its attempt ledger says why it failed.
+
+``state`` in Celery's words, from ``job_queue.state`` and the latest attempt:
+
+==========  ==================================================================
+PENDING     queued and not yet tried, or waiting (countdown/eta not due,
+            step.sleep, wait_for_event, a RateLimited deferral); also a run id
+            this database does not know (as Celery says of an unknown task id)
+STARTED     running: a worker holds it
+RETRY       queued again after a failed attempt (it raised, or lost its lease)
+SUCCESS     succeeded; ``get()`` returns what the handler returned
+FAILURE     failed for good (DLQ entry written); ``get()`` raises ``JobFailed``
+REVOKED     cancelled (``cancel_run``, ``cancel_on``); ``get()`` raises ``JobRevoked``
+==========  ==================================================================
+
+``get`` polls: one indexed read (``statements.RUN_RESULT``), then sleeps 20 ms,
+×1.5 per poll, at most 500 ms between two — a run done in 50 ms is seen ~25 ms
+later, a wait of a minute costs ~130 reads. REJECTED: LISTEN/NOTIFY, which needs
+a trigger or a NOTIFY in every settle (a schema change and one more thing on the
+run path) and a session-holding connection, which a transaction pooler
+(PgBouncer) does not give; a poller works through one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Engine
+
+from motir_celery.errors import MotirError
+from motir_celery.settings import Settings
+from motir_celery.store import statements
+from motir_celery.store.db import get_engine
+from motir_celery.store.driver import first
+
+__all__ = ["RunHandle", "JobFailed", "JobRevoked", "ResultTimeout", "READY_STATES", "celery_state"]
+
+READY_STATES = frozenset({"SUCCESS", "FAILURE", "REVOKED"})
+
+#: get()'s polling: the first pause, its growth per poll, its ceiling (seconds).
+FIRST_POLL, POLL_GROWTH, MAX_POLL = 0.02, 1.5, 0.5
+
+
+class ResultTimeout(MotirError, TimeoutError):
+    """``get(timeout=)`` ran out before the run finished (Celery raises its own TimeoutError)."""
+
+
+class JobFailed(MotirError):
+    """The run failed for good; carries the stored error of its last attempt.
+
+    When that error was a built-in exception (``ValueError``, ``KeyError``...),
+    the raised object is also an instance of it, so ``except ValueError`` works
+    as it does around Celery's ``AsyncResult.get``."""
+
+    def __init__(self, run_id: uuid.UUID | None, error: dict[str, Any] | None) -> None:
+        error = error or {}
+        self.run_id = run_id
+        #: ``module.QualName`` of the exception the handler raised, e.g. ``builtins.ValueError``.
+        self.type: str = str(error.get("type") or "unknown")
+        self.message: str = str(error.get("message") or "")
+        self.remote_traceback: str = str(error.get("traceback") or "")
+        super().__init__(f"{self.type.removeprefix('builtins.')}: {self.message} (run {run_id})")
+
+
+class JobRevoked(MotirError):
+    """The run was cancelled before it finished."""
+
+
+def celery_state(state: str | None, last_outcome: str | None) -> str:
+    """``job_queue.state`` (and the latest attempt's outcome) in Celery's names; table above."""
+    if state == "queued":
+        return "RETRY" if last_outcome in ("retrying", "lost") else "PENDING"
+    return {"running": "STARTED", "succeeded": "SUCCESS", "failed": "FAILURE",
+            "cancelled": "REVOKED"}.get(state or "", "PENDING")
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    state: str
+    result: Any
+    error: dict[str, Any] | None
+
+
+def _failure(run_id: uuid.UUID | None, error: dict[str, Any] | None) -> JobFailed:
+    name = str((error or {}).get("type") or "")
+    builtin = getattr(builtins, name.removeprefix("builtins."), None) if name.startswith("builtins.") else None
+    if isinstance(builtin, type) and issubclass(builtin, Exception) and builtin is not Exception:
+        try:
+            cls = type(f"JobFailed[{builtin.__name__}]", (JobFailed, builtin), {})
+            return cls(run_id, error)  # type: ignore[no-any-return]
+        except TypeError:  # a base whose instance layout cannot be combined
+            pass
+    return JobFailed(run_id, error)
+
+
+class RunHandle:
+    """A run, Celery-``AsyncResult``-shaped. ``id`` is the run id (``motir runs show <id>``)."""
+
+    def __init__(self, run_id: uuid.UUID | None, job_id: str, *, deduplicated: bool = False,
+                 settings: Settings | None = None) -> None:
+        self.id = run_id
+        self.job_id = job_id
+        #: True when this call created nothing: its idempotency key (or task_id) was used
+        #: already, or a singleton run was active; ``id`` is that existing run.
+        self.deduplicated = deduplicated
+        self._settings = settings
+
+    def __repr__(self) -> str:
+        flag = " deduplicated" if self.deduplicated else ""
+        return f"<RunHandle {self.job_id} {self.id}{flag}>"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RunHandle) and other.id == self.id
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+    @property
+    def task_id(self) -> str:
+        return str(self.id)
+
+    def _engine(self) -> Engine:
+        return get_engine(settings=self._settings)
+
+    def _read(self) -> _Snapshot:
+        if self.id is None:  # a refused call whose existing run row-level security hides
+            return _Snapshot("PENDING", None, None)
+        with self._engine().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            row = first(conn, statements.RUN_RESULT, {"run_id": self.id})
+        if row is None:
+            return _Snapshot("PENDING", None, None)
+        return _Snapshot(celery_state(row["state"], row["last_outcome"]), row["result"], row["last_error"])
+
+    @property
+    def state(self) -> str:
+        return self._read().state
+
+    status = state
+
+    def ready(self) -> bool:
+        return self.state in READY_STATES
+
+    def successful(self) -> bool:
+        return self.state == "SUCCESS"
+
+    def failed(self) -> bool:
+        return self.state == "FAILURE"
+
+    def _outcome(self, snap: _Snapshot, propagate: bool) -> Any:
+        if snap.state == "SUCCESS" or not propagate:
+            return snap.result if snap.state == "SUCCESS" else snap.error
+        if snap.state == "REVOKED":
+            raise JobRevoked(f"run {self.id} of {self.job_id} was cancelled")
+        raise _failure(self.id, snap.error)
+
+    def get(self, timeout: float | None = None, *, propagate: bool = True) -> Any:
+        """Wait for the run to finish; its result, or its final error raised (``JobFailed``).
+
+        ``timeout`` in seconds (None: wait as long as it takes) → ``ResultTimeout``.
+        ``propagate=False`` returns the stored error dict instead of raising."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = FIRST_POLL
+        while True:
+            snap = self._read()
+            if snap.state in READY_STATES:
+                return self._outcome(snap, propagate)
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise ResultTimeout(f"run {self.id} of {self.job_id} not finished after {timeout}s "
+                                    f"(state {snap.state})")
+            time.sleep(pause if left is None else min(pause, left))
+            pause = min(pause * POLL_GROWTH, MAX_POLL)
+
+    async def get_async(self, timeout: float | None = None, *, propagate: bool = True) -> Any:
+        """``get`` for asyncio code: each read runs in a thread, the pauses are
+        ``asyncio.sleep``: the event loop is never blocked."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = FIRST_POLL
+        while True:
+            snap = await asyncio.to_thread(self._read)
+            if snap.state in READY_STATES:
+                return self._outcome(snap, propagate)
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise ResultTimeout(f"run {self.id} of {self.job_id} not finished after {timeout}s "
+                                    f"(state {snap.state})")
+            await asyncio.sleep(pause if left is None else min(pause, left))
+            pause = min(pause * POLL_GROWTH, MAX_POLL)
+
+    @property
+    def result(self) -> Any:
+        """The result if it succeeded, the stored error dict if it failed, else None (no wait)."""
+        snap = self._read()
+        return self._outcome(snap, propagate=False) if snap.state in READY_STATES else None

@@ -1,0 +1,155 @@
+"""Direct runs, Celery-shaped: job.delay() / apply_async(), their result handle, on a real worker.
+
+One worker process (prefork, the real Redis broker) serves the module. Never
+task_always_eager: every run goes through a message, a claim and a settle.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from datetime import timedelta
+from typing import Any, Iterator
+
+import pytest
+import redis
+from sqlalchemy import text
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session
+
+import tests.direct_jobs as dj
+from motir_celery import CanvasNotSupported, JobDefinitionError, JobFailed, PayloadError, ResultTimeout, send_event
+from motir_celery.core.results import celery_state
+from tests.conftest import celery_worker, count_effects, run_state, wait_for
+
+IMPORTS = {"MOTIR_IMPORTS": "tests.jobs,tests.direct_jobs"}
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory, database_url: str, broker_url: str) -> Iterator[Any]:
+    with celery_worker(tmp_path_factory.mktemp("direct"), broker=broker_url, env=IMPORTS) as w:
+        yield w
+
+
+def test_delay_get_returns_the_result(worker: Any, engine: Engine) -> None:
+    handle = dj.add.delay(2, 3, scale=10)
+    assert handle.deduplicated is False
+    result = handle.get(timeout=10)
+    assert result == {"total": 50, "run_id": str(handle.id), "attempt": 1}
+    assert handle.state == "SUCCESS" and handle.ready() and handle.successful()
+    # The arguments are stored as the run's event: direct.<job_id>, {"args", "kwargs"}.
+    with engine.connect() as conn:
+        row = conn.execute(text("SELECT e.name, e.data FROM job_queue q JOIN job_event e ON e.id = q.event_id "
+                                "WHERE q.id = :id"), {"id": handle.id}).one()
+    assert row.name == "direct.test.direct.add"
+    assert row.data == {"args": [2, 3], "kwargs": {"scale": 10}}
+    assert count_effects(engine, handle.id, "add") == 1
+
+
+def test_a_failing_job_raises_its_error_from_get(worker: Any) -> None:
+    handle = dj.fail.apply_async(args=["card declined"])
+    with pytest.raises(ValueError) as info:  # a built-in error comes back as itself (and JobFailed)
+        handle.get(timeout=10)
+    assert isinstance(info.value, JobFailed)
+    assert info.value.type == "builtins.ValueError" and info.value.message == "card declined"
+    assert "raise ValueError(message)" in info.value.remote_traceback
+    assert handle.state == "FAILURE" and handle.failed()
+    assert handle.get(timeout=1, propagate=False)["message"] == "card declined"
+    refused = dj.refuse.delay()
+    with pytest.raises(JobFailed, match="NonRetriableError: no such customer"):
+        refused.get(timeout=10)
+
+
+def test_same_task_id_twice_makes_one_run(worker: Any, engine: Engine) -> None:
+    task_id = str(uuid.uuid4())
+    first = dj.add.apply_async(args=[1, 1], task_id=task_id)
+    second = dj.add.apply_async(args=[1, 1], task_id=task_id)
+    third = dj.add.apply_async(args=[1, 1], idempotency_key=task_id)  # the same key, by its other name
+    assert not first.deduplicated and second.deduplicated and third.deduplicated
+    assert first.id == second.id == third.id
+    assert second.get(timeout=10)["total"] == 2
+    with engine.connect() as conn:
+        runs = conn.execute(text("SELECT count(*) FROM job_queue WHERE job_id = 'test.direct.add'")).scalar()
+    assert runs == 1 and count_effects(engine, first.id, "add") == 1
+    # The key is the job's own: another job may use the same one.
+    other = dj.fail.apply_async(args=["x"], task_id=task_id)
+    assert not other.deduplicated and other.id != first.id
+
+
+def test_countdown_and_eta_are_respected(worker: Any, engine: Engine) -> None:
+    with engine.connect() as conn:
+        db_now = conn.execute(text("SELECT now()")).scalar_one()
+    later = dj.add.apply_async(args=[1, 2], countdown=2.5)
+    at = dj.add.apply_async(args=[3, 4], eta=db_now + timedelta(seconds=2.5))
+    time.sleep(1.5)
+    # The worker holds both messages (Celery countdowns) but neither run is claimable yet.
+    assert run_state(engine, later.id) == "queued" and run_state(engine, at.id) == "queued"
+    assert later.state == "PENDING" and not later.ready()
+    with pytest.raises(ResultTimeout):
+        later.get(timeout=0.3)
+    assert later.get(timeout=15)["total"] == 3 and at.get(timeout=15)["total"] == 7
+    with engine.connect() as conn:
+        rows = conn.execute(text(
+            "SELECT q.id, extract(epoch FROM r.started_at - q.created_at) AS waited, "
+            "extract(epoch FROM q.run_at - q.created_at) AS delay "
+            "FROM job_queue q JOIN job_run r ON r.run_id = q.id WHERE q.id IN (:a, :b)"),
+            {"a": later.id, "b": at.id}).all()
+    for row in rows:
+        assert row.waited >= 2.5, row  # first claimed after run_at, by the database's clock
+        assert 2.0 <= row.delay <= 3.5
+
+
+def test_canvas_raises_a_clear_error() -> None:
+    for make in (dj.add.s, dj.add.si, dj.add.signature, dj.add.map, dj.add.chunks):
+        with pytest.raises(CanvasNotSupported, match="step.run"):
+            make(1, 2)
+    with pytest.raises(CanvasNotSupported):
+        dj.add.apply_async(args=[1, 2], link=None)
+
+
+def test_refusals_before_anything_is_written(engine: Engine) -> None:
+    import tests.jobs as tj
+
+    with pytest.raises(JobDefinitionError, match="send_event"):
+        tj.three_steps.delay()
+    with pytest.raises(PayloadError, match="not JSON"):
+        dj.add.delay(object(), 1)
+    with pytest.raises(TypeError, match="expires"):
+        dj.add.apply_async(args=[1, 2], expires=10)
+    with pytest.raises(ValueError, match="countdown"):
+        dj.add.apply_async(args=[1, 2], countdown=-1)
+    with pytest.raises(PayloadError, match="priority"):
+        dj.add.apply_async(args=[1, 2], priority=12)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM job_event")).scalar() == 0
+
+
+def test_session_rollback_writes_nothing_and_commit_runs_it(worker: Any, engine: Engine) -> None:
+    with Session(engine) as session:
+        handle = dj.add.apply_async(args=[5, 5], session=session)
+        session.rollback()
+    assert run_state(engine, handle.id) is None
+    with Session(engine) as session, session.begin():
+        handle = dj.add.apply_async(args=[5, 6], countdown=0.5, session=session)
+        assert run_state(engine, handle.id) is None  # not committed yet: not visible, not published
+    assert handle.get(timeout=10)["total"] == 11
+
+
+def test_send_event_gives_a_handle_per_run(worker: Any) -> None:
+    sent = send_event("test.three", {"k": 1})
+    assert [h.id for h in sent.results] == sent.run_ids
+    assert sent.results[0].get(timeout=10) == {"total": 6}
+
+
+def test_queue_option_routes_this_call(engine: Engine, broker_url: str) -> None:
+    if not broker_url.startswith("redis://"):
+        pytest.skip("reads the Redis list of the queue")
+    queue = f"motir-test-other-{uuid.uuid4().hex[:6]}"
+    client = redis.Redis.from_url(broker_url)
+    try:
+        handle = dj.add.apply_async(args=[1, 1], queue=queue, priority=0)
+        assert client.llen(queue) == 1
+        assert celery_state(run_state(engine, handle.id), None) == "PENDING"
+    finally:
+        client.delete(queue)
+
