@@ -162,6 +162,12 @@ class JobQueue(Base):
         # name; only waiting runs are indexed.
         Index("ix_job_queue_waiting", "wait_event", postgresql_where=text("wait_event IS NOT NULL")),
         CheckConstraint("priority BETWEEN 0 AND 9", name="priority"),
+        # step.invoke / step.gather: one child per (parent run, step), decided by this
+        # constraint inside the INSERT that starts it (core/invoke.py), across retries,
+        # crashes and redeliveries of the parent. NULLs are distinct: top-level runs
+        # (parent_run_id NULL) are never constrained by it — relied upon. Its index also
+        # serves "the children of a run" (the trigger motir_run_settled, the dashboard).
+        UniqueConstraint("parent_run_id", "parent_step_id"),
     )
 
     id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True, server_default=NEW_UUID)
@@ -216,8 +222,23 @@ class JobQueue(Base):
     result: Mapped[Any | None] = mapped_column(JSONB)
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=NOW)
     finished_at: Mapped[datetime | None] = mapped_column(TZ)
+    # The run whose step.invoke / step.gather started this one, and that step's key;
+    # NULL for a top-level run. SET NULL: a purged parent leaves its children readable.
+    # A child's final state wakes its parent, a cancelled parent cancels its unfinished
+    # children: the trigger motir_run_settled (migration 0006, where its SQL is).
+    parent_run_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("job_queue.id", ondelete="SET NULL"))
+    parent_step_id: Mapped[str | None] = mapped_column(Text)
 
     event: Mapped[JobEvent | None] = relationship(back_populates="runs")
+    parent: Mapped[JobQueue | None] = relationship(
+        back_populates="children", remote_side=[id], foreign_keys=[parent_run_id]
+    )
+    children: Mapped[list[JobQueue]] = relationship(
+        back_populates="parent", passive_deletes=True, foreign_keys=[parent_run_id]
+    )
+    resumes: Mapped[list[JobRunDlq]] = relationship(
+        back_populates="resumed_run", passive_deletes=True, foreign_keys="JobRunDlq.resumed_run_id"
+    )
     steps: Mapped[list[JobStep]] = relationship(back_populates="run", passive_deletes=True)
     attempt_log: Mapped[list[JobRun]] = relationship(back_populates="run", passive_deletes=True)
     dlq_entries: Mapped[list[JobRunDlq]] = relationship(
@@ -314,8 +335,16 @@ class JobRunDlq(Base):
     # An operator decided not to replay; purge may then delete the entry.
     dismissed_at: Mapped[datetime | None] = mapped_column(TZ)
     dismissed_by: Mapped[str | None] = mapped_column(Text)
+    # Resume audit (resume_dlq: the same run from its failed step): one conditional
+    # UPDATE stamps it, so two resumes queue the run once. It moves run_id here: the
+    # entry is closed, and the run, should it fail again, gets an entry of its own
+    # under UNIQUE (run_id). SET NULL like run_id.
+    resumed_at: Mapped[datetime | None] = mapped_column(TZ)
+    resumed_by: Mapped[str | None] = mapped_column(Text)
+    resumed_run_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("job_queue.id", ondelete="SET NULL"))
 
     run: Mapped[JobQueue | None] = relationship(back_populates="dlq_entries", foreign_keys=[run_id])
+    resumed_run: Mapped[JobQueue | None] = relationship(back_populates="resumes", foreign_keys=[resumed_run_id])
     replay_run: Mapped[JobQueue | None] = relationship(back_populates="replays", foreign_keys=[replay_run_id])
 
 
