@@ -1,26 +1,29 @@
 """Ablation: what each performance mechanism buys, measured with it on and off in one run.
 
-    python -m bench.ablation                  # every mechanism, ~10 min; rewrites its section of docs/performance.md
-    python -m bench.ablation --rounds 2 --only direct_publish --output -
+    python -m bench.ablation              # every mechanism, <= ~10 min; rewrites its section of docs/performance.md
+    python -m bench.ablation --only direct_publish --rounds 2 --output -
+    python -m bench.ablation --engine /path/to/checkout --output -   # another checkout's motir_celery
 
 Issue 16's rule: a mechanism that buys under 5 % throughput and under 0.3 ms
 p50 is removed. Each mechanism is switched by one environment variable that the
 engine reads (``MECHANISMS``; its ON value is the engine's default), given to
-the sender and to the workers alike: every measurement runs in a fresh process
-(``--measure``) with that environment, so nothing cached in this process leaks
-from one setting into the next. A measurement (``measure``) is one throughput drain
-(``--runs`` queued first, then 1 worker x 2 started: runs/s over the 5%..95% span,
-as ``throughput.motir_round``) and then, on the same workers, one latency run (one
-event every 20 ms, p50 of enqueue -> completion, as ``throughput.motir_latency``),
-on a database and a queue of its own.
+the sender and to the workers alike: every measurement (``measure``) runs in a
+fresh process with that environment, so nothing cached leaks from one setting
+into the next. A measurement is one throughput drain (``--runs`` queued first,
+then 1 worker x 2 started: runs/s over the 5%..95% span, as
+``throughput.motir_round``; the sender is not timed there) and then, on the same
+workers, one latency run (one event every 20 ms, p50 of enqueue -> completion
+including the sender, as ``throughput.motir_latency``), on a database and a
+queue of its own; beside them, CPU per run during the drain (not in the rule).
 
-Drift on this 2-core machine is larger than the effects measured, so every OFF
-measurement sits between two ON measurements (the defaults, all mechanisms on):
-ON, off A, ON, off B, ..., ON, in an order rotated each round. A mechanism's
-ratio and delta are the medians over the rounds of its OFF against the mean of
-the two ON beside it; the control row switches nothing off, so its ratio and
-delta are what drift alone produces. Not part of pytest, nor of ``python -m bench``,
-which keeps this section when it rewrites the file (it lies below its notes marker).
+Drift on this shared 2-core machine is larger than the effects measured, so every
+OFF measurement sits between two ON measurements (the defaults, all on): ON, off A,
+ON, off B, ..., ON, in an order rotated each round. A mechanism's ratio and delta
+are the medians over the rounds of its OFF against the mean of the two ON beside
+it; the control row switches nothing off, so its figures are drift alone, and a
+verdict within them is marked. ``--budget`` (minutes) stops after a round, from
+the second on, when the next would end past it. Not part of pytest, nor of
+``python -m bench``, which keeps this section (it lies below its notes marker).
 """
 
 from __future__ import annotations
@@ -249,8 +252,9 @@ def render(rows: dict[str, dict[str, Any]], skipped: list[Mechanism], meta: dict
           f"{meta['date']}, `{meta['commit']}`, run took {meta['elapsed'] / 60:.1f} min, load average at start "
           f"{meta['load']}. 1 worker x 2 (prefork -c 2). Each measurement: a drain of {meta['runs']:,} queued runs "
           f"(runs/s over its 5%..95% span) and {meta['events']} events one every {INTERVAL * 1e3:.0f} ms "
-          "(p50 enqueue -> completion), in a fresh sender process and fresh workers with the setting in their "
-          f"environment. Rounds: {meta['rounds']}{stopped}; every OFF measurement sits between two ON measurements (the "
+          "(p50 enqueue -> completion, the sender's send_event included; the drain's messages are queued "
+          "before its workers start, so a mechanism of the sender shows in p50 only), in a fresh sender process "
+          f"and fresh workers with the setting in their environment. Rounds: {meta['rounds']}{stopped}; every OFF measurement sits between two ON measurements (the "
           "engine's defaults): ON is the mean of those two, and the ratio and the delta are medians of the "
           "per-round pairs (so they need not equal the ratio or difference of the medians beside them). The control row switches nothing off: its ratio and delta are the "
           "drift alone. Rule (issue 16): keep if it buys >= 5 % throughput or >= 0.3 ms p50. CPU ms/run "
