@@ -193,23 +193,23 @@ def send_event(
         raise PayloadError(f"priority must be an integer from 0 to 9, got {priority!r}")
     targets = subscribers(name) if jobs is None else list(jobs)
     args = (name, data, encoded, workspace_id, idempotency_key, targets)
-    extra = {"priority": priority, "traceparent": current_traceparent()}
+    extra: dict[str, Any] = {"priority": priority, "traceparent": current_traceparent()}
     if session is not None:
         result = write_event(session.connection(), *args, **extra)
-        publish_after_commit(session, result.runs + result.woken, publish)
+        publish_after_commit(session, [*result.runs, *result.woken], publish)
         return result
     joined = joined_transaction(workspace_id)
     if joined is not None:
         with joined as (conn, on_commit):
             result = write_event(conn, *args, **extra)
-            pending = result.runs + result.woken
+            pending = [*result.runs, *result.woken]
             on_commit(lambda: _publish(pending, publish))
         return result
     engine = get_engine(settings=settings)
     if cancelled_by(name):
         with engine.begin() as conn:
             result = write_event(conn, *args, **extra)
-        _publish(result.runs + result.woken, publish)
+        _publish([*result.runs, *result.woken], publish)
         return result
     # The common case in one round trip (and the one commit, flushed, that the
     # event needs before it is published): see write_event.
@@ -217,7 +217,7 @@ def send_event(
         result = write_event(conn, *args, **extra)
         # Committed already; published before the pool takes the connection back
         # (~0.1 ms of Python at low load, off the run's way to a worker).
-        _publish(result.runs + result.woken, publish)
+        _publish([*result.runs, *result.woken], publish)
     return result
 
 
