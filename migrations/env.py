@@ -9,10 +9,20 @@ from motir_celery.store.models import Base
 config = context.config
 
 
+def include_name(name: str | None, type_: str, parent_names: object) -> bool:
+    """Compare motir's tables only: a database shared with an application (a Django
+    project's tables, its django_migrations) is not drift. A reflected table that is not
+    in the models counts only under motir's prefix (a stray ``job_*`` still shows)."""
+    if type_ == "table" and name is not None:
+        return name in Base.metadata.tables or name.startswith("job_")
+    return True
+
+
 def run_migrations_online() -> None:
     engine = create_engine(config.get_main_option("sqlalchemy.url"), poolclass=pool.NullPool)
     with engine.connect() as connection:
-        context.configure(connection=connection, target_metadata=Base.metadata, compare_type=True)
+        context.configure(connection=connection, target_metadata=Base.metadata, compare_type=True,
+                          include_name=include_name)
         with context.begin_transaction():
             context.run_migrations()
     engine.dispose()
