@@ -6,9 +6,14 @@ task_always_eager: every run goes through a message, a claim and a settle.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 import uuid
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -20,7 +25,7 @@ from sqlalchemy.orm import Session
 import tests.direct_jobs as dj
 from motir_celery import CanvasNotSupported, JobDefinitionError, JobFailed, PayloadError, ResultTimeout, send_event
 from motir_celery.core.results import celery_state
-from tests.conftest import celery_worker, count_effects, run_state
+from tests.conftest import ROOT, celery_worker, count_effects, run_state, wait_for
 
 IMPORTS = {"MOTIR_IMPORTS": "tests.jobs,tests.direct_jobs"}
 
@@ -154,3 +159,25 @@ def test_queue_option_routes_this_call(engine: Engine, broker_url: str) -> None:
     finally:
         client.delete(queue)
 
+
+
+def test_plain_celery_example_end_to_end(tmp_path: Path, database_url: str, broker_url: str) -> None:
+    """examples/plain_celery: `celery -A examples.plain_celery.app worker`, and its producer script."""
+    ledger = tmp_path / "ledger.txt"
+    env = {"SHOP_QUEUE": os.environ["MOTIR_QUEUE"], "SHOP_LEDGER": str(ledger), "MOTIR_IMPORTS": ""}
+    with celery_worker(tmp_path, broker=broker_url, app="examples.plain_celery.app", env=env, name="shop") as w:
+        done = subprocess.run([sys.executable, "-m", "examples.plain_celery.place_order", "42"],
+                              env={**os.environ, **env, "CELERY_BROKER_URL": broker_url}, cwd=ROOT,
+                              capture_output=True, text=True, timeout=90)
+        assert done.returncode == 0, done.stderr[-3000:] + w.output()[-3000:]
+        wait_for(lambda: "newsletter 7" in ledger.read_text(), timeout=10, what="the plain Celery task ran")
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["result"] == {"order_id": 42, "charge_id": "ch_42", "tracking": "TRACK-42"}
+    assert out["state"] == "SUCCESS"
+    assert out["keyed"]["first"] == out["keyed"]["second"] and out["keyed"]["deduplicated"] is True
+    lines = ledger.read_text().splitlines()
+    # First run: load once, the charge timed out once and was retried (load not repeated); the
+    # keyed run: once (its duplicate made nothing). The plain Celery task ran beside them.
+    assert lines.count("load 42") == 2 and lines.count("charge-timeout 42") == 1
+    assert sum(line.startswith("charge 42 ") for line in lines) == 2 and lines.count("ship 42") == 2
+    assert "newsletter 7" in lines

@@ -1,0 +1,1 @@
+"""A plain Celery project (no Django) whose tasks became durable jobs: see README.md."""
