@@ -20,6 +20,7 @@ from __future__ import annotations
 import uuid
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from motir_celery.core.invoke import ChildFailed
 from motir_celery.core.jobs import CanvasNotSupported, Job, define_job, use_invoker
 from motir_celery.core.results import JobFailed, JobRevoked, ResultTimeout, RunHandle
 from motir_celery.core.retries import RetryPolicy
@@ -52,12 +53,14 @@ if TYPE_CHECKING:
 __all__ = [
     "define_job",
     "send_event",
+    "send_events",
     "send_event_async",
     "RunHandle",
     "JobFailed",
     "JobRevoked",
     "ResultTimeout",
     "CanvasNotSupported",
+    "ChildFailed",
     "replay_dlq",
     "cancel_run",
     "enqueue_scheduled",
@@ -105,6 +108,17 @@ def send_event(
         name, data, workspace_id=workspace_id, idempotency_key=idempotency_key, session=session,
         priority=priority, publish=_publish(app),
     )
+
+
+def send_events(events: Sequence[Any], *, session: "Session | None" = None,
+                app: "Celery | None" = None) -> "list[SendResult]":
+    """Record N events and all their runs in one statement, publish after commit; one
+    ``SendResult`` per event, in order (see ``core/batch.py``). Each item is a
+    ``(name, data)`` pair or a mapping with ``name``, ``data`` and optionally
+    ``workspace_id``, ``idempotency_key``, ``priority``."""
+    from motir_celery.core import batch
+
+    return batch.send_events(events, session=session, publish=_publish(app))
 
 
 def replay_dlq(dlq_id: "uuid.UUID | str", *, actor: str, idempotency_key: str | None = None,

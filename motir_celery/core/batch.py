@@ -1,0 +1,154 @@
+"""``send_events``: N events and all their runs in one statement, published after commit.
+
+The set-based twin of ``send_event``: the same validation, workspace rule (explicit,
+else the payload's ``workspace_id``), idempotency (per event: a key already used for
+that name writes nothing, ``deduplicated``; with other data or workspace also
+``conflicting``, logged) and wake-up of the runs waiting for each event — in one call
+of ``motir_record_events`` (migration 0006) instead of one round trip per event.
+One result per event, in the order given. A key repeated *within* one batch writes
+the first event only; the later ones come back ``deduplicated``.
+
+The batch is one transaction: every event is written, or (an error) none.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Sequence
+
+from sqlalchemy import Connection
+from sqlalchemy.orm import Session
+
+from motir_celery.core import events as _events
+from motir_celery.core.jobs import cancelled_by, subscribers
+from motir_celery.core.publish import Publish
+from motir_celery.core.runspec import spec_for
+from motir_celery.core.tracing import current_traceparent
+from motir_celery.errors import PayloadError
+from motir_celery.settings import Settings, get_settings
+from motir_celery.store import compose, statements
+from motir_celery.store.db import get_engine
+
+__all__ = ["send_events", "MAX_BATCH"]
+
+log = logging.getLogger("motir_celery.core.events")
+
+#: The most events one call takes (a statement's arrays stay a few MB at most).
+MAX_BATCH = 10_000
+
+EventLike = Mapping[str, Any] | tuple[str, Any]
+
+
+def _item(i: int, item: EventLike) -> tuple[str, Any, str | None, str | None, int | None]:
+    if isinstance(item, tuple) and len(item) == 2:
+        return item[0], item[1], None, None, None
+    if isinstance(item, Mapping):
+        unknown = set(item) - {"name", "data", "workspace_id", "idempotency_key", "priority"}
+        if unknown or "name" not in item:
+            raise PayloadError(f"send_events: item {i} needs 'name' (and 'data', 'workspace_id', "
+                               f"'idempotency_key', 'priority'), got keys {sorted(item)}")
+        return (item["name"], item.get("data"), item.get("workspace_id"), item.get("idempotency_key"),
+                item.get("priority"))
+    raise PayloadError(f"send_events: item {i} must be a (name, data) pair or a mapping, got {type(item).__name__}")
+
+
+def send_events(
+    items: Sequence[EventLike],
+    *,
+    session: Session | None = None,
+    publish: Publish | None = None,
+    settings: Settings | None = None,
+) -> list[_events.SendResult]:
+    """Record every event of ``items`` — ``(name, data)`` pairs or mappings with ``name``,
+    ``data`` and optionally ``workspace_id``, ``idempotency_key``, ``priority`` — and one
+    run per subscribing job of each, in one statement; publish after commit (with
+    ``session``: when that session commits). One ``SendResult`` per item, in order."""
+    settings = settings or get_settings()
+    if len(items) > MAX_BATCH:
+        raise PayloadError(f"send_events takes at most {MAX_BATCH} events per call, got {len(items)}")
+    if not items:
+        return []
+    rows_in: list[tuple[str, str, str | None, str | None]] = []
+    specs = []
+    raw = []
+    for i, item in enumerate(items):
+        name, data, workspace_id, key, priority = _item(i, item)
+        encoded, workspace_id = _events._validate(name, data, workspace_id, key, settings.max_payload_bytes)
+        if priority is not None and (not isinstance(priority, int) or not 0 <= priority <= 9):
+            raise PayloadError(f"priority must be an integer from 0 to 9, got {priority!r}")
+        rows_in.append((name, encoded, workspace_id, key))
+        specs.append([spec_for(job, data, workspace_id, priority) for job in subscribers(name)])
+        raw.append(data)
+    traceparent = current_traceparent()
+    needs_tx = any(cancelled_by(r[0]) for r in rows_in)
+
+    def write(conn: Connection) -> list[_events.SendResult]:
+        return _write(conn, rows_in, specs, raw, traceparent)
+
+    if session is not None:
+        results = write(session.connection())
+        _events.publish_after_commit(session, _pending(results), publish)
+        return results
+    joined = _events.joined_transaction(rows_in[0][2])
+    if joined is not None:
+        with joined as (conn, on_commit):
+            results = write(conn)
+            pending = _pending(results)
+            on_commit(lambda: _events._publish(pending, publish))
+        return results
+    engine = get_engine(settings=settings)
+    if needs_tx:
+        with engine.begin() as conn:
+            results = write(conn)
+    else:
+        # One statement: its own transaction in autocommit, committed when it returns.
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            results = write(conn)
+    _events._publish(_pending(results), publish)
+    return results
+
+
+def _pending(results: Sequence[_events.SendResult]) -> list[statements.Queued | statements.AlreadyQueued]:
+    return [run for r in results for run in (*r.runs, *r.woken)]
+
+
+def _write(conn: Connection, rows_in: list[tuple[str, str, str | None, str | None]],
+           specs: list[list[statements.RunSpec]], raw: list[Any],
+           traceparent: str | None) -> list[_events.SendResult]:
+    found = compose.record_events(conn, rows_in, specs, traceparent=traceparent)
+    by_event: dict[int, list[dict[str, Any]]] = {}
+    woken: list[statements.Queued] = []
+    for r in found:
+        if r["woken"]:
+            woken.append(statements.Queued(r["run_id"], r["job_id"]))
+        else:
+            by_event.setdefault(r["idx"], []).append(r)
+    dedup = [i for i in range(len(rows_in)) if i + 1 not in by_event]
+    existing: dict[int, dict[str, Any]] = {}
+    if dedup:
+        for r in compose.existing_events(conn, [rows_in[i] for i in dedup]):
+            existing[dedup[r["i"] - 1]] = r
+    results: list[_events.SendResult] = []
+    for i, (name, _encoded, _ws, key) in enumerate(rows_in):
+        if i + 1 not in by_event:
+            seen = existing.get(i)
+            conflicting = seen is None or not seen["same"]
+            if conflicting:
+                log.warning("idempotency key %r of event %r was already used with other data or another "
+                            "workspace: nothing was written, the first event stands", key, name)
+            results.append(_events.SendResult(seen["id"] if seen else None, [], deduplicated=True,
+                                              conflicting=conflicting))
+            continue
+        made = by_event[i + 1]
+        created = {r["job_id"]: r["run_id"] for r in made if r["run_id"] is not None}
+        runs: list[statements.Queued | statements.AlreadyQueued] = [
+            statements.Queued(created[s.job_id], s.job_id) if s.job_id in created else statements.AlreadyQueued(s.job_id)
+            for s in specs[i]]
+        cancelled = _events._cancel_on(conn, name, raw[i]) if cancelled_by(name) else []
+        results.append(_events.SendResult(made[0]["event_id"], runs, cancelled=cancelled))
+    # Waiters woken by the batch go with the first event's result (one run may match several events).
+    if woken and results:
+        first = next((r for r in results if not r.deduplicated), None)
+        if first is not None:
+            object.__setattr__(first, "woken", woken)
+    return results
