@@ -10,6 +10,7 @@ Exits 0 when every run ended as the example intends (see ``examples.py``).
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 DEADLINE = 30.0  # seconds for the three runs to finish
 EXPECTED = {1001: "succeeded", 1002: "succeeded", 1003: "failed"}
@@ -78,7 +80,39 @@ def _stop(worker: subprocess.Popen[bytes]) -> None:
         worker.wait(timeout=5)
 
 
-def _run(settings: object) -> int:
+def _script(name: str) -> str:
+    """A console script of this environment, as a path that runs from here (no PATH needed)."""
+    path = Path(sys.executable).with_name(name)
+    here = os.path.relpath(path)
+    return shlex.quote(here if not here.startswith("..") else str(path))
+
+
+def hints(settings: Any, run_id: uuid.UUID, dlq_ids: list[Any]) -> str:
+    """What to try next, as commands that run as printed in this shell and folder: the
+    CLI by its path in this environment, with the settings the demo used."""
+    shown = _script("motir")
+    env = {"MOTIR_DATABASE_URL": settings.database_url, "CELERY_BROKER_URL": settings.broker_url,
+           "MOTIR_IMPORTS": "motir_celery.dev.examples", "MOTIR_QUEUE": settings.queue}
+    secret = [k for k, v in env.items() if "://" in v and urlsplit(v).password]
+    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items() if k not in secret)
+    lines = ["next — these lines run as printed, in this folder:", f"  export {exports}"]
+    if secret:
+        lines.append(f"  # {', '.join(secret)}: as in your environment (it holds a password, not printed here)")
+    lines.append(f"  {shown} runs show {run_id}")
+    for dlq_id in dlq_ids:
+        lines.append(f"  {shown} dlq replay {dlq_id} --actor you")
+    if dlq_ids:
+        celery = _script("celery")
+        lines += [
+            f"the demo's worker has stopped: a replayed run stays queued (on queue {settings.queue!r}) until a",
+            f"worker takes it — start one in another shell (same export line): {celery} -A motir_celery worker "
+            f"-Q {shlex.quote(settings.queue)}",
+            "(or press Replay in `motir dashboard`, as X-Motir-User: you, X-Motir-Workspace: demo-shop)",
+        ]
+    return "\n".join(lines)
+
+
+def _run(settings: Any) -> int:
     from motir_celery import send_event
     from motir_celery.dev import examples  # noqa: F401  (the jobs, registered in this process too)
     from motir_celery.ops import reads
@@ -126,15 +160,8 @@ def _run(settings: object) -> int:
          for oid, d in details.items() if d is not None for a in d.attempts],
         max_width=70,
     ))
-    failed = [d for d in details.values() if d is not None and d.dlq is not None]
     print()
-    for d in failed:
-        print(f"dead-lettered: run {d.run.id}; replay it with\n"
-              f"  MOTIR_IMPORTS=motir_celery.dev.examples motir dlq replay {d.dlq.id} --actor you\n"  # type: ignore[union-attr]
-              f"  (or press Replay in `motir dashboard`, as X-Motir-User: you, X-Motir-Workspace: demo-shop)")
-    print(f"inspect any run with: motir runs show {runs[1002]}")
-    print("(the CLI and dashboard need the same MOTIR_DATABASE_URL and CELERY_BROKER_URL; for the ones "
-          "`make run` started: eval \"$(.venv/bin/python -m motir_celery.dev.embedded env)\")")
+    print(hints(settings, runs[1002], [d.dlq.id for d in details.values() if d is not None and d.dlq is not None]))
     outcome = {oid: d.run.state for oid, d in details.items() if d is not None}
     if outcome != EXPECTED:
         print(f"unexpected outcome {outcome}, expected {EXPECTED}", file=sys.stderr)
