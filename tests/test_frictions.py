@@ -1,0 +1,211 @@
+"""The frictions a newcomer hit (issue 18), each against the real services and worker.
+
+* job modules importable from the current folder, as ``celery -A proj`` is;
+* ``attach(app)`` in a module that defines tasks after it: no circular import;
+* a retrying attempt shows as RETRY, as Flower sees it (Celery events);
+* ``make run``'s closing hints run as printed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from sqlalchemy import text
+
+from tests.conftest import ROOT, celery_worker, run_state, wait_for
+
+BIN = Path(sys.executable).parent
+
+
+def _write(folder: Path, files: dict[str, str]) -> None:
+    for name, body in files.items():
+        path = folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(body))
+
+
+def _newcomer_env(**extra: str) -> dict[str, str]:
+    """The shell of someone who followed the README: no PYTHONPATH, the services' URLs."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(extra)
+    return env
+
+
+@contextmanager
+def console_worker(folder: Path, app: str, env: dict[str, str]) -> Iterator[Path]:
+    """``celery -A <app> worker`` by its console script, started in ``folder``."""
+    log = folder / f"worker-{uuid.uuid4().hex[:6]}.log"
+    cmd = [str(BIN / "celery"), "-A", app, "worker", "-l", "INFO", "-c", "1", "-Q", env["MOTIR_QUEUE"],
+           "-n", f"newcomer-{uuid.uuid4().hex[:6]}@%h", "--without-gossip", "--without-mingle"]
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, cwd=folder, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while "ready." not in log.read_text(errors="replace"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"the worker did not start (exit {proc.poll()}):\n{log.read_text()[-3000:]}")
+            time.sleep(0.1)
+        yield log
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=5)
+
+
+@contextmanager
+def on_path(folder: Path) -> Iterator[None]:
+    sys.path.insert(0, str(folder))
+    try:
+        yield
+    finally:
+        sys.path.remove(str(folder))
+
+
+def test_job_modules_import_from_the_current_folder_without_pythonpath(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
+    _write(tmp_path, {
+        "cwdapp/__init__.py": "",
+        "cwdapp/jobs.py": """
+            from motir_celery import define_job
+
+            @define_job("friction.from-cwd", event="friction.cwd")
+            def from_cwd(event, step):
+                return step.run("hello", lambda: "hello from " + __name__)
+        """,
+    })
+    env = _newcomer_env(MOTIR_IMPORTS="cwdapp.jobs")
+    with console_worker(tmp_path, "motir_celery", env) as log:
+        assert "motir.friction.from-cwd" in log.read_text()  # imported from the folder, no PYTHONPATH=.
+        with on_path(tmp_path):
+            import cwdapp.jobs  # noqa: F401  (this process sends the event: it knows the job too)
+        from motir_celery import send_event
+
+        (run_id,) = send_event("friction.cwd", {}).run_ids
+        wait_for(lambda: run_state(engine, run_id) == "succeeded", what="the job from the current folder")
+
+
+def test_attach_in_a_module_whose_tasks_the_jobs_import_is_not_circular(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
+    _write(tmp_path, {
+        "circproj/__init__.py": "",
+        "circproj/celery.py": """
+            import os
+
+            from celery import Celery
+
+            import motir_celery
+
+            app = Celery("circproj", broker=os.environ["CELERY_BROKER_URL"])
+            app.conf.task_default_queue = os.environ["MOTIR_QUEUE"]
+            motir_celery.attach(app)
+
+
+            @app.task(name="circproj.notify")   # defined after attach(); the job module imports it
+            def notify(n):
+                return n * 2
+        """,
+        "circproj/jobs.py": """
+            from circproj.celery import notify
+            from motir_celery import define_job
+
+            @define_job("friction.circular", event="friction.circular")
+            def circular(event, step):
+                return step.run("notify", notify, event.data["n"])
+        """,
+    })
+    env = _newcomer_env(MOTIR_IMPORTS="circproj.jobs")
+    # The app module alone imports cleanly (attach() no longer imports the job modules at once).
+    subprocess.run([sys.executable, "-c", "import circproj.celery"], cwd=tmp_path, env=env, check=True, timeout=60)
+    from motir_celery import send_event
+    from motir_celery.adapter import celery_app
+
+    publishing_through = celery_app.default_app()
+    os.environ["MOTIR_IMPORTS"] = "circproj.jobs"
+    from motir_celery.settings import reset_settings
+
+    reset_settings()
+    try:
+        with console_worker(tmp_path, "circproj", env) as log, on_path(tmp_path):
+            assert "motir.friction.circular" in log.read_text() and "circproj.notify" in log.read_text()
+            import circproj.celery  # noqa: F401  (attach: the default publisher now; jobs on first send)
+
+            (run_id,) = send_event("friction.circular", {"n": 21}).run_ids  # the producer imported the jobs
+            wait_for(lambda: run_state(engine, run_id) == "succeeded", what="the job that imports a task")
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT result FROM job_queue WHERE id = :r"), {"r": run_id}).scalar() == 42
+    finally:
+        os.environ.pop("MOTIR_IMPORTS", None)
+        reset_settings()
+        celery_app.use_as_default(publishing_through)
+
+
+def test_a_retrying_attempt_is_retry_in_flower_and_sends_no_extra_message(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
+    """What Flower shows, from the events Flower reads (a celery.events.State, as Flower keeps)."""
+    from celery.events.state import State
+
+    import tests.jobs  # noqa: F401
+    from motir_celery import send_event
+    from motir_celery.adapter.celery_app import default_app
+
+    app = default_app()
+    state = State()
+    with app.connection_for_read() as conn:
+        receiver = app.events.Receiver(conn, handlers={"*": state.event})
+        listening = threading.Thread(target=receiver.capture, kwargs={"limit": None, "timeout": None}, daemon=True)
+        listening.start()
+        try:
+            with celery_worker(tmp_path, broker=broker_url) as worker:
+                app.control.enable_events(destination=[worker.nodename])  # what Flower does at start
+                wait_for(lambda: worker.nodename in state.workers, what="the worker's events")
+                (flaky,) = send_event("test.flaky", {}).run_ids      # attempt 1 fails, attempt 2 succeeds
+                (doomed,) = send_event("test.doomed", {}).run_ids    # 2 attempts, both fail: DLQ
+                wait_for(lambda: run_state(engine, flaky) == "succeeded" and run_state(engine, doomed) == "failed",
+                         what="both runs to end")
+
+                def states(job: str) -> list[str]:
+                    return sorted(t.state for t in list(state.tasks.values()) if t.name == f"motir.{job}")
+
+                wait_for(lambda: states("test.fail-after-two") == ["RETRY", "SUCCESS"]
+                         and states("test.doomed") == ["FAILURE", "RETRY"], timeout=10,
+                         what=f"RETRY then the end in the events (have {states('test.fail-after-two')}, "
+                              f"{states('test.doomed')})")
+        finally:
+            receiver.should_stop = True
+            listening.join(timeout=5)
+    # One message per attempt: raising Retry made Celery send nothing of its own.
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT attempts FROM job_queue WHERE id = :r"), {"r": flaky}).scalar() == 2
+    assert len([t for t in state.tasks.values() if t.name == "motir.test.fail-after-two"]) == 2
+
+
+def test_make_runs_closing_hints_run_as_printed(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
+    queue = f"{os.environ['MOTIR_QUEUE']}-demo"
+    demo = subprocess.run([sys.executable, "-m", "motir_celery.dev.demo"], cwd=ROOT, capture_output=True, text=True,
+                          env=_newcomer_env(MOTIR_QUEUE=queue), timeout=120)
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    hints = demo.stdout.split("these lines run as printed, in this folder:", 1)[1]
+    export, show, replay = (line.strip() for line in hints.strip().splitlines()[:3])
+    assert show.startswith(".venv/bin/motir runs show ") and " dlq replay " in replay
+    assert "stays queued" in hints and f"-Q {queue}" in hints  # nothing runs a replay without a worker: said so
+    shell: dict[str, Any] = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp")}  # no motir on PATH
+    shown = subprocess.run(["bash", "-c", f"{export}\n{show}"], cwd=ROOT, env=shell, capture_output=True, text=True,
+                           timeout=60)
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    assert show.rsplit(" ", 1)[1] in shown.stdout and "succeeded" in shown.stdout
+    replayed = subprocess.run(["bash", "-c", f"{export}\n{replay}"], cwd=ROOT, env=shell, capture_output=True,
+                              text=True, timeout=60)
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    (new_run,) = re.findall(r"new run ([0-9a-f-]{36})", replayed.stdout)
+    assert run_state(engine, new_run) == "queued"
