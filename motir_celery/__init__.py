@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from motir_celery.core.direct import PublishFor
     from motir_celery.core.dlq import ReplayResult
     from motir_celery.core.events import SendResult
+    from motir_celery.core.resume import ResumeResult
     from motir_celery.store.statements import AlreadyQueued, Queued
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
     "CanvasNotSupported",
     "ChildFailed",
     "replay_dlq",
+    "resume_dlq",
     "cancel_run",
     "enqueue_scheduled",
     "attach",
@@ -127,6 +129,14 @@ def replay_dlq(dlq_id: "uuid.UUID | str", *, actor: str, idempotency_key: str | 
     from motir_celery.core import dlq
 
     return dlq.replay_dlq(dlq_id, actor=actor, idempotency_key=idempotency_key, publish=_publish(app))
+
+
+def resume_dlq(dlq_id: "uuid.UUID | str", *, actor: str, app: "Celery | None" = None) -> "ResumeResult":
+    """Queue a dead-lettered run again from its failed step (its stored steps kept, a fresh
+    attempt budget); audited as ``actor`` (see ``core/resume.py``)."""
+    from motir_celery.core import resume
+
+    return resume.resume_dlq(dlq_id, actor=actor, publish=_publish(app))
 
 
 def cancel_run(run_id: "uuid.UUID | str") -> bool:

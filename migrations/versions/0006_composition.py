@@ -28,8 +28,8 @@ write the new columns, and the trigger fires only for rows they cannot make
 Functions and triggers are not compared by ``alembic check`` (like motir_record_event
 since 0004): this revision is their one source.
 """
-from alembic import op
 import sqlalchemy as sa
+from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision = '0006'

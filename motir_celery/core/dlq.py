@@ -49,7 +49,7 @@ log = logging.getLogger("motir_celery.core.dlq")
 
 @dataclass(frozen=True)
 class ReplayResult:
-    status: Literal["replayed", "already_replayed", "dismissed", "deduplicated", "not_found"]
+    status: Literal["replayed", "already_replayed", "dismissed", "resumed", "deduplicated", "not_found"]
     run_id: uuid.UUID | None = None
     event_id: uuid.UUID | None = None
 
@@ -60,10 +60,12 @@ _STAMP = text(
     WHERE id = :id
       AND replayed_at IS NULL      -- a second replay (concurrent or later) stamps nothing
       AND dismissed_at IS NULL     -- a dismissed entry is closed
+      AND resumed_at IS NULL       -- so is a resumed one (core/resume.py: its run was queued again)
     RETURNING function_id, event_name, event_data, workspace_id, idempotency_key
     """
 )
-_STATUS = text("SELECT replayed_at IS NOT NULL AS replayed, replay_run_id FROM job_run_dlq WHERE id = :id")
+_STATUS = text("SELECT replayed_at IS NOT NULL AS replayed, replay_run_id, resumed_run_id, "
+               "resumed_at IS NOT NULL AS resumed FROM job_run_dlq WHERE id = :id")
 _LINK = text("UPDATE job_run_dlq SET replay_run_id = :run_id WHERE id = :id")
 
 
@@ -93,6 +95,8 @@ def replay_dlq(
                     return ReplayResult("not_found")
                 if status.replayed:
                     return ReplayResult("already_replayed", status.replay_run_id)
+                if status.resumed:
+                    return ReplayResult("resumed", status.resumed_run_id)
                 return ReplayResult("dismissed")
             job = get_job(row.function_id)
             result = write_event(
@@ -123,7 +127,7 @@ def dismiss_dlq(dlq_id: uuid.UUID | str, *, actor: str, settings: Settings | Non
             conn.execute(
                 text(
                     "UPDATE job_run_dlq SET dismissed_at = now(), dismissed_by = :actor "
-                    "WHERE id = :id AND replayed_at IS NULL AND dismissed_at IS NULL RETURNING 1"
+                    "WHERE id = :id AND replayed_at IS NULL AND dismissed_at IS NULL AND resumed_at IS NULL RETURNING 1"
                 ),
                 {"id": uuid.UUID(str(dlq_id)), "actor": actor},
             ).scalar()

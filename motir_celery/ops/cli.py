@@ -350,7 +350,8 @@ def runs_show(run_id: str, tracebacks: bool, as_json: bool) -> None:
         e = d.dlq
         state = {"open": "OPEN — motir dlq replay " + str(e.id) + " --actor YOU",
                  "replayed": f"replayed by {e.replayed_by} at {format_instant(e.replayed_at)} → run {e.replay_run_id}",
-                 "dismissed": f"dismissed by {e.dismissed_by} at {format_instant(e.dismissed_at)}"}[e.status]
+                 "dismissed": f"dismissed by {e.dismissed_by} at {format_instant(e.dismissed_at)}",
+                 "resumed": f"resumed by {e.resumed_by} at {format_instant(e.resumed_at)}"}[e.status]
         facts.append(("dlq", state))
     if d.replay_of:
         facts.append(("replay of", f"run {d.replay_of.run_id or '(purged)'}, by {d.replay_of.replayed_by}"))
@@ -436,12 +437,40 @@ def dlq_replay(dlq_id: str, actor: str, idempotency_key: str | None, as_json: bo
             "replayed": f"replayed by {actor}: new run {result.run_id}",
             "already_replayed": f"already replayed earlier: run {result.run_id}",
             "dismissed": "this entry was dismissed; it cannot be replayed",
+            "resumed": f"this entry was resumed (run {result.run_id}); it cannot be replayed",
             "deduplicated": "the event's idempotency key was already used, so nothing ran; "
                             "replay again with --key NEW-KEY",
             "not_found": f"no DLQ entry {did}",
         }
         click.echo(messages[result.status])
     if result.status not in ("replayed", "already_replayed"):
+        sys.exit(1)
+
+
+@dlq.command("resume")
+@click.argument("dlq_id")
+@click.option("--actor", required=True, help="Who is resuming (recorded as resumed_by).")
+@json_option
+def dlq_resume(dlq_id: str, actor: str, as_json: bool) -> None:
+    """Queue the failed run again from its failed step — its stored steps are kept, its
+    attempts start afresh — audited as ACTOR. Fix the cause first."""
+    from motir_celery import resume_dlq
+
+    did = _uuid_arg(dlq_id, "DLQ entry")
+    actor = _actor(actor)
+    result = resume_dlq(did, actor=actor)
+    if as_json:
+        _print_json(result)
+    else:
+        click.echo({
+            "resumed": f"resumed by {actor}: run {result.run_id} is queued again from its failed step",
+            "already_resumed": f"already resumed earlier: run {result.run_id}",
+            "replayed": "this entry was replayed; it cannot be resumed",
+            "dismissed": "this entry was dismissed; it cannot be resumed",
+            "purged": "the failed run was purged; replay the entry instead",
+            "not_found": f"no DLQ entry {did}",
+        }[result.status])
+    if result.status not in ("resumed", "already_resumed"):
         sys.exit(1)
 
 

@@ -115,7 +115,7 @@ def _database_checks(engine: Engine, settings: Settings, max_wait: float) -> Ite
         yield _sweeper(conn, settings)
         yield _queue(conn, settings, max_wait)
         n = conn.execute(text(
-            "SELECT count(*) FROM job_run_dlq WHERE replayed_at IS NULL AND dismissed_at IS NULL"
+            "SELECT count(*) FROM job_run_dlq WHERE replayed_at IS NULL AND dismissed_at IS NULL AND resumed_at IS NULL"
         )).scalar_one()
     yield (_ok("dlq", "no open entries") if not n else
            Check("dlq", "WARN", f"{n} open entr{'y' if n == 1 else 'ies'} waiting for a decision",

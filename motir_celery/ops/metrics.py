@@ -53,7 +53,7 @@ _EXPIRED = text(
 _DLQ = text(
     """
     SELECT function_id AS job_id,
-           count(*) FILTER (WHERE replayed_at IS NULL AND dismissed_at IS NULL) AS open,
+           count(*) FILTER (WHERE replayed_at IS NULL AND dismissed_at IS NULL AND resumed_at IS NULL) AS open,
            count(*) FILTER (WHERE replayed_at >= now() - make_interval(secs => :window)) AS replays
     FROM job_run_dlq GROUP BY function_id
     """

@@ -148,10 +148,14 @@ class DlqEntry:
     replay_run_id: uuid.UUID | None
     dismissed_at: datetime | None
     dismissed_by: str | None
+    resumed_at: datetime | None = None
+    resumed_by: str | None = None
+    resumed_run_id: uuid.UUID | None = None
+    idempotency_key: str | None = None
 
     @property
     def open(self) -> bool:
-        return self.replayed_at is None and self.dismissed_at is None
+        return self.replayed_at is None and self.dismissed_at is None and self.resumed_at is None
 
     @property
     def status(self) -> str:
@@ -159,6 +163,8 @@ class DlqEntry:
             return "replayed"
         if self.dismissed_at is not None:
             return "dismissed"
+        if self.resumed_at is not None:
+            return "resumed"
         return "open"
 
     @property
@@ -270,7 +276,7 @@ def list_runs(
 _DLQ_COLUMNS = """
     d.id, d.run_id, d.workspace_id, d.function_id, d.event_name, d.event_data, d.failure, d.attempts,
     d.first_failed_at, d.last_failed_at, d.replayed_at, d.replayed_by, d.replay_run_id,
-    d.dismissed_at, d.dismissed_by
+    d.dismissed_at, d.dismissed_by, d.resumed_at, d.resumed_by, d.resumed_run_id, d.idempotency_key
 """
 
 
@@ -338,7 +344,7 @@ def list_dlq(
     where: list[str] = ["true"]
     params: dict[str, Any] = {"limit": max(1, min(limit, MAX_LIMIT))}
     if not include_closed:
-        where.append("d.replayed_at IS NULL AND d.dismissed_at IS NULL")
+        where.append("d.replayed_at IS NULL AND d.dismissed_at IS NULL AND d.resumed_at IS NULL")
     if job:
         where.append("d.function_id = :job")
         params["job"] = job
@@ -380,6 +386,6 @@ def queue_health(session: Session) -> QueueHealth:
         text("SELECT count(*) FROM job_queue WHERE state = 'running' AND lease_expires_at < now()")
     ).scalar_one()
     dlq_open = session.execute(
-        text("SELECT count(*) FROM job_run_dlq WHERE replayed_at IS NULL AND dismissed_at IS NULL")
+        text("SELECT count(*) FROM job_run_dlq WHERE replayed_at IS NULL AND dismissed_at IS NULL AND resumed_at IS NULL")
     ).scalar_one()
     return QueueHealth(now=now, depth=depth, oldest_due=oldest, expired_leases=expired, dlq_open=dlq_open)
