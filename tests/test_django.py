@@ -165,14 +165,16 @@ def test_a_commit_publishes_one_run_that_sees_the_committed_order(  # type: igno
     item = f"teapot-{uuid.uuid4().hex[:8]}"
     status, body = post(server, "/orders/", {"item": item, "quantity": 2}, {"X-Shop-Tenant": "acme"})
     assert status == 201, body
-    (run_id,) = body["run_ids"]
-    assert [str(r.id) for r in runs_of(engine)] == [run_id]
-    assert run_state(engine, run_id) == "queued"
-    assert queued_messages(broker_url) == 1  # published once the view's transaction committed
+    (run_id,), receipt = body["run_ids"], body["receipt_run_id"]  # send_event's run, and .delay()'s
+    assert sorted(str(r.id) for r in runs_of(engine)) == sorted([run_id, receipt])
+    assert run_state(engine, run_id) == run_state(engine, receipt) == "queued"
+    assert queued_messages(broker_url) == 2  # published once the view's transaction committed
     with django_worker(tmp_path, broker_url, django_env):
-        wait_for(lambda: run_state(engine, run_id) == "succeeded", what="the run on the Django worker")
-    ((_, _, result),) = runs_of(engine)
-    assert result["order_id"] == body["order_id"] and result["item"] == item and result["quantity"] == 2
+        wait_for(lambda: run_state(engine, run_id) == run_state(engine, receipt) == "succeeded",
+                 what="the runs on the Django worker")
+    result = {str(r.id): r.result for r in runs_of(engine)}
+    assert result[run_id]["order_id"] == body["order_id"] and result[run_id]["item"] == item
+    assert result[run_id]["quantity"] == 2 and result[receipt] == f"receipt: 2 x {item}"
     ((_, confirmed_at),) = orders_named(engine, item)
     assert confirmed_at is not None  # the job's step wrote through Django's ORM in the worker
 
@@ -262,10 +264,12 @@ events._publish = die
 Client().post("/orders/", {{"item": {item!r}, "quantity": 1}})
 print("survived")
 """, expect=17)
-    ((order_id, _),) = orders_named(engine, item)  # committed with the event and its run
-    ((run_id, state, _),) = runs_of(engine)
-    assert state == "queued" and queued_messages(broker_url) == 0  # no message ever went out
+    ((order_id, _),) = orders_named(engine, item)  # committed with the event and both runs
+    runs = runs_of(engine)
+    assert [r.state for r in runs] == ["queued", "queued"] and queued_messages(broker_url) == 0  # no message went out
     with django_worker(tmp_path, broker_url, django_env, env={"MOTIR_REPUBLISH_AFTER": "1"}):
-        wait_for(lambda: run_state(engine, run_id) == "succeeded", timeout=30, what="the sweeper to publish the run")
-    ((_, _, result),) = runs_of(engine)
-    assert result["order_id"] == order_id and result["item"] == item
+        wait_for(lambda: all(run_state(engine, r.id) == "succeeded" for r in runs), timeout=30,
+                 what="the sweeper to publish the runs")
+    results = [r.result for r in runs_of(engine)]
+    assert any(isinstance(r, dict) and r["order_id"] == order_id and r["item"] == item for r in results)
+    assert f"receipt: 1 x {item}" in results

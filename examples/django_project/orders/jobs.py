@@ -14,6 +14,13 @@ def _confirm(order_id: int) -> str:
     return timezone.now().isoformat()
 
 
+@define_job("orders.receipt", retry_policy="transient")
+def receipt(step: Any, order_id: int, workspace_id: str) -> str:
+    """A direct job, started like a Celery task: ``receipt.delay(order.pk)``."""
+    order = Order.objects.get(pk=order_id)  # committed with the run: always there
+    return step.run("render", lambda: f"receipt: {order.quantity} x {order.item}")
+
+
 @define_job("orders.confirm", event="order.placed", retry_policy="transient")
 def confirm(event: Any, step: Any) -> dict[str, Any]:
     # The order was committed with the event that started this run: it is always there.

@@ -7,6 +7,7 @@ from django.views.decorators.http import require_POST
 
 from motir_celery import send_event
 from motir_celery.contrib.django.middleware import request_workspace
+from orders.jobs import receipt
 from orders.models import Order
 
 
@@ -24,12 +25,15 @@ def place_order(request: HttpRequest) -> JsonResponse:
                                          workspace=workspace)
             # Written on Django's connection, in this transaction; published on commit.
             sent = send_event("order.placed", {"order_id": order.pk}, workspace_id=workspace)
+            # A Celery-shaped call site: the same transaction, the same outbox (a workspace_id
+            # keyword is the run's workspace, as data["workspace_id"] is an event's).
+            handle = receipt.delay(order.pk, workspace_id=workspace)
             if order.quantity > 10:
-                raise OutOfStock(order.item)  # the order, the event and its run all roll back
+                raise OutOfStock(order.item)  # the order, the event and both runs roll back
     except OutOfStock as exc:
         return JsonResponse({"error": f"out of stock: {exc}"}, status=409)
     return JsonResponse({"order_id": order.pk, "event_id": str(sent.event_id),
-                         "run_ids": [str(r) for r in sent.run_ids]}, status=201)
+                         "run_ids": [str(r) for r in sent.run_ids], "receipt_run_id": str(handle.id)}, status=201)
 
 
 def show_order(request: HttpRequest, order_id: int) -> JsonResponse:
