@@ -103,3 +103,61 @@ def test_resume_runs_from_the_failed_step_and_replay_from_the_start(engine, brok
     assert (run.attempts, run.max_attempts) == (1, 2)  # a fresh budget: the first attempt after resume
     assert run.result == {"invoice": "inv_1", "charge": "ch_1"}
     assert ledger == ["retrying", "failed", "succeeded"]
+
+
+def _open(engine, job=None):  # type: ignore[no-untyped-def]
+    with engine.connect() as conn:
+        return conn.execute(text(
+            "SELECT count(*) FROM job_run_dlq WHERE replayed_at IS NULL AND dismissed_at IS NULL "
+            "AND resumed_at IS NULL AND (CAST(:job AS text) IS NULL OR function_id = :job)"), {"job": job}).scalar()
+
+
+def test_bulk_actions_filter_dry_run_pace_and_audit_each_entry(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
+    import time
+
+    from motir_celery.core.bulk import DlqFilter, bulk_dlq
+
+    app = create_app(Settings.from_env())
+    with celery_worker(tmp_path, broker=broker_url, env=IMPORTS):
+        runs = [send_event("cb.order.paid", {"order": f"a{i}", "workspace_id": "acme"}, app=app).run_ids[0]
+                for i in range(8)]
+        runs += [send_event("cb.order.paid", {"order": f"g{i}", "workspace_id": "globex"}, app=app).run_ids[0]
+                 for i in range(3)]
+        runs += [send_event("test.doomed", {"workspace_id": "acme"}, app=app).run_ids[0] for _ in range(2)]
+        wait_for(lambda: _open(engine) == 13, timeout=90, what="13 DLQ entries")
+
+        dry = CliRunner().invoke(cli, ["dlq", "resume", "--job", "cb.fulfil", "--since", "2h", "--dry-run",
+                                       "--actor", "ops"])
+        assert dry.exit_code == 0, dry.output
+        assert "dry run: 11 open entries would be resumed" in dry.output
+        assert dry.output.count("cb.fulfil") == 5  # a sample of five
+        assert _open(engine) == 13  # nothing changed
+        refused = CliRunner().invoke(cli, ["dlq", "resume", "--actor", "ops"])
+        assert refused.exit_code != 0 and "at least one filter" in refused.output
+
+        _fix_the_cause(engine)
+        started = time.monotonic()
+        out = CliRunner().invoke(cli, ["dlq", "resume", "--job", "cb.fulfil", "--workspace", "acme",
+                                       "--rate", "20/s", "--actor", "ops"])
+        elapsed = time.monotonic() - started
+        assert out.exit_code == 0, out.output
+        assert "8 matched — resumed 8" in out.output
+        assert elapsed >= 7 / 20  # paced: 8 entries at 20/s
+        for run_id in runs[:8]:
+            wait_for(lambda r=run_id: run_state(engine, r) == "succeeded", timeout=60, what="a resumed run")
+
+        dismissed = bulk_dlq("dismiss", DlqFilter(error="DECLINED"), caller=Caller("ops", None, admin=True))
+        assert dismissed.counts == {"dismissed": 3}
+        # Through another workspace's eyes, acme's doomed entries do not exist.
+        assert bulk_dlq("replay", DlqFilter(job="test.doomed"), caller=Caller("eve", "globex"),
+                        dry_run=True).matched == 0
+        replayed = bulk_dlq("replay", DlqFilter(job="test.doomed"), caller=Caller("ops", "acme"), rate=5)
+        assert replayed.counts == {"replayed": 2}
+    with engine.connect() as conn:
+        audit = conn.execute(text(
+            "SELECT coalesce(resumed_by, dismissed_by, replayed_by) AS who, "
+            "(resumed_at IS NOT NULL)::int + (dismissed_at IS NOT NULL)::int + (replayed_at IS NOT NULL)::int AS n "
+            "FROM job_run_dlq WHERE first_failed_at IS NOT NULL")).all()
+    closed = [a for a in audit if a.n]
+    assert len(closed) == 13 and all(a.n == 1 and a.who == "ops" for a in closed)  # one audit record per entry
+    assert all(_invoices(engine, f"a{i}") == 1 for i in range(8))

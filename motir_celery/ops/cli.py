@@ -22,10 +22,12 @@ import math
 import sys
 import uuid
 from datetime import datetime, timezone
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import click
 
+from motir_celery.core import bulk
+from motir_celery.core import dlq as dlq_ops
 from motir_celery.errors import MotirError
 from motir_celery.ops import reads
 from motir_celery.ops.timefmt import (
@@ -417,17 +419,106 @@ def dlq_list(include_closed: bool, job: str | None, workspace: str | None, limit
     ))
 
 
+def _bulk_options(fn: Callable[..., None]) -> Callable[..., None]:
+    """Without DLQ_ID: every open entry matching the filters (core/bulk.py)."""
+    for option in reversed([
+        click.option("--job", help="Bulk: only entries of this job id."),
+        click.option("--error", "error_text", help="Bulk: the failure's 'type: message' contains this (any case)."),
+        click.option("--since", help="Bulk: failed since (30m, 2h, 7d, or an ISO date/time)."),
+        click.option("--until", help="Bulk: failed before (a duration back, or an ISO date/time)."),
+        click.option("--workspace", help="Bulk: only this workspace."),
+        click.option("--dry-run", is_flag=True, help="Bulk: print how many entries match, and a sample; change nothing."),
+        click.option("--rate", default="10/s", show_default=True, help="Bulk: at most N entries per second (N or N/s)."),
+        click.option("--limit", default=bulk.DEFAULT_LIMIT, show_default=True, type=click.IntRange(1, bulk.MAX_LIMIT),
+                     help="Bulk: at most this many entries in one call."),
+    ]):
+        fn = option(fn)
+    return fn
+
+
+def _rate(value: str) -> float:
+    raw = value.strip().removesuffix("/s")
+    try:
+        rate = float(raw)
+    except ValueError:
+        rate = float("nan")
+    if not math.isfinite(rate) or not 0 < rate <= 10_000:
+        raise click.BadParameter("a number of entries per second, more than 0 and at most 10000 (e.g. 10 or 10/s)",
+                                 param_hint="--rate")
+    return rate
+
+
+def _bulk(action: "bulk.Action", actor: str, opts: dict[str, Any], as_json: bool) -> None:
+    from motir_celery import _publish
+
+    settings = _settings()
+    names = {"job": "--job", "error_text": "--error", "workspace": "--workspace"}
+    text_opts = {k: _text_option(opts[k], names[k]) for k in names}
+    with _operator_session(settings) as s:
+        now = reads.db_now(s)
+    instants: dict[str, datetime | None] = {}
+    for key in ("since", "until"):
+        try:
+            instants[key] = parse_since(opts[key], now) if opts[key] else None
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint=f"--{key}") from None
+    flt = bulk.DlqFilter(job=text_opts["job"], error=text_opts["error_text"], workspace=text_opts["workspace"],
+                         since=instants["since"], until=instants["until"])
+    if flt.empty:
+        raise click.UsageError("give a DLQ_ID, or at least one filter (--job, --error, --since, --until, "
+                               "--workspace) to act on every open entry matching it")
+    rate = _rate(opts["rate"])
+    if action == "replay":
+        _load_jobs(settings)
+    caller = dlq_ops.Caller(actor, None, admin=True)
+    verb = {"replay": "replayed", "resume": "resumed", "dismiss": "dismissed"}[action]
+    result = bulk.bulk_dlq(action, flt, caller=caller, dry_run=opts["dry_run"], rate=rate, limit=opts["limit"],
+                           publish=None if opts["dry_run"] or action == "dismiss" else _publish(),
+                           settings=settings)
+    if as_json:
+        _print_json(result)
+        return
+    if result.dry_run:
+        click.echo(f"dry run: {result.matched} open entr{'y' if result.matched == 1 else 'ies'} would be {verb}"
+                   + (f" (the first {opts['limit']}; run again for the rest)" if result.matched == opts["limit"] else ""))
+    else:
+        counts = ", ".join(f"{status} {n}" for status, n in sorted(result.counts.items())) or "nothing matched"
+        click.echo(f"{action} by {actor}, at most {rate:g}/s: {result.matched} matched — {counts}")
+    if result.sample:
+        click.echo(_table(["id", "job", "workspace", "failed", "error"],
+                          [(e["id"], e["job"], e["workspace"] or "system", format_ago(e["failed_at"], now),
+                            e["error"]) for e in result.sample]))
+
+
+def _single_only(dlq_id: str | None, opts: dict[str, Any]) -> str:
+    given = [f"--{k.replace('_text', '').replace('_', '-')}" for k in ("job", "error_text", "since", "until",
+                                                                        "workspace") if opts[k]]
+    if opts["dry_run"]:
+        given.append("--dry-run")
+    if given:
+        raise click.UsageError(f"{', '.join(given)} select entries in bulk: give them without a DLQ_ID")
+    assert dlq_id is not None
+    return dlq_id
+
+
 @dlq.command("replay")
-@click.argument("dlq_id")
+@click.argument("dlq_id", required=False)
 @click.option("--actor", required=True, help="Who is replaying (recorded as replayed_by).")
 @click.option("--key", "idempotency_key", help="A new idempotency key (needed when the original event had one).")
+@_bulk_options
 @json_option
-def dlq_replay(dlq_id: str, actor: str, idempotency_key: str | None, as_json: bool) -> None:
-    """Run the failed job again on the original event data — that job only — audited as ACTOR."""
+def dlq_replay(dlq_id: str | None, actor: str, idempotency_key: str | None, as_json: bool, **opts: Any) -> None:
+    """Run the failed job again on the original event data — that job only — audited as ACTOR.
+
+    Without DLQ_ID: every open entry matching the filters, paced by --rate."""
     from motir_celery import replay_dlq
 
-    did = _uuid_arg(dlq_id, "DLQ entry")
     actor = _actor(actor)
+    if dlq_id is None:
+        if idempotency_key is not None:
+            raise click.UsageError("--key replays one entry: give its DLQ_ID")
+        return _bulk("replay", actor, opts, as_json)
+    did = _uuid_arg(_single_only(dlq_id, opts), "DLQ entry")
     _load_jobs(_settings())
     result = replay_dlq(did, actor=actor, idempotency_key=idempotency_key)
     if as_json:
@@ -448,16 +539,21 @@ def dlq_replay(dlq_id: str, actor: str, idempotency_key: str | None, as_json: bo
 
 
 @dlq.command("resume")
-@click.argument("dlq_id")
+@click.argument("dlq_id", required=False)
 @click.option("--actor", required=True, help="Who is resuming (recorded as resumed_by).")
+@_bulk_options
 @json_option
-def dlq_resume(dlq_id: str, actor: str, as_json: bool) -> None:
+def dlq_resume(dlq_id: str | None, actor: str, as_json: bool, **opts: Any) -> None:
     """Queue the failed run again from its failed step — its stored steps are kept, its
-    attempts start afresh — audited as ACTOR. Fix the cause first."""
+    attempts start afresh — audited as ACTOR. Fix the cause first.
+
+    Without DLQ_ID: every open entry matching the filters, paced by --rate."""
     from motir_celery import resume_dlq
 
-    did = _uuid_arg(dlq_id, "DLQ entry")
     actor = _actor(actor)
+    if dlq_id is None:
+        return _bulk("resume", actor, opts, as_json)
+    did = _uuid_arg(_single_only(dlq_id, opts), "DLQ entry")
     result = resume_dlq(did, actor=actor)
     if as_json:
         _print_json(result)
@@ -475,18 +571,24 @@ def dlq_resume(dlq_id: str, actor: str, as_json: bool) -> None:
 
 
 @dlq.command("dismiss")
-@click.argument("dlq_id")
+@click.argument("dlq_id", required=False)
 @click.option("--actor", required=True, help="Who decided not to replay (recorded as dismissed_by).")
-def dlq_dismiss(dlq_id: str, actor: str) -> None:
-    """Close an entry without replaying it; purge may then delete it."""
+@_bulk_options
+@json_option
+def dlq_dismiss(dlq_id: str | None, actor: str, as_json: bool, **opts: Any) -> None:
+    """Close an entry without replaying it; purge may then delete it.
+
+    Without DLQ_ID: every open entry matching the filters."""
     from motir_celery.core.dlq import dismiss_dlq
 
-    did = _uuid_arg(dlq_id, "DLQ entry")
     actor = _actor(actor)
+    if dlq_id is None:
+        return _bulk("dismiss", actor, opts, as_json)
+    did = _uuid_arg(_single_only(dlq_id, opts), "DLQ entry")
     if dismiss_dlq(did, actor=actor):
         click.echo(f"dismissed by {actor}")
     else:
-        raise click.ClickException(f"DLQ entry {did} does not exist or is already replayed or dismissed")
+        raise click.ClickException(f"DLQ entry {did} does not exist or is already replayed, resumed or dismissed")
 
 
 # --- cancel ----------------------------------------------------------------------
