@@ -23,7 +23,16 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
 import tests.direct_jobs as dj
-from motir_celery import CanvasNotSupported, JobDefinitionError, JobFailed, PayloadError, ResultTimeout, send_event
+from motir_celery import (
+    CanvasNotSupported,
+    JobDefinitionError,
+    JobFailed,
+    PayloadError,
+    ResultTimeout,
+    RunHandle,
+    replay_dlq,
+    send_event,
+)
 from motir_celery.core.results import celery_state
 from tests.conftest import ROOT, celery_worker, count_effects, run_state, wait_for
 
@@ -51,7 +60,7 @@ def test_delay_get_returns_the_result(worker: Any, engine: Engine) -> None:
     assert count_effects(engine, handle.id, "add") == 1
 
 
-def test_a_failing_job_raises_its_error_from_get(worker: Any) -> None:
+def test_a_failing_job_raises_its_error_from_get(worker: Any, engine: Engine) -> None:
     handle = dj.fail.apply_async(args=["card declined"])
     with pytest.raises(ValueError) as info:  # a built-in error comes back as itself (and JobFailed)
         handle.get(timeout=10)
@@ -63,6 +72,35 @@ def test_a_failing_job_raises_its_error_from_get(worker: Any) -> None:
     refused = dj.refuse.delay()
     with pytest.raises(JobFailed, match="NonRetriableError: no such customer"):
         refused.get(timeout=10)
+    # Its DLQ entry replays the same arguments (the event's data) for the job.
+    with engine.connect() as conn:
+        dlq_id = conn.execute(text("SELECT id FROM job_run_dlq WHERE run_id = :id"), {"id": handle.id}).scalar_one()
+    replay = replay_dlq(dlq_id, actor="test")
+    assert replay.status == "replayed"
+    with pytest.raises(ValueError, match="card declined"):
+        RunHandle(replay.run_id, "test.direct.fail").get(timeout=10)
+
+
+def test_direct_runs_join_a_framework_transaction(engine: Engine) -> None:
+    """events.join_transactions (contrib/django's hook): delay() writes there, publishes on its commit."""
+    from contextlib import contextmanager
+
+    from motir_celery.core import events
+
+    commits: list[Any] = []
+
+    @contextmanager
+    def joined(workspace_id: str | None) -> Iterator[Any]:
+        with engine.begin() as conn:
+            yield conn, commits.append
+
+    before = events._join
+    events.join_transactions(joined)
+    try:
+        handle = dj.add.delay(1, 2)
+    finally:
+        events.join_transactions(before)
+    assert run_state(engine, handle.id) == "queued" and len(commits) == 1
 
 
 def test_same_task_id_twice_makes_one_run(worker: Any, engine: Engine) -> None:
@@ -164,7 +202,9 @@ def test_queue_option_routes_this_call(engine: Engine, broker_url: str) -> None:
 def test_plain_celery_example_end_to_end(tmp_path: Path, database_url: str, broker_url: str) -> None:
     """examples/plain_celery: `celery -A examples.plain_celery.app worker`, and its producer script."""
     ledger = tmp_path / "ledger.txt"
-    env = {"SHOP_QUEUE": os.environ["MOTIR_QUEUE"], "SHOP_LEDGER": str(ledger), "MOTIR_IMPORTS": ""}
+    # A queue of its own: the module's worker (another app) must not take the shop's messages.
+    queue = f"{os.environ['MOTIR_QUEUE']}-shop"
+    env = {"SHOP_QUEUE": queue, "MOTIR_QUEUE": queue, "SHOP_LEDGER": str(ledger), "MOTIR_IMPORTS": ""}
     with celery_worker(tmp_path, broker=broker_url, app="examples.plain_celery.app", env=env, name="shop") as w:
         done = subprocess.run([sys.executable, "-m", "examples.plain_celery.place_order", "42"],
                               env={**os.environ, **env, "CELERY_BROKER_URL": broker_url}, cwd=ROOT,
