@@ -242,10 +242,17 @@ def view(request):
     return JsonResponse({"inside": inside, "after": after})
 
 response = WorkspaceMiddleware(view)(RequestFactory().post("/", HTTP_X_SHOP_TENANT="acme"))
-print(response.content.decode())
+seen = json.loads(response.content)
+from motir_celery.contrib.django.db import scope_transaction
+with transaction.atomic():
+    scope_transaction("globex")   # for the project's own reads of motir's tables
+    with connection.cursor() as cur:
+        cur.execute(GUC)
+        seen["scoped"] = cur.fetchone()[0]
+print(json.dumps(seen))
 """)
     # Set in the transaction motir wrote in; gone with it (never left on the pooled connection).
-    assert seen == {"inside": "acme", "after": ""} or seen == {"inside": "acme", "after": None}
+    assert seen["inside"] == "acme" and seen["after"] in ("", None) and seen["scoped"] == "globex"
 
 
 def test_killed_between_commit_and_publish_the_sweeper_runs_it(  # type: ignore[no-untyped-def]
