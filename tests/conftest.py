@@ -33,6 +33,7 @@ from sqlalchemy.engine import Engine
 
 from motir_celery import settings as motir_settings
 from motir_celery.store.db import dispose_engines
+from tests.pgbouncer import database_errors
 
 ROOT = Path(__file__).resolve().parent.parent
 SESSION = uuid.uuid4().hex[:8]
@@ -119,11 +120,8 @@ def _clean_tables(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 #: `make test-pgbouncer` sets MOTIR_TEST_SCAN_WORKER_LOGS=1: then a test whose worker (or beat)
-#: logs under its tmp_path hold one of these lines fails, even if its assertions passed.
-#: (Not "raised unexpected": a task whose run ends in the DLQ raises RunFailed on purpose.)
-WORKER_LOG_ERRORS = ("psycopg.errors", "psycopg.OperationalError", "psycopg.InterfaceError", "sqlalchemy.exc.",
-                     "DuplicatePreparedStatement", "prepared statement", "sweep failed", "lease renewal failed",
-                     "the database refused its settle", "cron pass failed", "could not enqueue")
+#: logs under its tmp_path name a database error (tests/pgbouncer.py) fails, even if its
+#: assertions passed.
 _scan_logs = os.environ.get("MOTIR_TEST_SCAN_WORKER_LOGS") == "1"
 _tmp_path_key = pytest.StashKey[Path]()
 
@@ -138,10 +136,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
             item.stash[_tmp_path_key] = tmp
     elif call.when == "teardown" and report.passed and _tmp_path_key in item.stash:
         # At teardown every worker fixture has stopped, so its log is complete.
-        found = [f"{log.relative_to(item.stash[_tmp_path_key])}: {line.strip()[:300]}"
-                 for log in sorted(item.stash[_tmp_path_key].rglob("*.log"))
-                 for line in log.read_text(errors="replace").splitlines()
-                 if any(p in line for p in WORKER_LOG_ERRORS)]
+        found = database_errors(item.stash[_tmp_path_key])
         if found:
             report.outcome = "failed"
             report.longrepr = ("worker logs hold database errors (MOTIR_TEST_SCAN_WORKER_LOGS=1):\n"

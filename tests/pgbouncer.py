@@ -36,7 +36,22 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["PgBouncer", "binary"]
+__all__ = ["PgBouncer", "binary", "DATABASE_ERRORS", "database_errors"]
+
+#: Lines that mean a database error in a worker's (or beat's) log: the PgBouncer pass
+#: (tests/conftest.py, MOTIR_TEST_SCAN_WORKER_LOGS=1) and bench/fleet.py fail on any.
+#: (Not "raised unexpected": a task whose run ends in the DLQ raises RunFailed on purpose.)
+DATABASE_ERRORS = ("psycopg.errors", "psycopg.OperationalError", "psycopg.InterfaceError", "sqlalchemy.exc.",
+                   "DuplicatePreparedStatement", "prepared statement", "sweep failed", "lease renewal failed",
+                   "the database refused its settle", "cron pass failed", "could not enqueue")
+
+
+def database_errors(folder: Path) -> list[str]:
+    """Every line of a ``*.log`` under ``folder`` naming a database error, prefixed by its file."""
+    return [f"{log.relative_to(folder)}: {line.strip()[:300]}"
+            for log in sorted(folder.rglob("*.log"))
+            for line in log.read_text(errors="replace").splitlines()
+            if any(p in line for p in DATABASE_ERRORS)]
 
 #: Logins the engine's deployments use besides the URL's own user (trust: they need only be listed).
 _EXTRA_USERS = ("postgres", "motir_engine", "motir_app", "motir_admin", "motir_owner")

@@ -106,6 +106,7 @@ def test_every_surface_works_through_pgbouncer_and_leaves_no_session_state(throu
     # the sweeper, and beat: one slot enqueued, then a scheduler pass over every cron job
     assert sweeper.sweep(None, settings=settings) is not None
     slot = latest_slot("* * * * * */2", "UTC", datetime.now(timezone.utc))
+    assert slot is not None
     assert type(enqueue_slot(beat_jobs.EVERY_2S, slot, publish=None)).__name__ == "Queued"
     scheduler = MotirScheduler(app=create_app(settings), schedule_filename=str(tmp_path / "schedule"), lazy=True)
     scheduler._motir_publish = lambda *a: None
