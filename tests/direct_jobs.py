@@ -59,3 +59,9 @@ async def async_handler(step: Any, url: str, fail_first: bool = False) -> Any:
 async def async_event_handler(event: Any, step: Any) -> Any:
     n = await step.run("n", _fetch, event, "n", event.data["n"])
     return {"n": n}
+
+
+@define_job("test.direct.sync-calls-async", retry_policy=FAST)
+def sync_calls_async(step: Any, n: int) -> Any:
+    """A plain handler whose step body is a coroutine function: run to its end, no await."""
+    return step.run("fetch", _fetch, step, "fetch", n * 2)

@@ -52,6 +52,9 @@ def test_async_handler_with_coroutine_steps_on_a_worker(worker: Any, engine: Eng
     with engine.connect() as conn:
         steps = set(conn.execute(text("SELECT step_id FROM job_step WHERE run_id = :id"), {"id": handle.id}).scalars())
     assert steps == {"fetch", "plain", "g", "g:1"}  # gathered steps numbered in call order
+    # A plain handler with a coroutine step: no await, the step runs to its end.
+    sync = dj.sync_calls_async.delay(21)
+    assert sync.get(timeout=10) == 42 and count_effects(engine, sync.id, "fetch") == 1
     # An event job's async handler too.
     assert send_event("test.async-event", {"n": 7}).results[0].get(timeout=10) == {"n": 7}
 

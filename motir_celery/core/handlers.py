@@ -15,7 +15,9 @@
   concurrently (``asyncio.gather``) get their ids in call order, as plain steps do.
   Pass the coroutine function itself: ``step.run("x", fetch, url)``, not
   ``lambda: fetch(url)`` (a lambda is a plain function; its coroutine would be
-  its result, which is not JSON).
+  its result, which is not JSON). In a plain (sync) handler, where no loop
+  runs, ``step.run`` with a coroutine function runs it with ``asyncio.run`` and
+  returns its result, so async client code can be used from sync handlers too.
 """
 
 from __future__ import annotations
@@ -60,8 +62,20 @@ class _Steps(Protocol):
     def _store(self, key: str, encoded: str, elapsed: float) -> Any: ...
 
 
-async def coroutine_step(step: _Steps, key: str, fn: Callable[..., Awaitable[Any]], args: Sequence[Any],
-                         kwargs: Mapping[str, Any]) -> Any:
+def coroutine_step(step: _Steps, key: str, fn: Callable[..., Awaitable[Any]], args: Sequence[Any],
+                   kwargs: Mapping[str, Any]) -> Any:
+    """An awaitable of the step inside a running loop (an ``async def`` handler); in a plain
+    handler, where no loop runs, the step's result, its coroutine run here with ``asyncio.run``."""
+    body = _coroutine_step(step, key, fn, args, kwargs)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(body)
+    return body
+
+
+async def _coroutine_step(step: _Steps, key: str, fn: Callable[..., Awaitable[Any]], args: Sequence[Any],
+                          kwargs: Mapping[str, Any]) -> Any:
     """``StepRun.run`` for an ``async def`` body: memo, fence check, body, committed record."""
     if key in step._memo:
         return step._memo[key]
