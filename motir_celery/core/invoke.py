@@ -1,23 +1,220 @@
-"""``step.invoke`` / ``step.gather``: child runs awaited durably (issue 20)."""
+"""``step.invoke`` / ``step.gather``: child runs awaited durably (issue 20).
+
+``value = step.invoke("charge", "payments.charge", {"order": 42})`` starts one run of
+job ``payments.charge`` — the child — and returns its result once it has settled;
+``step.gather("kids", [(job, data), ...])`` starts several and returns their results
+in order. How:
+
+1. **One child per (parent run, step)**, decided by the database: the child's event
+   has the idempotency key ``motir.invoke:<parent run>:<step>`` and its run row the
+   unique ``(parent_run_id, parent_step_id)`` (migration 0006), both written by one
+   statement fenced on the parent's claim (``store/compose.py``, ``START_CHILDREN``).
+   A parent that reaches the step again — retry, crash, redelivery, resume — starts
+   nothing new. The child carries the parent's workspace and trace context
+   (``traceparent``); it is published after that commit.
+2. **The parent suspends without holding a worker**: under a per-parent advisory
+   lock it reads its children; while any is unfinished it is queued again with
+   ``wait_event = 'motir.children'`` (``statements.suspend``, no attempt charged) and
+   the worker is given back.
+3. **The child's settle wakes the parent**: the trigger ``motir_run_settled`` (in the
+   settle's own transaction, under the same lock) makes the parent due once *no*
+   child of it is unfinished — so a gather of 50 resumes its parent once, and a
+   parent that checked just before its last child settled is already suspended when
+   the trigger looks. The settling worker publishes the parent after its commit
+   (``after_settle``); a settle made elsewhere (the sweeper, a cancel) leaves the
+   parent to the sweeper's re-publish.
+4. **The outcome is memoized** as the step's record: the child's result, or its
+   final failure, which is raised into the parent as ``ChildFailed`` (a
+   ``NonRetriableError``: retrying the parent would read the same stored failure),
+   carrying the child's stored error. The handler may catch it.
+
+``timeout=`` (seconds or timedelta) bounds the wait on the database's clock (a
+memoized window, like ``wait_for_event``): children unfinished when it passes are
+cancelled and come back as ``ChildFailed`` with ``error["type"] == "ChildTimeout"``.
+Cancelling the parent cancels its unfinished children (the same trigger; their
+children in turn). Detaching a child from its parent's cancel is not offered.
+
+``gather`` waits for **every** child to settle (collect, not fail-fast): a failed
+child does not cancel its siblings, whose work is kept. Then, by default, the first
+failure (in call order) is raised as ``ChildFailed`` with ``.results`` — every
+child's value or ``ChildFailed`` — attached; ``return_exceptions=True`` returns that
+list instead of raising.
+
+A handler awaits one invoke or gather at a time (a run waits on one step), so "no
+unfinished child of this parent" is "the current step's children have settled".
+"""
 
 from __future__ import annotations
 
+import json
+import logging
 import uuid
-from typing import Any
+from datetime import datetime, timedelta
+from typing import Any, Sequence
 
-from motir_celery.errors import NonRetriableError
+from sqlalchemy import Connection
 
-__all__ = ["ChildFailed"]
+from motir_celery.core.jobs import Job, get_job
+from motir_celery.core.publish import Publish, publish_or_log
+from motir_celery.core.runspec import spec_for
+from motir_celery.core.tracing import current_traceparent
+from motir_celery.errors import NonRetriableError, PayloadError, Suspended, checked_delay
+from motir_celery.store import compose, statements
+
+__all__ = ["ChildFailed", "invoke", "gather", "after_settle", "CHILD_EVENT_PREFIX", "MAX_CHILDREN"]
+
+log = logging.getLogger("motir_celery.core.invoke")
+
+#: A child's event is named ``motir.invoke:<job_id>`` (its data is the data given).
+CHILD_EVENT_PREFIX = "motir.invoke:"
+#: The most children one gather starts.
+MAX_CHILDREN = 1000
+#: A wait without a timeout: the parent is due again only when woken (or after this long).
+_FOREVER = 10 * 365 * 86400.0
+_FINAL = ("succeeded", "failed", "cancelled")
 
 
 class ChildFailed(NonRetriableError):
     """A child run ended failed or cancelled (or its wait timed out): raised into the parent
     at its step.invoke / step.gather, which the handler may catch. ``error`` is the stored
-    error of the child's last attempt ({"type", "message", ...}); ``state`` is the child's."""
+    error of the child's last attempt ({"type", "message", ...}); ``state`` is the child's.
+    From a gather, ``results`` holds every child's value or ChildFailed, in call order."""
 
     def __init__(self, step_id: str, run_id: uuid.UUID | str | None, job_id: str, state: str,
                  error: dict[str, Any] | None) -> None:
         self.step_id, self.run_id, self.job_id, self.state = step_id, run_id, job_id, state
         self.error = error or {}
+        self.results: list[Any] = []
         super().__init__(f"child run {run_id} ({job_id}) of step {step_id!r} {state}: "
                          f"{self.error.get('type', '')}: {self.error.get('message', '')}")
+
+
+def invoke(step: Any, step_id: str, job: Job | str, data: Any, *,
+           timeout: float | timedelta | None = None) -> Any:
+    """``step.invoke``: start one child run and return its result (or raise ChildFailed)."""
+    key = step._key(step_id)
+    (outcome,) = _await(step, key, [(key, job, data)], timeout)
+    if "ok" not in outcome:
+        raise _failure(outcome)
+    return outcome["ok"]
+
+
+def gather(step: Any, step_id: str, calls: Sequence[tuple[Job | str, Any]], *,
+           timeout: float | timedelta | None = None, return_exceptions: bool = False) -> list[Any]:
+    """``step.gather``: start one child per ``(job, data)`` at once; once all have settled,
+    their results in call order (the first failure raised, unless ``return_exceptions``)."""
+    key = step._key(step_id)
+    if not isinstance(calls, (list, tuple)) or not 1 <= len(calls) <= MAX_CHILDREN:
+        raise PayloadError(f"step.gather({step_id!r}) takes a list of 1 to {MAX_CHILDREN} (job, data) pairs")
+    children = [(f"{key}[{i}]", job, data) for i, (job, data) in enumerate(calls)]
+    outcomes = _await(step, key, children, timeout)
+    values = [o["ok"] if "ok" in o else _failure(o) for o in outcomes]
+    if not return_exceptions:
+        failed = next((v for v in values if isinstance(v, ChildFailed)), None)
+        if failed is not None:
+            failed.results = values
+            raise failed
+    return values
+
+
+def _failure(outcome: dict[str, Any]) -> ChildFailed:
+    return ChildFailed(outcome["step"], outcome.get("run_id"), outcome.get("job_id", ""), outcome["state"],
+                       outcome.get("error"))
+
+
+def _child_rows(step: Any, children: Sequence[tuple[str, Job | str, Any]]) -> list[tuple[str, str, str, str, Any]]:
+    claim = step._claim
+    out = []
+    for child_key, job_ref, data in children:
+        job = job_ref if isinstance(job_ref, Job) else get_job(job_ref)
+        event_data = {"args": [data], "kwargs": {}} if job.direct else data
+        try:
+            encoded = json.dumps(event_data, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise PayloadError(f"data of child {child_key!r} ({job.id}) is not JSON: {exc}") from None
+        if "\\u0000" in encoded:
+            raise PayloadError(f"data of child {child_key!r} ({job.id}) contains a NUL character")
+        out.append((child_key, f"{CHILD_EVENT_PREFIX}{job.id}", encoded,
+                    f"motir.invoke:{claim.run_id}:{child_key}", spec_for(job, event_data, claim.workspace_id)))
+    return out
+
+
+def _await(step: Any, key: str, children: Sequence[tuple[str, Job | str, Any]],
+           timeout: float | timedelta | None) -> list[dict[str, Any]]:
+    if key in step._memo:
+        return step._memo[key]  # type: ignore[no-any-return]
+    claim = step._claim
+    step._still_held(key)
+    rows = _child_rows(step, children)
+    # 1. The children, once per (parent, step): a conflict is the child already started.
+    with step._transaction() as tx:
+        held, created = compose.start_children(tx, claim, rows, traceparent=current_traceparent() or claim.traceparent)
+        reason = "" if held else statements.why_fenced(tx, claim)
+    if not held:
+        step._refused(key, reason)
+    for run_id, job_id in created:  # after the commit that created them
+        if step._publish is not None and not publish_or_log(step._publish, run_id, job_id):
+            break  # the broker is away: the sweeper publishes the rest
+    # 2. The wait's window, memoized on the database's clock (a timeout only).
+    until, now = None, None
+    if timeout is not None:
+        seconds = checked_delay(f"step invoke/gather {key!r:.100} timeout",
+                                timeout.total_seconds() if isinstance(timeout, timedelta) else timeout)
+        window, now = step._clock(f"{key}:invoke", seconds=seconds)
+        until = datetime.fromisoformat(window["until"])
+    keys = [c[0] for c in rows]
+    run_at, timed_out, reason = None, [], ""
+    with step._transaction() as tx:
+        # The trigger's lock: every child settle committed so far is visible below, and a
+        # later one sees this suspension and wakes it.
+        compose.lock_parent(tx, claim.run_id)
+        kids = compose.children(tx, claim.run_id, keys)
+        unfinished = [k for k in keys if k in kids and kids[k]["state"] not in _FINAL]
+        if unfinished and (until is None or now is None or now < until):
+            run_at = statements.suspend(tx, claim, outcome="suspended", until=until,
+                                        delay=None if until is not None else _FOREVER,
+                                        wait=(compose.CHILD_WAIT, [], None),
+                                        republish_after=step._republish_after)
+            reason = "" if run_at is not None else statements.why_fenced(tx, claim)
+        elif unfinished:
+            timed_out = compose.cancel_children(tx, claim.run_id, unfinished)
+            kids = compose.children(tx, claim.run_id, keys)
+    if reason:
+        step._refused(key, reason)
+    if run_at is not None:
+        raise Suspended(run_at)  # committed: the parent waits in the queue, not in this process
+    cut = {str(r) for r in timed_out}
+    outcomes = [_outcome(k, kids.get(k), str(kids[k]["run_id"]) in cut if k in kids else False, timeout)
+                for k in keys]
+    return step._store(key, json.dumps(outcomes, separators=(",", ":")), 0.0)  # type: ignore[no-any-return]
+
+
+def _outcome(key: str, kid: dict[str, Any] | None, timed_out: bool, timeout: Any) -> dict[str, Any]:
+    if kid is None:  # refused at its INSERT: its job's singleton key was taken by an active run
+        return {"step": key, "state": "not_started",
+                "error": {"type": "ChildNotStarted",
+                          "message": "the child run was not created (its singleton key was held by another run)"}}
+    base = {"step": key, "run_id": str(kid["run_id"]), "job_id": kid["job_id"], "state": kid["state"]}
+    if kid["state"] == "succeeded":
+        return {**base, "ok": kid["result"]}
+    if timed_out:
+        error = {"type": "ChildTimeout", "message": f"the child did not settle within the timeout ({timeout})"}
+    elif kid["state"] == "cancelled":
+        error = {"type": "RunCancelled", "message": "the child run was cancelled"}
+    else:
+        error = kid["error"] or {"type": "Failed", "message": "the child run failed"}
+    return {**base, "error": error}
+
+
+def after_settle(conn: Connection, claim: statements.Claim, state: str, publish: Publish | None) -> None:
+    """The runner's hook after an attempt settled: a child that reached a final state may
+    have woken its parent (the trigger did, in the settle's transaction) — publish it.
+    One string test for every other run."""
+    if publish is None or state not in ("succeeded", "failed") or not claim.event_name.startswith(CHILD_EVENT_PREFIX):
+        return
+    try:
+        parent = compose.woken_parent(conn, claim.run_id)
+        if parent is not None:
+            publish_or_log(publish, parent[0], parent[1])
+    except Exception:  # noqa: BLE001 — the settle is committed; the sweeper publishes the parent
+        log.warning("run %s: could not publish its woken parent; the sweeper will", claim.run_id, exc_info=True)

@@ -34,7 +34,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from motir_celery.core import concurrency, leases
+from motir_celery.core import concurrency, invoke, leases
 from motir_celery.core.failures import describe, storable_error
 from motir_celery.core.handlers import call_handler
 from motir_celery.core.jobs import get_job
@@ -116,7 +116,9 @@ def _execute(engine: Engine, run_uuid: uuid.UUID, job_id: str, worker: str, publ
         try:
             with leases.hold(claim, settings.lease_seconds), \
                     run_span(claim.job_id, str(claim.run_id), claim.attempt, claim.traceparent):
-                return _attempt(claim, conn, engine, publish, settings)
+                outcome = _attempt(claim, conn, engine, publish, settings)
+            invoke.after_settle(conn, claim, outcome.state, publish)  # a child's settle may wake its parent
+            return outcome
         finally:
             if claim.concurrency_key is not None:
                 concurrency.free_slot(engine, claim, publish)

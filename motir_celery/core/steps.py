@@ -276,3 +276,21 @@ class Step(StepRun):
         if run_at is not None:
             raise Suspended(run_at)  # committed: the run waits in the queue, not in this process
         return self._store(key, json.dumps(found), 0.0)  # type: ignore[no-any-return]
+
+    # --- composition: child runs awaited durably (core/invoke.py) ---------------------
+
+    def invoke(self, step_id: str, job: Any, data: Any, *, timeout: float | timedelta | None = None) -> Any:
+        """Start one run of ``job`` (a Job or its id) on ``data`` — once per (run, step) — and
+        return its result once it settles, the worker given back meanwhile; its final
+        failure is raised as ``ChildFailed``."""
+        from motir_celery.core import invoke
+
+        return invoke.invoke(self, step_id, job, data, timeout=timeout)
+
+    def gather(self, step_id: str, calls: Any, *, timeout: float | timedelta | None = None,
+               return_exceptions: bool = False) -> list[Any]:
+        """Start one child per ``(job, data)`` of ``calls`` at once; once every one has
+        settled, their results in order (the first failure raised, unless ``return_exceptions``)."""
+        from motir_celery.core import invoke
+
+        return invoke.gather(self, step_id, calls, timeout=timeout, return_exceptions=return_exceptions)

@@ -1,0 +1,94 @@
+"""step.invoke / step.gather on real workers (issue 20): child runs awaited durably."""
+
+from __future__ import annotations
+
+from sqlalchemy import text
+
+import tests.compose_jobs  # noqa: F401
+from motir_celery import cancel_run, send_event
+from motir_celery.adapter.celery_app import create_app
+from motir_celery.settings import Settings
+from tests.conftest import celery_worker, count_effects, run_state, wait_for
+
+IMPORTS = {"MOTIR_IMPORTS": "tests.jobs,tests.compose_jobs"}
+
+
+def _final(engine, run_id, timeout=60.0):  # type: ignore[no-untyped-def]
+    return wait_for(lambda: (s := run_state(engine, run_id)) in ("succeeded", "failed", "cancelled") and s,
+                    timeout=timeout, what=f"run {run_id} to finish")
+
+
+def _children(engine, parent):  # type: ignore[no-untyped-def]
+    with engine.connect() as conn:
+        return conn.execute(text("SELECT id, parent_step_id, state, workspace_id, result, event_name "
+                                 "FROM job_queue WHERE parent_run_id = :p ORDER BY parent_step_id"),
+                            {"p": parent}).all()
+
+
+def _ledger(engine, run_id):  # type: ignore[no-untyped-def]
+    with engine.connect() as conn:
+        return conn.execute(text("SELECT outcome FROM job_run WHERE run_id = :r ORDER BY started_at"),
+                            {"r": run_id}).scalars().all()
+
+
+def _result(engine, run_id):  # type: ignore[no-untyped-def]
+    with engine.connect() as conn:
+        return conn.execute(text("SELECT result FROM job_queue WHERE id = :r"), {"r": run_id}).scalar()
+
+
+def test_invoke_awaits_one_child_and_raises_its_failure_into_the_parent(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
+    app = create_app(Settings.from_env())
+    with celery_worker(tmp_path, broker=broker_url, env=IMPORTS):
+        ok = send_event("cb.parent", {"n": 21, "workspace_id": "acme"}, app=app).run_ids[0]
+        bad = send_event("cb.parent", {"n": 3, "fail": True, "workspace_id": "acme"}, app=app).run_ids[0]
+        assert _final(engine, ok) == "succeeded"
+        assert _final(engine, bad) == "succeeded"  # the handler caught ChildFailed
+    assert _result(engine, ok) == {"child": 42}
+    assert _result(engine, bad) == {"failed": "child 3 refused", "state": "failed"}
+    (child,) = _children(engine, ok)
+    assert (child.parent_step_id, child.state, child.workspace_id, child.result) == ("child", "succeeded", "acme", 42)
+    assert child.event_name == "motir.invoke:cb.child"
+    # The parent gave its worker back while the child ran, and resumed once.
+    assert _ledger(engine, ok) == ["suspended", "succeeded"]
+    assert count_effects(engine, ok, "before") == 1 and count_effects(engine, ok, "after") == 1
+    assert count_effects(engine, child.id, "work") == 1
+    (failed_child,) = _children(engine, bad)
+    assert failed_child.state == "failed"
+
+
+def test_cancelling_the_parent_cancels_its_child_and_a_timeout_cancels_it_too(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
+    app = create_app(Settings.from_env())
+    with celery_worker(tmp_path, broker=broker_url, env=IMPORTS):
+        parent = send_event("cb.parent", {"n": 1, "sleepy": True}, app=app).run_ids[0]
+        timed = send_event("cb.parent", {"n": 2, "sleepy": True, "timeout": 1.5}, app=app).run_ids[0]
+        wait_for(lambda: [c.state for c in _children(engine, parent)] == ["queued"]
+                 and _ledger(engine, parent) == ["suspended"], what="the parent to wait for its sleeping child")
+        assert cancel_run(parent)
+        assert [c.state for c in _children(engine, parent)] == ["cancelled"]
+        assert _final(engine, timed, timeout=30) == "succeeded"
+    assert run_state(engine, parent) == "cancelled"
+    assert _result(engine, timed)["state"] == "cancelled"
+    assert "did not settle within the timeout" in _result(engine, timed)["failed"]
+    assert [c.state for c in _children(engine, timed)] == ["cancelled"]
+
+
+def test_a_fan_out_of_50_on_two_workers_runs_each_child_once_and_resumes_the_parent_once(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
+    app = create_app(Settings.from_env())
+    with celery_worker(tmp_path, broker=broker_url, env=IMPORTS, name="w1", concurrency=1), \
+            celery_worker(tmp_path, broker=broker_url, env=IMPORTS, name="w2", concurrency=1):
+        parent = send_event("cb.fan", {"n": 50, "fail": [7], "workspace_id": "acme"}, app=app).run_ids[0]
+        assert _final(engine, parent, timeout=150) == "succeeded"
+    kids = _children(engine, parent)
+    assert len(kids) == 50 and {k.parent_step_id for k in kids} == {f"kids[{i}]" for i in range(50)}
+    assert sorted(k.state for k in kids).count("succeeded") == 49
+    assert all(count_effects(engine, k.id, "work") == 1 for k in kids)  # each child once
+    with engine.connect() as conn:
+        workers = conn.execute(text("SELECT count(DISTINCT r.worker) FROM job_run r JOIN job_queue q ON q.id = r.run_id "
+                                    "WHERE q.parent_run_id = :p"), {"p": parent}).scalar()
+    assert workers == 2  # both workers took children
+    # Collect semantics: the failed child did not stop its siblings; the parent saw every result.
+    assert _result(engine, parent) == {"sum": sum(2 * i for i in range(50) if i != 7), "failed": [7]}
+    # Resumed once: one suspended attempt, one that finished; the handler ran twice in all.
+    assert _ledger(engine, parent) == ["suspended", "succeeded"]
+    assert count_effects(engine, parent, "handler") == 2
+    assert count_effects(engine, parent, "after") == 1
