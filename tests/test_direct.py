@@ -221,3 +221,24 @@ def test_plain_celery_example_end_to_end(tmp_path: Path, database_url: str, brok
     assert lines.count("load 42") == 2 and lines.count("charge-timeout 42") == 1
     assert sum(line.startswith("charge 42 ") for line in lines) == 2 and lines.count("ship 42") == 2
     assert "newsletter 7" in lines
+
+
+def test_a_direct_run_in_the_app_roles_transaction(engine: Engine) -> None:
+    """Under the app role (RLS, INSERT only): the run is written in the caller's workspace,
+    a key reused there answers with the first run, a key another workspace used stays hidden."""
+    from motir_celery.store.db import workspace_session
+
+    key = f"order-{uuid.uuid4()}"
+    with workspace_session("acme") as session:
+        first = dj.add.apply_async(args=[1, 2], session=session, workspace_id="acme", task_id=key, countdown=300)
+    with workspace_session("acme") as session:
+        again = dj.add.apply_async(args=[1, 2], session=session, workspace_id="acme", task_id=key, countdown=300)
+    with workspace_session("globex") as session:
+        hidden = dj.add.apply_async(args=[1, 2], session=session, workspace_id="globex", task_id=key)
+    assert not first.deduplicated and again.deduplicated and again.id == first.id
+    assert hidden.deduplicated and hidden.id is None and hidden.state == "PENDING"
+    with engine.connect() as conn:
+        row = conn.execute(text("SELECT workspace_id, extract(epoch FROM run_at - created_at) AS delay "
+                                "FROM job_queue WHERE id = :id"), {"id": first.id}).one()
+        assert conn.execute(text("SELECT count(*) FROM job_queue")).scalar() == 1
+    assert row.workspace_id == "acme" and row.delay == 300
