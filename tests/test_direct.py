@@ -242,3 +242,41 @@ def test_a_direct_run_in_the_app_roles_transaction(engine: Engine) -> None:
                                 "FROM job_queue WHERE id = :id"), {"id": first.id}).one()
         assert conn.execute(text("SELECT count(*) FROM job_queue")).scalar() == 1
     assert row.workspace_id == "acme" and row.delay == 300
+
+
+def test_eta_and_countdown_under_non_utc_zones(engine: Engine, database_url: str) -> None:
+    """One clock: a non-UTC session TimeZone and process TZ change nothing; a naive eta is UTC."""
+    from datetime import datetime, timezone
+    from zoneinfo import ZoneInfo
+
+    from sqlalchemy import create_engine
+
+    odd = create_engine(database_url, connect_args={"options": "-c TimeZone=Pacific/Chatham"})
+    old_tz = os.environ.get("TZ")
+    os.environ["TZ"] = "Asia/Kolkata"
+    time.tzset()
+    try:
+        with odd.connect() as conn:
+            db_now = conn.execute(text("SELECT now()")).scalar_one()
+        calls = {
+            "countdown": {"countdown": 100},
+            "aware eta": {"eta": (db_now + timedelta(seconds=100)).astimezone(ZoneInfo("America/New_York"))},
+            "naive eta": {"eta": (db_now + timedelta(seconds=100)).astimezone(timezone.utc).replace(tzinfo=None)},
+        }
+        handles = {}
+        for name, options in calls.items():
+            with Session(odd) as session, session.begin():
+                handles[name] = dj.add.apply_async(args=[1, 1], session=session, **options)
+        assert datetime.now().astimezone().utcoffset() == timedelta(hours=5, minutes=30)  # the odd TZ is on
+    finally:
+        if old_tz is None:
+            os.environ.pop("TZ")
+        else:
+            os.environ["TZ"] = old_tz
+        time.tzset()
+        odd.dispose()
+    with engine.connect() as conn:
+        for name, handle in handles.items():
+            due_in = conn.execute(text("SELECT extract(epoch FROM run_at - :now) FROM job_queue WHERE id = :id"),
+                                  {"id": handle.id, "now": db_now}).scalar_one()
+            assert 99 <= due_in <= 103, (name, due_in)
