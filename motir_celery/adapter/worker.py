@@ -17,6 +17,7 @@ thread that died anyway is started again by the next run.
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from typing import Any, Callable
@@ -62,7 +63,9 @@ class EngineThread:
         settings = get_settings()
         # Often enough that a renewal due at lease / 3 is never late by more than lease / 6.
         tick = min(1.0, settings.lease_seconds / 6)
-        next_sweep = time.monotonic() + settings.sweep_interval
+        # The first sweep at a random point of the period: workers started together (a deploy)
+        # then sweep spread over it rather than all at once, every period after.
+        next_sweep = time.monotonic() + random.uniform(0.0, settings.sweep_interval)
         while not self._stop.wait(tick):
             _duty("lease renewal", leases.renew_due)
             sweep = self._sweep
