@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 import tests.direct_jobs as dj
-from motir_celery import RunHandle, send_event, send_event_async
+from motir_celery import JobRevoked, RunHandle, send_event, send_event_async
 from tests.conftest import celery_worker, count_effects, run_state, wait_for
 
 IMPORTS = {"MOTIR_IMPORTS": "tests.jobs,tests.direct_jobs"}
@@ -199,3 +199,25 @@ def test_asgi_producer_does_not_block_the_loop(worker: Any, engine: Engine, caps
     # CPU (its no-op baseline), on a shared 2-core machine: printed, not asserted.
     assert max(out["loop_async"]) < max(out["loop_sync"]) / 4
     assert statistics.median(out["loop_async"]) < 0.05
+
+
+def test_send_event_async_cancels_and_deduplicates(engine: Engine, broker_url: str) -> None:
+    """The paths beside the common one: cancel_on (a transaction of its own) and an idempotency key."""
+    import tests.jobs  # noqa: F401  (test.cancel-on and its cancel_on rule)
+
+    order = str(uuid.uuid4())
+
+    async def scenario() -> tuple[Any, Any, Any]:
+        placed = await send_event_async("test.order.placed", {"order_id": order}, idempotency_key=f"p-{order}")
+        again = await send_event_async("test.order.placed", {"order_id": order}, idempotency_key=f"p-{order}")
+        cancelled = await send_event_async("test.order.cancelled", {"order_id": order})
+        return placed, again, cancelled
+
+    placed, again, cancelled = asyncio.run(scenario())
+    assert len(placed.run_ids) == 1 and again.deduplicated and not again.conflicting
+    assert again.event_id == placed.event_id and again.run_ids == []
+    assert cancelled.cancelled == placed.run_ids
+    assert run_state(engine, placed.run_ids[0]) == "cancelled"
+    assert placed.results[0].state == "REVOKED"
+    with pytest.raises(JobRevoked):
+        placed.results[0].get(timeout=1)
