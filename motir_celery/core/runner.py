@@ -1,26 +1,16 @@
 """Execute one run: claim, call the handler with its memoized steps, settle.
 
-This is what a Celery task calls with the run id from its message, and the only
-place an attempt starts or ends. One connection (from the pool, in autocommit)
-for the whole attempt: the claim, each step record and the settle are one
-statement and one commit each. No Celery import here: the adapter hands in the
-``Publish`` callable.
+What a Celery task calls with the run id from its message; the only place an
+attempt starts or ends. One pooled connection, in autocommit, for the attempt:
+the claim, each step record and the settle are one statement and one commit.
 
-How an attempt ends, in order of precedence:
-
-* ``LostClaim`` / ``RunCancelled`` — the database refused a fenced write; this
-  worker no longer owns the run and writes nothing more.
-* ``NonRetriableError`` (``StepIdError`` among them), ``StepOutputError`` and an
-  unknown job → failed + DLQ now.
-* ``RateLimited(delay)`` → queued again at ``now() + delay``, no attempt charged.
-* ``RetryAfterError(delay)`` → queued again at ``now() + delay``.
-* anything else → the retry policy's backoff, or failed + DLQ when spent.
-
-Nothing a handler raises or returns can make the settle fail: the error is made
-storable first (``failures.py``), delays were checked where they were raised,
-and a result is JSON-checked before the settle. If Postgres still refuses a
-settle, the attempt fails with the database's own message and the run follows
-its retry policy; only a database that is away leaves it to the lease.
+How an attempt ends: ``LostClaim`` / ``RunCancelled`` (a fenced write was
+refused: write nothing more); ``NonRetriableError``, ``StepOutputError`` or an
+unknown job → failed + DLQ now; ``RateLimited`` → deferred, no attempt charged;
+``RetryAfterError`` → its delay; anything else → the retry policy, then the DLQ.
+Nothing a handler raises or returns can make the settle fail: errors are made
+storable (``failures.py``), delays are checked where raised, results JSON-checked.
+A settle Postgres still refuses fails the attempt with the database's message.
 """
 
 from __future__ import annotations

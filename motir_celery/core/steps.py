@@ -1,25 +1,17 @@
 """``step.run``: memoized side effects — the handler's second argument.
 
-The contract (docs/jobs.md, "Steps", says the same):
+* A step whose result is stored is **never executed again** for that run.
+* A step's record is **committed before ``step.run`` returns**: before the next
+  body starts and before the settle; no record waits on a thread, a timer or a
+  later statement. The one re-run window is between a body's end and its
+  record's commit: a worker that dies there runs that step again.
+* The store is fenced on the claim token: a worker that lost the run gets
+  ``LostClaim`` / ``RunCancelled`` at that step boundary.
+* A result must be JSON Postgres stores (``StepOutputError``); a step id is at
+  most ``MAX_STEP_ID`` printable characters (``StepIdError``).
 
-* A step whose result is stored is **never executed again** for that run —
-  not on retry, not after a crash, not on a redelivered message, not on
-  another worker. ``step.run`` returns the stored value instead.
-* A step's record is **committed before ``step.run`` returns**, so before the
-  next body starts and before the settle. No record waits on another thread, a
-  timer or a later statement. The one re-run window is between a body's end and
-  its record's commit: a worker that dies there runs that step again.
-* The store is fenced on the claim token: a worker that lost the run (its lease
-  was reclaimed, or the run was cancelled) gets ``LostClaim`` / ``RunCancelled``
-  and stops at that step boundary.
-* What a step returns must be JSON (a tuple comes back as a list, on the first
-  execution too); anything else is a ``StepOutputError``. A step id is a
-  non-empty string of at most ``MAX_STEP_ID`` characters (``StepIdError``).
-
-Besides ``run`` (below the run path in this file): ``sleep`` / ``sleep_until``
-and ``wait_for_event`` memoize when they started and until when, put the run
-back in the queue (no attempt charged, no process held) and resume it from its
-memoized steps when due; ``send_event`` emits exactly one event per step.
+``StepRun`` is the run path; ``Step`` adds sleeps, waits and ``send_event``,
+which give the worker back or emit one event per step (docs/jobs.md).
 """
 
 from __future__ import annotations
