@@ -1,23 +1,15 @@
 """How the runner calls a handler, and coroutine steps.
 
-* An event or cron job: ``handler(event, step)``.
-* A direct job (``job.delay(*args, **kwargs)``): ``handler(step, *args, **kwargs)``,
-  the arguments read back from the run's event data (``core/direct.py``).
-* An ``async def`` handler: its coroutine runs to completion with
-  ``asyncio.run`` on the worker's own thread — a fresh event loop per attempt,
-  closed after it; the user manages no loop. (A thread that already runs a loop
-  cannot do this: asyncio refuses, and the attempt fails saying so.)
-* ``await step.run(step_id, fn, ...)`` with a coroutine function ``fn``: the
-  step is memoized exactly as a plain one — a stored result is returned without
-  running ``fn``, a new one is committed before the awaitable completes — and
-  its record is written on the attempt's connection from the handler's loop
-  (one short statement; the loop belongs to this run alone). Steps gathered
-  concurrently (``asyncio.gather``) get their ids in call order, as plain steps do.
-  Pass the coroutine function itself: ``step.run("x", fetch, url)``, not
-  ``lambda: fetch(url)`` (a lambda is a plain function; its coroutine would be
-  its result, which is not JSON). In a plain (sync) handler, where no loop
-  runs, ``step.run`` with a coroutine function runs it with ``asyncio.run`` and
-  returns its result, so async client code can be used from sync handlers too.
+* An event or cron job: ``handler(event, step)``; a direct job (``job.delay``):
+  ``handler(step, *args, **kwargs)``, the arguments read from the run's event data.
+* An ``async def`` handler runs with ``asyncio.run`` on the worker's thread: a
+  fresh loop per attempt; the user manages none (a thread already running a
+  loop cannot, and the attempt fails saying so).
+* ``await step.run(step_id, fn, ...)`` with a coroutine function ``fn`` is
+  memoized exactly as a plain step: a stored result is returned without running
+  ``fn``, a new one is committed before the awaitable completes. Pass the
+  coroutine function itself (``step.run("x", fetch, url)``), not a lambda. In a
+  plain handler, where no loop runs, such a step runs with ``asyncio.run``.
 """
 
 from __future__ import annotations
