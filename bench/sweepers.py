@@ -134,6 +134,9 @@ def measure(url: str, state: str, sweeps: int, interval: float) -> Row:
     _fill(url, state)
     settings = Settings(database_url=url, sweep_interval=interval, republish_after=60.0)
     published: list[Any] = []
+
+    def publish(run_id: Any, job_id: str, countdown: float = 0.0) -> None:
+        published.append(run_id)
     dispose_engines()
     with get_engine(settings=settings).connect() as warm:  # the pool's connection exists before measuring
         warm.execute(text("SELECT 1"))
@@ -144,7 +147,7 @@ def measure(url: str, state: str, sweeps: int, interval: float) -> Row:
         time.sleep(0.6)
         x0, c0, t0 = _xacts(admin), _backends_cpu_ms(admin), time.perf_counter()
         for _ in range(sweeps):
-            sweeper.sweep(lambda run_id, job_id, countdown=0.0: published.append(run_id), settings=settings)
+            sweeper.sweep(publish, settings=settings)
         wall = (time.perf_counter() - t0) * 1000
         c1 = _backends_cpu_ms(admin)
         with get_engine(settings=settings).connect() as conn:
