@@ -92,3 +92,86 @@ def test_a_fan_out_of_50_on_two_workers_runs_each_child_once_and_resumes_the_par
     assert _ledger(engine, parent) == ["suspended", "succeeded"]
     assert count_effects(engine, parent, "handler") == 2
     assert count_effects(engine, parent, "after") == 1
+
+
+# --- the dashboard shows composition (Chromium, like tests/test_browser.py) ------------------
+
+from tests.test_browser import ALICE, _context, _shoot, browser, dashboard  # noqa: E402,F401  (fixtures)
+
+
+def test_the_dashboard_shows_parents_children_events_and_resumes_in_a_browser(
+        browser, dashboard, engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]  # noqa: F811
+    from playwright.sync_api import expect
+
+    app = create_app(Settings.from_env())
+    with celery_worker(tmp_path, broker=broker_url, env=IMPORTS):
+        fan = send_event("cb.fan", {"n": 3, "workspace_id": "ws-a"}, app=app).run_ids[0]
+        single = send_event("cb.parent", {"n": 4, "workspace_id": "ws-a"}, app=app).run_ids[0]
+        order = send_event("cb.order.paid", {"order": "K", "workspace_id": "ws-a"}, idempotency_key="ws-a:order-K",
+                           app=app).run_ids[0]
+        waiting = send_event("cb.parent", {"n": 5, "sleepy": True, "workspace_id": "ws-a"}, app=app).run_ids[0]
+        for run_id in (fan, single):
+            assert _final(engine, run_id) == "succeeded"
+        assert _final(engine, order) == "failed"
+        wait_for(lambda: _ledger(engine, waiting) == ["suspended"], what="the parent waiting for its child")
+
+        context = _context(browser, ALICE)
+        page = context.new_page()
+        # A run page lists its children with their states; a child links its parent.
+        page.goto(f"{dashboard}/runs/{fan}")
+        children = page.get_by_test_id("children")
+        expect(children.locator("tbody tr")).to_have_count(3)
+        expect(children).to_contain_text("kids[2]")
+        expect(children.locator(".state-succeeded")).to_have_count(3)
+        _shoot(page, tmp_path, "run-children")
+        children.locator("a").first.click()
+        expect(page.get_by_test_id("parent")).to_contain_text("cb.fan")
+        page.get_by_test_id("parent").locator("a").click()
+        expect(page).to_have_url(f"{dashboard}/runs/{fan}")
+        expect(page.locator('meta[http-equiv="refresh"]')).to_have_count(0)  # finished: no refresh
+        # A live run (a parent waiting for its child) refreshes itself.
+        page.goto(f"{dashboard}/runs/{waiting}")
+        expect(page.locator('meta[http-equiv="refresh"]')).to_have_count(1)
+        expect(page.get_by_test_id("children")).to_contain_text("queued")
+
+        # The events page: by name and a payload field, with the runs each event made.
+        page.goto(f"{dashboard}/events?name=cb.parent&field=n&value=4")
+        rows = page.locator("tr[data-event]")
+        expect(rows).to_have_count(1)
+        expect(rows.first).to_contain_text("cb.parent")
+        expect(rows.first.locator(".state-succeeded")).to_have_count(1)
+        page.goto(f"{dashboard}/events?field=order&value=K")
+        expect(page.locator("tr[data-event]")).to_have_count(1)
+        expect(page.locator("tr[data-event]").first).to_contain_text("ws-a:order-K")
+        page.goto(f"{dashboard}/events")
+        _shoot(page, tmp_path, "events")
+        admin = _context(browser, {"X-Motir-User": "root", "X-Motir-Admin": "true"})
+        admin_page = admin.new_page()
+        admin_page.goto(f"{dashboard}/events?workspace=ws-a&name=cb.order.paid")
+        expect(admin_page.locator("tr[data-event]")).to_have_count(1)
+        admin_page.goto(f"{dashboard}/events?workspace=ws-b")
+        expect(admin_page.locator("tr[data-event]")).to_have_count(0)
+        admin.close()
+
+        # The DLQ page shows the event data and warns before replaying a keyed event.
+        page.goto(f"{dashboard}/dlq")
+        entry = page.locator("tr[data-dlq]")
+        expect(entry.get_by_test_id("event-data")).to_contain_text('"order": "K"')
+        expect(entry.get_by_test_id("key-warning")).to_contain_text("ws-a:order-K")
+        _shoot(page, tmp_path, "dlq-keyed")
+        entry.get_by_test_id("replay").click()  # the box is not ticked: the browser does not send it
+        expect(page).to_have_url(f"{dashboard}/dlq")
+        expect(entry.get_by_test_id("replay")).to_be_visible()
+
+        # Resume (after fixing the cause): the same run, from its failed step.
+        with engine.begin() as conn:
+            conn.execute(text("INSERT INTO test.side_effect (run_id, step) VALUES ('fixed', 'charge')"))
+        entry.get_by_test_id("resume").click()
+        expect(page).to_have_url(f"{dashboard}/runs/{order}?notice=resumed")
+        expect(page.get_by_role("status")).to_contain_text("queued again from its failed step")
+        expect(page.locator("h1 .state")).to_have_text("succeeded", timeout=30_000)  # refreshes itself
+        expect(page.get_by_test_id("resumed")).to_contain_text("alice")
+        _shoot(page, tmp_path, "run-resumed")
+        context.close()
+        cancel_run(waiting)
+    assert count_effects(engine, order, "invoice") == 1 and count_effects(engine, order, "email") == 1

@@ -33,12 +33,16 @@ __all__ = [
     "AttemptRow",
     "DlqEntry",
     "RunDetail",
+    "ChildRow",
+    "EventRow",
     "QueueHealth",
     "db_now",
     "list_runs",
     "get_run",
     "list_dlq",
     "get_dlq",
+    "list_events",
+    "payload_path",
     "queue_health",
     "as_uuid",
     "FilterError",
@@ -191,6 +195,35 @@ class RunDetail:
     dlq: DlqEntry | None = None
     #: The DLQ entry this run is the replay of, if any.
     replay_of: DlqEntry | None = None
+    #: The run whose step.invoke / step.gather started this one (None: top level).
+    parent: ChildRow | None = None
+    #: The runs this one started (step.invoke / step.gather), in step order.
+    children: list[ChildRow] = field(default_factory=list)
+    #: DLQ entries closed by resuming this run (core/resume.py), newest first.
+    resumes: list[DlqEntry] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ChildRow:
+    """A run linked to another by step.invoke / step.gather: its id, job, state and step."""
+
+    run_id: uuid.UUID
+    job_id: str
+    state: str
+    step_id: str | None
+
+
+@dataclass(frozen=True)
+class EventRow:
+    """One event and the runs it made (the events page)."""
+
+    id: uuid.UUID
+    name: str
+    workspace_id: str | None
+    idempotency_key: str | None
+    received_at: datetime
+    data: Any
+    runs: list[ChildRow] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -322,13 +355,88 @@ def get_run(session: Session, run_id: uuid.UUID | str) -> RunDetail | None:
     ).all()
     own = next((_dlq(r) for r in dlq_rows if r.run_id == rid), None)
     replay_of = next((_dlq(r) for r in dlq_rows if r.replay_run_id == rid), None)
+    # Composition (issue 20): the parent, the children, the resumes. RLS applies to each row.
+    family = session.execute(
+        text("SELECT q.id, q.job_id, q.state, q.parent_step_id, q.id = p.parent_run_id AS is_parent "
+             "FROM job_queue p JOIN job_queue q ON q.id = p.parent_run_id OR q.parent_run_id = p.id "
+             "WHERE p.id = :id ORDER BY q.parent_step_id, q.created_at"),
+        {"id": rid},
+    ).all()
+    parent = next((ChildRow(r.id, r.job_id, r.state, None) for r in family if r.is_parent), None)
+    children = sorted((ChildRow(r.id, r.job_id, r.state, r.parent_step_id) for r in family if not r.is_parent),
+                      key=lambda c: _step_order(c.step_id))
+    resumes = [_dlq(r) for r in session.execute(
+        text(f"SELECT {_DLQ_COLUMNS} FROM job_run_dlq d WHERE d.resumed_run_id = :id ORDER BY d.resumed_at DESC"),
+        {"id": rid},
+    )]
     return RunDetail(
         run=_summary(row), now=row.now, event_id=row.event_id,
         event_data=row.event_data if row.event_id else {"scheduled_for": row.scheduled_for},
         idempotency_key=row.idempotency_key, scheduled_for=row.scheduled_for,
         lease_expires_at=row.lease_expires_at, result=row.result,
         steps=steps, attempts=attempts, dlq=own, replay_of=replay_of,
+        parent=parent, children=children, resumes=resumes,
     )
+
+
+def _step_order(step_id: str | None) -> tuple[str, int]:
+    """``kids[10]`` after ``kids[9]``: a gather's children in call order."""
+    if step_id and step_id.endswith("]") and "[" in step_id:
+        head, _, index = step_id[:-1].rpartition("[")
+        if index.isdigit():
+            return head, int(index)
+    return step_id or "", -1
+
+
+#: The payload path the events page searches: dotted names, e.g. ``order.id``.
+def payload_path(value: str | None) -> list[str] | None:
+    value = check_filter("field", value)
+    if not value:
+        return None
+    parts = value.split(".")
+    if len(parts) > 8 or not all(p and len(p) <= 64 for p in parts):
+        raise FilterError("field", "a payload field: dotted names, at most 8 of 64 characters (e.g. order.id)")
+    return parts
+
+
+def list_events(
+    session: Session,
+    *,
+    name: str | None = None,
+    workspace: str | None = None,
+    field_path: list[str] | None = None,
+    value: str | None = None,
+    limit: int = 50,
+) -> list[EventRow]:
+    """Newest events first, each with the runs it made; ``field_path`` / ``value`` match a
+    payload field by its text (``data #>> path = value``). RLS bounds what is seen."""
+    name, workspace, value = check_filter("name", name), check_filter("workspace", workspace), \
+        check_filter("value", value)
+    where: list[str] = ["true"]
+    params: dict[str, Any] = {"limit": max(1, min(limit, MAX_LIMIT))}
+    if name:
+        where.append("e.name = :name")
+        params["name"] = name
+    if workspace:
+        where.append("e.workspace_id = :workspace")
+        params["workspace"] = workspace
+    if field_path:
+        where.append("e.data #>> CAST(:path AS text[]) = :value")
+        params["path"], params["value"] = field_path, value or ""
+    rows = session.execute(
+        text(f"SELECT e.id, e.name, e.workspace_id, e.idempotency_key, e.received_at, e.data FROM job_event e "
+             f"WHERE {' AND '.join(where)} ORDER BY e.received_at DESC, e.id LIMIT :limit"),
+        params,
+    ).all()
+    runs: dict[uuid.UUID, list[ChildRow]] = {}
+    if rows:
+        for r in session.execute(
+            text("SELECT event_id, id, job_id, state FROM job_queue WHERE event_id = ANY(:ids) ORDER BY created_at"),
+            {"ids": [r.id for r in rows]},
+        ):
+            runs.setdefault(r.event_id, []).append(ChildRow(r.id, r.job_id, r.state, None))
+    return [EventRow(r.id, r.name, r.workspace_id, r.idempotency_key, r.received_at, r.data, runs.get(r.id, []))
+            for r in rows]
 
 
 def list_dlq(

@@ -1,4 +1,4 @@
-"""The dashboard: runs, a run's timeline, the DLQ with Replay, queue health, /metrics.
+"""The dashboard: runs, a run's timeline and family, events, the DLQ with Replay and Resume, queue health, /metrics.
 
 Starlette with server-rendered Jinja2 templates: no JavaScript, no front-end
 build, one stylesheet. Pages refresh themselves (a meta refresh) while a run
@@ -52,6 +52,7 @@ from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from motir_celery.core import dlq as dlq_ops
+from motir_celery.core import resume as resume_ops
 from motir_celery.core.publish import Publish
 from motir_celery.errors import ConfigurationError, MotirError
 from motir_celery.ops import reads
@@ -237,6 +238,25 @@ class _Dashboard:
         return self.render(request, who, "dlq.html", entries=entries, now=now, include_closed=include_closed,
                            job=job or "")
 
+    async def events(self, request: Request, who: Identity) -> Response:
+        q = _params(request, "name", "workspace", "field", "value", "limit")
+        filters = {k: q.get(k) or "" for k in ("name", "workspace", "field", "value")}
+        limit = _int_param(q.get("limit"), "limit", 1, reads.MAX_LIMIT, default=50)
+        try:
+            path = reads.payload_path(filters["field"] or None)
+        except reads.FilterError as exc:
+            raise BadParameter("field", str(exc).split(": ", 1)[-1]) from None
+
+        def load() -> tuple[list[reads.EventRow], datetime]:
+            with self.session(who) as s:
+                rows = reads.list_events(s, name=filters["name"] or None,
+                                         workspace=(filters["workspace"] or None) if who.admin else None,
+                                         field_path=path, value=filters["value"], limit=limit)
+                return rows, reads.db_now(s)
+
+        rows, now = await run_in_threadpool(load)
+        return self.render(request, who, "events.html", events=rows, now=now, filters=filters, limit=limit)
+
     async def health(self, request: Request, who: Identity) -> Response:
         def load() -> reads.QueueHealth:
             with self.session(who) as s:
@@ -250,8 +270,19 @@ class _Dashboard:
     # Authorisation is a read under RLS, in core.dlq's *_as functions: an entry or
     # run of another workspace is invisible, so a 404 exactly like a missing one.
 
+    def keyed(self, who: Identity, dlq_id: uuid.UUID) -> bool:
+        """Whether the entry (as the caller sees it) is of an idempotency-keyed event."""
+        with self.session(who) as s:
+            entry = reads.get_dlq(s, dlq_id)
+        return entry is not None and entry.idempotency_key is not None
+
     async def replay(self, request: Request, who: Identity) -> Response:
         dlq_id = _path_id(request, "dlq_id")
+        form = await request.form()
+        confirm, new_key = form.get("confirm"), form.get("key")
+        key = new_key.strip() if isinstance(new_key, str) and new_key.strip() else None
+        if key is not None and (len(key) > 255 or not key.isprintable()):
+            raise BadParameter("key", "an idempotency key: at most 255 printable characters")
 
         def act() -> Response:
             if dlq_id is None:
@@ -261,8 +292,11 @@ class _Dashboard:
             except ConfigurationError:
                 log.exception("replay of %s by %s: no broker", dlq_id, who.user)
                 return _back("/dlq", error="no-broker")
+            if confirm != "1" and self.keyed(who, dlq_id):
+                # The page warned (a required checkbox); a POST without it is refused, not guessed.
+                return _back("/dlq", error="confirm-key")
             try:
-                result = dlq_ops.replay_as(self.caller(who), dlq_id, publish=_tolerant(publish),
+                result = dlq_ops.replay_as(self.caller(who), dlq_id, idempotency_key=key, publish=_tolerant(publish),
                                            settings=self.settings)
             except MotirError:  # e.g. the job is not defined in this process
                 log.exception("replay of %s by %s failed", dlq_id, who.user)
@@ -274,6 +308,27 @@ class _Dashboard:
             if result.status == "already_replayed" and result.run_id is not None:
                 return _back(f"/runs/{result.run_id}", notice="already-replayed")
             return _back("/dlq", error=result.status)
+
+        return await run_in_threadpool(act)
+
+    async def resume(self, request: Request, who: Identity) -> Response:
+        dlq_id = _path_id(request, "dlq_id")
+
+        def act() -> Response:
+            if dlq_id is None:
+                return self.problem(request, 404, "no such DLQ entry in your workspace", who)
+            try:
+                publish = self.publisher()
+            except ConfigurationError:
+                log.exception("resume of %s by %s: no broker", dlq_id, who.user)
+                return _back("/dlq", error="no-broker")
+            result = resume_ops.resume_as(self.caller(who), dlq_id, publish=_tolerant(publish),
+                                          settings=self.settings)
+            if result.status == "not_found":
+                return self.problem(request, 404, f"no DLQ entry {dlq_id} in your workspace", who)
+            if result.status in ("resumed", "already_resumed") and result.run_id is not None:
+                return _back(f"/runs/{result.run_id}", notice=result.status.replace("_", "-"))
+            return _back("/dlq", error=f"resume-{result.status}")
 
         return await run_in_threadpool(act)
 
@@ -323,6 +378,8 @@ NOTICES = {
     "already-replayed": "already replayed: this is the run it made",
     "dismissed": "dismissed: the entry is closed",
     "cancelled": "cancelled (a running run stops at its next step boundary)",
+    "resumed": "resumed: this run is queued again from its failed step (its stored steps are kept)",
+    "already-resumed": "already resumed: this is the run",
 }
 ERRORS = {
     "dismissed": "this entry was dismissed; it cannot be replayed",
@@ -332,6 +389,11 @@ ERRORS = {
     "finished": "the run had already finished",
     "no-broker": "cannot replay: the dashboard has no broker configured (CELERY_BROKER_URL)",
     "replay-failed": "cannot replay: see the dashboard's log (is the job defined in MOTIR_IMPORTS?)",
+    "resumed": "this entry was resumed; it cannot be replayed",
+    "confirm-key": "this event has an idempotency key: tick the box to confirm the replay",
+    "resume-replayed": "this entry was replayed; it cannot be resumed",
+    "resume-dismissed": "this entry was dismissed; it cannot be resumed",
+    "resume-purged": "the failed run was purged; replay the entry instead",
 }
 
 #: Longest query parameter value accepted.
@@ -474,6 +536,8 @@ def create_app(
         Route("/dlq", d.page(d.dlq)),
         Route("/dlq/{dlq_id}/replay", d.page(d.replay), methods=["POST"]),
         Route("/dlq/{dlq_id}/dismiss", d.page(d.dismiss), methods=["POST"]),
+        Route("/dlq/{dlq_id}/resume", d.page(d.resume), methods=["POST"]),
+        Route("/events", d.page(d.events)),
         Route("/health", d.page(d.health)),
         Route("/metrics", d.metrics),
         Route("/healthz", d.healthz),
