@@ -4,8 +4,8 @@ Revision ID: 0003
 Revises: 0002
 Create Date: 2026-11-29 16:19:12.283945
 """
-from alembic import op
 import sqlalchemy as sa
+from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision = '0003'

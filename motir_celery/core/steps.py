@@ -91,7 +91,7 @@ class StepRun:
         (an awaitable of it when ``fn`` is a coroutine function: ``handlers.py``)."""
         key = self._key(step_id)
         if is_coroutine_function(fn):
-            return coroutine_step(self, key, fn, args, kwargs)  # type: ignore[return-value, arg-type]
+            return coroutine_step(self, key, fn, args, kwargs)  # type: ignore[no-any-return, arg-type]
         if key in self._memo:
             return self._memo[key]  # type: ignore[no-any-return]
         self._still_held(key)

@@ -104,8 +104,8 @@ def compare_index_predicates(conn: Connection, metadata: MetaData) -> list[tuple
     behaviour. Postgres deparses the declared predicate for us: build the index
     on an empty temporary copy of the table in a savepoint, read it, roll back.
     """
-    diffs = []
-    dialect = postgresql.dialect()
+    diffs: list[tuple[str, str, list[str]]] = []
+    dialect = postgresql.dialect()  # type: ignore[no-untyped-call]
     for table in metadata.tables.values():
         for index in table.indexes:
             where = index.dialect_options["postgresql"].get("where")
@@ -125,7 +125,7 @@ def compare_index_predicates(conn: Connection, metadata: MetaData) -> list[tuple
                 sp.rollback()
             if declared != live[0]:
                 create = str(CreateIndex(index).compile(dialect=dialect))
-                diffs.append(("change_index_predicate", index.name, [f"DROP INDEX {index.name}", create]))
+                diffs.append(("change_index_predicate", str(index.name), [f"DROP INDEX {index.name}", create]))
     return diffs
 
 
