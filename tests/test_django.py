@@ -280,3 +280,47 @@ print("survived")
     results = [r.result for r in runs_of(engine)]
     assert any(isinstance(r, dict) and r["order_id"] == order_id and r["item"] == item for r in results)
     assert f"receipt: 1 x {item}" in results
+
+
+def test_under_an_app_role_login_postgres_keeps_a_request_to_its_workspace(  # type: ignore[no-untyped-def]
+        django_env, engine, database_url):
+    """Django logs in as a member of motir_app (RLS enforced): the middleware's workspace is what
+    Postgres checks motir's rows against, in Django's transaction."""
+    login = f"motir_dj{uuid.uuid4().hex[:8]}"
+    with engine.begin() as conn:
+        conn.execute(text(f'CREATE ROLE "{login}" LOGIN IN ROLE motir_app'))
+    try:
+        env = dict(django_env, DATABASE_URL=_plain(str(make_url(database_url).set(username=login, password=None))),
+                   MOTIR_DATABASE_URL=database_url)  # the engine (outside atomic, workers) stays the owner
+        seen = script(env, """
+from django.db import transaction
+from django.http import JsonResponse
+from django.test import RequestFactory
+from motir_celery import send_event
+from motir_celery.contrib.django.middleware import WorkspaceMiddleware
+
+def sender(workspace):
+    def view(request):
+        try:
+            with transaction.atomic():
+                return JsonResponse({"runs": len(send_event("order.placed", {"order_id": 0},
+                                                            workspace_id=workspace).run_ids)})
+        except Exception as exc:
+            return JsonResponse({"refused": "row-level security" in str(exc)})
+    return view
+
+request = lambda: RequestFactory().post("/", HTTP_X_SHOP_TENANT="acme")
+out = {
+    "own": json.loads(WorkspaceMiddleware(sender("acme"))(request()).content),
+    "other": json.loads(WorkspaceMiddleware(sender("globex"))(request()).content),
+    "no_middleware": json.loads(sender("globex")(request()).content),
+}
+print(json.dumps(out))
+""")
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(f'DROP ROLE IF EXISTS "{login}"'))
+    assert seen == {"own": {"runs": 1}, "other": {"refused": True}, "no_middleware": {"runs": 1}}
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT workspace_id FROM job_event ORDER BY received_at")).scalars().all()
+    assert rows == ["acme", "globex"]  # the refused one left nothing
