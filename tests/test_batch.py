@@ -86,3 +86,32 @@ def _waiting(engine, run_id):  # type: ignore[no-untyped-def]
     with engine.connect() as conn:
         return conn.execute(text("SELECT wait_event FROM job_queue WHERE id = :r AND state = 'queued'"),
                             {"r": run_id}).scalar() == "cb.paid"
+
+
+def test_a_batch_under_the_app_role_wakes_its_workspace_waiters_through_motir_wake_waiters(engine):  # type: ignore[no-untyped-def]
+    from motir_celery.core import events
+    from motir_celery.core.steps import Step
+    from motir_celery.errors import Suspended
+    from motir_celery.store import statements
+
+    waiters = {}
+    for ws in ("acme", "globex"):
+        (run_id,) = events.send_event("cb.order", {"order": "o-1", "workspace_id": ws}, publish=None).run_ids
+        conn = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        claim = statements.claim(conn, run_id, job_id="cb.waiter", worker="test", lease_seconds=30)
+        assert claim is not None
+        step = Step(claim, conn, max_bytes=1 << 20, lease_seconds=30, transaction=engine.begin,
+                    event_data=claim.event_data, publish=None, republish_after=60)
+        with pytest.raises(Suspended):
+            step.wait_for_event("paid", event="cb.paid", match="data.order", timeout=600)
+        conn.close()
+        waiters[ws] = run_id
+    with workspace_session("acme") as session:  # the app role: no UPDATE on job_queue
+        (result,) = send_events([{"name": "cb.paid", "data": {"order": "o-1"}, "workspace_id": "acme"}],
+                                session=session)
+        session.commit()
+    assert [w.run_id for w in result.woken] == [waiters["acme"]]  # its own workspace's waiter only
+    with engine.connect() as conn:
+        due = dict(conn.execute(text("SELECT workspace_id, run_at <= now() FROM job_queue WHERE id = ANY(:r)"),
+                                {"r": list(waiters.values())}).all())
+    assert due == {"acme": True, "globex": False}

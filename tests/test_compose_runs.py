@@ -175,3 +175,57 @@ def test_the_dashboard_shows_parents_children_events_and_resumes_in_a_browser(
         context.close()
         cancel_run(waiting)
     assert count_effects(engine, order, "invoice") == 1 and count_effects(engine, order, "email") == 1
+
+
+# --- the machinery, step by step in this process (no worker): the key, the wake, the trace ---
+
+def _claim(engine, run_id):  # type: ignore[no-untyped-def]
+    from motir_celery.core.steps import Step
+    from motir_celery.store import statements
+
+    conn = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+    claim = statements.claim(conn, run_id, job_id="cb.parent", worker="test", lease_seconds=30)
+    assert claim is not None
+    return conn, Step(claim, conn, max_bytes=1 << 20, lease_seconds=30, transaction=engine.begin,
+                      event_data=claim.event_data, publish=None, republish_after=60)
+
+
+def test_one_child_per_parent_step_across_reclaims_and_the_settle_wakes_the_parent(engine):  # type: ignore[no-untyped-def]
+    import pytest
+    from sqlalchemy.exc import IntegrityError
+
+    from motir_celery.core import events
+    from motir_celery.errors import Suspended
+
+    (parent,) = events.send_event("cb.parent", {"n": 1, "workspace_id": "acme"}, publish=None).run_ids
+    trace = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE job_queue SET traceparent = :t WHERE id = :r"), {"t": trace, "r": parent})
+    for _ in range(2):  # the first attempt, then the same step after a lost lease (reclaimed, claimed anew)
+        conn, step = _claim(engine, parent)
+        with pytest.raises(Suspended):
+            step.invoke("child", "cb.child", {"n": 1})
+        conn.close()
+        with engine.begin() as c:
+            c.execute(text("UPDATE job_queue SET run_at = now(), wait_event = NULL WHERE id = :r"), {"r": parent})
+    with engine.connect() as c:
+        kids = c.execute(text("SELECT id, workspace_id, traceparent, event_name FROM job_queue "
+                              "WHERE parent_run_id = :p"), {"p": parent}).all()
+        assert len(kids) == 1 and kids[0].workspace_id == "acme" and kids[0].traceparent == trace
+        assert c.execute(text("SELECT count(*) FROM job_event WHERE idempotency_key LIKE 'motir.invoke:%'")).scalar() == 1
+    with pytest.raises(IntegrityError):  # the database refuses a second child for the step, whoever asks
+        with engine.begin() as c:
+            c.execute(text("INSERT INTO job_queue (job_id, event_name, max_attempts, retry_policy, parent_run_id, "
+                           "parent_step_id) VALUES ('cb.child', 'x', 1, 'none', :p, 'child')"), {"p": parent})
+    # Suspended again (the loop's last attempt): the child's settle makes the parent due, in its transaction.
+    conn, step = _claim(engine, parent)
+    with pytest.raises(Suspended):
+        step.invoke("child", "cb.child", {"n": 1})
+    conn.close()
+    with engine.begin() as c:
+        c.execute(text("UPDATE job_queue SET state = 'succeeded', result = '7', finished_at = now() WHERE id = :k"),
+                  {"k": kids[0].id})
+        assert c.execute(text("SELECT run_at <= now() FROM job_queue WHERE id = :r"), {"r": parent}).scalar()
+    conn, step = _claim(engine, parent)
+    assert step.invoke("child", "cb.child", {"n": 1}) == 7
+    conn.close()
