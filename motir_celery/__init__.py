@@ -118,9 +118,12 @@ def send_events(events: Sequence[Any], *, session: "Session | None" = None,
     ``SendResult`` per event, in order (see ``core/batch.py``). Each item is a
     ``(name, data)`` pair or a mapping with ``name``, ``data`` and optionally
     ``workspace_id``, ``idempotency_key``, ``priority``."""
+    from motir_celery.adapter.batch_publish import publish_many
+    from motir_celery.adapter.celery_app import default_app
     from motir_celery.core import batch
 
-    return batch.send_events(events, session=session, publish=_publish(app))
+    return batch.send_events(events, session=session, publish=_publish(app),
+                             publish_many=publish_many(app or default_app()))
 
 
 def replay_dlq(dlq_id: "uuid.UUID | str", *, actor: str, idempotency_key: str | None = None,

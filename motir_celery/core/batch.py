@@ -14,7 +14,8 @@ The batch is one transaction: every event is written, or (an error) none.
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, Sequence
+import uuid
+from typing import Any, Callable, Mapping, Sequence
 
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
@@ -57,12 +58,15 @@ def send_events(
     *,
     session: Session | None = None,
     publish: Publish | None = None,
+    publish_many: Callable[[Sequence[tuple[uuid.UUID, str]]], None] | None = None,
     settings: Settings | None = None,
 ) -> list[_events.SendResult]:
     """Record every event of ``items`` — ``(name, data)`` pairs or mappings with ``name``,
     ``data`` and optionally ``workspace_id``, ``idempotency_key``, ``priority`` — and one
     run per subscribing job of each, in one statement; publish after commit (with
-    ``session``: when that session commits). One ``SendResult`` per item, in order."""
+    ``session``: when that session commits). One ``SendResult`` per item, in order.
+    ``publish_many`` (the adapter's ``batch_publish``), when given, sends the messages
+    of a batch written here in one go; ``publish`` sends them one by one otherwise."""
     settings = settings or get_settings()
     if len(items) > MAX_BATCH:
         raise PayloadError(f"send_events takes at most {MAX_BATCH} events per call, got {len(items)}")
@@ -104,7 +108,16 @@ def send_events(
         # One statement: its own transaction in autocommit, committed when it returns.
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             results = write(conn)
-    _events._publish(_pending(results), publish)
+    if publish_many is None:
+        _events._publish(_pending(results), publish)
+        return results
+    runs = [(r.run_id, r.job_id) for r in _pending(results) if isinstance(r, statements.Queued)]
+    try:
+        if runs:
+            publish_many(runs)
+    except Exception:  # noqa: BLE001 — committed: the sweeper publishes what is left
+        log.warning("could not publish %d run(s) of a batch (committed; the sweeper will re-publish them)",
+                    len(runs), exc_info=True)
     return results
 
 
