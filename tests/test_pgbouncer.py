@@ -160,3 +160,20 @@ def test_a_migrated_database_needs_no_session_state_to_check_through_pgbouncer(t
     result = CliRunner().invoke(main, ["migrate", "--check"], catch_exceptions=False,
                                 env={"MOTIR_MIGRATE_DATABASE_URL": through})
     assert result.exit_code == 0 and "no drift" in result.stdout, result.output
+
+
+@pytest.mark.parametrize("prepared, status", [("1", "WARN"), ("0", "OK")])
+def test_doctor_sees_the_pooler_and_says_whether_prepared_statements_are_off(
+        through: str, monkeypatch: pytest.MonkeyPatch, prepared: str, status: str) -> None:
+    import json
+
+    from motir_celery.ops.cli import main
+
+    monkeypatch.setenv("MOTIR_PREPARED_STATEMENTS", prepared)
+    reset_settings()
+    result = CliRunner().invoke(main, ["doctor", "--timeout", "1", "--json"], catch_exceptions=False)
+    checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+    assert checks["pooler"]["status"] == status, checks["pooler"]
+    assert "a pooler or proxy sits in between" in checks["pooler"]["detail"]
+    if status == "WARN":
+        assert "MOTIR_PREPARED_STATEMENTS=0" in checks["pooler"]["fix"]

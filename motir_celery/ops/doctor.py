@@ -112,6 +112,8 @@ def _database_checks(engine: Engine, settings: Settings, max_wait: float) -> Ite
     yield _roles(engine, settings)
     yield _rls(engine, settings)
     with engine.connect() as conn:
+        if (pooler := _pooler(conn, settings)) is not None:
+            yield pooler
         yield _sweeper(conn, settings)
         yield _queue(conn, settings, max_wait)
         n = conn.execute(text(
@@ -259,6 +261,22 @@ def _admin_login(settings: Settings) -> Check | None:
         return _fail("row-level security", f"the admin login {login} can also become {', '.join(others)}",
                      f"log in as a role that is only a member of {ADMIN_ROLE}")
     return None
+
+
+def _pooler(conn: Any, settings: Settings) -> Check | None:
+    """Through a pooler (PgBouncer) the server listens on another port than the URL names:
+    then prepared statements must be off if it pools transactions. None when direct."""
+    url_port = make_url(settings.database_url or "").port or 5432
+    server_port = conn.execute(text("SELECT inet_server_port()")).scalar()
+    if server_port is None or server_port == url_port:
+        return None  # direct (or a Unix socket): nothing to say
+    where = (f"MOTIR_DATABASE_URL names port {url_port}, the server listens on {server_port}: "
+             "a pooler or proxy sits in between")
+    if not settings.prepared_statements:
+        return _ok("pooler", where + "; prepared statements are off, as transaction pooling needs")
+    return Check("pooler", "WARN", where + " and MOTIR_PREPARED_STATEMENTS is on",
+                 "behind PgBouncer in transaction mode set MOTIR_PREPARED_STATEMENTS=0 "
+                 "(docs/operations.md, Behind PgBouncer)")
 
 
 def _sweeper(conn: Any, settings: Settings) -> Check:
