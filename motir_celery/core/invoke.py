@@ -164,21 +164,24 @@ def _await(step: Any, key: str, children: Sequence[tuple[str, Job | str, Any]],
         until = datetime.fromisoformat(window["until"])
     keys = [c[0] for c in rows]
     run_at, timed_out, reason = None, [], ""
+    expired = until is not None and now is not None and now >= until
     with step._transaction() as tx:
+        if expired:
+            # The wait is over: cancel what is unfinished *before* taking the parent's lock,
+            # in the order a child's settle takes them (its row, then the lock), so the two
+            # cannot deadlock. A child that settled first stays as it ended.
+            timed_out = compose.cancel_children(tx, claim.run_id, keys)
         # The trigger's lock: every child settle committed so far is visible below, and a
         # later one sees this suspension and wakes it.
         compose.lock_parent(tx, claim.run_id)
         kids = compose.children(tx, claim.run_id, keys)
         unfinished = [k for k in keys if k in kids and kids[k]["state"] not in _FINAL]
-        if unfinished and (until is None or now is None or now < until):
+        if unfinished:
             run_at = statements.suspend(tx, claim, outcome="suspended", until=until,
                                         delay=None if until is not None else _FOREVER,
                                         wait=(compose.CHILD_WAIT, [], None),
                                         republish_after=step._republish_after)
             reason = "" if run_at is not None else statements.why_fenced(tx, claim)
-        elif unfinished:
-            timed_out = compose.cancel_children(tx, claim.run_id, unfinished)
-            kids = compose.children(tx, claim.run_id, keys)
     if reason:
         step._refused(key, reason)
     if run_at is not None:
