@@ -311,10 +311,11 @@ def _row(r: FleetResult) -> str:
     clients = str(p.clients) if r.pool_size else "—"
     pooled = f"{pooled} (PgBouncer counts {p.pooled})" if r.pool_size else pooled
     wait = f"{r.wait_us_per_xact / 1000:.2f}" if r.wait_us_per_xact is not None else "—"
+    per_run = f"{r.xacts / r.runs:.1f}" if r.xacts else "—"
     ok = "yes" if r.ok else "**NO**"
     return (f"| {pooled} | {r.hosts} × {r.procs} | {r.runs:,} | {r.seconds:.1f} | {r.runs / r.seconds:.0f} "
             f"| **{p.server}** ({apps}) | {p.server_in_tx} | {clients} | {waiting} | {wait} "
-            f"| {r.executed_twice} | {len(r.log_errors)} | {ok} |")
+            f"| {per_run} | {r.executed_twice} | {len(r.log_errors)} | {ok} |")
 
 
 def render(results: list[FleetResult], *, command: str, started: str, machine: str) -> str:
@@ -325,8 +326,8 @@ def render(results: list[FleetResult], *, command: str, started: str, machine: s
         "",
         "| connections | hosts × processes | runs | drain s | runs/s | peak server connections (by application_name) "
         "| peak in a transaction | peak PgBouncer clients | peak waiting clients (cl_waiting) "
-        "| mean wait ms / transaction | steps executed twice | log errors | all checks |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| mean wait ms / transaction | transactions per run | steps executed twice | log errors | all checks |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *(_row(r) for r in results),
         "",
         "Checks, per row: every run `succeeded` in exactly one attempt, 2 steps stored per run, 2 ledger",
@@ -336,7 +337,9 @@ def render(results: list[FleetResult], *, command: str, started: str, machine: s
         "from Postgres directly every 0.1 s; `fleet-ledger` is the job's own side-effect connection,",
         "`motir-celery` the engine's. Waiting clients are PgBouncer's `SHOW POOLS` `cl_waiting`, same",
         "period (a sample, so a lower bound); the mean wait is PgBouncer's `total_wait_time` over",
-        "`total_xact_count` (`SHOW STATS`), exact.",
+        "`total_xact_count` (`SHOW STATS`), exact. Transactions per run are all of PgBouncer's for the",
+        "database over the runs: the engine's claim, one per step record and the settle (4 for this job),",
+        "the job's own 2 ledger inserts, the producer's batches and the sweeps.",
         "",
         END,
     ]
