@@ -77,7 +77,12 @@ class PgBouncer:
                  pool_mode: str = "transaction") -> None:
         from sqlalchemy import make_url
 
-        self.upstream = make_url(upstream_url)
+        url = make_url(upstream_url)
+        # A Unix-socket URL (the embedded Postgres of `make test`: ?host=<dir>&port=N) works too.
+        query = {k: (v[0] if isinstance(v, tuple) else v) for k, v in url.query.items()}
+        self.upstream_host = url.host or query.get("host") or "127.0.0.1"
+        self.upstream_port = url.port or int(query.get("port") or 5432)
+        self.upstream = url.difference_update_query(["host", "port"])
         self.pool_size, self.max_client_conn, self.pool_mode = pool_size, max_client_conn, pool_mode
         self.port = _free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="motir-pgbouncer-"))
@@ -126,8 +131,7 @@ class PgBouncer:
     # --- life --------------------------------------------------------------------------
 
     def _config(self) -> str:
-        host = self.upstream.host or "127.0.0.1"
-        port = self.upstream.port or 5432
+        host, port = self.upstream_host, self.upstream_port
         return "\n".join([
             "[databases]",
             # Any database name routes to the same server: a session's new database is reachable at once.
@@ -227,7 +231,7 @@ def _main(argv: Sequence[str]) -> int:
         parser.error("MOTIR_DATABASE_URL must name the Postgres server PgBouncer fronts")
     bouncer = PgBouncer(upstream, pool_size=args.pool_size).start()
     print(f"pgbouncer: transaction pooling on 127.0.0.1:{bouncer.port} -> "
-          f"{bouncer.upstream.host}:{bouncer.upstream.port or 5432}, default_pool_size={args.pool_size}",
+          f"{bouncer.upstream_host}:{bouncer.upstream_port}, default_pool_size={args.pool_size}",
           file=sys.stderr)
     env = dict(os.environ, MOTIR_DATABASE_URL=bouncer.url(), MOTIR_PREPARED_STATEMENTS="0",
                MOTIR_DIRECT_DATABASE_URL=upstream, MOTIR_PGBOUNCER_ADMIN=bouncer.admin_dsn())
