@@ -177,3 +177,19 @@ def test_doctor_sees_the_pooler_and_says_whether_prepared_statements_are_off(
     assert "a pooler or proxy sits in between" in checks["pooler"]["detail"]
     if status == "WARN":
         assert "MOTIR_PREPARED_STATEMENTS=0" in checks["pooler"]["fix"]
+
+
+def test_the_log_scan_finds_database_errors_and_not_runs_that_failed_on_purpose(tmp_path: Path) -> None:
+    """What `make test-pgbouncer` fails a test on (tests/conftest.py, MOTIR_TEST_SCAN_WORKER_LOGS=1)."""
+    from tests.pgbouncer import database_errors
+
+    (tmp_path / "scenario").mkdir()
+    (tmp_path / "scenario" / "worker-w1.log").write_text(
+        "[INFO/MainProcess] Task motir.test.three[1] succeeded\n"
+        "[ERROR/ForkPoolWorker-1] Task motir.test.doomed[2] raised unexpected: RunFailed('run 2 failed for good')\n"
+        "psycopg.errors.DuplicatePreparedStatement: prepared statement \"_pg3_0\" already exists\n"
+        "[WARNING/MainProcess] sweep failed\n")
+    (tmp_path / "notes.txt").write_text("psycopg.errors.Whatever in a file that is not a log\n")
+    found = database_errors(tmp_path)
+    assert [line.split(": ", 1)[0] for line in found] == ["scenario/worker-w1.log"] * 2
+    assert "DuplicatePreparedStatement" in found[0] and "sweep failed" in found[1]
