@@ -179,9 +179,13 @@ def test_doctor_sees_the_pooler_and_says_whether_prepared_statements_are_off(
         assert "MOTIR_PREPARED_STATEMENTS=0" in checks["pooler"]["fix"]
 
 
-def test_the_log_scan_finds_database_errors_and_not_runs_that_failed_on_purpose(tmp_path: Path) -> None:
-    """What `make test-pgbouncer` fails a test on (tests/conftest.py, MOTIR_TEST_SCAN_WORKER_LOGS=1)."""
+def test_the_log_scan_finds_database_errors_and_not_runs_that_failed_on_purpose(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """What `make test-pgbouncer` fails a test on (tests/conftest.py, MOTIR_TEST_SCAN_WORKER_LOGS=1).
+    Not in this test's tmp_path, which that scan reads."""
     from tests.pgbouncer import database_errors
+
+    tmp_path = tmp_path_factory.mktemp("log-scan")
 
     (tmp_path / "scenario").mkdir()
     (tmp_path / "scenario" / "worker-w1.log").write_text(
