@@ -60,7 +60,7 @@ def parent(event: Any, step: Any) -> Any:
     child_job = "cb.sleepy" if event.data.get("sleepy") else "cb.child"
     try:
         value = step.invoke("child", child_job, {"n": event.data["n"], "fail": event.data.get("fail")},
-                            timeout=event.data.get("timeout"))
+                            timeout=event.data.get("timeout"), detach=event.data.get("detach", False))
     except ChildFailed as failed:
         step.run("after", lambda: record(event, "after"))
         return {"failed": failed.error.get("message"), "state": failed.state}

@@ -61,11 +61,15 @@ def test_cancelling_the_parent_cancels_its_child_and_a_timeout_cancels_it_too(en
     with celery_worker(tmp_path, broker=broker_url, env=IMPORTS):
         parent = send_event("cb.parent", {"n": 1, "sleepy": True}, app=app).run_ids[0]
         timed = send_event("cb.parent", {"n": 2, "sleepy": True, "timeout": 1.5}, app=app).run_ids[0]
-        wait_for(lambda: [c.state for c in _children(engine, parent)] == ["queued"]
-                 and _ledger(engine, parent) == ["suspended"], what="the parent to wait for its sleeping child")
-        assert cancel_run(parent)
+        detached = send_event("cb.parent", {"n": 3, "sleepy": True, "detach": True}, app=app).run_ids[0]
+        for run_id in (parent, detached):
+            wait_for(lambda r=run_id: [c.state for c in _children(engine, r)] == ["queued"]
+                     and _ledger(engine, r) == ["suspended"], what="the parent to wait for its sleeping child")
+        assert cancel_run(parent) and cancel_run(detached)
         assert [c.state for c in _children(engine, parent)] == ["cancelled"]
+        assert [c.state for c in _children(engine, detached)] == ["queued"]  # detach=True: it runs on
         assert _final(engine, timed, timeout=30) == "succeeded"
+        assert cancel_run(_children(engine, detached)[0].id)
     assert run_state(engine, parent) == "cancelled"
     assert _result(engine, timed)["state"] == "cancelled"
     assert "did not settle within the timeout" in _result(engine, timed)["failed"]

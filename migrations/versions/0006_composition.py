@@ -10,7 +10,8 @@ write the new columns, and the trigger fires only for rows they cannot make
 (parent_run_id set) or for a cancel, which it extends to a run's children.
 
 * ``job_queue.parent_run_id`` / ``parent_step_id``: the run that ``step.invoke`` /
-  ``step.gather`` started this one from, and the step. UNIQUE (parent_run_id,
+  ``step.gather`` started this one from, and the step; ``detached`` (default false):
+  the child is not cancelled with its parent. UNIQUE (parent_run_id,
   parent_step_id) is the arbiter of "one child per (parent, step)"; NULLs are
   distinct, so top-level runs (parent NULL) are never constrained by it.
 * ``job_run_dlq.resumed_at`` / ``resumed_by`` / ``resumed_run_id``: resume_dlq's
@@ -113,6 +114,7 @@ BEGIN
           wait_event = NULL
       WHERE parent_run_id = NEW.id                   -- served by uq_job_queue_parent_run_id_parent_step_id
         AND state IN ('queued', 'running')           -- a finished child stays as it ended
+        AND NOT detached                             -- step.invoke(..., detach=True): outlives its parent
       RETURNING id
     )
     UPDATE job_run r SET outcome = 'cancelled', finished_at = now()
@@ -147,6 +149,7 @@ CREATE TRIGGER motir_run_settled AFTER UPDATE OF state ON job_queue FOR EACH ROW
 def upgrade() -> None:
     op.add_column('job_queue', sa.Column('parent_run_id', sa.UUID(), nullable=True))
     op.add_column('job_queue', sa.Column('parent_step_id', sa.Text(), nullable=True))
+    op.add_column('job_queue', sa.Column('detached', sa.Boolean(), server_default=sa.text('false'), nullable=False))
     op.create_foreign_key(op.f('fk_job_queue_parent_run_id_job_queue'), 'job_queue', 'job_queue',
                           ['parent_run_id'], ['id'], ondelete='SET NULL')
     op.create_unique_constraint(op.f('uq_job_queue_parent_run_id_parent_step_id'), 'job_queue',
@@ -170,5 +173,6 @@ def downgrade() -> None:
     op.drop_column('job_run_dlq', 'resumed_at')
     op.drop_constraint(op.f('uq_job_queue_parent_run_id_parent_step_id'), 'job_queue', type_='unique')
     op.drop_constraint(op.f('fk_job_queue_parent_run_id_job_queue'), 'job_queue', type_='foreignkey')
+    op.drop_column('job_queue', 'detached')
     op.drop_column('job_queue', 'parent_step_id')
     op.drop_column('job_queue', 'parent_run_id')

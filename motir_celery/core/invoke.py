@@ -32,7 +32,8 @@ in order. How:
 memoized window, like ``wait_for_event``): children unfinished when it passes are
 cancelled and come back as ``ChildFailed`` with ``error["type"] == "ChildTimeout"``.
 Cancelling the parent cancels its unfinished children (the same trigger; their
-children in turn). Detaching a child from its parent's cancel is not offered.
+children in turn) — unless started with ``detach=True``: such a child outlives its
+parent's cancel and timeout (the parent, timed out, stops waiting for it).
 
 ``gather`` waits for **every** child to settle (collect, not fail-fast): a failed
 child does not cancel its siblings, whose work is kept. Then, by default, the first
@@ -90,24 +91,25 @@ class ChildFailed(NonRetriableError):
 
 
 def invoke(step: Any, step_id: str, job: Job | str, data: Any, *,
-           timeout: float | timedelta | None = None) -> Any:
+           timeout: float | timedelta | None = None, detach: bool = False) -> Any:
     """``step.invoke``: start one child run and return its result (or raise ChildFailed)."""
     key = step._key(step_id)
-    (outcome,) = _await(step, key, [(key, job, data)], timeout)
+    (outcome,) = _await(step, key, [(key, job, data)], timeout, detach)
     if "ok" not in outcome:
         raise _failure(outcome)
     return outcome["ok"]
 
 
 def gather(step: Any, step_id: str, calls: Sequence[tuple[Job | str, Any]], *,
-           timeout: float | timedelta | None = None, return_exceptions: bool = False) -> list[Any]:
+           timeout: float | timedelta | None = None, return_exceptions: bool = False,
+           detach: bool = False) -> list[Any]:
     """``step.gather``: start one child per ``(job, data)`` at once; once all have settled,
     their results in call order (the first failure raised, unless ``return_exceptions``)."""
     key = step._key(step_id)
     if not isinstance(calls, (list, tuple)) or not 1 <= len(calls) <= MAX_CHILDREN:
         raise PayloadError(f"step.gather({step_id!r}) takes a list of 1 to {MAX_CHILDREN} (job, data) pairs")
     children = [(f"{key}[{i}]", job, data) for i, (job, data) in enumerate(calls)]
-    outcomes = _await(step, key, children, timeout)
+    outcomes = _await(step, key, children, timeout, detach)
     values = [o["ok"] if "ok" in o else _failure(o) for o in outcomes]
     if not return_exceptions:
         failed = next((v for v in values if isinstance(v, ChildFailed)), None)
@@ -140,7 +142,7 @@ def _child_rows(step: Any, children: Sequence[tuple[str, Job | str, Any]]) -> li
 
 
 def _await(step: Any, key: str, children: Sequence[tuple[str, Job | str, Any]],
-           timeout: float | timedelta | None) -> list[dict[str, Any]]:
+           timeout: float | timedelta | None, detach: bool) -> list[dict[str, Any]]:
     if key in step._memo:
         return step._memo[key]  # type: ignore[no-any-return]
     claim = step._claim
@@ -148,7 +150,8 @@ def _await(step: Any, key: str, children: Sequence[tuple[str, Job | str, Any]],
     rows = _child_rows(step, children)
     # 1. The children, once per (parent, step): a conflict is the child already started.
     with step._transaction() as tx:
-        held, created = compose.start_children(tx, claim, rows, traceparent=current_traceparent() or claim.traceparent)
+        held, created = compose.start_children(tx, claim, rows, traceparent=current_traceparent() or claim.traceparent,
+                                               detach=detach)
         reason = "" if held else statements.why_fenced(tx, claim)
     if not held:
         step._refused(key, reason)
@@ -176,7 +179,7 @@ def _await(step: Any, key: str, children: Sequence[tuple[str, Job | str, Any]],
         compose.lock_parent(tx, claim.run_id)
         kids = compose.children(tx, claim.run_id, keys)
         unfinished = [k for k in keys if k in kids and kids[k]["state"] not in _FINAL]
-        if unfinished:
+        if unfinished and not expired:
             run_at = statements.suspend(tx, claim, outcome="suspended", until=until,
                                         delay=None if until is not None else _FOREVER,
                                         wait=(compose.CHILD_WAIT, [], None),
@@ -186,7 +189,8 @@ def _await(step: Any, key: str, children: Sequence[tuple[str, Job | str, Any]],
         step._refused(key, reason)
     if run_at is not None:
         raise Suspended(run_at)  # committed: the parent waits in the queue, not in this process
-    cut = {str(r) for r in timed_out}
+    # Cut short by the timeout: cancelled by it, or detached and still running.
+    cut = {str(r) for r in timed_out} | {str(kids[k]["run_id"]) for k in unfinished}
     outcomes = [_outcome(k, kids.get(k), str(kids[k]["run_id"]) in cut if k in kids else False, timeout)
                 for k in keys]
     return step._store(key, json.dumps(outcomes, separators=(",", ":")), 0.0)  # type: ignore[no-any-return]

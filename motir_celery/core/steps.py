@@ -271,18 +271,20 @@ class Step(StepRun):
 
     # --- composition: child runs awaited durably (core/invoke.py) ---------------------
 
-    def invoke(self, step_id: str, job: Any, data: Any, *, timeout: float | timedelta | None = None) -> Any:
+    def invoke(self, step_id: str, job: Any, data: Any, *, timeout: float | timedelta | None = None,
+               detach: bool = False) -> Any:
         """Start one run of ``job`` (a Job or its id) on ``data`` — once per (run, step) — and
         return its result once it settles, the worker given back meanwhile; its final
-        failure is raised as ``ChildFailed``."""
+        failure is raised as ``ChildFailed``. ``detach``: not cancelled with this run."""
         from motir_celery.core import invoke
 
-        return invoke.invoke(self, step_id, job, data, timeout=timeout)
+        return invoke.invoke(self, step_id, job, data, timeout=timeout, detach=detach)
 
     def gather(self, step_id: str, calls: Any, *, timeout: float | timedelta | None = None,
-               return_exceptions: bool = False) -> list[Any]:
+               return_exceptions: bool = False, detach: bool = False) -> list[Any]:
         """Start one child per ``(job, data)`` of ``calls`` at once; once every one has
         settled, their results in order (the first failure raised, unless ``return_exceptions``)."""
         from motir_celery.core import invoke
 
-        return invoke.gather(self, step_id, calls, timeout=timeout, return_exceptions=return_exceptions)
+        return invoke.gather(self, step_id, calls, timeout=timeout, return_exceptions=return_exceptions,
+                             detach=detach)

@@ -91,9 +91,9 @@ START_CHILDREN = Statement(
                            CAST(%(keys)s AS text[]), CAST(%(job_ids)s AS text[]), CAST(%(max_attempts)s AS int[]),
                            CAST(%(policies)s AS text[]), CAST(%(priorities)s AS smallint[]),
                            CAST(%(singletons)s AS text[]), CAST(%(concurrency)s AS text[]),
-                           CAST(%(cancel_keys)s AS text[]))
+                           CAST(%(cancel_keys)s AS text[]), CAST(%(detached)s AS boolean[]))
              AS s(step_id, name, data, key, job_id, max_attempts, retry_policy, priority, singleton_key,
-                  concurrency_key, cancel_key)
+                  concurrency_key, cancel_key, detached)
     ), e AS (
       INSERT INTO job_event (name, data, workspace_id, idempotency_key)
       SELECT s.name, s.data, p.workspace_id, s.key        -- the child carries the parent's workspace
@@ -104,9 +104,10 @@ START_CHILDREN = Statement(
       RETURNING id, name, workspace_id, idempotency_key
     ), runs AS (
       INSERT INTO job_queue (event_id, job_id, event_name, workspace_id, max_attempts, retry_policy, priority,
-                             singleton_key, concurrency_key, cancel_key, traceparent, parent_run_id, parent_step_id)
+                             singleton_key, concurrency_key, cancel_key, traceparent, parent_run_id, parent_step_id,
+                             detached)
       SELECT e.id, s.job_id, e.name, e.workspace_id, s.max_attempts, s.retry_policy, s.priority,
-             s.singleton_key, s.concurrency_key, s.cancel_key, %(traceparent)s, p.id, s.step_id
+             s.singleton_key, s.concurrency_key, s.cancel_key, %(traceparent)s, p.id, s.step_id, s.detached
       FROM e JOIN spec s ON s.key = e.idempotency_key, parent p
       -- No conflict target: UNIQUE (parent_run_id, parent_step_id) is the arbiter of one child
       -- per (parent, step); (event_id, job_id) and the singleton index apply as to any run.
@@ -120,7 +121,7 @@ START_CHILDREN = Statement(
 
 
 def start_children(conn: Connection, claim: Claim, children_: Sequence[tuple[str, str, str, str, RunSpec]],
-                   *, traceparent: str | None) -> tuple[bool, list[tuple[uuid.UUID, str]]]:
+                   *, traceparent: str | None, detach: bool = False) -> tuple[bool, list[tuple[uuid.UUID, str]]]:
     """``children_``: (step key, event name, data as JSON, idempotency key, spec).
     Returns (parent still held, [(run_id, job_id) created now]) — publish those after commit."""
     params = {
@@ -130,7 +131,7 @@ def start_children(conn: Connection, claim: Claim, children_: Sequence[tuple[str
         "max_attempts": [c[4].max_attempts for c in children_], "policies": [c[4].policy for c in children_],
         "priorities": [c[4].priority for c in children_], "singletons": [c[4].singleton_key for c in children_],
         "concurrency": [c[4].concurrency_key for c in children_],
-        "cancel_keys": [c[4].cancel_key for c in children_],
+        "cancel_keys": [c[4].cancel_key for c in children_], "detached": [detach for _ in children_],
     }
     found = rows(conn, START_CHILDREN, params)
     held = bool(found and found[-1]["held"])
@@ -178,6 +179,7 @@ CANCEL_CHILDREN = Statement(
       SET state = 'cancelled', finished_at = now(), claim_token = NULL, lease_expires_at = NULL, wait_event = NULL
       WHERE parent_run_id = %(run_id)s AND parent_step_id = ANY(CAST(%(steps)s AS text[]))
         AND state IN ('queued', 'running')     -- a finished child stays as it ended
+        AND NOT detached                       -- a detached child runs on; the parent stops waiting
       RETURNING id
     ), ledger AS (
       UPDATE job_run r SET outcome = 'cancelled', finished_at = now()

@@ -228,6 +228,9 @@ class JobQueue(Base):
     # children: the trigger motir_run_settled (migration 0006, where its SQL is).
     parent_run_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("job_queue.id", ondelete="SET NULL"))
     parent_step_id: Mapped[str | None] = mapped_column(Text)
+    # step.invoke(..., detach=True): a child that is not cancelled with its parent (nor
+    # when its parent's wait times out). False for every other run.
+    detached: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
 
     event: Mapped[JobEvent | None] = relationship(back_populates="runs")
     parent: Mapped[JobQueue | None] = relationship(
