@@ -64,11 +64,12 @@ def test_cancelling_the_parent_cancels_its_child_and_a_timeout_cancels_it_too(en
         detached = send_event("cb.parent", {"n": 3, "sleepy": True, "detach": True}, app=app).run_ids[0]
         for run_id in (parent, detached):
             wait_for(lambda r=run_id: [c.state for c in _children(engine, r)] == ["queued"]
-                     and _ledger(engine, r) == ["suspended"], what="the parent to wait for its sleeping child")
+                     and _ledger(engine, r) == ["suspended"], timeout=60,
+                     what="the parent to wait for its sleeping child")
         assert cancel_run(parent) and cancel_run(detached)
         assert [c.state for c in _children(engine, parent)] == ["cancelled"]
         assert [c.state for c in _children(engine, detached)] == ["queued"]  # detach=True: it runs on
-        assert _final(engine, timed, timeout=30) == "succeeded"
+        assert _final(engine, timed, timeout=60) == "succeeded"
         assert cancel_run(_children(engine, detached)[0].id)
     assert run_state(engine, parent) == "cancelled"
     assert _result(engine, timed)["state"] == "cancelled"
@@ -117,7 +118,8 @@ def test_the_dashboard_shows_parents_children_events_and_resumes_in_a_browser(
         for run_id in (fan, single):
             assert _final(engine, run_id) == "succeeded"
         assert _final(engine, order) == "failed"
-        wait_for(lambda: _ledger(engine, waiting) == ["suspended"], what="the parent waiting for its child")
+        wait_for(lambda: _ledger(engine, waiting) == ["suspended"], timeout=60,
+                 what="the parent waiting for its child")
 
         context = _context(browser, ALICE)
         page = context.new_page()
