@@ -63,6 +63,8 @@ def main() -> None:
                              for i in range(b, min(b + args.batch, args.events))],
                             publish=publish, publish_many=many)
             batched.append(args.events / (time.perf_counter() - t0))
+            print(f"round {r + 1}: send_event {single[-1]:.0f} calls/s, send_events {batched[-1]:.0f} events/s",
+                  flush=True)
     finally:
         if publish is not None:
             with app.connection_for_write() as conn:

@@ -87,11 +87,15 @@ BEGIN
     RETURN QUERY
       UPDATE job_queue q
       SET run_at = now(), dispatched_at = now()        -- due now; the caller publishes after commit
-      FROM job_event e
-      WHERE e.id = ANY(v_ids)                          -- the events this call wrote (a deduplicated one is absent)
-        AND q.wait_event = e.name                      -- served by ix_job_queue_waiting
+      -- Driven from the waiters (ix_job_queue_waiting: only waiting runs), never from the
+      -- queued runs: a join on the events let the planner scan every queued run (measured:
+      -- 8 ms a batch at 16k queued runs, growing with the backlog).
+      WHERE q.wait_event = ANY(ARRAY(SELECT DISTINCT unnest(p_names)))
         AND q.state = 'queued'                         -- suspended waiting (not cancelled, not running)
-        AND q.wait_value = (e.data #>> q.wait_path)    -- the field the waiter matches on
+        AND EXISTS (SELECT 1 FROM job_event e
+                    WHERE e.id = ANY(v_ids)            -- the events this call wrote (a deduplicated one is absent)
+                      AND e.name = q.wait_event
+                      AND (e.data #>> q.wait_path) = q.wait_value)   -- the field the waiter matches on
       RETURNING true, NULL::int, NULL::uuid, q.id, q.job_id;
   ELSE
     RETURN QUERY SELECT true, NULL::int, NULL::uuid, w.run_id, w.job_id

@@ -84,10 +84,10 @@ def send_events(
         specs.append([spec_for(job, data, workspace_id, priority) for job in subscribers(name)])
         raw.append(data)
     traceparent = current_traceparent()
-    needs_tx = any(cancelled_by(r[0]) for r in rows_in)
+    cancelling = {name for name in {r[0] for r in rows_in} if cancelled_by(name)}  # cancel_on rules listen
 
     def write(conn: Connection) -> list[_events.SendResult]:
-        return _write(conn, rows_in, specs, raw, traceparent)
+        return _write(conn, rows_in, specs, raw, traceparent, cancelling)
 
     if session is not None:
         results = write(session.connection())
@@ -101,7 +101,7 @@ def send_events(
             on_commit(lambda: _events._publish(pending, publish))
         return results
     engine = get_engine(settings=settings)
-    if needs_tx:
+    if cancelling:
         with engine.begin() as conn:
             results = write(conn)
     else:
@@ -127,7 +127,7 @@ def _pending(results: Sequence[_events.SendResult]) -> list[statements.Queued | 
 
 def _write(conn: Connection, rows_in: list[tuple[str, str, str | None, str | None]],
            specs: list[list[statements.RunSpec]], raw: list[Any],
-           traceparent: str | None) -> list[_events.SendResult]:
+           traceparent: str | None, cancelling: set[str]) -> list[_events.SendResult]:
     found = compose.record_events(conn, rows_in, specs, traceparent=traceparent)
     by_event: dict[int, list[dict[str, Any]]] = {}
     woken: list[statements.Queued] = []
@@ -157,7 +157,7 @@ def _write(conn: Connection, rows_in: list[tuple[str, str, str | None, str | Non
         runs: list[statements.Queued | statements.AlreadyQueued] = [
             statements.Queued(created[s.job_id], s.job_id) if s.job_id in created else statements.AlreadyQueued(s.job_id)
             for s in specs[i]]
-        cancelled = _events._cancel_on(conn, name, raw[i]) if cancelled_by(name) else []
+        cancelled = _events._cancel_on(conn, name, raw[i]) if name in cancelling else []
         results.append(_events.SendResult(made[0]["event_id"], runs, cancelled=cancelled))
     # Waiters woken by the batch go with the first event's result (one run may match several events).
     if woken and results:
