@@ -357,9 +357,11 @@ def get_run(session: Session, run_id: uuid.UUID | str) -> RunDetail | None:
     replay_of = next((_dlq(r) for r in dlq_rows if r.replay_run_id == rid), None)
     # Composition (issue 20): the parent, the children, the resumes. RLS applies to each row.
     family = session.execute(
-        text("SELECT q.id, q.job_id, q.state, q.parent_step_id, q.id = p.parent_run_id AS is_parent "
-             "FROM job_queue p JOIN job_queue q ON q.id = p.parent_run_id OR q.parent_run_id = p.id "
-             "WHERE p.id = :id ORDER BY q.parent_step_id, q.created_at"),
+        # Two index lookups (the primary key; uq_job_queue_parent_run_id_parent_step_id), not an OR join.
+        text("SELECT q.id, q.job_id, q.state, q.parent_step_id, true AS is_parent FROM job_queue q "
+             "WHERE q.id = (SELECT parent_run_id FROM job_queue WHERE id = :id) "
+             "UNION ALL "
+             "SELECT q.id, q.job_id, q.state, q.parent_step_id, false FROM job_queue q WHERE q.parent_run_id = :id"),
         {"id": rid},
     ).all()
     parent = next((ChildRow(r.id, r.job_id, r.state, None) for r in family if r.is_parent), None)
