@@ -12,9 +12,10 @@ URL it routes to), stops it, and exits with COMMAND's status.
 
 The upstream is ``MOTIR_DATABASE_URL``'s host and port (``*`` routes any database
 name there, so a test session's freshly created database is reachable at once).
-Authentication is ``trust`` for the users of ``auth_file`` — the URL's user plus
-the engine's roles — which is what the machine's trust Postgres needs; in
-production use ``auth_type = scram-sha-256`` with ``auth_query`` instead.
+Authentication is ``trust``, which is what the machine's trust Postgres needs: the
+URL's user and the engine's roles are in ``auth_file``, and any other login (one a
+test creates at runtime) is looked up on the server with ``auth_query`` as the URL's
+user (``auth_user``). In production use ``auth_type = scram-sha-256`` instead.
 
 PgBouncer refuses to run as root: as root it is started as the ``postgres`` user
 (else ``nobody``), its folder handed to that user. It runs in the foreground as
@@ -143,6 +144,8 @@ class PgBouncer:
             f"unix_socket_dir = {self.dir}",
             "auth_type = trust",
             f"auth_file = {self.dir / 'users.txt'}",
+            # Logins a test creates at runtime are looked up on the server (auth_query, as this user).
+            f"auth_user = {self.user}",
             f"admin_users = {self.user}",
             f"stats_users = {self.user}",
             f"pool_mode = {self.pool_mode}",
