@@ -1,10 +1,6 @@
-"""How the runner calls a handler, and coroutine steps.
+"""Coroutine steps, for ``async def`` handlers (the runner runs those with
+``asyncio.run`` on the worker's thread: a fresh loop per attempt).
 
-* An event or cron job: ``handler(event, step)``; a direct job (``job.delay``):
-  ``handler(step, *args, **kwargs)``, the arguments read from the run's event data.
-* An ``async def`` handler runs with ``asyncio.run`` on the worker's thread: a
-  fresh loop per attempt; the user manages none (a thread already running a
-  loop cannot, and the attempt fails saying so).
 * ``await step.run(step_id, fn, ...)`` with a coroutine function ``fn`` is
   memoized exactly as a plain step: a stored result is returned without running
   ``fn``, a new one is committed before the awaitable completes. Pass the
@@ -19,23 +15,9 @@ import inspect
 import time
 from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence
 
-from motir_celery.core.direct import arguments
-from motir_celery.core.jobs import Job
 from motir_celery.core.tracing import step_span
 
-__all__ = ["call_handler", "coroutine_step", "is_coroutine_function"]
-
-
-def call_handler(job: Job, event: Any, step: Any) -> Any:
-    """The handler's return value, an ``async def`` handler's awaited on a loop of its own."""
-    if job.direct:
-        args, kwargs = arguments(event.data)
-        result = job.handler(step, *args, **kwargs)
-    else:
-        result = job.handler(event, step)
-    if inspect.iscoroutine(result):
-        result = asyncio.run(result)
-    return result
+__all__ = ["coroutine_step", "is_coroutine_function"]
 
 
 def is_coroutine_function(fn: Callable[..., Any]) -> bool:

@@ -15,6 +15,8 @@ A settle Postgres still refuses fails the attempt with the database's message.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 import uuid
 from dataclasses import dataclass
@@ -25,9 +27,9 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 from motir_celery.core import concurrency, invoke, leases
+from motir_celery.core.direct import arguments
 from motir_celery.core.failures import describe, storable_error
-from motir_celery.core.handlers import call_handler
-from motir_celery.core.jobs import get_job
+from motir_celery.core.jobs import Job, get_job
 from motir_celery.core.publish import Publish, publish_or_log
 from motir_celery.core.steps import Step, encode_json
 from motir_celery.core.tracing import run_span
@@ -73,8 +75,9 @@ class Outcome:
 def execute(run_id: uuid.UUID | str, *, job_id: str, worker: str, publish: Publish | None = None,
             settings: Settings | None = None) -> Outcome:
     settings = settings or get_settings()
-    run_uuid = _as_uuid(run_id)
-    if run_uuid is None:
+    try:
+        run_uuid = run_id if isinstance(run_id, uuid.UUID) else uuid.UUID(str(run_id))
+    except ValueError:
         # A forged message's "run id" is echoed at most 100 characters.
         shown = repr(run_id)[:100]
         log.warning("dropping message with a malformed run id %s for job %s", shown, job_id)
@@ -127,7 +130,7 @@ def _attempt(claim: statements.Claim, conn: Connection, engine: Engine, publish:
         event = Event(name=claim.event_name, data=event_data, id=str(claim.event_id) if claim.event_id else None,
                       workspace_id=claim.workspace_id, run_id=run, attempt=claim.attempt,
                       scheduled_for=claim.scheduled_for)
-        result = call_handler(job, event, step)  # handler(event, step) | (step, *args, **kwargs) | async def
+        result = call_handler(job, event, step)
         encoded = encode_json(result, what=f"the handler of {claim.job_id!r} returned a value that",
                               limit=settings.max_payload_bytes)
     except Suspended as exc:
@@ -148,6 +151,19 @@ def _attempt(claim: statements.Claim, conn: Connection, engine: Engine, publish:
     except Exception as exc:  # noqa: BLE001 — any handler error is a failed attempt
         return _settle(claim, conn, publish, settings, exc, _backoff(claim))
     return _settle_success(claim, conn, publish, settings, encoded)
+
+
+def call_handler(job: Job, event: Any, step: Any) -> Any:
+    """``handler(event, step)``; a direct job's ``handler(step, *args, **kwargs)``; an
+    ``async def`` handler's coroutine run to its end on a loop of its own."""
+    if job.direct:
+        args, kwargs = arguments(event.data)
+        result = job.handler(step, *args, **kwargs)
+    else:
+        result = job.handler(event, step)
+    if inspect.iscoroutine(result):
+        result = asyncio.run(result)
+    return result
 
 
 def _settle_success(claim: statements.Claim, conn: Connection, publish: Publish | None, settings: Settings,
@@ -182,26 +198,22 @@ def _refusal(claim: statements.Claim, refused: DBAPIError) -> BaseException:
 def _write_settle(claim: statements.Claim, conn: Connection, publish: Publish | None, settings: Settings,
                   exc: BaseException, delay: float | None, defer: bool) -> Outcome:
     run, error = str(claim.run_id), storable_error(exc)
-    if defer and delay is not None:
-        with conn.begin():
-            settled = statements.suspend(conn, claim, outcome="deferred", delay=delay, error_json=error,
-                                         republish_after=settings.republish_after) is not None
-        state = "deferred"
-    elif delay is not None and claim.attempt < claim.max_attempts:
-        with conn.begin():
-            settled = statements.settle_retry(conn, claim, error, delay)
-        state = "retrying"
-        log.info("run %s attempt %d failed (%s); retry in %.1fs", run, claim.attempt, type(exc).__name__, delay)
-    else:
-        with conn.begin():
+    with conn.begin():
+        if defer and delay is not None:
+            settled, state = statements.suspend(conn, claim, outcome="deferred", delay=delay, error_json=error,
+                                                republish_after=settings.republish_after) is not None, "deferred"
+        elif delay is not None and claim.attempt < claim.max_attempts:
+            settled, state = statements.settle_retry(conn, claim, error, delay), "retrying"
+        else:
             dlq_id = statements.settle_failed(conn, claim, error)
-        if dlq_id is None:
-            return Outcome(run, _fenced_state(conn, claim))
+            settled, state = dlq_id is not None, "failed"
+    if not settled:
+        return Outcome(run, _fenced_state(conn, claim))
+    if state == "failed":
         log.error("run %s of %s failed for good after %d attempt(s): %s; DLQ entry %s",
                   run, claim.job_id, claim.attempt, describe(exc), dlq_id)
         return Outcome(run, "failed", str(dlq_id))
-    if not settled:
-        return Outcome(run, _fenced_state(conn, claim))
+    log.info("run %s attempt %d %s (%s) for %.1fs", run, claim.attempt, state, type(exc).__name__, delay)
     # A short delay rides on a Celery countdown; a long one is published by the
     # sweeper once due (a long countdown is what Redis's visibility timeout
     # redelivers in a loop). The claim refuses a message that arrives early.
@@ -220,13 +232,3 @@ def _backoff(claim: statements.Claim) -> float:
 def _fenced_state(conn: Connection, claim: statements.Claim) -> str:
     with conn.begin():
         return "cancelled" if statements.why_fenced(conn, claim) == "cancelled" else "lost"
-
-
-def _as_uuid(value: uuid.UUID | str) -> uuid.UUID | None:
-    if isinstance(value, uuid.UUID):
-        return value
-    try:
-        return uuid.UUID(str(value))
-    except ValueError:
-        return None
-

@@ -696,12 +696,8 @@ _SETTLE_RETRY = text(
 
 
 def settle_retry(conn: Connection, claim_: Claim, error_json: str, delay: float) -> bool:
-    return (
-        conn.execute(
-            _SETTLE_RETRY, {"run_id": claim_.run_id, "token": claim_.token, "error": error_json, "delay": delay}
-        ).scalar()
-        is not None
-    )
+    params = {"run_id": claim_.run_id, "token": claim_.token, "error": error_json, "delay": delay}
+    return conn.execute(_SETTLE_RETRY, params).scalar() is not None
 
 
 # The DLQ row copies what an operator needs to act after the run and event are
