@@ -2,7 +2,7 @@
 # make test  - pytest (extra arguments: make test PYTEST_ARGS="-k claim -x"); first installs the
 #              Debian packages the tests need when missing (.ci/system-packages: chromium, docker-compose)
 # make lint  - ruff check (the repository) and mypy motir_celery, as CI runs them
-# make test-pgbouncer - the worker end-to-end, hot-path and shortened chaos tests a second time,
+# make test-pgbouncer - the worker end-to-end, hot-path, primitives, composition and shortened chaos tests again,
 #              through a private PgBouncer in transaction pooling (tests/pgbouncer.py) with
 #              MOTIR_PREPARED_STATEMENTS=0; a database error in any worker log fails the test
 #
@@ -39,8 +39,11 @@ test: system-packages setup
 
 # The second pass (CI runs it after `make test`): the tests whose workers talk to the database
 # most, through PgBouncer (pool_mode = transaction, default_pool_size 4) in front of the same
-# server. The session creates, migrates and drops its database through it too.
-PGBOUNCER_TESTS := tests/test_worker_e2e.py tests/test_hot_path.py tests/test_pgbouncer.py tests/chaos
+# server. The session creates, migrates and drops its database through it too. (Not
+# test_beat.py: its warm_pool helper holds 5 transactions open at once, one more than the pool.)
+PGBOUNCER_TESTS := tests/test_worker_e2e.py tests/test_hot_path.py tests/test_pgbouncer.py tests/chaos \
+	tests/test_primitives.py tests/test_compose_runs.py tests/test_resume.py tests/test_direct.py \
+	tests/test_batch.py tests/test_django.py
 
 test-pgbouncer: system-packages setup
 	$(call with-services,MOTIR_TEST_SCAN_WORKER_LOGS=1 $(PYTHON) -m tests.pgbouncer run -- \
