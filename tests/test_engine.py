@@ -437,8 +437,12 @@ def test_only_the_claim_commits_without_waiting_for_the_wal_flush(engine, monkey
         reset_settings()
 
 
-def _kill_the_pooled_connection(engine) -> int:  # type: ignore[no-untyped-def]
-    """Leave exactly one connection in the pool, with its server process terminated."""
+def _kill_the_pooled_connection(engine, monkeypatch) -> int:  # type: ignore[no-untyped-def]
+    """Leave exactly one connection in the pool, with its server process terminated
+    and no idle ping to notice: the next statement on it meets a dead socket."""
+    from motir_celery.store import db
+
+    monkeypatch.setattr(db, "PING_AFTER_IDLE_SECONDS", 3600.0)
     engine.dispose()
     with engine.connect() as conn:
         doomed = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
@@ -449,17 +453,14 @@ def _kill_the_pooled_connection(engine) -> int:  # type: ignore[no-untyped-def]
     return int(doomed)
 
 
-def test_a_hot_statement_on_a_dead_socket_raises_a_disconnect_that_invalidates_it(engine):  # type: ignore[no-untyped-def]
+def test_a_hot_statement_on_a_dead_socket_raises_a_disconnect_that_invalidates_it(engine, monkeypatch):  # type: ignore[no-untyped-def]
     """The hot statements bypass SQLAlchemy's execution layer: their errors must still
-    be SQLAlchemy's, and a socket that died after its checkout's ping must be flagged
-    so the pool replaces it."""
+    be SQLAlchemy's, and a dead socket must be flagged so the pool replaces it."""
     from sqlalchemy.exc import DBAPIError
 
     (run_id,) = events.send_event("test.three", {}).run_ids
+    doomed = _kill_the_pooled_connection(engine, monkeypatch)
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        doomed = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
-        with engine.pool._creator().cursor() as admin:  # a connection outside the pool
-            admin.execute("SELECT pg_terminate_backend(%s)", (doomed,))
         with pytest.raises(DBAPIError) as raised:
             statements.claim(conn, run_id, job_id="test.three-steps", worker="w", lease_seconds=30)
         assert raised.value.connection_invalidated
@@ -468,9 +469,9 @@ def test_a_hot_statement_on_a_dead_socket_raises_a_disconnect_that_invalidates_i
     assert run_state(engine, run_id) == "queued"
 
 
-def test_a_pooled_socket_killed_under_the_worker_is_replaced_and_the_run_claimed(engine):  # type: ignore[no-untyped-def]
+def test_a_pooled_socket_killed_under_the_worker_is_replaced_and_the_run_claimed(engine, monkeypatch):  # type: ignore[no-untyped-def]
     (run_id,) = events.send_event("test.three", {}).run_ids
-    _kill_the_pooled_connection(engine)
+    _kill_the_pooled_connection(engine, monkeypatch)
     assert execute(run_id, "test.three-steps").state == "succeeded"
 
 
