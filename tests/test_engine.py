@@ -453,14 +453,17 @@ def _kill_the_pooled_connection(engine, monkeypatch) -> int:  # type: ignore[no-
     return int(doomed)
 
 
-def test_a_hot_statement_on_a_dead_socket_raises_a_disconnect_that_invalidates_it(engine, monkeypatch):  # type: ignore[no-untyped-def]
+def test_a_hot_statement_on_a_dead_socket_raises_a_disconnect_that_invalidates_it(engine):  # type: ignore[no-untyped-def]
     """The hot statements bypass SQLAlchemy's execution layer: their errors must still
-    be SQLAlchemy's, and a dead socket must be flagged so the pool replaces it."""
+    be SQLAlchemy's, and a socket that died under a checked-out connection must be
+    flagged so the pool replaces it."""
     from sqlalchemy.exc import DBAPIError
 
     (run_id,) = events.send_event("test.three", {}).run_ids
-    doomed = _kill_the_pooled_connection(engine, monkeypatch)
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        doomed = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        with engine.pool._creator().cursor() as admin:  # a connection outside the pool
+            admin.execute("SELECT pg_terminate_backend(%s)", (doomed,))
         with pytest.raises(DBAPIError) as raised:
             statements.claim(conn, run_id, job_id="test.three-steps", worker="w", lease_seconds=30)
         assert raised.value.connection_invalidated
