@@ -208,4 +208,88 @@ def test_make_runs_closing_hints_run_as_printed(engine, broker_url, tmp_path):  
                               text=True, timeout=60)
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
     (new_run,) = re.findall(r"new run ([0-9a-f-]{36})", replayed.stdout)
-    assert run_state(engine, new_run) == "queued"
+    assert run_state(engine, new_run) == "queued" and "runs when a worker" in replayed.stderr  # and says so
+
+
+# --- the operator surfaces (after issue 17's edits to ops/) ---------------------------
+
+
+def _motir(args: list[str], *, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(BIN / "motir"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=90)
+
+
+def test_the_cli_and_doctor_take_the_attached_app_with_dash_a(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
+    import redis
+
+    queue = f"{os.environ['MOTIR_QUEUE']}-proj"
+    _write(tmp_path, {
+        "opsproj/__init__.py": "",
+        "opsproj/celery.py": f"""
+            from celery import Celery
+
+            import motir_celery
+
+            app = Celery("opsproj", broker={broker_url!r})   # the broker is the app's, not the environment's
+            app.conf.task_default_queue = {queue!r}
+            motir_celery.attach(app)
+        """,
+        "opsproj/jobs.py": """
+            from motir_celery import define_job
+
+            @define_job("friction.ops", event="friction.ops")
+            def ops(event, step):
+                return "ok"
+        """,
+    })
+    env = _newcomer_env(MOTIR_IMPORTS="opsproj.jobs")
+    env.pop("CELERY_BROKER_URL", None)
+    env.pop("MOTIR_QUEUE", None)
+    bare = _motir(["doctor", "--timeout", "2"], cwd=tmp_path, env=env)
+    assert re.search(r"FAIL\s+broker\s+CELERY_BROKER_URL is not set", bare.stdout), bare.stdout
+    doctor = _motir(["-A", "opsproj", "doctor", "--timeout", "2"], cwd=tmp_path, env=env)
+    assert re.search(r"OK\s+broker\s+reachable", doctor.stdout), doctor.stdout + doctor.stderr
+    assert f"celery -A opsproj worker -Q {queue}" in doctor.stdout  # the workers check: the app's queue
+    jobs = _motir(["-A", "opsproj", "jobs"], cwd=tmp_path, env=env)  # from the folder, no PYTHONPATH
+    assert jobs.returncode == 0 and "friction.ops" in jobs.stdout, jobs.stdout + jobs.stderr
+    redis.Redis.from_url(broker_url).delete(queue)
+    sent = _motir(["-A", "opsproj", "send", "friction.ops"], cwd=tmp_path, env=env)
+    assert sent.returncode == 0 and "1 run(s) queued" in sent.stdout, sent.stdout + sent.stderr
+    assert redis.Redis.from_url(broker_url).llen(queue) == 1  # published through the app's broker and queue
+    redis.Redis.from_url(broker_url).delete(queue)
+    missing = _motir(["-A", "nosuchproj", "jobs"], cwd=tmp_path, env=env)
+    assert missing.returncode != 0 and "nosuchproj" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_purge_older_than_0d_counts_in_a_dry_run_and_refuses_a_real_purge(engine, tmp_path):  # type: ignore[no-untyped-def]
+    env = _newcomer_env()
+    dry = _motir(["purge", "--older-than", "0d", "--dry-run", "--json"], cwd=ROOT, env=env)
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    real = _motir(["purge", "--older-than", "0d"], cwd=ROOT, env=env)
+    assert real.returncode != 0 and "--dry-run" in real.stderr and "Traceback" not in real.stderr
+
+
+def test_the_dashboards_local_mode_lets_a_developer_in_on_loopback_only(database_url):  # type: ignore[no-untyped-def]
+    import pytest
+    from starlette.testclient import TestClient
+
+    from motir_celery.errors import ConfigurationError
+    from motir_celery.ops.dashboard import DashboardConfig, create_app
+    from motir_celery.ops.dashboard.app import check_bind
+    from motir_celery.ops.dashboard.auth import AuthConfig
+    from motir_celery.settings import get_settings
+
+    config = DashboardConfig(auth=AuthConfig.from_env({"MOTIR_DASHBOARD_AUTH": "local"}), secret="s")
+    app = create_app(config, publish=lambda *a: None)
+    page = TestClient(app, client=("127.0.0.1", 50000), base_url="http://127.0.0.1:8089").get("/runs")
+    assert page.status_code == 200 and "local mode" in page.text.lower()  # labelled on the page
+    assert "all workspaces" in page.text
+    # Not from another host, nor through a name that is not loopback (DNS rebinding).
+    assert TestClient(app, client=("10.1.2.3", 50000), base_url="http://127.0.0.1:8089").get("/runs").status_code == 403
+    assert TestClient(app, client=("127.0.0.1", 50000), base_url="http://evil.example").get("/runs").status_code == 403
+    # Never bound anywhere but loopback, whatever else is configured.
+    for host in ("0.0.0.0", "192.168.1.10", "::"):
+        with pytest.raises(ConfigurationError, match="local"):
+            check_bind(host, config, get_settings())
+    check_bind("127.0.0.1", config, get_settings())
+    refused = _motir(["dashboard", "--local", "--host", "0.0.0.0"], cwd=ROOT, env=_newcomer_env())
+    assert refused.returncode != 0 and "local" in refused.stderr and "Traceback" not in refused.stderr

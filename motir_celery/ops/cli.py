@@ -5,7 +5,10 @@ Every command prints a readable table by default and JSON with ``--json``
 operations goes to stderr, so ``--json`` output on stdout stays parseable.
 
 Configuration is the environment, exactly as for workers (``settings.py``):
-``MOTIR_DATABASE_URL``, ``CELERY_BROKER_URL``, ``MOTIR_IMPORTS``, …
+``MOTIR_DATABASE_URL``, ``CELERY_BROKER_URL``, ``MOTIR_IMPORTS``, … — and, with
+``-A proj`` as for ``celery -A proj``, your Celery app: commands publish through
+it and ``doctor`` checks its broker, queue and workers. Job modules are imported
+from the current folder too, as a worker imports them.
 
 Reads (``runs``, ``dlq list``) go through the app role with the admin context:
 an operator at this prompt already holds database credentials, and sees every
@@ -19,9 +22,10 @@ import dataclasses
 import importlib
 import json
 import math
+import re
 import sys
 import uuid
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Iterable, Sequence
 
 import click
@@ -42,6 +46,9 @@ from motir_celery.ops.timefmt import (
 from motir_celery.settings import Settings, get_settings
 
 __all__ = ["main"]
+
+#: ``--older-than 0d`` (any unit): a period of zero, accepted by ``purge --dry-run`` only.
+_ZERO = re.compile(r"\s*0+(?:\.0+)?\s*(?:s|m|min|h|d|w)\s*", re.IGNORECASE)
 
 
 # --- output ------------------------------------------------------------------------
@@ -119,13 +126,36 @@ def _settings() -> Settings:
     return get_settings()
 
 
+#: The Celery app given with ``-A`` (attached), or None: the environment's.
+_APP: Any = None
+
+
+def _use_app(path: str) -> None:
+    """``-A``: find the app as ``celery -A`` does (the current folder on the path) and host the engine on it."""
+    global _APP
+    from celery import Celery
+    from celery.app.utils import find_app
+
+    import motir_celery
+
+    try:
+        app = find_app(path)
+    except Exception as exc:  # noqa: BLE001 — no such module, no app in it: one line, as celery says it
+        raise click.ClickException(f"-A {path}: cannot load the Celery app: {type(exc).__name__}: {exc}") from None
+    if not isinstance(app, Celery):
+        raise click.ClickException(f"-A {path}: {type(app).__name__} is not a Celery app")
+    _APP = motir_celery.attach(app)  # publish through it from now on (a no-op if its module attached it)
+
+
 def _load_jobs(settings: Settings) -> None:
     """Import MOTIR_IMPORTS, as a worker does: ``jobs``, ``send`` and replay need the registry."""
+    from celery.utils.imports import import_from_cwd
+
     # The engine's own jobs (system.*), which every attached app registers on its workers.
     importlib.import_module("motir_celery.core.system_jobs")
     for module in settings.imports:
         try:
-            importlib.import_module(module)
+            import_from_cwd(module)  # the current folder on the path while importing, as a worker does
         except ImportError as exc:
             raise click.ClickException(f"MOTIR_IMPORTS names {module!r}, which cannot be imported: {exc}") from None
 
@@ -167,8 +197,13 @@ def _uuid_arg(value: str, what: str) -> uuid.UUID:
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="motir-celery", prog_name="motir")
-def main() -> None:
+@click.option("-A", "--app", "app_path", metavar="APP",
+              help="Your Celery app, as `celery -A` takes it (proj, proj.celery:app): commands publish "
+                   "through it; doctor checks its broker, queue and workers.")
+def main(app_path: str | None) -> None:
     """Operate motir-celery: durable jobs on Celery, with Postgres as the source of truth."""
+    if app_path:
+        _use_app(app_path)
 
 
 # --- migrate ---------------------------------------------------------------------
@@ -534,6 +569,9 @@ def dlq_replay(dlq_id: str | None, actor: str, idempotency_key: str | None, as_j
             "not_found": f"no DLQ entry {did}",
         }
         click.echo(messages[result.status])
+        if result.status == "replayed":
+            _progress("the new run is queued: it runs when a worker consuming its job's queue takes it "
+                      "(`motir doctor` says whether one does)")
     if result.status not in ("replayed", "already_replayed"):
         sys.exit(1)
 
@@ -688,7 +726,7 @@ def doctor(timeout: float, max_wait: str, as_json: bool) -> None:
     settings = _settings()
     _load_jobs(settings)
     checks = []
-    for check in run_checks(settings, timeout=timeout, max_wait=wait):
+    for check in run_checks(settings, timeout=timeout, max_wait=wait, app=_APP):
         checks.append(check)
         if not as_json:  # each line as soon as it is known: a slow broker shows where it hangs
             colour = {"OK": "green", "FAIL": "red", "WARN": "yellow"}[check.status]
@@ -721,7 +759,13 @@ def purge(older_than: str, batch_size: int, dry_run: bool, as_json: bool) -> Non
     try:
         age = parse_duration(older_than)
     except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--older-than") from None
+        zero = _ZERO.fullmatch(older_than) is not None
+        if not (zero and dry_run):
+            # 0 with --dry-run counts everything finished; a real purge of it would also take runs
+            # that finished a moment ago, whose results a caller may still be reading (.get()).
+            hint = " (0 is accepted with --dry-run, to count everything finished)" if zero else ""
+            raise click.BadParameter(str(exc) + hint, param_hint="--older-than") from None
+        age = timedelta(0)
     _progress(f"{'counting' if dry_run else 'purging'} what finished more than {format_duration(age.total_seconds())} ago"
               f"{'' if dry_run else f', {batch_size} rows per batch'}…")
     def progress(kind: str, n: int) -> None:
@@ -753,8 +797,11 @@ def purge(older_than: str, batch_size: int, dry_run: bool, as_json: bool) -> Non
 @click.option("--port", default=8089, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+@click.option("--local", is_flag=True,
+              help="Local mode (MOTIR_DASHBOARD_AUTH=local): no sign-in, you are an admin of every workspace; "
+                   "loopback only, labelled on every page. For a developer's machine.")
 @click.pass_context
-def dashboard(ctx: click.Context, host: str, port: int, log_level: str) -> None:
+def dashboard(ctx: click.Context, host: str, port: int, log_level: str, local: bool) -> None:
     """Serve the web dashboard (runs, run timelines, DLQ with Replay, queue health, /metrics)."""
     if ctx.invoked_subcommand is not None:
         return
@@ -766,12 +813,17 @@ def dashboard(ctx: click.Context, host: str, port: int, log_level: str) -> None:
     except ImportError as exc:
         raise click.ClickException(f"the dashboard needs its extra: pip install 'motir-celery[dashboard]' ({exc})") from None
     settings = _settings()
-    config = DashboardConfig.from_env()
+    import os
+
+    config = DashboardConfig.from_env({**os.environ, "MOTIR_DASHBOARD_AUTH": "local"} if local else None)
     check_bind(host, config, settings)  # ConfigurationError: a one-line refusal, before anything listens
     if not settings.app_database_url:
         _progress("development mode: reads drop to motir_app from the engine's login (SET LOCAL ROLE); "
                   "set MOTIR_APP_DATABASE_URL and MOTIR_ADMIN_DATABASE_URL in production (docs/security.md)")
     app = create_app(config, settings=settings)
+    if config.auth.mode == "local":
+        _progress(f"local mode: no sign-in; anyone who reaches this port on this machine acts as "
+                  f"{config.auth.local_user}, an admin of every workspace (development only)")
     _progress(f"dashboard on http://{host}:{port}/ (identity: {config.auth.mode})")
     uvicorn.run(app, host=host, port=port, log_level=log_level, proxy_headers=False, server_header=False)
 

@@ -31,6 +31,7 @@ the pools the rest of the process uses.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -79,9 +80,15 @@ def _where(url: str) -> str:
     return f"{u.host or 'local socket'}:{u.port or 5432}/{u.database} as {u.username or '(default user)'}"
 
 
-def run_checks(settings: Settings | None = None, *, timeout: float = 3.0, max_wait: float = 300.0) -> Iterator[Check]:
-    """Yield each check as it completes. ``max_wait``: the oldest due run may wait this long."""
+def run_checks(settings: Settings | None = None, *, timeout: float = 3.0, max_wait: float = 300.0,
+               app: Any = None) -> Iterator[Check]:
+    """Yield each check as it completes. ``max_wait``: the oldest due run may wait this long.
+    ``app``: the Celery app to check (``motir -A proj doctor``): its broker, default queue and
+    workers instead of the environment's."""
     settings = settings or get_settings()
+    if app is not None:
+        settings = dataclasses.replace(settings, broker_url=app.conf.broker_write_url or app.conf.broker_url,
+                                       queue=app.conf.task_default_queue or settings.queue)
     if not settings.database_url:
         yield _fail("database", "MOTIR_DATABASE_URL is not set",
                     "export MOTIR_DATABASE_URL=postgresql+psycopg://motir_engine:…@host/db")
@@ -104,7 +111,7 @@ def run_checks(settings: Settings | None = None, *, timeout: float = 3.0, max_wa
         for name in ("migrations", "roles", "row-level security", "sweeper", "queue", "dlq"):
             yield _fail(name, "skipped: the database is unreachable", "fix the database check first")
 
-    yield from _celery_checks(settings, timeout)
+    yield from _celery_checks(settings, timeout, app)
 
 
 def _database_checks(engine: Engine, settings: Settings, max_wait: float) -> Iterator[Check]:
@@ -328,7 +335,7 @@ def _queue(conn: Any, settings: Settings, max_wait: float) -> Check:
     return _ok("queue", detail)
 
 
-def _celery_checks(settings: Settings, timeout: float) -> Iterator[Check]:
+def _celery_checks(settings: Settings, timeout: float, app: Any = None) -> Iterator[Check]:
     if not settings.broker_url:
         yield _fail("broker", "CELERY_BROKER_URL is not set", "export CELERY_BROKER_URL=redis://host:6379/0")
         yield _fail("workers", "skipped: no broker", "fix the broker check first")
@@ -344,20 +351,21 @@ def _celery_checks(settings: Settings, timeout: float) -> Iterator[Check]:
         yield _fail("broker", f"unreachable: {_first_line(exc)}", "check CELERY_BROKER_URL and that the broker runs")
         yield _fail("workers", "skipped: the broker is unreachable", "fix the broker check first")
         return
-    yield _workers(settings, timeout)
+    yield _workers(settings, timeout, app)
 
 
-def _workers(settings: Settings, timeout: float) -> Check:
+def _workers(settings: Settings, timeout: float, given: Any = None) -> Check:
     from motir_celery.adapter.celery_app import create_app
 
-    app = create_app(settings)
+    app = given if given is not None else create_app(settings)
     try:
         started = time.monotonic()
         # A ping reaches every worker on the broker, other apps' too: only those that
         # consume this engine's queue count, and only their task registries.
         replies = app.control.ping(timeout=timeout) or []
         names = sorted(name for reply in replies for name in reply)
-        start_one = (f"start one: celery -A motir_celery worker -Q {settings.queue} "
+        start_one = (f"start one: celery -A {given.main if given is not None else 'motir_celery'} worker "
+                     f"-Q {settings.queue} "
                      "(with MOTIR_IMPORTS naming your job modules)")
         if not names:
             return _fail("workers", f"no worker answered a ping within {timeout:g}s", start_one)
@@ -387,7 +395,8 @@ def _workers(settings: Settings, timeout: float) -> Check:
     except Exception as exc:  # noqa: BLE001
         return _fail("workers", f"ping failed: {_first_line(exc)}", "check the broker and the workers' logs")
     finally:
-        app.close()
+        if given is None:
+            app.close()
 
 
 def _first_line(exc: BaseException) -> str:

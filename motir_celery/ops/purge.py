@@ -169,8 +169,10 @@ def purge(
     if not isinstance(older_than, timedelta):
         raise TypeError(f"older_than must be a timedelta, got {type(older_than).__name__}")
     age = older_than.total_seconds()
-    if age <= 0:
-        raise ValueError("older_than must be positive")
+    if age < 0 or (age == 0 and not dry_run):
+        # Zero counts everything finished (a dry run); deleting it would also take runs
+        # that finished a moment ago, whose results a caller may still be reading.
+        raise ValueError("older_than must be positive (zero only for a dry run)")
     if older_than > MAX_DURATION:  # timefmt's bound: more would overflow now() - interval in Postgres
         raise ValueError("older_than must be at most 100 years")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= 100_000:

@@ -446,6 +446,10 @@ def check_bind(host: str, config: DashboardConfig, settings: Settings) -> None:
     * without MOTIR_APP_DATABASE_URL, reads drop to the app role from the engine's
       login (development mode): a session could RESET ROLE, so not on a network.
     """
+    if config.auth.mode == "local" and not is_loopback(host):
+        raise ConfigurationError(
+            f"refusing to bind {host} in local mode: there is no sign-in and every caller is an admin of "
+            "every workspace, so it serves this machine only — bind 127.0.0.1, or use header/basic mode")
     if is_loopback(host):
         return
     if config.auth.mode == "header" and not config.auth.trusted_proxies:

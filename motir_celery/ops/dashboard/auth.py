@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import getpass
 import hmac
 import ipaddress
 import logging
@@ -47,6 +48,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence, Union
+from urllib.parse import urlsplit
 
 from itsdangerous import BadSignature, SignatureExpired, TimestampSigner
 from starlette.requests import Request
@@ -71,9 +73,13 @@ class Identity:
     user: str
     workspace: str | None
     admin: bool
+    #: Local mode's fixed identity (no sign-in): the page says so.
+    local: bool = False
 
     @property
     def label(self) -> str:
+        if self.local:
+            return f"{self.user} · local mode · admin · all workspaces"
         if self.admin:
             return f"{self.user} · admin" + (f" · {self.workspace}" if self.workspace else " · all workspaces")
         return f"{self.user} · {self.workspace}"
@@ -98,6 +104,16 @@ def parse_networks(raw: str, *, name: str = "MOTIR_DASHBOARD_TRUSTED_PROXIES") -
     return tuple(out)
 
 
+def _loopback_peer(host: str) -> bool:
+    try:
+        peer = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(peer, ipaddress.IPv6Address) and peer.ipv4_mapped is not None:
+        peer = peer.ipv4_mapped
+    return peer.is_loopback
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -119,6 +135,8 @@ class AuthConfig:
     trusted_proxies: tuple[Network, ...] = ()
     #: Development only: accept clear-text passwords in the users file (warned at start).
     allow_plaintext: bool = False
+    #: Local mode's identity: ``local:<OS user>``, admin of every workspace.
+    local_user: str = "local"
 
     @property
     def trusted_peers(self) -> tuple[Network, ...]:
@@ -128,8 +146,8 @@ class AuthConfig:
     def from_env(cls, env: Mapping[str, str] | None = None) -> "AuthConfig":
         env = os.environ if env is None else env
         mode = env.get("MOTIR_DASHBOARD_AUTH", "header").strip().lower() or "header"
-        if mode not in ("header", "basic"):
-            raise ConfigurationError(f"MOTIR_DASHBOARD_AUTH={mode!r}: use 'header' or 'basic'")
+        if mode not in ("header", "basic", "local"):
+            raise ConfigurationError(f"MOTIR_DASHBOARD_AUTH={mode!r}: use 'header', 'basic' or 'local'")
         users_file = env.get("MOTIR_DASHBOARD_USERS_FILE", "").strip() or None
         if mode == "basic" and not users_file:
             raise ConfigurationError("MOTIR_DASHBOARD_AUTH=basic needs MOTIR_DASHBOARD_USERS_FILE")
@@ -144,7 +162,15 @@ class AuthConfig:
             users_file=users_file,
             trusted_proxies=parse_networks(env.get("MOTIR_DASHBOARD_TRUSTED_PROXIES", "")),
             allow_plaintext=plaintext in ("1", "true"),
+            local_user=f"local:{_os_user()}",
         )
+
+
+def _os_user() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # noqa: BLE001 — no name for this uid (a container): still a local user
+        return "developer"
 
 
 @dataclass(frozen=True)
@@ -216,6 +242,8 @@ class Authenticator:
 
     def identify(self, request: Request) -> Identity:
         """The caller's identity, or ``AuthError`` (401 without one, 403 without a workspace)."""
+        if self.config.mode == "local":
+            return self._local(request)
         if self.config.mode == "basic":
             user, workspace, admin = self._basic(request)
         else:
@@ -227,6 +255,19 @@ class Authenticator:
         if workspace is None and not admin:
             raise AuthError(403, f"user {user!r} has no workspace and is not an admin: nothing to show")
         return Identity(user, workspace, admin)
+
+    def _local(self, request: Request) -> Identity:
+        """Local mode: no sign-in, for a developer on this machine — a loopback peer, and a
+        loopback name in ``Host`` (a page of another site that rebinds its name to 127.0.0.1
+        sends its own name there). Identity headers are ignored."""
+        peer = request.client.host if request.client else ""
+        if not _loopback_peer(peer):
+            raise AuthError(403, "local mode serves this machine only (a loopback peer)")
+        host = urlsplit("//" + (request.headers.get("host") or "")).hostname or ""
+        if not is_loopback(host):
+            raise AuthError(403, "local mode answers only under a loopback address or localhost "
+                                 "(the Host header names another site)")
+        return Identity(self.config.local_user, None, True, local=True)
 
     def _peer_trusted(self, request: Request) -> bool:
         host = request.client.host if request.client else ""
