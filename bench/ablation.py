@@ -71,8 +71,6 @@ MECHANISMS = (
               "the claim's commit does not wait for the WAL flush"),
     Mechanism("no_ack_emulation", "MOTIR_REDIS_ACK_EMULATION", "0", "1",
               "kombu's Redis ack emulation off in the default app (on is kombu's default)"),
-    Mechanism("ping_idle_only", "MOTIR_PING_IDLE_ONLY", "1", "0",
-              "a pooled connection pinged only after a second idle (off: pool_pre_ping on every checkout)"),
 )
 CONTROL = "control"
 

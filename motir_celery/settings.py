@@ -57,9 +57,6 @@ class Settings:
     #: On a plain Redis broker, push run messages onto kombu's lists directly
     #: (adapter/messages.py) instead of through ``send_task``; ``0`` always uses ``send_task``.
     direct_publish: bool = True
-    #: Ping a pooled connection before use only when it sat idle over a second
-    #: (store/db.py); ``0``: SQLAlchemy's pool_pre_ping, a round trip per checkout.
-    ping_idle_only: bool = True
     #: kombu's Redis acknowledgement emulation in the default app (adapter/celery_app.py):
     #: off by default; ``1`` gives kombu's own default back.
     redis_ack_emulation: bool = False
@@ -94,7 +91,6 @@ class Settings:
             claim_async_commit=_flag(env, "MOTIR_CLAIM_ASYNC_COMMIT", True),
             direct_publish=_flag(env, "MOTIR_DIRECT_PUBLISH", True),
             redis_ack_emulation=_flag(env, "MOTIR_REDIS_ACK_EMULATION", False),
-            ping_idle_only=_flag(env, "MOTIR_PING_IDLE_ONLY", True),
         )
 
     def require_database_url(self) -> str:

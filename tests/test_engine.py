@@ -437,12 +437,9 @@ def test_only_the_claim_commits_without_waiting_for_the_wal_flush(engine, monkey
         reset_settings()
 
 
-def _kill_the_pooled_connection(engine, monkeypatch) -> int:  # type: ignore[no-untyped-def]
-    """Leave exactly one connection in the pool, with its server process terminated
-    and no idle ping to notice: the next statement on it meets a dead socket."""
-    from motir_celery.store import db
-
-    monkeypatch.setattr(db, "PING_AFTER_IDLE_SECONDS", 3600.0)
+def _kill_the_pooled_connection(engine) -> int:  # type: ignore[no-untyped-def]
+    """Leave exactly one connection in the pool, with its server process terminated:
+    the next statement on it meets a dead socket."""
     engine.dispose()
     with engine.connect() as conn:
         doomed = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
@@ -472,9 +469,9 @@ def test_a_hot_statement_on_a_dead_socket_raises_a_disconnect_that_invalidates_i
     assert run_state(engine, run_id) == "queued"
 
 
-def test_a_pooled_socket_killed_under_the_worker_is_replaced_and_the_run_claimed(engine, monkeypatch):  # type: ignore[no-untyped-def]
+def test_a_pooled_socket_killed_under_the_worker_is_replaced_and_the_run_claimed(engine):  # type: ignore[no-untyped-def]
     (run_id,) = events.send_event("test.three", {}).run_ids
-    _kill_the_pooled_connection(engine, monkeypatch)
+    _kill_the_pooled_connection(engine)
     assert execute(run_id, "test.three-steps").state == "succeeded"
 
 

@@ -19,13 +19,10 @@ a prefork child never shares a socket with its parent.
 from __future__ import annotations
 
 import threading
-import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 from sqlalchemy import Connection, Engine, create_engine, text
-from sqlalchemy import event as sa_event
-from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import Session
 
 from motir_celery.errors import ConfigurationError, WorkspaceError
@@ -74,16 +71,14 @@ def get_engine(url: str | None = None, *, settings: Settings | None = None) -> E
                     # concurrent run of this process, the overflow the rest.
                     pool_size=size,
                     max_overflow=size,
-                    # Not pool_pre_ping: that is one more round trip on every checkout,
-                    # i.e. on every run. `_ping_when_idle` tests only a connection that
-                    # sat unused in the pool, where a database restart leaves dead sockets.
-                    # Every timestamp is timestamptz compared with now(); the session
-                    # TimeZone only changes how values print, never what they mean.
+                    # No ping on checkout (SQLAlchemy's default): a socket a database restart
+                    # left dead fails its first statement, SQLAlchemy invalidates the pool, and
+                    # the runner claims once more on a fresh one (runner.execute). Pinging
+                    # bought nothing the ablation could measure (docs/performance.md) and
+                    # would cost every run a round trip. Every timestamp is timestamptz
+                    # compared with now(); the session TimeZone only changes how values print.
                     connect_args=_connect_args(settings),
-                    pool_pre_ping=not settings.ping_idle_only,
                 )
-                if settings.ping_idle_only:
-                    _ping_when_idle(engine)
                 engines.by_url[url] = engine
     return engine
 
@@ -122,37 +117,6 @@ def side_engine(settings: Settings | None = None) -> Engine:
                                        connect_args=_connect_args(settings))
                 engines.by_url["side:" + url] = engine
     return engine
-
-
-#: A pooled connection idle for longer than this is pinged before it is handed out.
-PING_AFTER_IDLE_SECONDS = 1.0
-
-
-def _ping_when_idle(engine: Engine) -> None:
-    """Pessimistic disconnect handling, paid only where it can matter
-    (``MOTIR_PING_IDLE_ONLY``, on by default; off: SQLAlchemy's ``pool_pre_ping``).
-
-    A connection checked in less than ``PING_AFTER_IDLE_SECONDS`` ago answered a
-    statement a moment ago; a busy worker never pings. One that sat longer is
-    pinged on checkout and replaced if the ping fails, as ``pool_pre_ping`` would.
-    Hazard: a database restart inside that second surfaces as a disconnect on the
-    run's first statement; the pool is invalidated and the runner tries once more
-    on a new socket (``runner.execute``); a run already claimed waits for its lease.
-    """
-
-    @sa_event.listens_for(engine, "checkin")
-    def _checked_in(dbapi_connection: Any, record: Any) -> None:
-        record.info["motir_idle_since"] = time.monotonic()
-
-    @sa_event.listens_for(engine, "checkout")
-    def _checked_out(dbapi_connection: Any, record: Any, proxy: Any) -> None:
-        since = record.info.pop("motir_idle_since", None)
-        if since is None or time.monotonic() - since < PING_AFTER_IDLE_SECONDS:
-            return  # new, or in use a moment ago
-        try:
-            engine.dialect.do_ping(dbapi_connection)
-        except Exception as exc:  # noqa: BLE001 — any failure means: not this socket
-            raise DisconnectionError(f"pooled connection failed its ping: {exc}") from exc
 
 
 def dispose_engines() -> None:
