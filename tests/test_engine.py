@@ -467,12 +467,14 @@ def test_a_hot_statement_on_a_dead_socket_raises_a_disconnect_that_invalidates_i
     with engine.connect() as conn:
         assert conn.execute(text("SELECT pg_backend_pid()")).scalar_one() != doomed
     assert run_state(engine, run_id) == "queued"
+    engine.dispose()  # the next tests start from a fresh pool
 
 
 def test_a_pooled_socket_killed_under_the_worker_is_replaced_and_the_run_claimed(engine):  # type: ignore[no-untyped-def]
     (run_id,) = events.send_event("test.three", {}).run_ids
     _kill_the_pooled_connection(engine)
     assert execute(run_id, "test.three-steps").state == "succeeded"
+    engine.dispose()  # the next tests start from a fresh pool
 
 
 def test_a_run_hands_its_connection_back_to_the_pool_when_it_ends(engine):  # type: ignore[no-untyped-def]

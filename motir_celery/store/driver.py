@@ -46,6 +46,10 @@ def rows(conn: Connection, statement: Statement, params: dict[str, Any]) -> list
     except psycopg.Error as exc:
         broken = raw.closed or raw.broken
         if broken:
+            # As SQLAlchemy does for a disconnect on its own path: every connection of the
+            # pool older than this one is replaced on its next checkout (a restart killed
+            # them all), then this one is dropped.
+            conn.engine.pool._invalidate(conn.connection, exc)
             conn.invalidate(exc)
         raise DBAPIError.instance(statement.sql, params, exc, psycopg.Error,
                                   connection_invalidated=broken) from exc
