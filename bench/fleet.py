@@ -46,10 +46,10 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from sqlalchemy import create_engine, make_url, text
+from sqlalchemy import create_engine, text
 from sqlalchemy.pool import NullPool
 
-from bench.common import ROOT, child_env, server_url
+from bench.common import ROOT, child_env, create_bench_database, drop_database, server_url
 
 DB = "motir_bench_fleet"
 DOC = ROOT / "docs" / "scaling.md"
@@ -100,16 +100,8 @@ def _create_database() -> str:
     """A fresh bench database, migrated and given its ledger, all **direct** (migrations never
     go through the pooler: docs/operations.md, "Behind PgBouncer")."""
     from bench.fleet_jobs import LEDGER_DDL
-    from motir_celery.store.migrate import upgrade
 
-    server = make_url(server_url())
-    admin = create_engine(server, isolation_level="AUTOCOMMIT", poolclass=NullPool)
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)'))
-        conn.execute(text(f'CREATE DATABASE "{DB}"'))
-    admin.dispose()
-    url = server.set(database=DB).render_as_string(hide_password=False)
-    upgrade(url)
+    url = create_bench_database(DB)
     eng = create_engine(url, poolclass=NullPool)
     with eng.begin() as conn:
         conn.execute(text(LEDGER_DDL))
@@ -122,13 +114,6 @@ def _reset(url: str) -> None:
     with eng.begin() as conn:
         conn.execute(text("TRUNCATE job_run_dlq, job_step, job_run, job_queue, job_event, bench.side_effect CASCADE"))
     eng.dispose()
-
-
-def _drop_database() -> None:
-    admin = create_engine(make_url(server_url()), isolation_level="AUTOCOMMIT", poolclass=NullPool)
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)'))
-    admin.dispose()
 
 
 def _dsn(url: str) -> str:
@@ -401,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"fleet: log error: {line}", file=sys.stderr)
             results.append(result)
     finally:
-        _drop_database()
+        drop_database(DB)
     block = render(results, command=command, started=started, machine=_machine())
     print(block)
     if not args.no_write:

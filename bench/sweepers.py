@@ -31,10 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from sqlalchemy import create_engine, make_url, text
-from sqlalchemy.pool import NullPool
+from sqlalchemy import text
 
-from bench.common import ROOT, server_url
+from bench.common import ROOT, create_bench_database, drop_database, server_url
 
 DB = "motir_bench_sweepers"
 DOC = ROOT / "docs" / "scaling.md"
@@ -65,27 +64,6 @@ class Row:
 
 def _dsn(url: str) -> str:
     return url.replace("postgresql+psycopg://", "postgresql://", 1)
-
-
-def _create() -> str:
-    from motir_celery.store.migrate import upgrade
-
-    server = make_url(server_url())
-    admin = create_engine(server, isolation_level="AUTOCOMMIT", poolclass=NullPool)
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)'))
-        conn.execute(text(f'CREATE DATABASE "{DB}"'))
-    admin.dispose()
-    url = server.set(database=DB).render_as_string(hide_password=False)
-    upgrade(url)
-    return url
-
-
-def _drop() -> None:
-    admin = create_engine(make_url(server_url()), isolation_level="AUTOCOMMIT", poolclass=NullPool)
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)'))
-    admin.dispose()
 
 
 def _fill(url: str, state: str) -> None:
@@ -190,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("MOTIR_DATABASE_URL must name a Postgres server")
     started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     command = " ".join(["python -m bench.sweepers", *(sys.argv[1:] if argv is None else argv)])
-    url = _create()
+    url = create_bench_database(DB)
     rows = []
     try:
         for state in ("idle", "stale"):
@@ -199,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"sweepers: {row}", file=sys.stderr)
                 rows.append(row)
     finally:
-        _drop()
+        drop_database(DB)
     block = render(rows, command=command, started=started)
     print(block)
     if not args.no_write:
