@@ -225,7 +225,9 @@ class PrivatePostgres:
     other test sessions share, is never touched.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, settings: Sequence[str] = ()) -> None:
+        #: Extra server settings, ``name=value`` each (``shared_preload_libraries=pg_stat_statements``).
+        self.settings = tuple(settings)
         self.bindir = _pg_bindir()
         self.dir = Path(tempfile.mkdtemp(prefix="motir-chaos-pg-"))
         self.data = self.dir / "data"
@@ -278,6 +280,7 @@ class PrivatePostgres:
         # (an early version of this harness "found" lost runs that way).
         opts = (f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off "
                 f"-c full_page_writes=off -c max_connections=300")
+        opts += "".join(f" -c {setting}" for setting in self.settings)
         self._run("pg_ctl", "-D", str(self.data), "-l", str(self.dir / "log"), "-o", opts, "-w", "-t", "60", "start")
         return self
 
