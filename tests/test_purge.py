@@ -124,9 +124,37 @@ def test_purge_works_in_bounded_batches_and_reports_progress(engine) -> None:  #
     report = purge(THIRTY_DAYS, batch_size=2, progress=lambda kind, n: seen.append((kind, n)))
 
     assert [n for kind, n in seen if kind == "runs"] == [2, 4, 5]
-    assert [n for kind, n in seen if kind == "events"] == [2, 4, 5]
+    # Each run's event went with it, in its batch; the events' own pass found nothing more.
+    assert [n for kind, n in seen if kind == "events"] == [5]
     assert report.runs == 5 and report.steps == 15 and report.events == 5
     assert report.batches == len(seen)
+
+
+def test_purge_deletes_an_event_in_the_batch_of_its_last_run_and_not_before(engine) -> None:  # type: ignore[no-untyped-def]
+    from tests.ops_helpers import fix_switch, settle
+
+    runs = emit("test.mixed", {"switch": "both-ok"})  # one event, two subscribers
+    fix_switch(engine, "both-ok")
+    for job_id, run_id in runs.items():
+        settle(run_id, job_id)
+    _make_old(engine)
+    events_left: list[tuple[str, int]] = []
+
+    report = purge(THIRTY_DAYS, batch_size=1,
+                   progress=lambda kind, n: events_left.append((kind, _count(engine, "job_event"))))
+
+    # First run's batch: its sibling still needs the event. Second: the event goes with it.
+    assert events_left[:2] == [("runs", 1), ("runs", 0)]
+    assert (report.runs, report.events) == (2, 1) and _count(engine, "job_queue") == 0
+
+
+def test_purge_still_deletes_old_events_no_run_points_at(engine) -> None:  # type: ignore[no-untyped-def]
+    emit("test.nobody-listens", {})  # no job subscribes: an event without runs
+    _make_old(engine)
+
+    report = purge(THIRTY_DAYS)
+
+    assert report.events == 1 and _count(engine, "job_event") == 0
 
 
 def test_purge_dry_run_counts_exactly_what_a_purge_deletes_and_deletes_nothing(engine) -> None:  # type: ignore[no-untyped-def]

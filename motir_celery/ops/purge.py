@@ -6,17 +6,24 @@ interrupted purge has deleted whole batches only — run it again to go on):
 
 1. **Finished runs** (succeeded, failed, cancelled) whose ``finished_at`` is
    older than the cutoff. Their steps and attempts go with them (``job_step``
-   and ``job_run`` cascade from ``job_queue``). A run whose DLQ entry is still
+   and ``job_run`` cascade from ``job_queue``), and so does, in the same
+   statement, each of their events that no other run needs (found by the runs'
+   own ``event_id``: a primary-key probe per event, where a scan of the events
+   by age has no index to use). A run whose DLQ entry is still
    open is **kept**, with its attempts and errors: they are what the operator
    deciding about the entry needs to read. Queued and running runs are never
    touched, however old.
 2. **Closed DLQ entries** — replayed or dismissed before the cutoff. An open
    entry (neither replayed nor dismissed) is never deleted, whatever its age.
-3. **Events no run needs** — received before the cutoff with no run left that
-   points at them. ``job_queue.event_id`` is ``ON DELETE RESTRICT``, so the
-   database refuses to delete an event a run still needs even if this module
-   were wrong; a batch that hits that race (a run created for an old event
-   between our check and our delete) is rolled back and tried again.
+3. **Events no run needs** that step 1 did not take — received before the
+   cutoff with no run left that points at them (events no job subscribed to,
+   events whose runs an earlier purge took). This pass reads the whole event
+   table (``received_at`` has no index) once per batch, so it should find
+   little: step 1 took the rest. ``job_queue.event_id`` is ``ON DELETE
+   RESTRICT``, so the database refuses to delete an event a run still needs
+   even if this module were wrong; a batch that hits that race (a run created
+   for an old event between our check and our delete, in step 1 or here) is
+   rolled back and tried again.
 
 Consequences to know (docs/operations.md, "Retention"): an event's idempotency
 key is only remembered while the event is kept, so the retention period is
@@ -75,7 +82,7 @@ _PURGEABLE_RUN = """
 _DELETE_RUNS = text(
     f"""
     WITH doomed AS (
-      SELECT q.id FROM job_queue q
+      SELECT q.id, q.event_id FROM job_queue q
       WHERE {_PURGEABLE_RUN}
       ORDER BY q.finished_at
       LIMIT :batch
@@ -88,10 +95,25 @@ _DELETE_RUNS = text(
       -- job_step and job_run cascade; job_run_dlq.run_id / replay_run_id become NULL
       -- (a closed entry stays readable: it copies the job, event and failure).
       DELETE FROM job_queue WHERE id IN (SELECT id FROM doomed) RETURNING 1
+    ), freed AS (
+      -- The events of these runs that no other run needs. Every part of this statement
+      -- reads the snapshot taken before the delete above, so the doomed runs are still
+      -- visible here: "no other run" excludes them by id.
+      SELECT e.id FROM job_event e
+      WHERE e.id IN (SELECT event_id FROM doomed)            -- pk_job_event, one probe each
+        AND e.received_at < now() - make_interval(secs => :age)
+        AND NOT EXISTS (SELECT 1 FROM job_queue q             -- uq (event_id, job_id), event_id leading
+                        WHERE q.event_id = e.id AND q.id NOT IN (SELECT id FROM doomed))
+      -- A fan-out inserting a run for this event holds a KEY SHARE lock on it: skip it (the
+      -- sweep of step 3 takes it later). One that commits after our snapshot makes
+      -- ON DELETE RESTRICT, checked at the end of this statement, refuse the whole batch.
+      FOR UPDATE SKIP LOCKED
+    ), events AS (
+      DELETE FROM job_event WHERE id IN (SELECT id FROM freed) RETURNING 1
     )
     -- The counts read the snapshot taken before the delete: what went with the runs.
     SELECT (SELECT count(*) FROM deleted) AS runs, (SELECT n FROM steps) AS steps,
-           (SELECT n FROM attempts) AS attempts
+           (SELECT n FROM attempts) AS attempts, (SELECT count(*) FROM events) AS events
     """
 )
 
@@ -189,15 +211,16 @@ def purge(
         report.dlq_entries, report.events = counts.dlq_entries, counts.events
         return report
 
-    def batches(kind: str, step: Callable[[Connection], int]) -> None:
-        done, races = 0, 0
+    def batches(kind: str, step: Callable[[Connection], int], done: int = 0) -> None:
+        races = 0
         while True:
             try:
                 with engine.begin() as conn:
                     n = step(conn)
             except IntegrityError:
-                # Only the events' RESTRICT can fire here: a run was created for an
-                # old event after our NOT EXISTS. Nothing was deleted; look again.
+                # Only the events' RESTRICT can fire here (in the runs' batches too,
+                # which delete their freed events): a run was created for an old event
+                # after our NOT EXISTS. Nothing was deleted; look again.
                 races += 1
                 if races > _RACE_RETRIES:
                     report.notes.append(f"{kind}: stopped after {races} conflicting batches; run purge again")
@@ -215,6 +238,7 @@ def purge(
         report.runs += row.runs
         report.steps += row.steps
         report.attempts += row.attempts
+        report.events += row.events
         return int(row.runs)
 
     def dlq(conn: Connection) -> int:
@@ -229,7 +253,8 @@ def purge(
 
     batches("runs", runs)
     batches("dlq", dlq)
-    batches("events", events)
+    # Its progress counts every event deleted, with the runs and by this pass.
+    batches("events", events, done=report.events)
     with engine.begin() as conn:
         report.kept_for_open_dlq = conn.execute(_KEPT, params).scalar_one()
     return report
