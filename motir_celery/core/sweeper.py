@@ -14,13 +14,20 @@ Each sweep, in one transaction per half:
    re-publish may create are harmless, because the claim admits one.
 
 Any number of sweepers may run: ``FOR UPDATE SKIP LOCKED`` splits the rows.
-Workers run one in a background thread (``MOTIR_SWEEP_INTERVAL``); see
-``adapter/worker.py``.
+Workers run one in a background thread (``MOTIR_SWEEP_INTERVAL``; see
+``adapter/worker.py``) with ``once_per_period``: each first takes the fleet's sweep
+slot (``job_sweep``, one conditional UPDATE), so whatever the number of hosts one
+sweep per period does the work, batch after batch while batches come back full.
+The others' attempt writes nothing. A direct call (``motir`` commands, tests)
+sweeps at once.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import uuid
 from dataclasses import dataclass
 
 from motir_celery.core.publish import Publish, publish_or_log
@@ -33,20 +40,50 @@ __all__ = ["SweepReport", "sweep"]
 log = logging.getLogger("motir_celery.core.sweeper")
 
 
+#: A period's sweep takes at most this many batches of each half: a backlog beyond
+#: ``batch`` × this is left for the next period (and bounds one sweep's length).
+MAX_BATCHES = 10
+#: The slot is free again after this share of the period: a lone sweeper, whose ticks
+#: are a period apart at least, never finds its own last sweep too recent.
+SLOT_SHARE = 0.9
+
+
 @dataclass(frozen=True)
 class SweepReport:
     requeued: int = 0
     failed: int = 0
     republished: int = 0
+    #: False: another sweeper took this period (``once_per_period``); nothing was done.
+    swept: bool = True
 
 
-def sweep(publish: Publish | None, *, settings: Settings | None = None, batch: int = 500) -> SweepReport:
+def sweep(publish: Publish | None, *, settings: Settings | None = None, batch: int = 500,
+          once_per_period: bool = False) -> SweepReport:
     settings = settings or get_settings()
     engine = get_engine(settings=settings)
-    with engine.begin() as conn:
-        reclaimed = statements.reclaim_expired(conn, batch=batch)
-    with engine.begin() as conn:
-        lost = statements.republish_due(conn, after_seconds=settings.republish_after, batch=batch)
+    batches = 1
+    if once_per_period:
+        with engine.begin() as conn:
+            if not statements.take_sweep_slot(conn, worker=f"{socket.gethostname()}/{os.getpid()}",
+                                              period_seconds=SLOT_SHARE * settings.sweep_interval):
+                return SweepReport(swept=False)
+        # The fleet's only sweep this period: it also takes what the other hosts' sweeps
+        # would have, up to MAX_BATCHES a half.
+        batches = MAX_BATCHES
+    reclaimed: list[tuple[uuid.UUID, str, str]] = []
+    lost: list[tuple[uuid.UUID, str]] = []
+    for _ in range(batches):
+        with engine.begin() as conn:
+            taken = statements.reclaim_expired(conn, batch=batch)
+        reclaimed += taken
+        if len(taken) < batch:
+            break
+    for _ in range(batches):
+        with engine.begin() as conn:
+            stale = statements.republish_due(conn, after_seconds=settings.republish_after, batch=batch)
+        lost += stale
+        if len(stale) < batch:
+            break
     requeued = [(run_id, job_id) for run_id, job_id, state in reclaimed if state == "queued"]
     if publish is not None:
         pending = requeued + lost

@@ -351,6 +351,18 @@ class JobRunDlq(Base):
     replay_run: Mapped[JobQueue | None] = relationship(back_populates="replays", foreign_keys=[replay_run_id])
 
 
+class JobSweep(Base):
+    """The fleet's sweep slot (core/sweeper.py): one row per sweep kind, whose
+    ``swept_at`` a conditional UPDATE moves at most once per period."""
+
+    __tablename__ = "job_sweep"
+
+    name: Mapped[str] = mapped_column(Text, primary_key=True)
+    swept_at: Mapped[datetime] = mapped_column(TZ, server_default=text("'-infinity'"))
+    swept_by: Mapped[str | None] = mapped_column(Text)
+
+
 from motir_celery.store import rls as _rls  # noqa: E402  (policies sit beside the tables they guard)
 
 _rls.declare_workspace_policies(Base.metadata, ["job_event", "job_queue", "job_step", "job_run", "job_run_dlq"])
+_rls.declare_engine_only(Base.metadata, "job_sweep", ("SELECT", "UPDATE"))

@@ -50,6 +50,7 @@ __all__ = [
     "Policy",
     "Grant",
     "declare_workspace_policies",
+    "declare_engine_only",
     "policies_of",
     "grants_of",
     "enable_sql",
@@ -120,6 +121,13 @@ def declare_workspace_policies(metadata: MetaData, tables: Iterable[str]) -> Non
             Policy(name, f"{name}_engine", ENGINE_ROLE, "true", "true"),
         )
         grants[name] = _table_grants(name)
+
+
+def declare_engine_only(metadata: MetaData, table: str, privileges: Iterable[str]) -> None:
+    """A table of the engine's own bookkeeping (no tenant rows, so no policies): only
+    the engine role holds ``privileges`` on it; any other grant is drift."""
+    assert table in metadata.tables, table
+    metadata.info.setdefault("rls_grants", {})[table] = tuple(Grant(table, ENGINE_ROLE, p) for p in privileges)
 
 
 def policies_of(metadata: MetaData) -> dict[str, tuple[Policy, ...]]:

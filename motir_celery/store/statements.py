@@ -49,6 +49,7 @@ __all__ = [
     "settle_failed",
     "reclaim_expired",
     "republish_due",
+    "take_sweep_slot",
     "cancel",
 ]
 
@@ -803,6 +804,23 @@ _REPUBLISH_DUE = text(
 def republish_due(conn: Connection, *, after_seconds: float, batch: int = 500) -> list[tuple[uuid.UUID, str]]:
     """Runs due whose message is older than ``after_seconds``: publish each again after commit."""
     return [(r.id, r.job_id) for r in conn.execute(_REPUBLISH_DUE, {"after": after_seconds, "batch": batch})]
+
+
+_TAKE_SWEEP_SLOT = text(
+    """
+    UPDATE job_sweep SET swept_at = now(), swept_by = :worker
+    WHERE name = 'fleet'
+      AND swept_at <= now() - make_interval(secs => :period)  -- nobody took this period yet; a
+                                                              -- concurrent taker re-checks the new row and fails
+    RETURNING swept_at
+    """
+)
+
+
+def take_sweep_slot(conn: Connection, *, worker: str, period_seconds: float) -> bool:
+    """Whether this sweeper does this period's sweep: true for the first caller per
+    ``period_seconds`` fleet-wide; the others write nothing."""
+    return conn.execute(_TAKE_SWEEP_SLOT, {"worker": worker, "period": period_seconds}).first() is not None
 
 
 # --- cancel ---------------------------------------------------------------------

@@ -1,0 +1,94 @@
+"""One sweep per period across the fleet (migration 0007, core/sweeper.py): the
+sweep slot decides, under concurrency, against the real Postgres."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.engine import Engine
+
+import tests.jobs  # noqa: F401  (registers the test jobs)
+from motir_celery.core import events, sweeper
+from motir_celery.settings import Settings
+
+
+
+def _period() -> Settings:
+    """A 30 s sweep period (read after conftest pointed MOTIR_DATABASE_URL at the test database)."""
+    return Settings.from_env({**os.environ, "MOTIR_SWEEP_INTERVAL": "30"})
+
+
+def _stale_runs(engine: Engine, n: int) -> set[Any]:
+    run_ids = {events.send_event("test.three", {"i": i}).run_ids[0] for i in range(n)}
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE job_queue SET dispatched_at = now() - interval '5 minutes'"))
+    return run_ids
+
+
+def _sweep_at_once(hosts: int, **kwargs: Any) -> tuple[list[sweeper.SweepReport], list[Any]]:
+    """``hosts`` sweepers released together, as a fleet whose periods line up."""
+    published: list[Any] = []
+    lock = threading.Lock()
+
+    def publish(run_id: Any, job_id: str, countdown: float = 0.0) -> None:
+        with lock:
+            published.append(run_id)
+
+    start = threading.Barrier(hosts)
+    reports: list[sweeper.SweepReport] = []
+
+    def host() -> None:
+        start.wait()
+        report = sweeper.sweep(publish, settings=_period(), **kwargs)
+        with lock:
+            reports.append(report)
+
+    threads = [threading.Thread(target=host) for _ in range(hosts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(reports) == hosts
+    return reports, published
+
+
+def test_eight_hosts_sweeping_in_one_period_make_one_sweep_that_does_the_whole_work(engine: Engine) -> None:
+    stale = _stale_runs(engine, 25)
+    reports, published = _sweep_at_once(8, once_per_period=True, batch=10)
+    assert sorted(r.swept for r in reports) == [False] * 7 + [True]
+    (winner,) = [r for r in reports if r.swept]
+    # The one sweep took every stale run, batch after batch (10 + 10 + 5), once each.
+    assert winner.republished == 25 and sorted(map(str, published)) == sorted(map(str, stale))
+    assert all(r.republished == 0 for r in reports if not r.swept)
+
+
+def test_a_second_sweep_within_the_period_does_nothing_and_one_after_it_runs(engine: Engine) -> None:
+    assert sweeper.sweep(None, settings=_period(), once_per_period=True).swept
+    assert not sweeper.sweep(None, settings=_period(), once_per_period=True).swept
+    with engine.begin() as conn:  # the period passes (on the database clock, which decides)
+        conn.execute(text("UPDATE job_sweep SET swept_at = now() - interval '28 seconds'"))
+    assert sweeper.sweep(None, settings=_period(), once_per_period=True).swept  # 28 s >= 0.9 x 30 s
+    with engine.connect() as conn:
+        by = conn.execute(text("SELECT swept_by FROM job_sweep WHERE name = 'fleet'")).scalar_one()
+    assert by.endswith(f"/{os.getpid()}")
+
+
+def test_a_direct_sweep_ignores_the_slot_as_hosts_of_the_previous_release_do(engine: Engine) -> None:
+    _stale_runs(engine, 3)
+    assert sweeper.sweep(None, settings=_period(), once_per_period=True).swept
+    reports, published = _sweep_at_once(2, batch=10)
+    # Unslotted sweeps all run; SKIP LOCKED and the stamp still send each stale run once.
+    assert all(r.swept for r in reports) and len(published) == 0  # the slotted sweep stamped them
+
+
+def test_the_app_role_cannot_touch_the_sweep_slot(engine: Engine) -> None:
+    with engine.connect() as conn:
+        rights = conn.execute(text(
+            "SELECT has_table_privilege('motir_app', 'job_sweep', 'SELECT'),"
+            " has_table_privilege('motir_app', 'job_sweep', 'UPDATE'),"
+            " has_table_privilege('motir_engine', 'job_sweep', 'UPDATE'),"
+            " has_table_privilege('motir_engine', 'job_sweep', 'DELETE')")).one()
+    assert tuple(rights) == (False, False, True, False)
