@@ -14,6 +14,8 @@ Reads (``runs``, ``dlq list``) go through the app role with the admin context:
 an operator at this prompt already holds database credentials, and sees every
 workspace; ``--workspace`` narrows the listing. Writes (``send``, ``cancel``,
 ``dlq replay``) go through the engine's own functions, which audit and publish.
+The reading URLs may name a hot standby; writes never use them. A read from a
+standby that is behind the primary adds a one-line note on stderr (``_read_note``).
 """
 
 from __future__ import annotations
@@ -164,6 +166,17 @@ def _operator_session(settings: Settings) -> Any:
     from motir_celery.store.db import workspace_session
 
     return workspace_session(None, admin=True, settings=settings)
+
+
+def _read_note(read: reads.Freshness) -> None:
+    """One line on stderr when the rows just read come from a standby that is behind."""
+    if read.caught_up:
+        return
+    how = ("that is not connected to the primary, so it cannot tell how far behind it is" if not read.streaming
+           else f"that is {reads.format_wal_bytes(read.behind_bytes)} of WAL behind the primary")
+    age = (f"; the newest change it shows was committed {format_duration(read.replay_age)} ago"
+           if read.replay_age is not None else "")
+    _progress(f"note: read from a standby {how}{age}: recent changes may be missing")
 
 
 def _text_option(value: str | None, param: str) -> str | None:
@@ -330,12 +343,14 @@ def runs_list(job: str | None, state: str | None, workspace: str | None, since: 
     job, workspace = _text_option(job, "--job"), _text_option(workspace, "--workspace")
     settings = _settings()
     with _operator_session(settings) as s:
-        now = reads.db_now(s)
+        read = reads.freshness(s)
+        now = read.now
         try:
             since_at = parse_since(since, now) if since else None
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--since") from None
         rows = reads.list_runs(s, job=job, state=state, workspace=workspace, since=since_at, limit=limit)
+    _read_note(read)
     if as_json:
         _print_json(rows)
         return
@@ -358,7 +373,8 @@ def runs_show(run_id: str, tracebacks: bool, as_json: bool) -> None:
     """One run: its event, steps with timings and outputs, attempts with errors and workers."""
     rid = _uuid_arg(run_id, "run")
     with _operator_session(_settings()) as s:
-        d = reads.get_run(s, rid)
+        d, read = reads.get_run(s, rid), reads.freshness(s)
+    _read_note(read)
     if d is None:
         raise click.ClickException(f"no run {rid}")
     if as_json:
@@ -438,8 +454,10 @@ def dlq_list(include_closed: bool, job: str | None, workspace: str | None, limit
     """Open entries, newest failure first."""
     job, workspace = _text_option(job, "--job"), _text_option(workspace, "--workspace")
     with _operator_session(_settings()) as s:
-        now = reads.db_now(s)
+        read = reads.freshness(s)
+        now = read.now
         entries = reads.list_dlq(s, include_closed=include_closed, job=job, workspace=workspace, limit=limit)
+    _read_note(read)
     if as_json:
         _print_json(entries)
         return
@@ -490,7 +508,10 @@ def _bulk(action: "bulk.Action", actor: str, opts: dict[str, Any], as_json: bool
     names = {"job": "--job", "error_text": "--error", "workspace": "--workspace"}
     text_opts = {k: _text_option(opts[k], names[k]) for k in names}
     with _operator_session(settings) as s:
-        now = reads.db_now(s)
+        read = reads.freshness(s)
+        now = read.now
+    # The entries are matched on this reader too: an entry the standby has not replayed yet is not acted on.
+    _read_note(read)
     instants: dict[str, datetime | None] = {}
     for key in ("since", "until"):
         try:
@@ -643,7 +664,8 @@ def cancel(run_id: str) -> None:
         click.echo(f"cancelled {rid}")
         return
     with _operator_session(_settings()) as s:
-        detail = reads.get_run(s, rid)
+        detail, read = reads.get_run(s, rid), reads.freshness(s)
+    _read_note(read)  # a standby behind the primary may not have the run yet
     if detail is None:
         raise click.ClickException(f"no run {rid}")
     raise click.ClickException(f"run {rid} is already {detail.run.state}; only queued or running runs can be cancelled")

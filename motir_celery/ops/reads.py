@@ -13,10 +13,16 @@ error.
 
 Each result carries ``now``, the database's clock at read time, so "3 min ago"
 and "waiting 40s" are measured on the same clock the engine decides with.
+
+The session may be on a hot standby (``MOTIR_APP_DATABASE_URL`` /
+``MOTIR_ADMIN_DATABASE_URL`` may name one): everything here is a plain SELECT, and
+``freshness`` says, in the same transaction, whether the rows come from a standby and
+how far it is behind (docs/operations.md, "Reads from a standby").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -36,7 +42,11 @@ __all__ = [
     "ChildRow",
     "EventRow",
     "QueueHealth",
+    "Freshness",
     "db_now",
+    "freshness",
+    "replayed",
+    "format_wal_bytes",
     "list_runs",
     "get_run",
     "list_dlq",
@@ -247,6 +257,84 @@ class QueueHealth:
     @property
     def oldest_due_seconds(self) -> float | None:
         return max(self.oldest_due.values()) if self.oldest_due else None
+
+
+@dataclass(frozen=True)
+class Freshness:
+    """Where a read transaction's rows come from: the primary, or a standby and how far behind.
+
+    A standby knows what it has *received* and what it has *replayed*, not what the primary
+    has written since: ``behind_bytes`` is received-but-not-replayed WAL, and a standby that
+    is not streaming (no WAL receiver: the primary is unreachable, or it restores from an
+    archive) cannot say how far behind it is at all.
+    """
+
+    #: The reading server's clock (``now()``), as ``db_now``.
+    now: datetime
+    #: The server is in recovery: a hot standby.
+    standby: bool = False
+    #: A WAL receiver is connected to the primary (standby only).
+    streaming: bool = False
+    #: WAL received but not replayed yet, in bytes; None: not known (nothing received yet).
+    behind_bytes: int | None = None
+    #: Seconds since the newest change the standby has replayed was committed on the primary;
+    #: only when it is not caught up (on an idle primary this age grows with nothing missing).
+    replay_age: float | None = None
+
+    @property
+    def caught_up(self) -> bool:
+        """A primary, or a streaming standby that has replayed all it has received."""
+        return not self.standby or (self.streaming and self.behind_bytes == 0)
+
+
+_FRESHNESS = text(
+    """
+    SELECT now() AS now, pg_is_in_recovery() AS standby,
+           -- the receiver's pid is the one column of this view every role may read
+           EXISTS (SELECT 1 FROM pg_stat_wal_receiver) AS streaming,
+           -- replay can be ahead of receive (WAL found in pg_wal at start): that is zero behind
+           greatest(pg_wal_lsn_diff(pg_last_wal_receive_lsn(), pg_last_wal_replay_lsn()), 0) AS behind,
+           -- both clocks (the primary's commit stamp, this server's now()) may differ: never negative
+           greatest(extract(epoch FROM now() - pg_last_xact_replay_timestamp()), 0) AS age
+    """
+)
+
+
+def freshness(session: Session) -> Freshness:
+    """``now()`` and, on a hot standby, how far behind it is: one query, in the caller's transaction.
+
+    On a primary the recovery functions return NULL and ``pg_stat_wal_receiver`` is empty,
+    so this costs what ``db_now`` costs. Every function it calls is executable by any role:
+    reading it needs no grant.
+    """
+    row = session.execute(_FRESHNESS).one()
+    if not row.standby:
+        return Freshness(now=row.now)
+    behind = int(row.behind) if row.behind is not None else None
+    fresh = Freshness(now=row.now, standby=True, streaming=row.streaming, behind_bytes=behind)
+    if fresh.caught_up or row.age is None:
+        return fresh
+    return dataclasses.replace(fresh, replay_age=float(row.age))
+
+
+def format_wal_bytes(n: int | None) -> str:
+    """An amount of WAL for the standby banner: 0 B, 812 B, 16.0 kB, 3.2 MB, 1.1 GB."""
+    if n is None:
+        return "an unknown amount"
+    value, unit = float(n), "B"
+    for bigger in ("kB", "MB", "GB", "TB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+
+
+def replayed(session: Session, lsn: str) -> bool:
+    """Whether this server shows the primary's writes up to WAL position ``lsn`` (always, on a primary)."""
+    done: bool = session.execute(
+        text("SELECT coalesce(pg_last_wal_replay_lsn() >= CAST(:lsn AS pg_lsn), true)"), {"lsn": lsn}
+    ).scalar_one()
+    return done
 
 
 def db_now(session: Session) -> datetime:

@@ -12,6 +12,11 @@ Two ways in:
 The workspace context is set with ``set_config(..., true)``: transaction-local,
 so it cannot leak to the next borrower of a pooled connection.
 
+The reading URLs may name a hot standby: a workspace session runs only what a
+read-only transaction may (``set_config`` of the ``motir.*`` settings and SELECTs),
+and every write goes through the engine URL, the primary. ``primary_wal_lsn`` is the
+primary's WAL position after such a write, for a reader that waits to see it.
+
 Engines are created lazily per process and per URL (``forks.per_process``), so
 a prefork child never shares a socket with its parent.
 """
@@ -40,6 +45,7 @@ __all__ = [
     "size_pool_for",
     "validate_workspace_id",
     "reader_login",
+    "primary_wal_lsn",
 ]
 
 class _Engines:
@@ -170,7 +176,8 @@ def reader_login(settings: Settings, *, admin: bool) -> tuple[str, str | None]:
       refused, because the app login must not be able to act as admin.
 
     Dropping a role with SET LOCAL ROLE is development mode: the login can RESET
-    ROLE, so it contains mistakes, not an attacker (``motir doctor`` says FAIL).
+    ROLE, so it contains mistakes, not an attacker (``motir doctor`` says FAIL). It only
+    happens on the engine URL, the primary; either reader URL may name a hot standby.
     """
     if admin:
         if settings.admin_database_url:
@@ -183,6 +190,14 @@ def reader_login(settings: Settings, *, admin: bool) -> tuple[str, str | None]:
     if settings.app_database_url:
         return settings.app_database_url, None
     return settings.require_database_url(), settings.app_role
+
+
+def primary_wal_lsn(settings: Settings | None = None) -> str:
+    """The engine's server's current WAL write position: every transaction committed
+    before the call is before it (``reads.replayed`` tells when a standby shows it)."""
+    with engine_connection(settings) as conn:
+        lsn: str = conn.execute(text("SELECT pg_current_wal_lsn()::text")).scalar_one()
+    return lsn
 
 
 @contextmanager

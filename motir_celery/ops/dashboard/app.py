@@ -17,6 +17,10 @@ Safety, by default:
   one is a 400 naming it, never a database error; the banner after an action
   shows only texts from ``NOTICES`` / ``ERRORS``, chosen by a code in the URL,
   so a link cannot make the page say anything else;
+* the reading logins may be on a hot standby: every page says so (base template,
+  from the ``Freshness`` read in the page's own transaction) and how far behind it
+  is; after an action the redirect waits, briefly, for the standby to replay the
+  primary's write, and says so when it has not (``?stale=1``);
 * responses carry a strict Content-Security-Policy (no scripts at all), deny
   framing, and are not cached; pages show no URL, password or setting;
 * ``motir dashboard`` binds to 127.0.0.1 unless told otherwise, and refuses
@@ -33,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -60,7 +65,7 @@ from motir_celery.ops.dashboard.auth import AuthConfig, Authenticator, AuthError
 from motir_celery.ops.metrics import build_registry
 from motir_celery.ops.timefmt import format_ago, format_duration, format_instant, parse_since
 from motir_celery.settings import Settings, get_settings
-from motir_celery.store.db import workspace_session
+from motir_celery.store.db import primary_wal_lsn, workspace_session
 from motir_celery.store.models import RUN_STATES
 
 __all__ = ["DashboardConfig", "create_app", "check_bind", "NOTICES", "ERRORS"]
@@ -124,6 +129,7 @@ class _Dashboard:
         env.filters["duration"] = format_duration
         env.filters["pretty"] = lambda v: json.dumps(v, indent=2, sort_keys=True, default=str)
         env.filters["short"] = lambda v: str(v)[:8] if v else "-"
+        env.filters["wal_bytes"] = reads.format_wal_bytes
         env.globals["format_ago"] = format_ago
         env.globals["RUN_STATES"] = RUN_STATES
 
@@ -142,20 +148,49 @@ class _Dashboard:
     def caller(who: Identity) -> dlq_ops.Caller:
         return dlq_ops.Caller(who.user, who.workspace, who.admin)
 
-    def render(self, request: Request, who: Identity, name: str, status: int = 200, **context: Any) -> Response:
-        # Banner texts come from fixed tables; an unknown code shows nothing.
+    def render(self, request: Request, who: Identity, name: str, status: int = 200, *,
+               read: reads.Freshness, **context: Any) -> Response:
+        # Banner texts come from fixed tables and templates; an unknown code shows nothing.
         context.update(who=who, csrf=self.csrf.issue(who), flower_url=self.config.flower_url,
                        notice=NOTICES.get(request.query_params.get("notice", "")),
-                       error=ERRORS.get(request.query_params.get("error", "")))
+                       error=ERRORS.get(request.query_params.get("error", "")),
+                       read=read, stale=request.query_params.get("stale") == "1")
         return self.templates.TemplateResponse(request, name, context, status_code=status)
 
     def problem(self, request: Request, status: int, message: str, who: Identity | None = None,
-                challenge: bool = False) -> Response:
+                challenge: bool = False, read: reads.Freshness | None = None) -> Response:
         headers = {"WWW-Authenticate": f'Basic realm="{self.config.auth.realm}", charset="UTF-8"'} if challenge else None
         return self.templates.TemplateResponse(
-            request, "problem.html", {"status": status, "message": message, "who": who, "flower_url": None},
+            request, "problem.html",
+            {"status": status, "message": message, "who": who, "flower_url": None, "read": read, "stale": False},
             status_code=status, headers=headers,
         )
+
+    def caught_up(self, who: Identity) -> bool:
+        """After a write through the engine (the primary): whether the caller's reads show it.
+
+        At once on a primary (one query). On a standby, wait up to ``CATCH_UP_WAIT`` for it
+        to replay the primary's WAL position taken after the write; False: it has not, and
+        the next page may show the state before the write.
+        """
+        with self.session(who) as s:
+            if not reads.freshness(s).standby:
+                return True
+        target = primary_wal_lsn(self.settings)
+        deadline = time.monotonic() + CATCH_UP_WAIT
+        while True:
+            with self.session(who) as s:
+                if reads.replayed(s, target):
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
+    def back(self, who: Identity, path: str, **message: str) -> Response:
+        """The redirect after an action that reached the engine; ``stale=1`` if the reads lag it."""
+        if not self.caught_up(who):
+            message["stale"] = "1"
+        return _back(path, **message)
 
     def page(self, handler: Callable[[Request, Identity], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
         """Wrap a handler: identify the caller, and for POSTs check CSRF and Origin."""
@@ -191,9 +226,10 @@ class _Dashboard:
         if filters["state"] and filters["state"] not in RUN_STATES:
             raise BadParameter("state", f"one of {', '.join(RUN_STATES)}")
 
-        def load() -> tuple[list[reads.RunSummary], datetime]:
+        def load() -> tuple[list[reads.RunSummary], reads.Freshness]:
             with self.session(who) as s:
-                now = reads.db_now(s)
+                read = reads.freshness(s)
+                now = read.now
                 since = None
                 if filters["since"]:
                     try:
@@ -203,25 +239,28 @@ class _Dashboard:
                 rows = reads.list_runs(s, job=filters["job"] or None, state=filters["state"] or None,
                                        workspace=(filters["workspace"] or None) if who.admin else None,
                                        since=since, limit=limit)
-                return rows, now
+                return rows, read
 
-        rows, now = await run_in_threadpool(load)
-        return self.render(request, who, "runs.html", runs=rows, now=now, filters=filters,
-                           filter_error=None, limit=limit)
+        rows, read = await run_in_threadpool(load)
+        return self.render(request, who, "runs.html", runs=rows, now=read.now, filters=filters,
+                           filter_error=None, limit=limit, read=read)
 
     async def run(self, request: Request, who: Identity) -> Response:
         run_id = request.path_params["run_id"]
 
-        def load() -> reads.RunDetail | None:
+        def load() -> tuple[reads.RunDetail | None, reads.Freshness]:
             with self.session(who) as s:
-                return reads.get_run(s, run_id)
+                return reads.get_run(s, run_id), reads.freshness(s)
 
-        detail = await run_in_threadpool(load)
+        detail, read = await run_in_threadpool(load)
         if detail is None:
-            return self.problem(request, 404, f"no run {run_id} in your workspace", who)
+            # A standby behind the primary may not have a run that exists (one just replayed).
+            return self.problem(request, 404, f"no run {run_id} in your workspace" + (
+                "; or not yet: these pages read a standby that is behind the primary, reload in a moment"
+                if not read.caught_up else ""), who, read=read)
         return self.render(request, who, "run.html", d=detail, r=detail.run, now=detail.now,
                            timeline=_timeline(detail),
-                           live=detail.run.state in ("queued", "running"))
+                           live=detail.run.state in ("queued", "running"), read=read)
 
     async def dlq(self, request: Request, who: Identity) -> Response:
         q = _params(request, "all", "job")
@@ -230,13 +269,13 @@ class _Dashboard:
         include_closed = q.get("all") == "1"
         job = q.get("job") or None
 
-        def load() -> tuple[list[reads.DlqEntry], datetime]:
+        def load() -> tuple[list[reads.DlqEntry], reads.Freshness]:
             with self.session(who) as s:
-                return reads.list_dlq(s, include_closed=include_closed, job=job, limit=200), reads.db_now(s)
+                return reads.list_dlq(s, include_closed=include_closed, job=job, limit=200), reads.freshness(s)
 
-        entries, now = await run_in_threadpool(load)
-        return self.render(request, who, "dlq.html", entries=entries, now=now, include_closed=include_closed,
-                           job=job or "")
+        entries, read = await run_in_threadpool(load)
+        return self.render(request, who, "dlq.html", entries=entries, now=read.now, include_closed=include_closed,
+                           job=job or "", read=read)
 
     async def events(self, request: Request, who: Identity) -> Response:
         q = _params(request, "name", "workspace", "field", "value", "limit")
@@ -247,23 +286,24 @@ class _Dashboard:
         except reads.FilterError as exc:
             raise BadParameter("field", str(exc).split(": ", 1)[-1]) from None
 
-        def load() -> tuple[list[reads.EventRow], datetime]:
+        def load() -> tuple[list[reads.EventRow], reads.Freshness]:
             with self.session(who) as s:
                 rows = reads.list_events(s, name=filters["name"] or None,
                                          workspace=(filters["workspace"] or None) if who.admin else None,
                                          field_path=path, value=filters["value"], limit=limit)
-                return rows, reads.db_now(s)
+                return rows, reads.freshness(s)
 
-        rows, now = await run_in_threadpool(load)
-        return self.render(request, who, "events.html", events=rows, now=now, filters=filters, limit=limit)
+        rows, read = await run_in_threadpool(load)
+        return self.render(request, who, "events.html", events=rows, now=read.now, filters=filters, limit=limit,
+                           read=read)
 
     async def health(self, request: Request, who: Identity) -> Response:
-        def load() -> reads.QueueHealth:
+        def load() -> tuple[reads.QueueHealth, reads.Freshness]:
             with self.session(who) as s:
-                return reads.queue_health(s)
+                return reads.queue_health(s), reads.freshness(s)
 
-        health = await run_in_threadpool(load)
-        return self.render(request, who, "health.html", h=health, now=health.now)
+        health, read = await run_in_threadpool(load)
+        return self.render(request, who, "health.html", h=health, now=health.now, read=read)
 
     # --- actions ----------------------------------------------------------------
 
@@ -304,10 +344,10 @@ class _Dashboard:
             if result.status == "not_found":
                 return self.problem(request, 404, f"no DLQ entry {dlq_id} in your workspace", who)
             if result.status == "replayed" and result.run_id is not None:
-                return _back(f"/runs/{result.run_id}", notice="replayed")
+                return self.back(who, f"/runs/{result.run_id}", notice="replayed")
             if result.status == "already_replayed" and result.run_id is not None:
-                return _back(f"/runs/{result.run_id}", notice="already-replayed")
-            return _back("/dlq", error=result.status)
+                return self.back(who, f"/runs/{result.run_id}", notice="already-replayed")
+            return self.back(who, "/dlq", error=result.status)
 
         return await run_in_threadpool(act)
 
@@ -327,8 +367,8 @@ class _Dashboard:
             if result.status == "not_found":
                 return self.problem(request, 404, f"no DLQ entry {dlq_id} in your workspace", who)
             if result.status in ("resumed", "already_resumed") and result.run_id is not None:
-                return _back(f"/runs/{result.run_id}", notice=result.status.replace("_", "-"))
-            return _back("/dlq", error=f"resume-{result.status}")
+                return self.back(who, f"/runs/{result.run_id}", notice=result.status.replace("_", "-"))
+            return self.back(who, "/dlq", error=f"resume-{result.status}")
 
         return await run_in_threadpool(act)
 
@@ -339,7 +379,7 @@ class _Dashboard:
             status = dlq_ops.dismiss_as(self.caller(who), dlq_id, settings=self.settings) if dlq_id else "not_found"
             if status == "not_found":
                 return self.problem(request, 404, f"no DLQ entry {dlq_id or ''} in your workspace", who)
-            return _back("/dlq", **({"notice": "dismissed"} if status == "dismissed" else {"error": "closed"}))
+            return self.back(who, "/dlq", **({"notice": "dismissed"} if status == "dismissed" else {"error": "closed"}))
 
         return await run_in_threadpool(act)
 
@@ -350,8 +390,8 @@ class _Dashboard:
             status = dlq_ops.cancel_as(self.caller(who), run_id, settings=self.settings) if run_id else "not_found"
             if status == "not_found":
                 return self.problem(request, 404, f"no run {run_id or ''} in your workspace", who)
-            return _back(f"/runs/{run_id}", **({"notice": "cancelled"} if status == "cancelled"
-                                               else {"error": "finished"}))
+            return self.back(who, f"/runs/{run_id}", **({"notice": "cancelled"} if status == "cancelled"
+                                                         else {"error": "finished"}))
 
         return await run_in_threadpool(act)
 
@@ -395,6 +435,9 @@ ERRORS = {
     "resume-dismissed": "this entry was dismissed; it cannot be resumed",
     "resume-purged": "the failed run was purged; replay the entry instead",
 }
+
+#: How long the redirect after an action waits for a standby to replay the primary's write.
+CATCH_UP_WAIT = 2.0
 
 #: Longest query parameter value accepted.
 MAX_PARAM = 200
