@@ -46,6 +46,7 @@ from typing import Any, Awaitable, Callable, Mapping
 from urllib.parse import urlencode, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import MutableHeaders
@@ -188,7 +189,12 @@ class _Dashboard:
 
     def back(self, who: Identity, path: str, **message: str) -> Response:
         """The redirect after an action that reached the engine; ``stale=1`` if the reads lag it."""
-        if not self.caught_up(who):
+        try:
+            caught_up = self.caught_up(who)
+        except SQLAlchemyError:  # the write is committed: a reader down now must not make it a 500
+            log.warning("after an action by %s: cannot tell whether the reads show it", who.user, exc_info=True)
+            caught_up = False
+        if not caught_up:
             message["stale"] = "1"
         return _back(path, **message)
 
