@@ -382,3 +382,23 @@ def test_send_refuses_what_postgres_could_not_store_in_one_line(env, engine, arg
     assert result.exit_code == 1 and said in result.output and "Traceback" not in result.output, result.output
     with engine.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM job_event")).scalar_one() == 0
+
+
+def test_doctor_reads_the_schema_version_with_a_real_engine_login(env, engine, database_url) -> None:  # type: ignore[no-untyped-def]
+    owner = create_engine(database_url)
+    name = f"motir_t{uuid.uuid4().hex[:8]}_engine"
+    with owner.begin() as conn:
+        conn.execute(text(f'CREATE ROLE "{name}" LOGIN IN ROLE motir_engine'))
+    try:
+        env.setenv("MOTIR_DATABASE_URL", make_url(database_url).set(username=name).render_as_string(hide_password=False))
+        reset_settings()
+        checks = _checks(motir("doctor", "--timeout", "1", "--json", ok=False))
+        # Before 0007 the engine role could not read alembic_version: "permission denied".
+        assert checks["migrations"]["status"] == "OK", checks["migrations"]
+    finally:
+        from motir_celery.store.db import dispose_engines
+
+        dispose_engines()
+        with owner.begin() as conn:
+            conn.execute(text(f'DROP ROLE IF EXISTS "{name}"'))
+        owner.dispose()

@@ -99,8 +99,9 @@ def test_0001_is_frozen_and_0005_narrows_the_app_role_and_leaves_the_engine_alon
     assert "pg_has_role" not in next(iter(before["qual"]))
     upgrade(fresh_url)
     after = _privileges(fresh_url)
-    # The previous release's workers lose nothing; the sweep slot (0007) is the engine's alone.
-    assert after[rls.ENGINE_ROLE] == full | {"job_sweep:SELECT", "job_sweep:UPDATE"}
+    # The previous release's workers lose nothing; the sweep slot (0007) is the engine's alone,
+    # and the engine may read the schema version (motir doctor, with the workers' login).
+    assert after[rls.ENGINE_ROLE] == full | {"job_sweep:SELECT", "job_sweep:UPDATE", "alembic_version:SELECT"}
     assert after[rls.APP_ROLE] == ({f"{t}:SELECT" for t in tables}
                                    | {f"{t}:INSERT" for t in rls.APP_INSERTS})
     assert "pg_has_role" in next(iter(after["qual"])) and "motir_admin" in next(iter(after["qual"]))

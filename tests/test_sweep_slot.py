@@ -15,7 +15,6 @@ from motir_celery.core import events, sweeper
 from motir_celery.settings import Settings
 
 
-
 def _period() -> Settings:
     """A 30 s sweep period (read after conftest pointed MOTIR_DATABASE_URL at the test database)."""
     return Settings.from_env({**os.environ, "MOTIR_SWEEP_INTERVAL": "30"})
@@ -84,11 +83,15 @@ def test_a_direct_sweep_ignores_the_slot_as_hosts_of_the_previous_release_do(eng
     assert all(r.swept for r in reports) and len(published) == 0  # the slotted sweep stamped them
 
 
-def test_the_app_role_cannot_touch_the_sweep_slot(engine: Engine) -> None:
+def test_the_sweep_slot_is_the_engines_alone_and_the_engine_may_read_the_schema_version(engine: Engine) -> None:
     with engine.connect() as conn:
         rights = conn.execute(text(
             "SELECT has_table_privilege('motir_app', 'job_sweep', 'SELECT'),"
             " has_table_privilege('motir_app', 'job_sweep', 'UPDATE'),"
             " has_table_privilege('motir_engine', 'job_sweep', 'UPDATE'),"
-            " has_table_privilege('motir_engine', 'job_sweep', 'DELETE')")).one()
-    assert tuple(rights) == (False, False, True, False)
+            " has_table_privilege('motir_engine', 'job_sweep', 'DELETE'),"
+            " has_table_privilege('motir_engine', 'alembic_version', 'SELECT'),"
+            " has_table_privilege('motir_engine', 'alembic_version', 'UPDATE'),"
+            " has_table_privilege('motir_app', 'alembic_version', 'SELECT')")).one()
+    # The engine reads the schema version (motir doctor with the workers' login), nothing more.
+    assert tuple(rights) == (False, False, True, False, True, False, False)

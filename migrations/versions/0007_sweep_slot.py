@@ -16,6 +16,9 @@ of each period (core/sweeper.py).
   write, no WAL). The row starts at ``-infinity``: the first sweep always runs.
 * Grants: the engine role reads and updates the row, nothing more; the app and
   admin roles get nothing (no tenant data, so no row-level security either).
+* The engine role may read ``alembic_version``: ``motir doctor``, run with the
+  workers' login, compares it with the head (before, a real engine login was refused
+  there: "permission denied for table alembic_version").
 """
 import sqlalchemy as sa
 from alembic import op
@@ -38,7 +41,9 @@ def upgrade() -> None:
     )
     op.execute("INSERT INTO job_sweep (name) VALUES ('fleet')")
     op.execute("GRANT SELECT, UPDATE ON job_sweep TO motir_engine")
+    op.execute("GRANT SELECT ON alembic_version TO motir_engine")
 
 
 def downgrade() -> None:
+    op.execute("REVOKE SELECT ON alembic_version FROM motir_engine")
     op.drop_table('job_sweep')
