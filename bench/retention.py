@@ -1,0 +1,792 @@
+"""Retention at depth (issue 19): ``motir purge`` on 10M finished runs while workers take new ones.
+
+    python -m bench.retention                          # 10,000,000 runs; writes docs/scaling.md
+    python -m bench.retention --runs 200000 --no-write # a quick pass
+
+Needs ``CELERY_BROKER_URL`` (Redis; a queue of its own) and Debian's Postgres
+binaries: the bench starts a **private** Postgres (``tests.chaos.harness.PrivatePostgres``)
+on a free port, and stops and deletes it at the end, on error too. The machine's
+shared server is never touched.
+
+1. **Load**, with load-only settings (the harness's ``fsync=off``, ``wal_level=minimal``,
+   autovacuum off): the schema from ``motir_celery.store.migrate.upgrade``; its primary
+   keys, unique constraints, foreign keys and indexes are read from the catalogue
+   and dropped; ``--runs`` finished runs — with their events, steps, attempts and DLQ
+   entries — are written by set-based ``INSERT … SELECT … FROM generate_series`` (two
+   sessions at once; run and event ids are ``md5(i)::uuid``, so every table can be
+   written on its own), ``finished_at`` spread over the last ``--days`` days in
+   arrival order; then every index and constraint is rebuilt from its own catalogue
+   definition (foreign keys ``NOT VALID`` then ``VALIDATE``), the catalogue is compared
+   with the migration's (identical, or the bench stops) and the tables are
+   ``VACUUM (FREEZE, ANALYZE)``-ed: what months-old rows look like.
+2. **Restart** with the measured settings (``MEASURED``: ``fsync=on``,
+   ``full_page_writes=on``, ``shared_buffers=1GB``, ``max_wal_size=4GB``, autovacuum on with
+   its defaults).
+3. **Live**: two ``celery worker`` processes (``-c 1`` each) take ``retention.live`` runs
+   (``bench/retention_jobs.py``: two steps) sent at ``--rate`` runs/s. A window of
+   ``--baseline`` seconds without purge; one batch of purge's events-pass statement timed
+   (rolled back); then ``purge()`` (``motir_celery.ops.purge``, what ``motir purge`` calls,
+   default batch) twice: **A** on the schema as migrated, cut at the oldest ``--purge-days``
+   days, stopped after ``--schema-seconds``; then the two ``job_run_dlq`` columns that
+   reference ``job_queue`` without an index (``replay_run_id``, ``resumed_run_id``) get
+   one each (``DLQ_FK_INDEXES``, not part of the schema) and **B** takes the next
+   ``--purge-days`` days, stopped after ``--purge-seconds``. The workers time each claim,
+   step write and settle round trip (``bench.retention_jobs``).
+4. **Sizes** of every table (heap, indexes, total) before, after the purge, and after
+   autovacuum — or, when autovacuum has not visited a table within ``--autovacuum-wait``
+   seconds, an explicit ``VACUUM`` of it (the table says which).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from bench.common import celery_workers, child_env, wait_for, write_block
+
+DB = "motir_retention"
+TABLES = ("job_event", "job_queue", "job_step", "job_run", "job_run_dlq")
+
+#: Server settings while loading (on top of the harness's fsync=off, full_page_writes=off):
+#: nothing here survives into the measurement.
+LOADING = ("shared_buffers=1GB", "wal_level=minimal", "max_wal_senders=0", "max_wal_size=16GB",
+           "autovacuum=off", "checkpoint_timeout=30min")
+#: Server settings of the measurement: durable commits, defaults elsewhere but for memory and WAL size.
+MEASURED = ("fsync=on", "full_page_writes=on", "synchronous_commit=on", "shared_buffers=1GB",
+            "max_wal_size=4GB", "autovacuum=on")
+
+
+# --- the data ----------------------------------------------------------------------------------
+#
+# Run i (1..N) finished at T(i), spread evenly over the last --days days, oldest first.
+#   i % 200 = 0 : failed after 3 attempts, one step stored, a DLQ entry (0.5 %); the entry was
+#                 dismissed a day later unless i % 1000 = 0 (then still open: purge keeps the run)
+#   i % 25 = 1  : a cron run (event_id NULL, scheduled_for its slot), one step, succeeded (4 %)
+#   otherwise   : an event run (its own event, 1 in 10 with an idempotency key), two steps,
+#                 one attempt, succeeded
+# Shapes follow what the engine writes (statements.py: claim, store_step, settle_*; dlq.py).
+
+_T = "(%(anchor)s::timestamptz - make_interval(days => %(days)s) + make_interval(secs => i * %(step)s))"
+_FAILED = "(i %% 200 = 0)"
+_CRON = "(i %% 25 = 1)"
+_OPEN = "(i %% 1000 = 0)"
+_JOB = f"CASE WHEN {_CRON} THEN 'app.nightly-' || (i %% 4) ELSE 'app.job-' || (i %% 8) END"
+_EVENT_NAME = f"CASE WHEN {_CRON} THEN 'scheduled.app.nightly-' || (i %% 4) ELSE 'app.event-' || (i %% 8) END"
+_WS = f"CASE WHEN {_CRON} THEN NULL ELSE 'ws-' || (i %% 50) END"
+_EVENT_DATA = "jsonb_build_object('n', i, 'workspace_id', 'ws-' || (i %% 50), 'order', 'ord-' || i, 'amount', i %% 977)"
+_ERROR = ("jsonb_build_object('type', 'ValueError', 'message', 'upstream said no for ord-' || i, "
+          "'traceback', repeat('  File \"app/jobs.py\", line 42, in charge\\n    raise ValueError(...)\\n', 6))")
+_SERIES = "FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) AS i"
+
+LOAD_SQL: dict[str, str] = {
+    "job_event": f"""
+        INSERT INTO job_event (id, name, data, workspace_id, idempotency_key, received_at)
+        SELECT md5('e' || i)::uuid, 'app.event-' || (i %% 8), {_EVENT_DATA}, 'ws-' || (i %% 50),
+               CASE WHEN i %% 10 = 0 THEN 'key-' || i END, {_T} - interval '5 ms'
+        {_SERIES} WHERE NOT {_CRON}""",
+    "job_queue": f"""
+        INSERT INTO job_queue (id, job_id, event_id, event_name, workspace_id, scheduled_for, skip_overlap, state,
+                               priority, deferrals, run_at, attempts, max_attempts, retry_policy, claim_token,
+                               claimed_by, lease_expires_at, dispatched_at, result, created_at, finished_at,
+                               detached)
+        SELECT md5('r' || i)::uuid, {_JOB}, CASE WHEN {_CRON} THEN NULL ELSE md5('e' || i)::uuid END,
+               {_EVENT_NAME}, {_WS}, CASE WHEN {_CRON} THEN {_T} END, false,
+               CASE WHEN {_FAILED} THEN 'failed' ELSE 'succeeded' END, 0, 0,
+               {_T} + CASE WHEN {_FAILED} THEN interval '30 s' ELSE interval '0 s' END,
+               CASE WHEN {_FAILED} THEN 3 ELSE 1 END, 3, 'transient', NULL,
+               'w' || (i %% 4) || '@host-' || (i %% 3), NULL,
+               {_T} + CASE WHEN {_FAILED} THEN interval '30 s' ELSE interval '0 s' END,
+               CASE WHEN {_FAILED} THEN NULL ELSE jsonb_build_object('n', i) END, {_T},
+               {_T} + CASE WHEN {_FAILED} THEN interval '31 s' ELSE interval '200 ms' END, false
+        {_SERIES}""",
+    "job_step": f"""
+        INSERT INTO job_step (run_id, step_id, workspace_id, output, attempt, started_at, completed_at)
+        SELECT md5('r' || i)::uuid, s.step_id, {_WS}, jsonb_build_object('step', s.step_id, 'n', i), 1,
+               {_T} + s.k * interval '50 ms', {_T} + s.k * interval '50 ms' + interval '10 ms'
+        {_SERIES} CROSS JOIN (VALUES ('one', 1), ('two', 2)) AS s(step_id, k)
+        WHERE s.k = 1 OR NOT ({_CRON} OR {_FAILED})""",
+    "job_run": f"""
+        INSERT INTO job_run (run_id, attempt, workspace_id, job_id, event_name, worker, outcome, error,
+                             started_at, finished_at)
+        SELECT md5('r' || i)::uuid, a, {_WS}, {_JOB}, {_EVENT_NAME}, 'w' || (i %% 4) || '@host-' || (i %% 3),
+               CASE WHEN NOT {_FAILED} THEN 'succeeded' WHEN a < 3 THEN 'retrying' ELSE 'failed' END,
+               CASE WHEN {_FAILED} THEN {_ERROR} END,
+               {_T} + (a - 1) * interval '15 s' + interval '10 ms', {_T} + (a - 1) * interval '15 s' + interval '200 ms'
+        {_SERIES} CROSS JOIN LATERAL generate_series(1, CASE WHEN {_FAILED} THEN 3 ELSE 1 END) AS a""",
+    "job_run_dlq": f"""
+        INSERT INTO job_run_dlq (id, run_id, workspace_id, function_id, event_id, event_name, event_data,
+                                 idempotency_key, failure, attempts, first_failed_at, last_failed_at,
+                                 dismissed_at, dismissed_by)
+        SELECT md5('d' || i)::uuid, md5('r' || i)::uuid, {_WS}, {_JOB}, md5('e' || i)::uuid, {_EVENT_NAME},
+               {_EVENT_DATA}, CASE WHEN i %% 10 = 0 THEN 'key-' || i END, {_ERROR}, 3,
+               {_T} + interval '1 s', {_T} + interval '31 s',
+               CASE WHEN NOT {_OPEN} THEN least({_T} + interval '1 day', %(anchor)s::timestamptz) END,
+               CASE WHEN NOT {_OPEN} THEN 'ops' END
+        {_SERIES} WHERE {_FAILED}""",
+}
+
+_CATALOGUE = """
+    SELECT 'constraint' AS kind, c.conrelid::regclass::text AS tbl, c.conname AS name, c.contype::text AS type,
+           pg_get_constraintdef(c.oid) AS def, c.convalidated AS valid,
+           CASE WHEN c.contype IN ('p', 'u') THEN pg_get_indexdef(c.conindid) END AS indexdef
+    FROM pg_constraint c WHERE c.conrelid::regclass::text = ANY(%(tables)s) AND c.contype IN ('p', 'u', 'f')
+    UNION ALL
+    SELECT 'index', i.indrelid::regclass::text, x.relname, NULL, pg_get_indexdef(i.indexrelid), true, NULL
+    FROM pg_index i JOIN pg_class x ON x.oid = i.indexrelid
+    WHERE i.indrelid::regclass::text = ANY(%(tables)s)
+      AND NOT EXISTS (SELECT 1 FROM pg_constraint c WHERE c.conindid = i.indexrelid AND c.contype IN ('p', 'u'))
+    ORDER BY 1, 2, 3
+"""
+
+
+def _dsn(url: str) -> str:
+    return url.replace("postgresql+psycopg://", "postgresql://", 1)
+
+
+def _connect(url: str, **kw: Any) -> psycopg.Connection[Any]:
+    return psycopg.connect(_dsn(url), autocommit=True, application_name="retention-bench", **kw)
+
+
+def _execute(conn: psycopg.Connection[Any], sql: str, params: dict[str, Any]) -> None:
+    for statement in sql.split(";\n"):
+        if statement.strip():
+            conn.execute(statement, params if "%(" in statement else None)  # type: ignore[arg-type]
+
+
+def _parallel(url: str, jobs: list[tuple[str, str, dict[str, Any]]], sessions: int = 2,
+              setup: tuple[str, ...] = (), transaction: bool = True) -> dict[str, float]:
+    """Run (label, sql, params) jobs on ``sessions`` connections at once, each job its own
+    transaction (or none: VACUUM); returns seconds per label."""
+    todo = list(jobs)
+    lock = threading.Lock()
+    took: dict[str, float] = {}
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        with _connect(url) as conn:
+            for s in setup:
+                conn.execute(s)
+            while True:
+                with lock:
+                    if not todo or errors:
+                        return
+                    label, sql, params = todo.pop(0)
+                t0 = time.monotonic()
+                try:
+                    if transaction:
+                        with conn.transaction():
+                            _execute(conn, sql, params)
+                    else:
+                        _execute(conn, sql, params)
+                except BaseException as exc:  # noqa: BLE001 — reported by the caller
+                    errors.append(exc)
+                    return
+                took[label] = took.get(label, 0.0) + time.monotonic() - t0
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(sessions)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return took
+
+
+@dataclass
+class Load:
+    runs: int
+    seconds: dict[str, float] = field(default_factory=dict)
+    anchor: datetime | None = None
+    rows: dict[str, int] = field(default_factory=dict)
+
+
+def load(url: str, runs: int, days: int) -> Load:
+    """The schema's keys and indexes dropped, the rows written, the keys and indexes rebuilt
+    from their catalogue definitions, and the catalogue compared with the migration's."""
+    out = Load(runs)
+    with _connect(url) as conn:
+        out.anchor = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
+        before = conn.execute(_CATALOGUE, {"tables": list(TABLES)}).fetchall()
+        t0 = time.monotonic()
+        for kind, tbl, name, type_, _, _, _ in before:
+            if kind == "constraint" and type_ == "f":
+                conn.execute(f'ALTER TABLE {tbl} DROP CONSTRAINT "{name}"')
+        for kind, tbl, name, type_, _, _, _ in before:
+            if kind == "constraint" and type_ in ("p", "u"):
+                conn.execute(f'ALTER TABLE {tbl} DROP CONSTRAINT "{name}"')
+            elif kind == "index":
+                conn.execute(f'DROP INDEX "{name}"')
+        out.seconds["drop"] = time.monotonic() - t0
+
+    # Rows: each table in slices of 2M runs, all in one transaction that first TRUNCATEs the
+    # table (wal_level=minimal then writes no WAL for it).
+    slice_ = 2_000_000
+    step = days * 86400.0 / runs
+    jobs = []
+    for table in ("job_queue", "job_step", "job_event", "job_run", "job_run_dlq"):
+        for lo in range(1, runs + 1, slice_):
+            params = {"anchor": out.anchor, "days": days, "step": step, "lo": lo, "hi": min(lo + slice_ - 1, runs)}
+            sql = (f"TRUNCATE {table};\n" if lo == 1 else "") + LOAD_SQL[table]
+            jobs.append((table, sql, params))
+    # Slices of one table must follow its TRUNCATE: one queue per table, two tables at a time.
+    t0 = time.monotonic()
+    by_table: dict[str, list[tuple[str, str, dict[str, Any]]]] = {}
+    for job in jobs:
+        by_table.setdefault(job[0], []).append(job)
+    chains = [("rows:" + t, t, js) for t, js in by_table.items()]
+    took = _chains(url, chains)
+    out.seconds["rows"] = time.monotonic() - t0
+    out.seconds.update({k: v for k, v in took.items()})
+
+    # Indexes (the constraints' own first, by their index definitions), two sessions at once.
+    t0 = time.monotonic()
+    index_jobs = [(f"index:{name}", (indexdef if kind == "constraint" else def_), {})
+                  for kind, tbl, name, type_, def_, _, indexdef in before
+                  if kind == "index" or type_ in ("p", "u")]
+    # The biggest tables first, so the two sessions finish together.
+    weight = {"job_step": 4, "job_queue": 3, "job_run": 2, "job_event": 2, "job_run_dlq": 0}
+    table_of = {f"index:{name}": tbl for _, tbl, name, *_ in before}
+    index_jobs.sort(key=lambda j: -weight.get(table_of[j[0]], 0))
+    _parallel(url, index_jobs, setup=("SET maintenance_work_mem = '1GB'", "SET max_parallel_maintenance_workers = 0"))
+    out.seconds["indexes"] = time.monotonic() - t0
+    t0 = time.monotonic()
+    with _connect(url) as conn:
+        for kind, tbl, name, type_, _, _, _ in before:
+            if kind == "constraint" and type_ in ("p", "u"):
+                word = "PRIMARY KEY" if type_ == "p" else "UNIQUE"
+                conn.execute(f'ALTER TABLE {tbl} ADD CONSTRAINT "{name}" {word} USING INDEX "{name}"')
+        for kind, tbl, name, type_, def_, _, _ in before:
+            if kind == "constraint" and type_ == "f":
+                conn.execute(f'ALTER TABLE {tbl} ADD CONSTRAINT "{name}" {def_} NOT VALID')
+    _parallel(url, [(f"validate:{n}", f'ALTER TABLE {t} VALIDATE CONSTRAINT "{n}"', {})
+                    for k, t, n, ty, *_ in before if k == "constraint" and ty == "f"],
+              setup=("SET work_mem = '256MB'",))
+    out.seconds["foreign keys"] = time.monotonic() - t0
+    with _connect(url) as conn:
+        after = conn.execute(_CATALOGUE, {"tables": list(TABLES)}).fetchall()
+    if sorted(after) != sorted(before):
+        raise RuntimeError(f"the rebuilt schema differs from the migration's:\n{set(before) ^ set(after)}")
+    t0 = time.monotonic()
+    _parallel(url, [(f"vacuum:{t}", f"VACUUM (FREEZE, ANALYZE) {t}", {}) for t in
+                    ("job_step", "job_queue", "job_run", "job_event", "job_run_dlq")],
+              setup=("SET maintenance_work_mem = '1GB'",), transaction=False)
+    out.seconds["vacuum freeze"] = time.monotonic() - t0
+    with _connect(url) as conn:
+        out.rows = {t: int(conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0])  # type: ignore[index]
+                    for t in TABLES}
+    return out
+
+
+def _chains(url: str, chains: list[tuple[str, str, list[tuple[str, str, dict[str, Any]]]]]) -> dict[str, float]:
+    """Each chain's jobs in order on one session; two chains at a time."""
+    todo = list(chains)
+    lock = threading.Lock()
+    took: dict[str, float] = {}
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        with _connect(url) as conn:
+            conn.execute("SET synchronous_commit = off")
+            while True:
+                with lock:
+                    if not todo or errors:
+                        return
+                    label, _, jobs = todo.pop(0)
+                t0 = time.monotonic()
+                try:
+                    with conn.transaction():  # one transaction a table: with its TRUNCATE, no WAL
+                        for _, sql, params in jobs:
+                            _execute(conn, sql, params)
+                except BaseException as exc:  # noqa: BLE001
+                    errors.append(exc)
+                    return
+                took[label] = time.monotonic() - t0
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return took
+
+
+# --- sizes ---------------------------------------------------------------------------------
+
+
+def sizes(url: str) -> dict[str, dict[str, int]]:
+    with _connect(url) as conn:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        out = {}
+        for t in TABLES:
+            row = conn.execute(
+                "SELECT pg_relation_size(c.oid), pg_indexes_size(c.oid), pg_total_relation_size(c.oid),"
+                " s.n_live_tup, s.n_dead_tup, s.n_tup_del, s.autovacuum_count, s.vacuum_count"
+                " FROM pg_class c JOIN pg_stat_user_tables s ON s.relid = c.oid WHERE c.relname = %s", (t,)).fetchone()
+            assert row is not None
+            out[t] = dict(zip(("heap", "indexes", "total", "live", "dead", "deleted", "autovacuums", "vacuums"),
+                              map(int, row)))
+    return out
+
+
+def free_space(url: str) -> dict[str, float]:
+    """Free space in each heap, percent (pgstattuple_approx: reads only pages not all-visible)."""
+    with _connect(url) as conn:
+        conn.execute("CREATE EXTENSION IF NOT EXISTS pgstattuple")
+        return {t: float(conn.execute("SELECT approx_free_percent FROM pgstattuple_approx(%s::regclass)",  # type: ignore[index]
+                                      (t,)).fetchone()[0]) for t in TABLES}
+
+
+# --- the live part -------------------------------------------------------------------------
+
+
+class Feeder(threading.Thread):
+    """``rate`` retention.live events per second, in a batch every 0.1 s (send_events: one
+    statement a batch, published after commit)."""
+
+    def __init__(self, rate: float, settings: Any) -> None:
+        super().__init__(name="retention-feeder", daemon=True)
+        self.rate, self.settings = rate, settings
+        self.sent = 0
+        self.halt = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            import bench.retention_jobs  # noqa: F401  (the subscription, for the fan-out)
+            from motir_celery.adapter.celery_app import create_app, publisher
+            from motir_celery.core.batch import send_events
+
+            publish = publisher(create_app(self.settings))
+            t0 = time.monotonic()
+            while not self.halt.is_set():
+                due = int((time.monotonic() - t0) * self.rate) - self.sent
+                if due > 0:
+                    items = [("retention.live", {"n": self.sent + k, "workspace_id": f"ws-{(self.sent + k) % 50}"})
+                             for k in range(min(due, 500))]
+                    send_events(items, publish=publish, settings=self.settings)
+                    self.sent += len(items)
+                self.halt.wait(0.1)
+        except BaseException as exc:  # noqa: BLE001 — the main thread reports it
+            self.error = exc
+
+
+@dataclass
+class Window:
+    name: str
+    t0: float = 0.0  # time.time()
+    t1: float = 0.0
+    db0: datetime | None = None
+    db1: datetime | None = None
+
+
+def _db_now(url: str) -> datetime:
+    with _connect(url) as conn:
+        return conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index, no-any-return]
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def timings(folder: Path) -> list[tuple[str, float, float]]:
+    out = []
+    for path in folder.glob("*.txt"):
+        for line in path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 3:
+                out.append((parts[0], float(parts[1]), float(parts[2])))
+    return out
+
+
+def window_stats(url: str, w: Window, times: list[tuple[str, float, float]]) -> dict[str, Any]:
+    with _connect(url) as conn:
+        row = conn.execute(
+            """SELECT count(*) FILTER (WHERE created_at >= %(a)s AND created_at < %(b)s),
+                      count(*) FILTER (WHERE finished_at >= %(a)s AND finished_at < %(b)s),
+                      percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM finished_at - created_at))
+                        FILTER (WHERE created_at >= %(a)s AND created_at < %(b)s),
+                      percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM finished_at - created_at))
+                        FILTER (WHERE created_at >= %(a)s AND created_at < %(b)s)
+               FROM job_queue WHERE job_id = 'retention.live'""", {"a": w.db0, "b": w.db1}).fetchone()
+    assert row is not None and w.db0 is not None and w.db1 is not None
+    seconds = (w.db1 - w.db0).total_seconds()
+    out: dict[str, Any] = {"seconds": seconds, "created": int(row[0]), "finished": int(row[1]),
+                           "e2e_p50": float(row[2] or "nan"), "e2e_p99": float(row[3] or "nan")}
+    for name in ("claim", "store_step", "settle_succeeded"):
+        vals = [d for n, at, d in times if n == name and w.t0 <= at < w.t1]
+        out[name] = (len(vals), _pct(vals, 0.5), _pct(vals, 0.99), max(vals) if vals else float("nan"))
+    return out
+
+
+class _Stop(Exception):
+    pass
+
+
+@dataclass
+class PurgeRun:
+    older_than: timedelta
+    selected: int = 0  # runs older than the cut at the start (finished; incl. those kept for open DLQ)
+    seconds: float = 0.0
+    complete: bool = False
+    batches: list[tuple[str, float, int]] = field(default_factory=list)  # (kind, seconds since start, done)
+    report: Any = None
+    deleted: dict[str, int] = field(default_factory=dict)  # n_tup_del delta per table
+
+
+def run_purge(settings: Any, older_than: timedelta, cap: float, batch_size: int) -> PurgeRun:
+    from motir_celery.ops.purge import purge
+
+    out = PurgeRun(older_than)
+    t0 = time.monotonic()
+
+    def progress(kind: str, done: int) -> None:
+        out.batches.append((kind, time.monotonic() - t0, done))
+        if time.monotonic() - t0 > cap:
+            raise _Stop
+
+    try:
+        out.report = purge(older_than, batch_size=batch_size, progress=progress, settings=settings)
+        out.complete = True
+    except _Stop:
+        pass
+    out.seconds = time.monotonic() - t0
+    return out
+
+
+def phases(p: PurgeRun) -> dict[str, tuple[int, float, list[float]]]:
+    """kind -> (rows, seconds, per-batch seconds) from the progress calls."""
+    out: dict[str, tuple[int, float, list[float]]] = {}
+    prev_t, prev_kind = 0.0, None
+    per: dict[str, list[float]] = {}
+    done: dict[str, int] = {}
+    for kind, at, n in p.batches:
+        per.setdefault(kind, []).append(at - prev_t)
+        done[kind] = n
+        prev_t, prev_kind = at, kind
+    del prev_kind
+    for kind, times in per.items():
+        out[kind] = (done[kind], sum(times), times)
+    return out
+
+
+# --- the report ----------------------------------------------------------------------------
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.0f}"
+
+
+def _ms(x: float) -> str:
+    return "—" if x != x else f"{x * 1000:.1f}"
+
+
+@dataclass
+class Pass:
+    label: str
+    run: PurgeRun
+    window: dict[str, Any]
+
+
+def _sustained(p: PurgeRun) -> float | None:
+    """Runs/s of the runs phase, each with its children and (since the runs' batches delete
+    them) its events; None before a batch finished."""
+    n, secs, _ = phases(p).get("runs", (0, 0.0, []))
+    return n / secs if n and secs else None
+
+
+def render(*, command: str, started: str, machine: str, ld: Load, args: argparse.Namespace,
+           before: dict[str, dict[str, int]], after: dict[str, dict[str, int]], vacuumed: dict[str, dict[str, int]],
+           how_vacuumed: dict[str, str], vacuum_seconds: float, free: dict[str, float],
+           base: dict[str, Any], passes: list[Pass], sweep_seconds: float, index_seconds: float) -> str:
+    lines = [f"Measured {started} on {machine} with `{command}`.", ""]
+    load_s = sum(v for k, v in ld.seconds.items() if not k.startswith("rows:"))
+    lines += [
+        f"**Load**: {ld.runs:,} finished runs over {args.days} days — "
+        + ", ".join(f"{ld.rows[t]:,} {t}" for t in TABLES)
+        + f" — in {load_s / 60:.1f} min ("
+        + ", ".join(f"{k} {v:.0f} s" for k, v in ld.seconds.items() if not k.startswith("rows:"))
+        + "; keys and indexes rebuilt from the migration's own definitions, catalogue compared equal).",
+        "",
+        "Server settings measured: " + ", ".join(f"`{s}`" for s in MEASURED)
+        + "; everything else Postgres 15's defaults (autovacuum included: scale factor 0.2, cost limit 200).",
+        "",
+        f"Live load: 2 `celery worker` processes (`-c 1`), `retention.live` (2 steps) sent at {args.rate:.0f} runs/s. "
+        "Statement latencies are the workers' own round trips (claim, each step write, settle), "
+        "created→finished is `job_queue.finished_at - created_at` (the database's clock).",
+        "",
+        "| window | seconds | live runs created/s | finished/s | claim p50 / p99 ms | step write p50 / p99 ms "
+        "| settle p50 / p99 ms | created→finished p50 / p99 ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, st_ in [("no purge", base)] + [(f"during purge {p.label}", p.window) for p in passes]:
+        c, st, se = st_["claim"], st_["store_step"], st_["settle_succeeded"]
+        lines.append(f"| {name} | {st_['seconds']:.0f} | {st_['created'] / st_['seconds']:.0f} "
+                     f"| {st_['finished'] / st_['seconds']:.0f} | {_ms(c[1])} / {_ms(c[2])} "
+                     f"| {_ms(st[1])} / {_ms(st[2])} | {_ms(se[1])} / {_ms(se[2])} "
+                     f"| {_ms(st_['e2e_p50'])} / {_ms(st_['e2e_p99'])} |")
+    lines += ["", "| purge | phase | rows deleted | seconds | rows/s | batches | batch p50 / max s |",
+              "|---|---|---|---|---|---|---|"]
+    for ps in passes:
+        ph = phases(ps.run)
+        for kind in ("runs", "dlq", "events"):
+            if kind in ph:
+                n, secs, times = ph[kind]
+                rate = f"{n / secs:,.0f}" if secs > 0 else "—"
+                lines.append(f"| {ps.label} | {kind} | {n:,} | {secs:.1f} | {rate} | {len(times)} "
+                             f"| {statistics.median(times):.2f} / {max(times):.2f} |")
+            else:
+                lines.append(f"| {ps.label} | {kind} | not reached | — | — | — | — |")
+    lines.append("")
+    for ps in passes:
+        p, d = ps.run, ps.run.deleted
+        sus = _sustained(p)
+        lines.append(
+            f"* **{ps.label}**: cut at {p.older_than.total_seconds() / 86400:.2f} days ({p.selected:,} runs older); "
+            f"{'finished' if p.complete else f'stopped after {p.seconds:.0f} s'}. Rows deleted (`n_tup_del`): "
+            + ", ".join(f"{t} {d.get(t, 0):,}" for t in TABLES)
+            + (f". Sustained **{sus:,.0f} runs/s** with their "
+               f"{(d.get('job_step', 0) + d.get('job_run', 0)) / max(d.get('job_queue', 1), 1):.1f} child rows "
+               f"and {d.get('job_event', 0) / max(d.get('job_queue', 1), 1):.2f} events each "
+               f"(×{sus / 500:.2g} the 500 runs/s of the issue)." if sus else "."))
+    lines += [f"* Between the two: `CREATE INDEX CONCURRENTLY` of the two indexes, {index_seconds:.1f} s.",
+              f"* The events pass's statement (purge's step 3: it reads all of `job_event`, no index on "
+              f"`received_at`), one batch timed at this depth before the purges and rolled back: "
+              f"**{sweep_seconds:.1f} s**. Before this change purge ran it once per 1,000 events; it now runs once "
+              "per purge, after the runs' batches took their events.", ""]
+    lines += ["| table | heap MB before / after purge / after vacuum | indexes MB | total MB "
+              "| dead rows after purge | heap free after vacuum | vacuum |", "|---|---|---|---|---|---|---|"]
+    for t in TABLES:
+        b, a, v = before[t], after[t], vacuumed[t]
+        lines.append(f"| {t} | {_mb(b['heap'])} / {_mb(a['heap'])} / {_mb(v['heap'])} "
+                     f"| {_mb(b['indexes'])} / {_mb(a['indexes'])} / {_mb(v['indexes'])} "
+                     f"| {_mb(b['total'])} / {_mb(a['total'])} / {_mb(v['total'])} | {a['dead']:,} "
+                     f"| {free.get(t, float('nan')):.1f} % | {how_vacuumed[t]} |")
+    if vacuum_seconds:
+        lines += ["", f"Explicit VACUUMs took {vacuum_seconds:.0f} s in all (no cost delay: a manual VACUUM's default)."]
+    return "\n".join(lines)
+
+
+# --- main ----------------------------------------------------------------------------------
+
+
+def _machine(url: str) -> str:
+    with _connect(url) as conn:
+        pg = conn.execute("SHOW server_version").fetchone()[0].split()[0]  # type: ignore[index]
+    return f"{platform.machine()}, {os.cpu_count()} cores shared with other work, Postgres {pg}, " \
+           f"Python {platform.python_version()}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.retention", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=10_000_000)
+    parser.add_argument("--days", type=int, default=60, help="finished_at spread over this many days")
+    parser.add_argument("--rate", type=float, default=100.0, help="live runs sent per second")
+    parser.add_argument("--warmup", type=float, default=20.0)
+    parser.add_argument("--baseline", type=float, default=60.0, help="seconds of the window without purge")
+    parser.add_argument("--purge-days", type=float, default=3.0,
+                        help="purge A takes the oldest this many days, purge B the next as many")
+    parser.add_argument("--schema-seconds", type=float, default=120.0,
+                        help="stop purge A (the schema as migrated) after this long")
+    parser.add_argument("--purge-seconds", type=float, default=300.0,
+                        help="stop purge B (with the two DLQ indexes) after this long")
+    parser.add_argument("--batch-size", type=int, default=1000, help="purge's batch (its default: 1000)")
+    parser.add_argument("--autovacuum-wait", type=float, default=90.0)
+    parser.add_argument("--no-write", action="store_true", help="print the block, leave docs/scaling.md")
+    args = parser.parse_args(argv)
+    if not os.environ.get("CELERY_BROKER_URL"):
+        parser.error("CELERY_BROKER_URL must be set")
+    need = args.runs * 1800 * 2  # ~1.2 KB a run on disk (measured at 200k), WAL and rebuilds: twice that
+    free_disk = shutil.disk_usage(tempfile.gettempdir()).free
+    if need > free_disk * 0.6:
+        parser.error(f"{args.runs:,} runs need ~{need / 1e9:.0f} GB; {free_disk / 1e9:.0f} GB free")
+    started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    command = " ".join(["python -m bench.retention", *(sys.argv[1:] if argv is None else argv)])
+
+    from tests.chaos.harness import PrivatePostgres
+
+    pg = PrivatePostgres(settings=LOADING)
+    try:
+        pg.init()
+        with _connect(pg.url()) as conn:
+            conn.execute(f'CREATE DATABASE "{DB}"')
+        url = pg.url(DB)
+        from motir_celery.store.migrate import upgrade
+
+        upgrade(url)
+        log(f"loading {args.runs:,} runs ...")
+        ld = load(url, args.runs, args.days)
+        log(f"loaded: {ld.rows} {ld.seconds}")
+        pg.settings = MEASURED
+        pg.restart(down_for=0.5)
+        block = live(pg, url, ld, args, started=started, command=command)
+    finally:
+        pg.close()
+    print(block)
+    if not args.no_write:
+        write_block("bench.retention", block)
+        log("wrote docs/scaling.md")
+    return 0
+
+
+def log(msg: str) -> None:
+    print(f"[{datetime.now():%H:%M:%S}] retention: {msg}", file=sys.stderr, flush=True)
+
+
+#: What pass B adds: the two job_run_dlq columns that reference job_queue without an index.
+#: Not in the schema: ON DELETE SET NULL makes Postgres look for referencing rows of every
+#: deleted run, and without these it reads all of job_run_dlq each time.
+DLQ_FK_INDEXES = (
+    "CREATE INDEX CONCURRENTLY bench_job_run_dlq_replay_run_id ON job_run_dlq (replay_run_id)"
+    " WHERE replay_run_id IS NOT NULL",
+    "CREATE INDEX CONCURRENTLY bench_job_run_dlq_resumed_run_id ON job_run_dlq (resumed_run_id)"
+    " WHERE resumed_run_id IS NOT NULL",
+)
+
+
+def _time_events_pass(url: str, older_than: timedelta) -> float:
+    """One batch of purge's events-pass statement, rolled back."""
+    from motir_celery.ops.purge import _DELETE_EVENTS
+
+    sql = str(_DELETE_EVENTS).replace(":age", "%(age)s").replace(":batch", "%(batch)s")
+    with _connect(url) as conn:
+        with conn.transaction(force_rollback=True):
+            t0 = time.monotonic()
+            conn.execute(sql, {"age": older_than.total_seconds(), "batch": 1000})
+            return time.monotonic() - t0
+
+
+def live(pg: Any, url: str, ld: Load, args: argparse.Namespace, *, started: str, command: str) -> str:
+    from motir_celery.settings import Settings, reset_settings
+    from motir_celery.store.db import dispose_engines
+
+    machine = _machine(url)
+    before = sizes(url)
+    queue = f"bench-retention-{uuid.uuid4().hex[:8]}"
+    folder = Path(tempfile.mkdtemp(prefix="motir-retention-"))
+    os.chmod(folder, 0o777)
+    env = child_env(MOTIR_DATABASE_URL=url, MOTIR_QUEUE=queue, MOTIR_IMPORTS="bench.retention_jobs",
+                    RETENTION_TIMINGS=str(folder), PYTHONUNBUFFERED="1")
+    for k in ("MOTIR_APP_DATABASE_URL", "MOTIR_ADMIN_DATABASE_URL", "MOTIR_MIGRATE_DATABASE_URL"):
+        env.pop(k, None)
+    settings = Settings.from_env({k: v for k, v in env.items() if k != "RETENTION_TIMINGS"})
+    feeder = Feeder(args.rate, settings)
+    base = Window("no purge")
+    windows: list[tuple[str, PurgeRun, Window]] = []
+    assert ld.anchor is not None
+    oldest = ld.anchor - timedelta(days=args.days)
+
+    def cut(days: float) -> tuple[timedelta, int]:
+        now = _db_now(url)
+        older_than = now - (oldest + timedelta(days=days))
+        with _connect(url) as conn:
+            n = int(conn.execute(  # type: ignore[index]
+                "SELECT count(*) FROM job_queue WHERE finished_at < now() - %s", (older_than,)).fetchone()[0])
+        return older_than, n
+
+    def one_pass(label: str, days: float, cap: float) -> None:
+        older_than, selected = cut(days)
+        dels0 = sizes(url)
+        log(f"purge {label}: runs finished before {older_than} ago ({selected:,} runs), at most {cap:.0f} s ...")
+        w = Window(label)
+        w.t0, w.db0 = time.time(), _db_now(url)
+        p = run_purge(settings, older_than, cap, args.batch_size)
+        w.t1, w.db1 = time.time(), _db_now(url)
+        time.sleep(1.5)  # table statistics are flushed within a second of a backend's commit
+        dels1 = sizes(url)
+        p.selected = selected
+        p.deleted = {t: dels1[t]["deleted"] - dels0[t]["deleted"] for t in TABLES}
+        log(f"purge {label} {'done' if p.complete else 'stopped'} after {p.seconds:.0f} s: {p.deleted}")
+        windows.append((label, p, w))
+
+    try:
+        with celery_workers("motir_celery", queue, 2, 1, env, tag="retention") as procs:
+            feeder.start()
+            wait_for(lambda: _live_finished(url) >= 20, procs, timeout=120, tag="retention", poll=0.5)
+            log("workers up; warming up")
+            time.sleep(args.warmup)
+            base.t0, base.db0 = time.time(), _db_now(url)
+            time.sleep(args.baseline)
+            base.t1, base.db1 = time.time(), _db_now(url)
+            sweep_seconds = _time_events_pass(url, cut(2 * args.purge_days)[0])
+            log(f"one batch of the events pass: {sweep_seconds:.1f} s")
+            one_pass("A (schema as migrated)", args.purge_days, args.schema_seconds)
+            t0 = time.monotonic()
+            with _connect(url) as conn:
+                for statement in DLQ_FK_INDEXES:
+                    conn.execute(statement)
+            index_seconds = time.monotonic() - t0
+            one_pass("B (+ 2 indexes on job_run_dlq)", 2 * args.purge_days, args.purge_seconds)
+            if feeder.error is not None:
+                raise RuntimeError(f"feeder failed: {feeder.error!r}")
+            feeder.halt.set()
+            feeder.join(timeout=30)
+            sent = feeder.sent
+            wait_for(lambda: _live_finished(url) >= sent, procs, timeout=300, tag="retention", poll=0.5)
+    finally:
+        feeder.halt.set()
+        dispose_engines()
+        reset_settings()
+    after = sizes(url)
+    times = timings(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+    b = window_stats(url, base, times)
+    passes = [Pass(label, p, window_stats(url, w, times)) for label, p, w in windows]
+    deleted = {t: sum(ps.run.deleted.get(t, 0) for ps in passes) for t in TABLES}
+
+    log(f"waiting up to {args.autovacuum_wait:.0f} s for autovacuum ...")
+    deadline = time.monotonic() + args.autovacuum_wait
+    while time.monotonic() < deadline:
+        now_sizes = sizes(url)
+        if all(now_sizes[t]["autovacuums"] > after[t]["autovacuums"] for t in TABLES if deleted.get(t)):
+            break
+        time.sleep(5)
+    now_sizes = sizes(url)
+    how: dict[str, str] = {}
+    vacuum_seconds = 0.0
+    with _connect(url) as conn:
+        for t in TABLES:
+            if now_sizes[t]["autovacuums"] > after[t]["autovacuums"]:
+                how[t] = "autovacuum"
+            elif deleted.get(t):
+                t0 = time.monotonic()
+                conn.execute(f"VACUUM {t}")
+                took = time.monotonic() - t0
+                vacuum_seconds += took
+                how[t] = f"explicit VACUUM, {took:.0f} s"
+            else:
+                how[t] = "nothing deleted"
+    vacuumed = sizes(url)
+    free = free_space(url)
+    return render(command=command, started=started, machine=machine, ld=ld, args=args, before=before, after=after,
+                  vacuumed=vacuumed, how_vacuumed=how, vacuum_seconds=vacuum_seconds, free=free, base=b,
+                  passes=passes, sweep_seconds=sweep_seconds, index_seconds=index_seconds)
+
+
+def _live_finished(url: str) -> int:
+    with _connect(url) as conn:
+        return int(conn.execute(  # type: ignore[index]
+            "SELECT count(*) FROM job_queue WHERE job_id = 'retention.live' AND finished_at IS NOT NULL").fetchone()[0])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
