@@ -26,10 +26,10 @@ shared server is never touched.
    (``bench/retention_jobs.py``: two steps) sent at ``--rate`` runs/s. A window of
    ``--baseline`` seconds without purge; one batch of purge's events-pass statement timed
    (rolled back); then ``purge()`` (``motir_celery.ops.purge``, what ``motir purge`` calls,
-   default batch) twice: **A** on the schema as migrated, cut at the oldest ``--purge-days``
-   days, stopped after ``--schema-seconds``; then the two ``job_run_dlq`` columns that
-   reference ``job_queue`` without an index (``replay_run_id``, ``resumed_run_id``) get
-   one each (``DLQ_FK_INDEXES``, not part of the schema) and **B** takes the next
+   default batch) twice: **A** on the schema before 0007 (its two DLQ indexes dropped), cut at the oldest ``--purge-days``
+   days, stopped after ``--schema-seconds``; then 0007's indexes on the two ``job_run_dlq``
+   columns that reference ``job_queue`` (``replay_run_id``, ``resumed_run_id``) are built
+   again (``DLQ_FK_INDEXES``) and **B** takes the next
    ``--purge-days`` days, stopped after ``--purge-seconds``. The workers time each claim,
    step write and settle round trip (``bench.retention_jobs``).
 4. **Sizes** of every table (heap, indexes, total) before, after the purge, and after
@@ -606,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--purge-days", type=float, default=3.0,
                         help="purge A takes the oldest this many days, purge B the next as many")
     parser.add_argument("--schema-seconds", type=float, default=120.0,
-                        help="stop purge A (the schema as migrated) after this long")
+                        help="stop purge A (before 0007: no DLQ link indexes) after this long")
     parser.add_argument("--purge-seconds", type=float, default=300.0,
                         help="stop purge B (with the two DLQ indexes) after this long")
     parser.add_argument("--batch-size", type=int, default=1000, help="purge's batch (its default: 1000)")
@@ -652,13 +652,18 @@ def log(msg: str) -> None:
     print(f"[{datetime.now():%H:%M:%S}] retention: {msg}", file=sys.stderr, flush=True)
 
 
-#: What pass B adds: the two job_run_dlq columns that reference job_queue without an index.
-#: Not in the schema: ON DELETE SET NULL makes Postgres look for referencing rows of every
-#: deleted run, and without these it reads all of job_run_dlq each time.
+#: What pass A takes away and pass B puts back: migration 0007's indexes on the two
+#: job_run_dlq columns that reference job_queue (ON DELETE SET NULL makes Postgres look
+#: for referencing rows of every deleted run; without them it reads all of job_run_dlq
+#: each time). Pass A measures the schema before 0007, pass B this release's.
+DLQ_FK_INDEXES_DROP = (
+    "DROP INDEX CONCURRENTLY ix_job_run_dlq_replay_run",
+    "DROP INDEX CONCURRENTLY ix_job_run_dlq_resumed_run",
+)
 DLQ_FK_INDEXES = (
-    "CREATE INDEX CONCURRENTLY bench_job_run_dlq_replay_run_id ON job_run_dlq (replay_run_id)"
+    "CREATE INDEX CONCURRENTLY ix_job_run_dlq_replay_run ON job_run_dlq (replay_run_id)"
     " WHERE replay_run_id IS NOT NULL",
-    "CREATE INDEX CONCURRENTLY bench_job_run_dlq_resumed_run_id ON job_run_dlq (resumed_run_id)"
+    "CREATE INDEX CONCURRENTLY ix_job_run_dlq_resumed_run ON job_run_dlq (resumed_run_id)"
     " WHERE resumed_run_id IS NOT NULL",
 )
 
@@ -729,13 +734,16 @@ def live(pg: Any, url: str, ld: Load, args: argparse.Namespace, *, started: str,
             base.t1, base.db1 = time.time(), _db_now(url)
             sweep_seconds = _time_events_pass(url, cut(2 * args.purge_days)[0])
             log(f"one batch of the events pass: {sweep_seconds:.1f} s")
-            one_pass("A (schema as migrated)", args.purge_days, args.schema_seconds)
+            with _connect(url) as conn:
+                for statement in DLQ_FK_INDEXES_DROP:
+                    conn.execute(statement)
+            one_pass("A (before 0007: the DLQ's links unindexed)", args.purge_days, args.schema_seconds)
             t0 = time.monotonic()
             with _connect(url) as conn:
                 for statement in DLQ_FK_INDEXES:
                     conn.execute(statement)
             index_seconds = time.monotonic() - t0
-            one_pass("B (+ 2 indexes on job_run_dlq)", 2 * args.purge_days, args.purge_seconds)
+            one_pass("B (0007: with the 2 indexes on job_run_dlq)", 2 * args.purge_days, args.purge_seconds)
             if feeder.error is not None:
                 raise RuntimeError(f"feeder failed: {feeder.error!r}")
             feeder.halt.set()

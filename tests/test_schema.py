@@ -245,3 +245,16 @@ def test_sweeper_queries_use_their_partial_indexes_over_a_large_history(engine: 
             conn.execute(text(f"DROP INDEX {index}"))
             assert index not in _index_scans(conn, statement, params), query
         tx.rollback()
+
+
+def test_every_foreign_key_has_an_index_that_leads_with_its_column(engine: Engine) -> None:
+    # Deleting a run (motir purge) makes Postgres find each row that references it: a link
+    # without an index reads its whole table per deleted run (0007 added the DLQ's two).
+    with engine.connect() as conn:
+        unindexed = conn.execute(text(
+            "SELECT c.conrelid::regclass::text || '.' || a.attname FROM pg_constraint c"
+            " JOIN pg_attribute a ON a.attrelid = c.conrelid AND a.attnum = c.conkey[1]"
+            " WHERE c.contype = 'f' AND c.connamespace = current_schema()::regnamespace"
+            " AND NOT EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.conrelid"
+            "                 AND i.indkey[0] = c.conkey[1])")).scalars().all()
+    assert unindexed == []

@@ -316,6 +316,11 @@ class JobRunDlq(Base):
         UniqueConstraint("run_id"),
         # The operator's listing: a workspace's newest failures first.
         Index("ix_job_run_dlq_recent", "workspace_id", text("last_failed_at DESC")),
+        # The two other links to job_queue (ON DELETE SET NULL): without them, deleting a
+        # run reads the whole DLQ twice, and purge falls to ~10 runs/s at 50,000 entries
+        # (docs/scaling.md, "Retention at depth"). Partial: most entries have neither.
+        Index("ix_job_run_dlq_replay_run", "replay_run_id", postgresql_where=text("replay_run_id IS NOT NULL")),
+        Index("ix_job_run_dlq_resumed_run", "resumed_run_id", postgresql_where=text("resumed_run_id IS NOT NULL")),
     )
 
     id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True, server_default=NEW_UUID)
