@@ -1,6 +1,6 @@
 """What one Postgres carries (issue 19): the database's work per run, and a model of the bounds.
 
-    python -m bench.pgcost                      # 1, 2 and 4 worker processes (+ 4 across a checkpoint), 1,000 runs each
+    python -m bench.pgcost                      # 1, 2 and 4 worker processes (+ 4 across a checkpoint), 2,000 runs each
     python -m bench.pgcost --runs 300 --procs 1,2 --no-write
 
 Needs CELERY_BROKER_URL (Redis; a queue of its own, ``bench-pgcost-<random>``). It does
@@ -494,7 +494,7 @@ def render(points: list[Point], a: Assumptions, *, command: str, started: str, m
             acc = stmts.setdefault((s["role"], s["query"]), dict.fromkeys(PGSS, 0.0))
             for k in PGSS:
                 acc[k] += s[k]
-    top = sorted(stmts.items(), key=lambda kv: (-kv[1]["calls"], -kv[1]["total_exec_time"]))[:10]
+    top = sorted(stmts.items(), key=lambda kv: (-kv[1]["calls"], -kv[1]["total_exec_time"]))[:8]
     lines += [
         "",
         f"Top statements of the {big.procs}-process point, by calls (then time): per run, and per call.",
@@ -602,7 +602,7 @@ def _machine(pg_version: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.pgcost", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=1000, help="measured runs per point")
+    parser.add_argument("--runs", type=int, default=2000, help="measured runs per point")
     parser.add_argument("--procs", default="1,2,4", help="worker processes per point (prefork -c)")
     parser.add_argument("--host-procs", type=int, default=Assumptions.host_procs)
     parser.add_argument("--vcpus", default="16,32,96")
