@@ -456,7 +456,10 @@ def render(points: list[Point], a: Assumptions, *, command: str, started: str, m
         "messages held back) + the drain (the messages published, the warm worker drains them). The row "
         "*backlog across a `CHECKPOINT`* has one more `CHECKPOINT` between the two: the drain then updates "
         "pages last written before a checkpoint (a backlog older than the checkpoint interval), the WAL's "
-        "worst case.",
+        "worst case. Postgres CPU is utime + stime (`/proc/<pid>/stat`) of the private server: the "
+        "postmaster, its live children at both ends (client backends, checkpointer, background writer, WAL "
+        "writer, autovacuum) and the children it reaped in between (its cutime + cstime); the bench's own "
+        "snapshot and polling backends are left out. WAL bytes are the `pg_current_wal_lsn()` delta.",
         "",
         "**Work per run** (Postgres side only; statements are top-level `pg_stat_statements` calls, "
         "transaction control included, then without it)",
