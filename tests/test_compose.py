@@ -63,6 +63,18 @@ def test_docker_compose_config_accepts_the_file_and_interpolates_each_roles_pass
     assert migrate_env["MOTIR_MIGRATE_DATABASE_URL"] == "postgresql+psycopg://motir_owner:owner-pw-1@postgres:5432/motir"
 
 
+def test_docker_compose_config_restarts_every_long_running_service_and_lets_the_worker_finish_its_runs() -> None:
+    result = _config(SECRETS)
+    assert result.returncode == 0, result.stderr
+    services = yaml.safe_load(result.stdout)["services"]
+    for name in ("postgres", "redis", "worker", "beat", "flower", "dashboard"):
+        assert services[name]["restart"] == "unless-stopped", name
+    assert services["migrate"]["restart"] == "no"
+    assert services["worker"]["stop_signal"] == "SIGTERM"  # Celery's warm shutdown
+    grace = str(services["worker"]["stop_grace_period"])
+    assert grace.endswith("m") or grace.endswith("m0s"), grace  # minutes, not Docker's default 10 s
+
+
 @pytest.mark.parametrize("missing", sorted(SECRETS))
 def test_docker_compose_refuses_to_run_without_each_password(missing: str) -> None:
     result = _config({k: v for k, v in SECRETS.items() if k != missing})

@@ -17,7 +17,8 @@ Checks, in order (later ones are skipped when the database is unreachable):
    must be a member of ``motir_admin`` and bypass nothing;
 5. broker reachable;
 6. workers alive — answer a Celery ping, consume this engine's queue, and know
-   the jobs this process knows;
+   the jobs this process knows; a queue that has queued runs and no live
+   consumer is named, with its count (a fleet whose workers all died);
 7. sweeper recent — judged by its effect, since it keeps no heartbeat: no lease
    expired, and no due run left unpublished, for longer than the sweeper's
    period allows (the sweeper runs inside every worker);
@@ -111,7 +112,22 @@ def run_checks(settings: Settings | None = None, *, timeout: float = 3.0, max_wa
         for name in ("migrations", "roles", "row-level security", "sweeper", "queue", "dlq"):
             yield _fail(name, "skipped: the database is unreachable", "fix the database check first")
 
-    yield from _celery_checks(settings, timeout, app)
+    waiting = _waiting_by_queue(engine, settings) if db_ok else {}
+    yield from _celery_checks(settings, timeout, app, waiting)
+
+
+def _waiting_by_queue(engine: Engine, settings: Settings) -> dict[str, int]:
+    """Queued runs per Celery queue (a job's ``queue=``, else the engine's), to name those nobody consumes."""
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT job_id, count(*) AS n FROM job_queue WHERE state = 'queued' GROUP BY job_id"))
+        per_job = {r.job_id: int(r.n) for r in rows}
+    jobs = {j.id: j for j in all_jobs()}
+    waiting: dict[str, int] = {}
+    for job_id, n in per_job.items():
+        job = jobs.get(job_id)
+        queue = (job.options.get("queue") if job is not None else None) or settings.queue
+        waiting[queue] = waiting.get(queue, 0) + n
+    return waiting
 
 
 def _database_checks(engine: Engine, settings: Settings, max_wait: float) -> Iterator[Check]:
@@ -335,7 +351,8 @@ def _queue(conn: Any, settings: Settings, max_wait: float) -> Check:
     return _ok("queue", detail)
 
 
-def _celery_checks(settings: Settings, timeout: float, app: Any = None) -> Iterator[Check]:
+def _celery_checks(settings: Settings, timeout: float, app: Any = None,
+                   waiting: dict[str, int] | None = None) -> Iterator[Check]:
     if not settings.broker_url:
         yield _fail("broker", "CELERY_BROKER_URL is not set", "export CELERY_BROKER_URL=redis://host:6379/0")
         yield _fail("workers", "skipped: no broker", "fix the broker check first")
@@ -351,10 +368,17 @@ def _celery_checks(settings: Settings, timeout: float, app: Any = None) -> Itera
         yield _fail("broker", f"unreachable: {_first_line(exc)}", "check CELERY_BROKER_URL and that the broker runs")
         yield _fail("workers", "skipped: the broker is unreachable", "fix the broker check first")
         return
-    yield _workers(settings, timeout, app)
+    yield _workers(settings, timeout, app, waiting or {})
 
 
-def _workers(settings: Settings, timeout: float, given: Any = None) -> Check:
+def _unconsumed(waiting: dict[str, int], consuming: dict[str, set[str]], default: str) -> str:
+    """The queues with queued runs (and the engine's own) that no live worker consumes, with their counts."""
+    live = {q for queues in consuming.values() for q in queues}
+    queues = sorted(q for q in {default, *waiting} if q not in live)
+    return ", ".join(f"{q!r} ({waiting.get(q, 0)} run(s) queued)" for q in queues)
+
+
+def _workers(settings: Settings, timeout: float, given: Any = None, waiting: dict[str, int] | None = None) -> Check:
     from motir_celery.adapter.celery_app import create_app
 
     app = given if given is not None else create_app(settings)
@@ -367,16 +391,22 @@ def _workers(settings: Settings, timeout: float, given: Any = None) -> Check:
         start_one = (f"start one: celery -A {given.main if given is not None else 'motir_celery'} worker "
                      f"-Q {settings.queue} "
                      "(with MOTIR_IMPORTS naming your job modules)")
+        waiting = waiting or {}
         if not names:
-            return _fail("workers", f"no worker answered a ping within {timeout:g}s", start_one)
+            return _fail("workers", f"no worker answered a ping within {timeout:g}s: no live consumer on queue(s) "
+                         f"{_unconsumed(waiting, {}, settings.queue)}", start_one)
         inspect = app.control.inspect(destination=names, limit=len(names),
                                       timeout=max(0.5, timeout - (time.monotonic() - started)))
         consuming = {w: {q["name"] for q in qs} for w, qs in (inspect.active_queues() or {}).items()}
         registered = {w: set(ts) for w, ts in (inspect.registered() or {}).items()}
         serving = sorted(w for w, queues in consuming.items() if settings.queue in queues)
         if not serving:
-            return _fail("workers", f"{len(names)} worker(s) answered, none consumes queue {settings.queue!r}",
-                         start_one)
+            return _fail("workers", f"{len(names)} worker(s) answered, none consumes queue {settings.queue!r}: "
+                         f"no live consumer on queue(s) {_unconsumed(waiting, consuming, settings.queue)}", start_one)
+        stranded = _unconsumed({q: n for q, n in waiting.items() if n}, consuming, settings.queue)
+        if stranded:
+            return _fail("workers", f"no live consumer on queue(s) {stranded}",
+                         "start a worker with -Q naming each of these queues")
 
         def known(job: Job) -> bool:
             # A job routed with define_job(..., queue=...) needs a worker on that queue.

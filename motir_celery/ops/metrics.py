@@ -17,6 +17,14 @@ Two kinds of series:
   purge deletes the rows a counter would be derived from; graph them as they
   are, without ``rate()``.
 
+* **consumer** gauges — whether anyone is there to run them: the workers that
+  answered Celery's broadcast (``inspect().active_queues()``, which Redis carries
+  on its pidbox fanout) and, per queue of this engine, how many consume it. Asked
+  with a one-second timeout in a thread of their own, at most every five
+  seconds: a scrape reads the last answer and never waits on the broker longer
+  than that timeout. The answer comes from the workers themselves, never from
+  anything in the request.
+
 No workspace label anywhere: tenant ids stay out of the monitoring system, and
 the series count stays bounded by jobs × states. Reads go through the app role
 with the admin context (``workspace_session(None, admin=True)``).
@@ -25,18 +33,21 @@ with the admin context (``workspace_session(None, admin=True)``).
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from prometheus_client.core import CollectorRegistry, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import text
 
-from motir_celery.settings import Settings
+from motir_celery.adapter.celery_app import create_app
+from motir_celery.core.jobs import all_jobs
+from motir_celery.settings import Settings, get_settings
 from motir_celery.store.db import workspace_session
 from motir_celery.store.models import RUN_STATES
 
-__all__ = ["MotirCollector", "build_registry", "QUANTILES"]
+__all__ = ["MotirCollector", "ConsumerProbe", "build_registry", "QUANTILES"]
 
 log = logging.getLogger("motir_celery.ops.metrics")
 
@@ -84,16 +95,76 @@ _STEPS_RECENT = text(
 )
 
 
+Consumers = dict[str, set[str]]  # worker name -> the queues it consumes
+
+
+class ConsumerProbe:
+    """Who consumes which queue, asked of the live workers at most every ``ttl`` seconds.
+
+    ``ask`` does the asking (by default Celery's ``active_queues`` broadcast through
+    an app built from ``settings``); it runs in a daemon thread, so a broker that
+    does not answer costs a scrape at most ``wait`` seconds, and the last answer
+    (or ``None``, never answered) stands in the meantime."""
+
+    def __init__(self, settings: Settings | None = None, *, ttl: float = 5.0, timeout: float = 1.0,
+                 wait: float = 1.5, ask: Callable[[], Consumers] | None = None) -> None:
+        self.settings = settings
+        self.ttl, self.timeout, self.wait = ttl, timeout, wait
+        self._ask = ask or self._active_queues
+        self._app: Any = None
+        self._lock = threading.Lock()
+        self._answer: Consumers | None = None
+        self._at = float("-inf")
+        self._inflight: threading.Thread | None = None
+
+    def _active_queues(self) -> Consumers:
+        if self._app is None:
+            self._app = create_app(self.settings or get_settings())
+        replies = self._app.control.inspect(timeout=self.timeout).active_queues() or {}
+        return {worker: {q["name"] for q in queues} for worker, queues in replies.items()}
+
+    def _refresh(self) -> None:
+        try:
+            answer: Consumers | None = self._ask()
+        except Exception:  # noqa: BLE001 — a broker blip: the series say so (motir_consumers_known 0)
+            log.warning("asking the workers for their queues failed", exc_info=True)
+            answer = None
+        with self._lock:
+            self._answer, self._at = answer, time.monotonic()
+
+    def consumers(self) -> Consumers | None:
+        """The latest answer, refreshed first when older than ``ttl`` (waiting at most ``wait``)."""
+        with self._lock:
+            stale = time.monotonic() - self._at > self.ttl
+            if stale and (self._inflight is None or not self._inflight.is_alive()):
+                self._inflight = threading.Thread(target=self._refresh, name="motir-consumer-probe", daemon=True)
+                self._inflight.start()
+            inflight = self._inflight
+        if stale and inflight is not None:
+            inflight.join(self.wait)
+        with self._lock:
+            return self._answer
+
+    def queues(self) -> list[str]:
+        """This engine's queues: its default one and every job's own (``define_job(queue=...)``)."""
+        settings = self.settings or get_settings()
+        return sorted({settings.queue, *(str(j.options["queue"]) for j in all_jobs() if j.options.get("queue"))})
+
+
 class MotirCollector(Collector):
-    def __init__(self, *, window: float = 300.0, settings: Settings | None = None) -> None:
+    def __init__(self, *, window: float = 300.0, settings: Settings | None = None,
+                 probe: ConsumerProbe | None = None) -> None:
         self.window = window
         self.settings = settings
+        has_broker = bool((settings or get_settings()).broker_url)
+        self.probe = probe if probe is not None else (ConsumerProbe(settings) if has_broker else None)
 
     def describe(self) -> list[Metric]:
         # No describe-time queries: registering must not need the database.
         return []
 
     def collect(self) -> Iterator[Metric]:
+        yield from self._consumers()
         started = time.monotonic()
         up = GaugeMetricFamily("motir_up", "1 when the last scrape could read the motir tables, else 0")
         try:
@@ -109,6 +180,27 @@ class MotirCollector(Collector):
         took = GaugeMetricFamily("motir_scrape_duration_seconds", "Time spent reading the motir tables")
         took.add_metric([], time.monotonic() - started)
         yield took
+
+    def _consumers(self) -> Iterator[Metric]:
+        if self.probe is None:
+            return  # no broker configured: nothing to ask
+        answer = self.probe.consumers()
+        known = GaugeMetricFamily("motir_consumers_known",
+                                  "1 when the workers' queues could be asked of the broker (within 1s), else 0")
+        known.add_metric([], 0 if answer is None else 1)
+        yield known
+        if answer is None:
+            return
+        queues = self.probe.queues()
+        live = GaugeMetricFamily("motir_workers_live",
+                                 "Workers that answered Celery's broadcast and consume a queue of this engine")
+        live.add_metric([], sum(1 for qs in answer.values() if qs.intersection(queues)))
+        yield live
+        per_queue = GaugeMetricFamily("motir_queue_consumers", "Live workers consuming each queue of this engine",
+                                      labels=["queue"])
+        for queue in queues:  # zeros included: a queue nobody consumes is the point
+            per_queue.add_metric([queue], sum(1 for qs in answer.values() if queue in qs))
+        yield per_queue
 
     def _collect(self) -> Iterator[Metric]:
         params: dict[str, Any] = {"window": self.window, "q": list(QUANTILES)}
