@@ -27,6 +27,7 @@ from typing import Any, Iterator
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import text
 from starlette.testclient import TestClient
 
 import tests.jobs  # noqa: F401  (registers the jobs in this process too, for send_event)
@@ -78,6 +79,33 @@ def test_items_on_the_queue_that_are_not_messages_are_moved_aside_and_the_worker
     assert log.count(f"moved to the Redis list '{queue}{MALFORMED_SUFFIX}'") == len(garbage)
     assert client.lrange(queue + MALFORMED_SUFFIX, 0, -1) == garbage[::-1]  # newest first, as LPUSH keeps them
     assert count_effects(engine, run_id) == 3
+
+
+def _lease_left(engine: Any, run_id: object) -> float | None:
+    with engine.connect() as conn:
+        left = conn.execute(text("SELECT extract(epoch FROM lease_expires_at - now()) FROM job_queue "
+                                 "WHERE id = :r AND state = 'running'"), {"r": run_id}).scalar()
+    return None if left is None else float(left)
+
+
+def test_a_warm_shutdown_keeps_renewing_the_leases_of_the_runs_in_hand_until_they_finish(
+        engine: Any, broker_url: str, queue: str, tmp_path: Path) -> None:
+    """SIGTERM, as a supervisor stops a worker: the threads pool's run keeps its 3 s lease for the 8 s it still takes."""
+    with celery_worker(tmp_path, broker=broker_url, pool="threads", concurrency=1, lease=3.0) as worker:
+        (run_id,) = send_event("test.slow", {"sleep": 8}).run_ids
+        wait_for(lambda: count_effects(engine, run_id, "b") == 1, what="step b to start")
+        time.sleep(2.0)  # past the first renewal
+        worker.kill(signal.SIGTERM)
+        lowest = float("inf")
+        while (left := _lease_left(engine, run_id)) is not None:
+            lowest = min(lowest, left)
+            time.sleep(0.25)
+        assert worker.proc.wait(timeout=15) == 0
+    assert run_state(engine, run_id) == "succeeded"
+    assert 0 < lowest < float("inf")  # never expired while it ran
+    with engine.connect() as conn:
+        outcomes = conn.execute(text("SELECT outcome FROM job_run WHERE run_id = :r"), {"r": run_id}).scalars().all()
+    assert outcomes == ["succeeded"]
 
 
 # --- supervision ----------------------------------------------------------------------
