@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import text
@@ -13,6 +14,7 @@ from sqlalchemy.engine import Engine
 import tests.jobs  # noqa: F401  (registers the test jobs)
 from motir_celery.core import events, sweeper
 from motir_celery.settings import Settings
+from tests.conftest import celery_worker, wait_for
 
 
 def _period() -> Settings:
@@ -95,3 +97,37 @@ def test_the_sweep_slot_is_the_engines_alone_and_the_engine_may_read_the_schema_
             " has_table_privilege('motir_app', 'alembic_version', 'SELECT')")).one()
     # The engine reads the schema version (motir doctor with the workers' login), nothing more.
     assert tuple(rights) == (False, False, True, False, True, False, False)
+
+
+def test_two_worker_processes_take_the_slot_in_turn_and_never_twice_in_one_period(
+        engine: Engine, broker_url: str, tmp_path: Path) -> None:
+    """Real workers sweep through the slot: every sweep is a new row version, at least
+    0.9 × the 1 s period after the one before, whichever worker took it."""
+    with engine.begin() as conn:  # a history of the slot's takers, kept by the test only
+        conn.execute(text(
+            "CREATE TABLE IF NOT EXISTS test.sweeps (at timestamptz, by text);"
+            " TRUNCATE test.sweeps;"
+            " CREATE OR REPLACE FUNCTION test.log_sweep() RETURNS trigger LANGUAGE plpgsql AS"
+            " $$ BEGIN INSERT INTO test.sweeps VALUES (NEW.swept_at, NEW.swept_by); RETURN NEW; END $$;"
+            " CREATE OR REPLACE TRIGGER log_sweep AFTER UPDATE ON job_sweep"
+            " FOR EACH ROW EXECUTE FUNCTION test.log_sweep();"
+            " GRANT USAGE ON SCHEMA test TO motir_engine; GRANT INSERT ON test.sweeps TO motir_engine"))
+    try:
+        with celery_worker(tmp_path, broker=broker_url, name="a", sweep_interval=1.0), \
+                celery_worker(tmp_path, broker=broker_url, name="b", sweep_interval=1.0):
+            wait_for(lambda: _count(engine, "SELECT count(*) FROM test.sweeps") >= 6, timeout=30,
+                     what="six sweeps")
+        with engine.connect() as conn:
+            at = conn.execute(text("SELECT at FROM test.sweeps ORDER BY at")).scalars().all()
+            takers = set(conn.execute(text("SELECT by FROM test.sweeps")).scalars())
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text("DROP TRIGGER IF EXISTS log_sweep ON job_sweep"))
+    gaps = [(b - a).total_seconds() for a, b in zip(at, at[1:])]
+    assert min(gaps) >= 0.9, gaps  # two workers sweeping on their own would make gaps near 0
+    assert len(takers) >= 1 and all("/" in t for t in takers)
+
+
+def _count(engine: Engine, sql: str) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(text(sql)).scalar_one())

@@ -7,7 +7,7 @@ first run), ticking about once a second:
 * heartbeats (``core/leases.py``) in every process that runs runs;
 * the sweep (``core/sweeper.py``) every ``MOTIR_SWEEP_INTERVAL`` in the worker's
   main process (``EngineStep``, a bootstep), where the solo and threads pools
-  also run their runs.
+  also run their runs; through the fleet's sweep slot, so one host per period sweeps.
 
 Each duty uses a connection of its own (``db.side_engine``), so a busy run pool
 cannot starve it. A duty that fails is logged and tried again next tick; a
@@ -56,7 +56,7 @@ class EngineThread:
         with self._lock:
             if publish is not None:
                 settings = get_settings()
-                self._sweep = lambda: sweeper.sweep(publish, settings=settings)
+                self._sweep = lambda: sweeper.sweep(publish, settings=settings, once_per_period=True)
             if self._thread is None or not self._thread.is_alive():
                 self._stop.clear()
                 self._thread = threading.Thread(target=self._loop, name="motir-engine", daemon=True)
