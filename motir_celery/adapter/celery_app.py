@@ -37,11 +37,13 @@ way to deliver a run twice). Not on an attached app: its other tasks may count
 on the emulation (late acks on Redis do). An app that sets
 ``broker_transport_options`` itself replaces ours.
 
-On ``redis://`` and ``rediss://`` it also reads through ``messages.GuardedRedisTransport``
+On ``redis://`` it also reads through ``messages.GuardedRedisTransport``
 (``broker_transport``): an item on a queue's list that is not a message is moved
 to ``<queue>.malformed`` with an ERROR line, where kombu would end the worker.
 An attached app opts in by setting ``broker_transport`` to
-``motir_celery.adapter.messages:GuardedRedisTransport`` itself.
+``motir_celery.adapter.messages:GuardedRedisTransport`` itself. Not on ``rediss://``:
+a ``broker_transport`` replaces the URL's scheme, and with it kombu's TLS default
+for ``rediss`` (untested here, so left as kombu has it).
 
 Task events are left as Celery leaves them, off: publishing them synchronously
 costs the worker's main process a third to a half of its CPU. Flower (its
@@ -127,7 +129,7 @@ def create_app(settings: Settings | None = None, *, main: str = "motir_celery") 
         # No unacknowledged-message bookkeeping in Redis: see the module docstring.
         # REJECTED: in attach(), where the user's own tasks may rely on it.
         app.conf.broker_transport_options = {"ack_emulation": False}
-    if settings.broker_url.startswith(("redis://", "rediss://")):
+    if settings.broker_url.startswith("redis://"):
         # A malformed item on a queue's list is moved aside, not fatal (messages.py).
         app.conf.broker_transport = GUARDED_TRANSPORT
     return attach(app, settings=settings)
