@@ -50,7 +50,8 @@ def test_a_batch_writes_every_event_and_run_once_and_workers_run_them(engine, br
     assert all(count_effects(engine, r, "touch") == 1 for r in run_ids[:20])
 
     # the same batch again: every keyed event deduplicated, nothing written; one changed → conflicting
-    again = send_events(items[:3] + [{"name": "cb.item", "data": {"i": -1}, "idempotency_key": "k-1"}], app=app)
+    again = send_events(items[:3] + [{"name": "cb.item", "data": {"i": -1, "workspace_id": "acme"},
+                                      "idempotency_key": "k-1"}], app=app)
     assert [r.deduplicated for r in again] == [True, True, True, True]
     assert [r.conflicting for r in again] == [False, False, False, True]
     assert all(r.runs == [] for r in again)

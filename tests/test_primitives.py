@@ -334,13 +334,13 @@ def test_priority_decides_which_waiting_run_gets_a_freed_concurrency_slot(engine
     high = events.send_event("test.prio", {}, priority=9).run_ids[0]
     mid = events.send_event("test.prio", {}, priority=5).run_ids[0]
     with engine.begin() as conn:
-        order = [statements.next_in_line(conn, "test.prio", "") for _ in range(3)]
+        order = [statements.next_in_line(conn, "test.prio", "", None) for _ in range(3)]
     assert order[0] == high
     with engine.begin() as conn:
         conn.execute(text("UPDATE job_queue SET state = 'succeeded' WHERE id = :r"), {"r": high})
-        assert statements.next_in_line(conn, "test.prio", "") == mid
+        assert statements.next_in_line(conn, "test.prio", "", None) == mid
         conn.execute(text("UPDATE job_queue SET state = 'succeeded' WHERE id = :r"), {"r": mid})
-        assert statements.next_in_line(conn, "test.prio", "") == low
+        assert statements.next_in_line(conn, "test.prio", "", None) == low
     with pytest.raises(JobDefinitionError, match="priority"):
         define_job("test.bad-prio", event="x", priority=10)
 

@@ -30,8 +30,8 @@ from motir_celery.store.db import set_workspace_context, workspace_session
 from motir_celery.store.rls import ADMIN_ROLE, APP_ROLE, ENGINE_ROLE
 
 RLS_TABLES = ("job_event", "job_queue", "job_step", "job_run", "job_run_dlq")
-APP_INSERTS = ("job_event", "job_queue")
-ENGINE_ONLY = ("job_step", "job_run", "job_run_dlq")
+#: What the app role writes, it writes through the checked functions (migration 0008), never by INSERT.
+CHECKED_WRITES = ("job_event", "job_queue")
 A, B = "ws-a", "ws-b"
 LOGINS = f"motir_t{uuid.uuid4().hex[:8]}"
 
@@ -193,19 +193,27 @@ def _insert_one(s: object, table: str, ws: str | None, run_id: uuid.UUID) -> Non
     s.execute(text(sql), params)  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("table", APP_INSERTS)
-def test_app_role_may_insert_events_and_runs_in_its_own_workspace(
-    table: str, seeded: dict[str | None, uuid.UUID], app_settings: Settings, engine: Engine
+def _enqueue(s: object, ws: str | None) -> None:
+    """What send_event(session=...) sends for the app role: an event and its one run, checked."""
+    s.execute(text(  # type: ignore[attr-defined]
+        "SELECT * FROM motir_enqueue_event('test.write', '{}'::jsonb, :ws, NULL, NULL, ARRAY['job.write'], "
+        "ARRAY[3], ARRAY['transient'], ARRAY[0]::smallint[], ARRAY[NULL]::text[], ARRAY[NULL]::text[], "
+        "ARRAY[NULL]::text[])"), {"ws": ws})
+
+
+def test_app_role_writes_events_and_runs_of_its_own_workspace_through_the_checked_function(
+    seeded: dict[str | None, uuid.UUID], app_settings: Settings, engine: Engine
 ) -> None:
     # The control for the refusals below: what send_event(session=...) writes, the app role may write.
     with workspace_session(A, settings=app_settings) as s:
-        _insert_one(s, table, A, seeded[A])
+        _enqueue(s, A)
     with engine.connect() as conn:
-        assert _workspaces(conn, table)[A] == 2, table
+        for table in CHECKED_WRITES:
+            assert _workspaces(conn, table)[A] == 2, table
 
 
-@pytest.mark.parametrize("table", ENGINE_ONLY)
-def test_app_role_cannot_insert_step_records_attempts_or_dlq_entries(
+@pytest.mark.parametrize("table", RLS_TABLES)
+def test_app_role_cannot_insert_into_any_table(
     table: str, seeded: dict[str | None, uuid.UUID], app_settings: Settings, engine: Engine
 ) -> None:
     with pytest.raises(ProgrammingError) as err:
@@ -218,17 +226,17 @@ def test_app_role_cannot_insert_step_records_attempts_or_dlq_entries(
 
 
 @pytest.mark.parametrize("target", [B, None], ids=["other-workspace", "system-row"])
-@pytest.mark.parametrize("table", APP_INSERTS)
-def test_insert_into_another_workspace_is_refused(
-    table: str, target: str | None, seeded: dict[str | None, uuid.UUID], app_settings: Settings, engine: Engine
+def test_a_checked_write_into_another_workspace_is_refused(
+    target: str | None, seeded: dict[str | None, uuid.UUID], app_settings: Settings, engine: Engine
 ) -> None:
     with pytest.raises(ProgrammingError) as err:
         with workspace_session(A, settings=app_settings) as s:
-            _insert_one(s, table, target, seeded[target])
-    assert isinstance(err.value.orig, psycopg.errors.InsufficientPrivilege), table
-    assert "row-level security" in str(err.value.orig), table
+            _enqueue(s, target)
+    assert isinstance(err.value.orig, psycopg.errors.InsufficientPrivilege)
+    assert "motir: an event of workspace" in str(err.value.orig)
     with engine.connect() as conn:
-        assert _workspaces(conn, table) == Counter({A: 1, B: 1, None: 1}), table
+        for table in CHECKED_WRITES:
+            assert _workspaces(conn, table) == Counter({A: 1, B: 1, None: 1}), table
 
 
 WRITES = {
@@ -339,13 +347,16 @@ def test_send_event_in_an_app_role_transaction_wakes_its_own_workspace_waiters_o
     assert due == {A: True, B: False}
 
 
-def test_wake_helper_is_not_executable_by_public(engine: Engine) -> None:
+@pytest.mark.parametrize("prefix, role", [("motir_write_", ENGINE_ROLE), ("motir_enqueue_", APP_ROLE)],
+                         ids=["writers", "checked"])
+def test_owners_rights_functions_are_executable_by_their_one_role_only(prefix: str, role: str, engine: Engine) -> None:
     with engine.connect() as conn:
-        grantees = set(conn.execute(text(
-            "SELECT coalesce(r.rolname, 'PUBLIC') FROM pg_proc p CROSS JOIN LATERAL aclexplode(p.proacl) a "
-            "LEFT JOIN pg_roles r ON r.oid = a.grantee WHERE p.proname = 'motir_wake_waiters' "
-            "AND a.privilege_type = 'EXECUTE'")).scalars())
-    assert "PUBLIC" not in grantees and APP_ROLE in grantees
+        found = conn.execute(text(
+            "SELECT p.proname, p.prosecdef, array_agg(coalesce(r.rolname, 'PUBLIC') ORDER BY 1) "
+            "FROM pg_proc p CROSS JOIN LATERAL aclexplode(p.proacl) a LEFT JOIN pg_roles r ON r.oid = a.grantee "
+            "WHERE p.proname LIKE :prefix AND a.privilege_type = 'EXECUTE' AND a.grantee <> p.proowner "
+            "GROUP BY 1, 2"), {"prefix": prefix + "%"}).all()
+    assert len(found) == 3 and all(definer and grantees == [role] for _, definer, grantees in found), found
 
 
 @pytest.mark.parametrize("end", ["commit", "rollback"])

@@ -27,11 +27,10 @@ import asyncio
 import weakref
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, create_async_engine
 
 from motir_celery.core import direct
-from motir_celery.core.events import SendResult, _cancel_on, _validate, publish_after_commit
+from motir_celery.core.events import SendResult, cancel_on, deduplicated, publish_after_commit, validate_event
 from motir_celery.core.jobs import Job, cancelled_by, subscribers
 from motir_celery.core.publish import Publish, publish_or_log
 from motir_celery.core.results import RunHandle
@@ -40,7 +39,7 @@ from motir_celery.core.tracing import current_traceparent
 from motir_celery.errors import PayloadError
 from motir_celery.forks import per_process
 from motir_celery.settings import Settings, get_settings
-from motir_celery.store import statements
+from motir_celery.store import schema, statements
 from motir_celery.store.driver import Statement
 
 if TYPE_CHECKING:
@@ -106,20 +105,15 @@ async def _write_event(conn: AsyncConnection, name: str, data: Any, encoded: str
     """events.write_event, over an async connection."""
     specs = [spec_for(job, data, workspace_id, priority) for job in jobs]
     params = {"name": name, "data": encoded, "workspace_id": workspace_id, "key": key,
-              **statements._specs(specs, current_traceparent())}
+              **statements.spec_params(specs, current_traceparent())}
     found = await _rows(conn, statements.RECORD_EVENT, params)
     recorded = [r for r in found if not r["woken"]]
     if not recorded:
-        existing = (await conn.execute(
-            text("SELECT id, data = CAST(:data AS jsonb) AND workspace_id IS NOT DISTINCT FROM :ws AS same "
-                 "FROM job_event WHERE name = :name AND idempotency_key = :key"),
-            {"name": name, "key": key, "data": encoded, "ws": workspace_id},
-        )).one_or_none()
-        conflicting = existing is None or not existing.same
-        return SendResult(existing.id if existing else None, [], deduplicated=True, conflicting=conflicting)
+        return await conn.run_sync(deduplicated, name, encoded, workspace_id, key)
     woken = [statements.Queued(r["run_id"], r["job_id"]) for r in found if r["woken"]]
-    cancelled = await conn.run_sync(_cancel_on, name, data) if cancelled_by(name) else []
-    return SendResult(recorded[0]["event_id"], statements._runs(specs, recorded), woken=woken, cancelled=cancelled)
+    cancelled = await conn.run_sync(cancel_on, name, data, workspace_id) if cancelled_by(name) else []
+    return SendResult(recorded[0]["event_id"], statements.runs_of(specs, recorded), woken=woken, cancelled=cancelled,
+                      workspace_id=workspace_id)
 
 
 async def send_event_async(
@@ -135,7 +129,7 @@ async def send_event_async(
 ) -> SendResult:
     """``send_event`` for asyncio code; ``session`` is an ``AsyncSession``."""
     settings = settings or get_settings()
-    encoded, workspace_id = _validate(name, data, workspace_id, idempotency_key, settings.max_payload_bytes)
+    encoded, workspace_id = validate_event(name, data, workspace_id, idempotency_key, settings.max_payload_bytes)
     if priority is not None and (not isinstance(priority, int) or not 0 <= priority <= 9):
         raise PayloadError(f"priority must be an integer from 0 to 9, got {priority!r}")
     args = (name, data, encoded, workspace_id, idempotency_key, subscribers(name), priority)
@@ -185,7 +179,9 @@ async def apply_async_async(job: Job, args: Sequence[Any], kwargs: Mapping[str, 
 
 
 async def _write_direct(conn: AsyncConnection, call: direct.DirectCall, settings: Settings) -> direct.Written:
-    found = await _rows(conn, statements.DIRECT_RUN, call.params(settings))
+    checked = (await conn.run_sync(schema.features)).checked_enqueue
+    found = await _rows(conn, statements.DIRECT_RUN if checked else statements.DIRECT_RUN_BEFORE_0008,
+                        call.params(settings))
     written = direct.interpret(call, found[0] if found else None)
     if written is not None:
         return written

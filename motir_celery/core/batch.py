@@ -25,7 +25,7 @@ from motir_celery.core.jobs import cancelled_by, subscribers
 from motir_celery.core.publish import Publish
 from motir_celery.core.runspec import spec_for
 from motir_celery.core.tracing import current_traceparent
-from motir_celery.errors import PayloadError
+from motir_celery.errors import PayloadError, WorkspaceError
 from motir_celery.settings import Settings, get_settings
 from motir_celery.store import compose, statements
 from motir_celery.store.db import get_engine
@@ -77,9 +77,13 @@ def send_events(
     raw = []
     for i, item in enumerate(items):
         name, data, workspace_id, key, priority = _item(i, item)
-        encoded, workspace_id = _events._validate(name, data, workspace_id, key, settings.max_payload_bytes)
-        if priority is not None and (not isinstance(priority, int) or not 0 <= priority <= 9):
-            raise PayloadError(f"priority must be an integer from 0 to 9, got {priority!r}")
+        try:
+            encoded, workspace_id = _events.validate_event(name, data, workspace_id, key, settings.max_payload_bytes)
+        except (PayloadError, WorkspaceError) as exc:
+            raise type(exc)(f"send_events: item {i}: {exc}") from None
+        if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)
+                                     or not 0 <= priority <= 9):
+            raise PayloadError(f"send_events: item {i}: priority must be an integer from 0 to 9, got {priority!r}")
         rows_in.append((name, encoded, workspace_id, key))
         specs.append([spec_for(job, data, workspace_id, priority) for job in subscribers(name)])
         raw.append(data)
@@ -98,7 +102,7 @@ def send_events(
         with joined as (conn, on_commit):
             results = write(conn)
             pending = _pending(results)
-            on_commit(lambda: _events._publish(pending, publish))
+            on_commit(lambda: _events.publish_runs(pending, publish))
         return results
     engine = get_engine(settings=settings)
     if cancelling:
@@ -109,7 +113,7 @@ def send_events(
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             results = write(conn)
     if publish_many is None:
-        _events._publish(_pending(results), publish)
+        _events.publish_runs(_pending(results), publish)
         return results
     runs = [(r.run_id, r.job_id) for r in _pending(results) if isinstance(r, statements.Queued)]
     try:
@@ -142,14 +146,14 @@ def _write(conn: Connection, rows_in: list[tuple[str, str, str | None, str | Non
         for r in compose.existing_events(conn, [rows_in[i] for i in dedup]):
             existing[dedup[r["i"] - 1]] = r
     results: list[_events.SendResult] = []
-    for i, (name, _encoded, _ws, key) in enumerate(rows_in):
+    for i, (name, _encoded, ws, key) in enumerate(rows_in):
         if i + 1 not in by_event:
             seen = existing.get(i)
             conflicting = seen is None or not seen["same"]
             if conflicting:
                 log.warning("idempotency key %r of event %r was already used with other data or another "
                             "workspace: nothing was written, the first event stands", key, name)
-            results.append(_events.SendResult(seen["id"] if seen else None, [], deduplicated=True,
+            results.append(_events.SendResult(seen["id"] if seen else None, [], deduplicated=True, workspace_id=ws,
                                               conflicting=conflicting))
             continue
         made = by_event[i + 1]
@@ -157,8 +161,8 @@ def _write(conn: Connection, rows_in: list[tuple[str, str, str | None, str | Non
         runs: list[statements.Queued | statements.AlreadyQueued] = [
             statements.Queued(created[s.job_id], s.job_id) if s.job_id in created else statements.AlreadyQueued(s.job_id)
             for s in specs[i]]
-        cancelled = _events._cancel_on(conn, name, raw[i]) if name in cancelling else []
-        results.append(_events.SendResult(made[0]["event_id"], runs, cancelled=cancelled))
+        cancelled = _events.cancel_on(conn, name, raw[i], ws) if name in cancelling else []
+        results.append(_events.SendResult(made[0]["event_id"], runs, cancelled=cancelled, workspace_id=ws))
     # Waiters woken by the batch go with the first event's result (one run may match several events).
     if woken and results:
         first = next((r for r in results if not r.deduplicated), None)

@@ -1,5 +1,7 @@
 """``concurrency=(limit, key)``: at most ``limit`` running runs per key of a job.
 
+A key is counted within the run's workspace (tenants' keys never share slots); the
+job-wide limit (``concurrency=5``: no key) counts every workspace's runs together.
 The claim of such a run counts the key's running runs and claims in one
 transaction, under the key's advisory lock, so two workers cannot both take the
 last slot; a refused claim leaves the run queued. The run that frees a slot
@@ -31,18 +33,18 @@ def limit_of(job_id: str) -> int | None:
 
 
 def claim_limited(engine: Engine, run_id: uuid.UUID, job_id: str, worker: str, lease_seconds: float,
-                  limit: int) -> statements.Claim | None:
+                  limit: int, token: uuid.UUID | None = None) -> statements.Claim | None:
     with engine.begin() as tx:
         statements.lock_concurrency(tx, run_id)
         return statements.claim(tx, run_id, job_id=job_id, worker=worker, lease_seconds=lease_seconds,
-                                concurrency_limit=limit)
+                                concurrency_limit=limit, token=token)
 
 
 def free_slot(engine: Engine, claim: statements.Claim, publish: Publish | None) -> None:
     """This run no longer holds its slot: hand it to the next queued run of the key."""
     try:
         with engine.begin() as tx:
-            next_run = statements.next_in_line(tx, claim.job_id, claim.concurrency_key or "")
+            next_run = statements.next_in_line(tx, claim.job_id, claim.concurrency_key or "", claim.workspace_id)
     except Exception:  # noqa: BLE001 — the sweeper re-publishes waiting runs anyway
         log.warning("run %s: could not hand its concurrency slot on", claim.run_id, exc_info=True)
         return

@@ -48,7 +48,7 @@ from typing import Any, Callable, Mapping, Sequence
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
-from motir_celery.core.events import _validate, joined_transaction, publish_after_commit
+from motir_celery.core.events import joined_transaction, publish_after_commit, validate_event
 from motir_celery.core.jobs import Job
 from motir_celery.core.publish import Publish, publish_or_log
 from motir_celery.core.results import RunHandle
@@ -56,7 +56,7 @@ from motir_celery.core.runspec import spec_for
 from motir_celery.core.tracing import current_traceparent
 from motir_celery.errors import PayloadError, checked_delay
 from motir_celery.settings import Settings, get_settings
-from motir_celery.store import statements
+from motir_celery.store import schema, statements
 from motir_celery.store.db import get_engine
 from motir_celery.store.driver import first
 from motir_celery.store.statements import RunSpec
@@ -114,7 +114,7 @@ class DirectCall:
 
     def existing_params(self) -> dict[str, Any]:
         return {"name": self.name, "key": self.key, "job_id": self.job.id, "singleton": self.spec.singleton_key,
-                "data": self.encoded}
+                "data": self.encoded, "workspace_id": self.workspace_id}
 
 
 def prepare(job: Job, args: Sequence[Any], kwargs: Mapping[str, Any], options: Mapping[str, Any],
@@ -142,7 +142,7 @@ def prepare(job: Job, args: Sequence[Any], kwargs: Mapping[str, Any], options: M
     data = {"args": list(args), "kwargs": dict(kwargs)}
     name = event_name(job.id)
     try:
-        encoded, workspace_id = _validate(name, data, workspace_id, key, settings.max_payload_bytes)
+        encoded, workspace_id = validate_event(name, data, workspace_id, key, settings.max_payload_bytes)
     except PayloadError as exc:
         raise PayloadError(f"arguments of job {job.id!r}: {exc}") from None
     countdown, eta = options.get("countdown"), options.get("eta")
@@ -191,7 +191,8 @@ def existing(call: DirectCall, row: Mapping[str, Any] | None) -> Written:
 
 def write(conn: Connection, call: DirectCall, settings: Settings) -> Written:
     """The event and its run, in ``conn``'s transaction (in autocommit: one statement, committed)."""
-    written = interpret(call, first(conn, statements.DIRECT_RUN, call.params(settings)))
+    statement = statements.DIRECT_RUN if schema.features(conn).checked_enqueue else statements.DIRECT_RUN_BEFORE_0008
+    written = interpret(call, first(conn, statement, call.params(settings)))
     if written is not None:
         return written
     return existing(call, first(conn, statements.DIRECT_RUN_EXISTING, call.existing_params()))
@@ -218,7 +219,8 @@ def _publish_one(publish: Publish, run: statements.Queued) -> None:
 
 
 def handle(call: DirectCall, written: Written, settings: Settings | None) -> RunHandle:
-    return RunHandle(written.run_id, call.job.id, deduplicated=written.deduplicated, settings=settings)
+    return RunHandle(written.run_id, call.job.id, deduplicated=written.deduplicated, workspace_id=call.workspace_id,
+                     settings=settings)
 
 
 def apply_async(job: Job, args: Sequence[Any], kwargs: Mapping[str, Any], options: Mapping[str, Any], *,

@@ -6,12 +6,17 @@ of the sending process, so a process that sends events imports the job modules
 (``MOTIR_IMPORTS``) just as workers do.
 
 An idempotency key is at most 255 printable characters (no NUL, no lone
-surrogate: Postgres could not store them). A key reused for the same event name
-writes nothing (``deduplicated``); reused with *different* data (or another
-workspace) it still writes nothing — the first event stands — but the result
-says ``conflicting=True`` and a warning is logged: the caller has two meanings
-for one key, which is a bug worth hearing about, not one worth an exception in
-a retry path (docs/security.md, "Refused inputs").
+surrogate: Postgres could not store them). Keys are per workspace: a key reused
+for the same event name in the same workspace writes nothing (``deduplicated``);
+reused with *different* data it still writes nothing — the first event stands —
+but the result says ``conflicting=True`` and a warning is logged: the caller has
+two meanings for one key, which is a bug worth hearing about, not one worth an
+exception in a retry path (docs/security.md, "Refused inputs"). Another
+workspace's use of the same key is invisible and changes nothing.
+
+What an event does to runs already there stays in its workspace too: it wakes
+the runs of its own workspace waiting for it and cancels (``cancel_on``) the runs
+of its own workspace; a system event (no workspace) acts on system runs only.
 
 Publishing happens strictly **after** the commit that created the rows: a
 message can then never name a run that does not exist (or that a rollback
@@ -42,7 +47,8 @@ from motir_celery.store import statements
 from motir_celery.store.db import get_engine, validate_workspace_id
 
 __all__ = ["SendResult", "send_event", "dispatch_event", "publish_after_commit", "MAX_IDEMPOTENCY_KEY",
-           "Joined", "join_transactions", "joined_transaction"]
+           "Joined", "join_transactions", "joined_transaction", "validate_event", "write_event", "deduplicated",
+           "cancel_on", "publish_runs"]
 
 log = logging.getLogger("motir_celery.core.events")
 
@@ -81,15 +87,17 @@ class SendResult:
     event_id: uuid.UUID | None
     #: One entry per subscribing job: ``Queued(run_id)`` or ``AlreadyQueued``.
     runs: list[statements.Queued | statements.AlreadyQueued] = field(default_factory=list)
-    #: The idempotency key was already used for this event name: nothing was written.
+    #: The idempotency key was already used for this event name in this workspace: nothing was written.
     deduplicated: bool = False
-    #: Deduplicated, and the stored event's data or workspace differ from this call's:
+    #: Deduplicated, and the stored event's data differ from this call's:
     #: one key was given two meanings. Nothing was written (the first event stands); logged.
     conflicting: bool = False
     #: Runs that were waiting for this event (step.wait_for_event), due now.
     woken: list[statements.Queued] = field(default_factory=list)
     #: Runs this event cancelled (cancel_on).
     cancelled: list[uuid.UUID] = field(default_factory=list)
+    #: The event's workspace (None: a system event); its runs' handles read there.
+    workspace_id: str | None = None
 
     @property
     def run_ids(self) -> list[uuid.UUID]:
@@ -98,10 +106,13 @@ class SendResult:
     @property
     def results(self) -> list[RunHandle]:
         """A result handle per run created: ``.state``, ``.get(timeout=)`` (core/results.py)."""
-        return [RunHandle(r.run_id, r.job_id) for r in self.runs if isinstance(r, statements.Queued)]
+        return [RunHandle(r.run_id, r.job_id, workspace_id=self.workspace_id)
+                for r in self.runs if isinstance(r, statements.Queued)]
 
 
-def _validate(name: Any, data: Any, workspace_id: Any, idempotency_key: Any, limit: int) -> tuple[str, str | None]:
+def validate_event(name: Any, data: Any, workspace_id: Any, idempotency_key: Any, limit: int) -> tuple[str, str | None]:
+    """Check one event before anything is written: its JSON encoding and its workspace
+    (explicit, else the payload's ``workspace_id``). ``PayloadError`` names what is wrong."""
     if not isinstance(name, str) or not name.strip() or len(name) > 200 or not name.isprintable():
         raise PayloadError(f"event name must be a non-empty printable string of at most 200 characters, "
                            f"got {name!r:.80}")
@@ -109,6 +120,8 @@ def _validate(name: Any, data: Any, workspace_id: Any, idempotency_key: Any, lim
         encoded = json.dumps(data, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise PayloadError(f"data of event {name!r} is not JSON ({type(data).__name__}): {exc}") from None
+    except RecursionError:
+        raise PayloadError(f"data of event {name!r} is nested too deeply to be stored as JSON") from None
     if "\\u0000" in encoded:
         raise PayloadError(f"data of event {name!r} contains a NUL character, which Postgres jsonb cannot store")
     if "\\ud" in encoded:  # a surrogate escape: fine in a pair (non-BMP characters), not alone
@@ -142,30 +155,33 @@ def write_event(conn: Connection, name: str, data: Any, encoded: str, workspace_
     event_id, runs, woken = statements.record_event(conn, name, encoded, workspace_id, idempotency_key, specs,
                                                traceparent=traceparent)
     if event_id is None:
-        # What the key already stands for (None when RLS hides it: another workspace's event).
-        existing = conn.execute(
-            text("SELECT id, data = CAST(:data AS jsonb) AND workspace_id IS NOT DISTINCT FROM :ws AS same "
-                 "FROM job_event WHERE name = :name AND idempotency_key = :key"),
-            {"name": name, "key": idempotency_key, "data": encoded, "ws": workspace_id},
-        ).one_or_none()
-        conflicting = existing is None or not existing.same
-        if conflicting:
-            log.warning("idempotency key %r of event %r was already used with other data or another workspace: "
-                        "nothing was written, the first event stands", idempotency_key, name)
-        return SendResult(existing.id if existing else None, [], deduplicated=True, conflicting=conflicting)
-    cancelled = _cancel_on(conn, name, data)
-    return SendResult(event_id, runs, woken=woken, cancelled=cancelled)
+        return deduplicated(conn, name, encoded, workspace_id, idempotency_key)
+    cancelled = cancel_on(conn, name, data, workspace_id)
+    return SendResult(event_id, runs, woken=woken, cancelled=cancelled, workspace_id=workspace_id)
 
 
-def _cancel_on(conn: Connection, name: str, data: Any) -> list[uuid.UUID]:
-    """Jobs with a cancel_on rule for this event: cancel the runs it matches."""
+def deduplicated(conn: Connection, name: str, encoded: str, workspace_id: str | None,
+                 idempotency_key: str | None) -> SendResult:
+    """The result of an event its idempotency key refused: what the key stands for in this
+    workspace, and a warning when the stored event's data differ (one key, two meanings)."""
+    existing = statements.existing_event(conn, name, encoded, workspace_id, idempotency_key)
+    conflicting = existing is None or not existing["same"]
+    if conflicting:
+        log.warning("idempotency key %r of event %r was already used in workspace %r with other data: "
+                    "nothing was written, the first event stands", idempotency_key, name, workspace_id)
+    return SendResult(existing["id"] if existing else None, [], deduplicated=True, conflicting=conflicting,
+                      workspace_id=workspace_id)
+
+
+def cancel_on(conn: Connection, name: str, data: Any, workspace_id: str | None) -> list[uuid.UUID]:
+    """Jobs with a cancel_on rule for this event: cancel the runs it matches in its workspace."""
     cancelled: list[uuid.UUID] = []
     for job in cancelled_by(name):
         for rule in job.run_options.cancel_on:
             key = value_at(data, path_of(rule.match)) if rule.event == name else None
             if key is not None:
                 within = rule.timeout.total_seconds() if rule.timeout else None
-                cancelled += statements.cancel_by_key(conn, job.id, key, within)
+                cancelled += statements.cancel_by_key(conn, job.id, key, within, workspace_id)
     return cancelled
 
 
@@ -188,7 +204,7 @@ def send_event(
     fan-out (DLQ replay re-emits an event for one job only).
     """
     settings = settings or get_settings()
-    encoded, workspace_id = _validate(name, data, workspace_id, idempotency_key, settings.max_payload_bytes)
+    encoded, workspace_id = validate_event(name, data, workspace_id, idempotency_key, settings.max_payload_bytes)
     if priority is not None and (not isinstance(priority, int) or not 0 <= priority <= 9):
         raise PayloadError(f"priority must be an integer from 0 to 9, got {priority!r}")
     targets = subscribers(name) if jobs is None else list(jobs)
@@ -203,13 +219,13 @@ def send_event(
         with joined as (conn, on_commit):
             result = write_event(conn, *args, **extra)
             pending = [*result.runs, *result.woken]
-            on_commit(lambda: _publish(pending, publish))
+            on_commit(lambda: publish_runs(pending, publish))
         return result
     engine = get_engine(settings=settings)
     if cancelled_by(name):
         with engine.begin() as conn:
             result = write_event(conn, *args, **extra)
-        _publish([*result.runs, *result.woken], publish)
+        publish_runs([*result.runs, *result.woken], publish)
         return result
     # The common case in one round trip (and the one commit, flushed, that the
     # event needs before it is published): see write_event.
@@ -217,7 +233,7 @@ def send_event(
         result = write_event(conn, *args, **extra)
         # Committed already; published before the pool takes the connection back
         # (~0.1 ms of Python at low load, off the run's way to a worker).
-        _publish([*result.runs, *result.woken], publish)
+        publish_runs([*result.runs, *result.woken], publish)
     return result
 
 
@@ -229,11 +245,11 @@ def dispatch_event(event_id: uuid.UUID, *, publish: Publish | None = None,
         row = conn.execute(text("SELECT data, workspace_id FROM job_event WHERE id = :id"), {"id": event_id}).one()
         specs = [spec_for(job, row.data, row.workspace_id) for job in subscribers(name)]
         runs = statements.fan_out(conn, event_id, specs)
-    _publish(runs, publish)
+    publish_runs(runs, publish)
     return runs
 
 
-def _publish(runs: Sequence[statements.Queued | statements.AlreadyQueued], publish: Publish | None) -> None:
+def publish_runs(runs: Sequence[statements.Queued | statements.AlreadyQueued], publish: Publish | None) -> None:
     if publish is None:
         return
     for run in runs:
@@ -261,7 +277,7 @@ def publish_after_commit(session: Session, runs: Sequence[statements.Queued | st
 
     def after_commit(sess: Session) -> None:
         for fn, run in sess.info.pop(_PENDING, []):
-            _publish([run], fn)
+            publish_runs([run], fn)
 
     def after_soft_rollback(sess: Session, previous_transaction: Any) -> None:
         # Only the outermost rollback discards the rows (a savepoint rollback may not).

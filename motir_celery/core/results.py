@@ -18,6 +18,13 @@ FAILURE     failed for good (DLQ entry written); ``get()`` raises ``JobFailed``
 REVOKED     cancelled (``cancel_run``, ``cancel_on``); ``get()`` raises ``JobRevoked``
 ==========  ==================================================================
 
+A handle belongs to a workspace — the one its run was made in (``workspace_id=`` of
+the call, or the payload's) — and reads only there: a tenant's handle reads under the
+app role with row-level security in that workspace, a system handle (no workspace)
+through the engine login, and the statement itself names the workspace too. A run
+id of another workspace is not found: ``PENDING``, as Celery says of an unknown id,
+never its result or its error.
+
 ``get`` polls: one indexed read (``statements.RUN_RESULT``), then sleeps 20 ms,
 ×1.5 per poll, at most 500 ms between two — a run done in 50 ms is seen ~25 ms
 later, a wait of a minute costs ~130 reads. REJECTED: LISTEN/NOTIFY, which needs
@@ -40,7 +47,7 @@ from sqlalchemy import Engine
 from motir_celery.errors import MotirError
 from motir_celery.settings import Settings
 from motir_celery.store import statements
-from motir_celery.store.db import get_engine
+from motir_celery.store.db import get_engine, validate_workspace_id, workspace_session
 from motir_celery.store.driver import first
 
 __all__ = ["RunHandle", "JobFailed", "JobRevoked", "ResultTimeout", "READY_STATES", "celery_state"]
@@ -107,9 +114,11 @@ class RunHandle:
     """A run, Celery-``AsyncResult``-shaped. ``id`` is the run id (``motir runs show <id>``)."""
 
     def __init__(self, run_id: uuid.UUID | None, job_id: str, *, deduplicated: bool = False,
-                 settings: Settings | None = None) -> None:
+                 workspace_id: str | None = None, settings: Settings | None = None) -> None:
         self.id = run_id
         self.job_id = job_id
+        #: The workspace this handle reads in (None: system runs only).
+        self.workspace_id = validate_workspace_id(workspace_id)
         #: True when this call created nothing: its idempotency key (or task_id) was used
         #: already, or a singleton run was active; ``id`` is that existing run.
         self.deduplicated = deduplicated
@@ -135,8 +144,13 @@ class RunHandle:
     def _read(self) -> _Snapshot:
         if self.id is None:  # a refused call whose existing run row-level security hides
             return _Snapshot("PENDING", None, None)
-        with self._engine().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            row = first(conn, statements.RUN_RESULT, {"run_id": self.id})
+        params = {"run_id": self.id, "workspace_id": self.workspace_id}
+        if self.workspace_id is not None:
+            with workspace_session(self.workspace_id, settings=self._settings) as session:
+                row = first(session.connection(), statements.RUN_RESULT, params)
+        else:
+            with self._engine().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+                row = first(conn, statements.RUN_RESULT, params)
         if row is None:
             return _Snapshot("PENDING", None, None)
         return _Snapshot(celery_state(row["state"], row["last_outcome"]), row["result"], row["last_error"])

@@ -240,7 +240,8 @@ class Step(StepRun):
                        timeout: float | timedelta) -> dict[str, Any] | None:
         """Suspend until an event ``event`` arrives whose field ``match`` (e.g.
         ``"data.order_id"``) equals the triggering event's, or until ``timeout``
-        (then ``None``). Returns {"id", "name", "data"} of the event."""
+        (then ``None``). Returns {"id", "name", "data"} of the event. Only an event of
+        this run's workspace matches (a system run's: a system event)."""
         key = self._key(step_id)
         if key in self._memo:
             return self._memo[key]  # type: ignore[no-any-return]
@@ -256,9 +257,9 @@ class Step(StepRun):
             # far is visible to the look-back below, and every later send_event will
             # see this run's waiter when it wakes waiters. No event falls between.
             statements.lock_wait(tx, event)
-            row = statements.find_event(tx, event, path, value, since)
+            row = statements.find_event(tx, event, path, value, since, self._claim.workspace_id)
             if row is not None:
-                found = {"id": str(row.id), "name": row.name, "data": row.data}
+                found = {"id": str(row["id"]), "name": row["name"], "data": row["data"]}
             elif now < until:
                 run_at = statements.suspend(tx, self._claim, outcome="suspended", until=until,
                                        wait=(event, path, value), republish_after=self._republish_after)

@@ -19,7 +19,8 @@ Workers run one in a background thread (``MOTIR_SWEEP_INTERVAL``; see
 slot (``job_sweep``, one conditional UPDATE), so whatever the number of hosts one
 sweep per period does the work, batch after batch while batches come back full.
 The others' attempt writes nothing. A direct call (``motir`` commands, tests)
-sweeps at once.
+sweeps at once. On a schema before 0007 (code deployed before its migration) there
+is no slot: every worker sweeps each period, as before, and says so once.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 
 from motir_celery.core.publish import Publish, publish_or_log
 from motir_celery.settings import Settings, get_settings
-from motir_celery.store import statements
+from motir_celery.store import schema, statements
 from motir_celery.store.db import get_engine
 
 __all__ = ["SweepReport", "sweep"]
@@ -64,8 +65,10 @@ def sweep(publish: Publish | None, *, settings: Settings | None = None, batch: i
     batches = 1
     if once_per_period:
         with engine.begin() as conn:
-            if not statements.take_sweep_slot(conn, worker=f"{socket.gethostname()}/{os.getpid()}",
-                                              period_seconds=SLOT_SHARE * settings.sweep_interval):
+            # Before migration 0007 there is no slot: sweep every period, as that release did.
+            if schema.features(conn).sweep_slot and not statements.take_sweep_slot(
+                    conn, worker=f"{socket.gethostname()}/{os.getpid()}",
+                    period_seconds=SLOT_SHARE * settings.sweep_interval):
                 return SweepReport(swept=False)
         # The fleet's only sweep this period: it also takes what the other hosts' sweeps
         # would have, up to MAX_BATCHES a half.

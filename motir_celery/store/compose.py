@@ -57,13 +57,13 @@ def record_events(conn: Connection, events: Sequence[tuple[str, str, str | None,
 
 EXISTING_EVENTS = Statement(
     "existing_events",
-    "What the idempotency keys of deduplicated events already stand for (same data and workspace, or not).",
+    "What the idempotency keys of deduplicated events already stand for in their workspaces (same data, or not).",
     """
-    SELECT k.i, e.id,
-           e.data = k.data AND e.workspace_id IS NOT DISTINCT FROM k.workspace_id AS same
+    SELECT k.i, e.id, e.data = k.data AS same
     FROM unnest(CAST(%(names)s AS text[]), CAST(%(keys)s AS text[]), CAST(%(datas)s AS jsonb[]),
                 CAST(%(workspace_ids)s AS text[])) WITH ORDINALITY AS k(name, key, data, workspace_id, i)
-    JOIN job_event e ON e.name = k.name AND e.idempotency_key = k.key   -- the key's event (unique); RLS may hide it
+    JOIN job_event e ON e.name = k.name AND e.idempotency_key = k.key   -- the key's event (uq_job_event_idempotency)
+                    AND e.workspace_id IS NOT DISTINCT FROM k.workspace_id   -- keys are per workspace
     """,
 )
 
@@ -99,8 +99,8 @@ START_CHILDREN = Statement(
       SELECT s.name, s.data, p.workspace_id, s.key        -- the child carries the parent's workspace
       FROM parent p, spec s
       -- the key is derived from (parent run, step): a parent that runs this step again
-      -- (retry, crash, redelivery) writes no second event
-      ON CONFLICT (name, idempotency_key) DO NOTHING
+      -- (retry, crash, redelivery) writes no second event (uq_job_event_idempotency)
+      ON CONFLICT DO NOTHING
       RETURNING id, name, workspace_id, idempotency_key
     ), runs AS (
       INSERT INTO job_queue (event_id, job_id, event_name, workspace_id, max_attempts, retry_policy, priority,

@@ -38,7 +38,11 @@ class Statement(NamedTuple):
 
 def rows(conn: Connection, statement: Statement, params: dict[str, Any]) -> list[dict[str, Any]]:
     """Every row of ``statement``, each a dict by column name."""
-    raw: psycopg.Connection[Any] = conn.connection.driver_connection  # type: ignore[assignment]
+    raw = conn.connection.driver_connection
+    if not isinstance(raw, psycopg.Connection):
+        # A sync Connection over an asyncio driver (AsyncConnection.run_sync): SQLAlchemy sends it.
+        result = conn.exec_driver_sql(statement.sql, params)
+        return [dict(r) for r in result.mappings()] if result.returns_rows else []
     try:
         with raw.cursor(row_factory=dict_row) as cursor:
             cursor.execute(statement.sql, params, prepare=get_settings().prepared_statements)

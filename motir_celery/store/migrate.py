@@ -10,7 +10,9 @@ as an autogenerate comparator, so ``alembic check`` fails when a policy was
 dropped or altered by hand, RLS was disabled on a table, a role was granted a
 privilege nobody declared (``GRANT DELETE ON job_step TO motir_app``) or lost
 one, or a partial index's WHERE changed, and ``alembic revision
---autogenerate`` writes the statements that put it back.
+--autogenerate`` writes the statements that put it back. Functions and triggers
+too (``routines.py``): a body replaced, a function added or dropped, an EXECUTE
+granted or revoked by hand.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.schema import CreateIndex
 
 from motir_celery.settings import get_settings
-from motir_celery.store import rls
+from motir_celery.store import rls, routines, schema
 
 __all__ = ["alembic_config", "upgrade", "check", "migrations_dir"]
 
@@ -51,6 +53,7 @@ def alembic_config(url: str | None = None) -> Config:
 
 def upgrade(url: str | None = None, revision: str = "head") -> None:
     command.upgrade(alembic_config(url), revision)
+    schema.forget()  # this process probes the schema's features afresh
 
 
 def check(url: str | None = None) -> None:
@@ -140,8 +143,22 @@ def compare_extra(autogen_context: Any, upgrade_ops: Any, schemas: Any) -> None:
         upgrade_ops.ops.append(DriftOp(kind, grant, _rls_statements(kind, grant)))
     for kind, name, statements in compare_index_predicates(conn, Base.metadata):
         upgrade_ops.ops.append(DriftOp(kind, name, statements))
+    for kind, subject in routines.compare_routines(conn):
+        upgrade_ops.ops.append(DriftOp(kind, subject, _routine_statements(kind, subject)))
+
+
+def _routine_statements(kind: str, subject: Any) -> list[str]:
+    """EXECUTE grants are repaired here; a body is the migrations' to re-create (none rendered)."""
+    if kind in ("grant_execute", "revoke_execute"):
+        signature, role = subject
+        grantee = "PUBLIC" if role == "PUBLIC" else f'"{role}"'
+        verb, word = ("GRANT", "TO") if kind == "grant_execute" else ("REVOKE", "FROM")
+        return [f"{verb} EXECUTE ON FUNCTION {signature} {word} {grantee}"]
+    return []
 
 
 @renderers.dispatch_for(DriftOp)
 def render_drift(autogen_context: Any, op: DriftOp) -> str:
+    if not op.statements:
+        return f"# {op.kind} {op.subject}: re-create it as its migration does (migrations/versions)"
     return "\n".join(f"op.execute({sql!r})" for sql in op.statements)

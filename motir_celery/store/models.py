@@ -79,9 +79,20 @@ class JobEvent(Base):
 
     __tablename__ = "job_event"
     __table_args__ = (
-        # Idempotency is per event name. NULL keys are distinct, so events sent
-        # without a key are never deduplicated against each other.
-        UniqueConstraint("name", "idempotency_key"),
+        # Idempotency is per workspace and event name: two tenants may use the same key
+        # (each its own order 42) and neither sees the other's event. NULLS NOT DISTINCT:
+        # system events (workspace NULL) share one key space, relied upon. Partial: events
+        # sent without a key are never deduplicated against each other. Column list of its
+        # own (workspace_id first): no other index on job_event starts with it.
+        Index(
+            "uq_job_event_idempotency",
+            "workspace_id",
+            "name",
+            "idempotency_key",
+            unique=True,
+            postgresql_nulls_not_distinct=True,
+            postgresql_where=text("idempotency_key IS NOT NULL"),
+        ),
     )
 
     id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True, server_default=NEW_UUID)
@@ -138,15 +149,18 @@ class JobQueue(Base):
             unique=True,
             postgresql_where=text("skip_overlap AND state IN ('queued', 'running')"),
         ),
-        # singleton_key=: at most one queued-or-running run per (job, key), decided
-        # by this index inside the fan-out INSERT; the key is free again once the
-        # run settles (the row leaves the predicate). Sleeping and waiting runs are
-        # queued, so they keep the key.
+        # singleton_key=: at most one queued-or-running run per (job, workspace, key),
+        # decided by this index inside the fan-out INSERT; the key is free again once
+        # the run settles (the row leaves the predicate). Sleeping and waiting runs are
+        # queued, so they keep the key. Per workspace: tenants' keys never collide;
+        # NULLS NOT DISTINCT, so system runs share one key space (relied upon).
         Index(
-            "uq_job_queue_singleton_active",
+            "uq_job_queue_singleton",
             "job_id",
+            "workspace_id",
             "singleton_key",
             unique=True,
+            postgresql_nulls_not_distinct=True,
             postgresql_where=text("singleton_key IS NOT NULL AND state IN ('queued', 'running')"),
         ),
         # concurrency=(limit, key): the claim counts the running runs of one

@@ -4,9 +4,12 @@ Four roles (DESIGN.md invariant 8; docs/security.md is the threat model):
 
 * the **owner** — whoever runs ``motir migrate``; owns the tables and, since
   RLS is ENABLEd but not FORCEd, is not filtered by it. Migrations only.
-* ``motir_app`` — RLS enforced. Reads (CLI, dashboard, user code) and the
-  inserts a user's own transaction makes through ``send_event(session=…)``:
-  SELECT on the five tables, INSERT on ``job_event`` and ``job_queue`` only.
+* ``motir_app`` — RLS enforced. Reads (CLI, dashboard, user code): SELECT on
+  the five tables, and nothing else on any table. What a user's own transaction
+  writes (``send_event(session=…)``, ``.delay()`` in Django's ``atomic()``) goes
+  through the checked functions ``motir_enqueue_event`` / ``_events`` /
+  ``_direct`` (migration 0008; ``routines.py``), which write only in the
+  transaction's workspace and choose state, claim, attempts and slot themselves.
   No UPDATE or DELETE anywhere, no write to steps, the ledger or the DLQ: the
   history a worker wrote cannot be rewritten by the role user code holds.
 * ``motir_admin`` — a member of ``motir_app`` (its grants and policies), and the
@@ -67,8 +70,9 @@ ADMIN_ROLE = "motir_admin"
 ENGINE_ROLE = "motir_engine"
 ROLES = (APP_ROLE, ADMIN_ROLE, ENGINE_ROLE)
 
-#: The tables a user's own transaction writes (send_event(session=…): the event and its runs).
-APP_INSERTS = frozenset({"job_event", "job_queue"})
+#: Tables the app role may INSERT into directly: none since 0009 (it writes through
+#: the checked functions of routines.py; 0005 to 0008 allowed job_event and job_queue).
+APP_INSERTS: frozenset[str] = frozenset()
 #: Table privileges drift detection looks at (all of them but MAINTAIN, which PG 17 added).
 PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER")
 

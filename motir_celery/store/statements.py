@@ -44,6 +44,7 @@ __all__ = [
     "store_step",
     "renew_lease",
     "renew_leases",
+    "renew_claims",
     "settle_succeeded",
     "settle_retry",
     "settle_failed",
@@ -51,6 +52,12 @@ __all__ = [
     "republish_due",
     "take_sweep_slot",
     "cancel",
+    "cancel_by_key",
+    "spec_params",
+    "runs_of",
+    "existing_event",
+    "find_event",
+    "next_in_line",
 ]
 
 
@@ -141,7 +148,8 @@ RECORD_EVENT = Statement(
 )
 
 
-def _specs(specs: Sequence[RunSpec], traceparent: str | None) -> dict[str, Any]:
+def spec_params(specs: Sequence[RunSpec], traceparent: str | None) -> dict[str, Any]:
+    """RECORD_EVENT's (and FAN_OUT's) run parameters: one array per RunSpec field."""
     return {
         "job_ids": [s.job_id for s in specs],
         "max_attempts": [s.max_attempts for s in specs],
@@ -154,7 +162,8 @@ def _specs(specs: Sequence[RunSpec], traceparent: str | None) -> dict[str, Any]:
     }
 
 
-def _runs(specs: Sequence[RunSpec], created_rows: Sequence[dict[str, Any]]) -> list[Queued | AlreadyQueued]:
+def runs_of(specs: Sequence[RunSpec], created_rows: Sequence[dict[str, Any]]) -> list[Queued | AlreadyQueued]:
+    """One entry per spec: ``Queued`` for the runs a statement created, ``AlreadyQueued`` for the rest."""
     created = {r["job_id"]: r["run_id"] for r in created_rows if r["run_id"] is not None}
     return [Queued(created[s.job_id], s.job_id) if s.job_id in created else AlreadyQueued(s.job_id)
             for s in specs]
@@ -172,13 +181,31 @@ def record_event(
     is committed (and flushed) when this returns.
     """
     params = {"name": name, "data": data_json, "workspace_id": workspace_id, "key": idempotency_key,
-              **_specs(specs, traceparent)}
+              **spec_params(specs, traceparent)}
     found = rows(conn, RECORD_EVENT, params)
     recorded = [r for r in found if not r["woken"]]
     if not recorded:
         return None, [], []
     woken_runs = [Queued(r["run_id"], r["job_id"]) for r in found if r["woken"]]
-    return recorded[0]["event_id"], _runs(specs, recorded), woken_runs
+    return recorded[0]["event_id"], runs_of(specs, recorded), woken_runs
+
+
+EXISTING_EVENT = Statement(
+    "existing_event",
+    "What a refused event's idempotency key stands for in its workspace: the event, and whether its data is this call's.",
+    """
+    SELECT id, data = CAST(%(data)s AS jsonb) AS same          -- same data, or one key with two meanings
+    FROM job_event
+    WHERE workspace_id IS NOT DISTINCT FROM %(workspace_id)s     -- keys are per workspace: another's is not ours
+      AND name = %(name)s AND idempotency_key = %(key)s          -- the key's event (uq_job_event_idempotency)
+    """,
+)
+
+
+def existing_event(conn: Connection, name: str, data_json: str, workspace_id: str | None,
+                   key: str | None) -> dict[str, Any] | None:
+    """The event an idempotency key already made in ``workspace_id`` (``id``, ``same``), or None."""
+    return first(conn, EXISTING_EVENT, {"name": name, "data": data_json, "workspace_id": workspace_id, "key": key})
 
 
 FAN_OUT = Statement(
@@ -196,33 +223,38 @@ def fan_out(
     """One run per spec for a recorded event, deduplicated by the database."""
     if not specs:
         return []
-    return _runs(specs, rows(conn, FAN_OUT, {"event_id": event_id, **_specs(specs, traceparent)}))
+    return runs_of(specs, rows(conn, FAN_OUT, {"event_id": event_id, **spec_params(specs, traceparent)}))
 
 
-_CANCEL_BY_KEY = text(
+CANCEL_BY_KEY = Statement(
+    "cancel_by_key",
+    "cancel_on: cancel a job's active runs of one workspace whose triggering event carried the key.",
     """
     WITH cancelled AS (
       UPDATE job_queue
       SET state = 'cancelled', finished_at = now(), claim_token = NULL, lease_expires_at = NULL,
           wait_event = NULL
-      WHERE job_id = :job_id
-        AND cancel_key = :key                                   -- the cancel_on rule's field matched
+      WHERE job_id = %(job_id)s
+        AND cancel_key = %(key)s                                -- the cancel_on rule's field matched
+        AND workspace_id IS NOT DISTINCT FROM %(workspace_id)s  -- the event's own workspace (system: system runs)
         AND state IN ('queued', 'running')                      -- a finished run stays as it ended
-        AND (CAST(:within AS float8) IS NULL
-             OR created_at > now() - make_interval(secs => CAST(:within AS float8)))   -- the rule's timeout
+        AND (CAST(%(within)s AS float8) IS NULL
+             OR created_at > now() - make_interval(secs => CAST(%(within)s AS float8)))   -- the rule's timeout
       RETURNING id
     ), ledger AS (
       UPDATE job_run r SET outcome = 'cancelled', finished_at = now()
       FROM cancelled c WHERE r.run_id = c.id AND r.outcome = 'running'
     )
     SELECT id FROM cancelled
-    """
+    """,
 )
 
 
-def cancel_by_key(conn: Connection, job_id: str, key: str, within_seconds: float | None) -> list[uuid.UUID]:
-    """cancel_on: cancel the job's active runs whose triggering event carried ``key``."""
-    return list(conn.execute(_CANCEL_BY_KEY, {"job_id": job_id, "key": key, "within": within_seconds}).scalars())
+def cancel_by_key(conn: Connection, job_id: str, key: str, within_seconds: float | None,
+                  workspace_id: str | None) -> list[uuid.UUID]:
+    """cancel_on: cancel the job's active runs in ``workspace_id`` whose triggering event carried ``key``."""
+    params = {"job_id": job_id, "key": key, "within": within_seconds, "workspace_id": workspace_id}
+    return [r["id"] for r in rows(conn, CANCEL_BY_KEY, params)]
 
 
 _ENQUEUE_SCHEDULED = text(
@@ -317,13 +349,27 @@ def enqueue_scheduled(
 DIRECT_RUN = Statement(
     "direct_run",
     "Write a direct run's event (direct.<job_id>, its arguments) and its one run, due at run_at (one statement).",
+    # motir_direct_run (migration 0008): the engine role's write, or for anyone else the
+    # checked function that writes only in the transaction's workspace.
+    """
+    SELECT * FROM motir_direct_run(
+      %(name)s, CAST(%(data)s AS jsonb), %(workspace_id)s, %(key)s, CAST(%(eta)s AS timestamptz),
+      CAST(%(countdown)s AS float8), %(job_id)s, %(max_attempts)s, %(policy)s, CAST(%(priority)s AS smallint),
+      %(singleton)s, %(concurrency)s, %(cancel_key)s, %(traceparent)s, CAST(%(after)s AS float8))
+    """,
+)
+
+#: DIRECT_RUN on a schema before 0008 (the code deployed before its migration; store/schema.py).
+DIRECT_RUN_BEFORE_0008 = Statement(
+    "direct_run_before_0008",
+    "DIRECT_RUN as one statement of its own, for a schema that has no motir_direct_run yet.",
     """
     WITH e AS (
       INSERT INTO job_event (name, data, workspace_id, idempotency_key)
       VALUES (%(name)s, CAST(%(data)s AS jsonb), %(workspace_id)s, %(key)s)
       -- (name, idempotency_key) is unique and the name is the job's own: a key
       -- (Celery's task_id) used twice for this job writes nothing. NULL keys never conflict.
-      ON CONFLICT (name, idempotency_key) DO NOTHING
+      ON CONFLICT DO NOTHING
       RETURNING id, name, workspace_id
     ), due AS (
       -- countdown is a duration on the database's clock; eta an absolute instant the
@@ -355,11 +401,13 @@ DIRECT_RUN_EXISTING = Statement(
     """
     (SELECT q.id AS run_id, e.data = CAST(%(data)s AS jsonb) AS same   -- same arguments, or a key with two meanings
      FROM job_event e JOIN job_queue q ON q.event_id = e.id
-     WHERE e.name = %(name)s AND e.idempotency_key = %(key)s   -- the key's event (unique)
-       AND q.job_id = %(job_id)s)                               -- and its run
+     WHERE e.workspace_id IS NOT DISTINCT FROM %(workspace_id)s   -- keys are per workspace
+       AND e.name = %(name)s AND e.idempotency_key = %(key)s     -- the key's event (uq_job_event_idempotency)
+       AND q.job_id = %(job_id)s)                                 -- and its run
     UNION ALL
     (SELECT id, NULL FROM job_queue
-     WHERE job_id = %(job_id)s AND singleton_key = %(singleton)s  -- uq_job_queue_singleton_active refused it
+     WHERE job_id = %(job_id)s AND singleton_key = %(singleton)s   -- uq_job_queue_singleton refused it
+       AND workspace_id IS NOT DISTINCT FROM %(workspace_id)s      -- in this workspace
        AND state IN ('queued', 'running'))
     LIMIT 1
     """,
@@ -367,7 +415,7 @@ DIRECT_RUN_EXISTING = Statement(
 
 RUN_RESULT = Statement(
     "run_result",
-    "A run's state, result and how its latest attempt ended (the result handle's .state and .get).",
+    "A run's state, result and how its latest attempt ended, in the caller's workspace (the result handle's .state and .get).",
     """
     SELECT q.state, q.result, q.attempts, r.outcome AS last_outcome, r.error AS last_error
     FROM job_queue q
@@ -377,6 +425,7 @@ RUN_RESULT = Statement(
       ORDER BY started_at DESC LIMIT 1         -- its latest attempt: retrying, failed, lost...
     ) r ON true
     WHERE q.id = %(run_id)s
+      AND q.workspace_id IS NOT DISTINCT FROM %(workspace_id)s   -- another workspace's run is not found
     """,
 )
 
@@ -391,7 +440,9 @@ CLAIM = Statement(
       UPDATE job_queue
       SET state = 'running',
           attempts = attempts + 1,             -- charged now: a run that kills its worker still spends attempts
-          claim_token = gen_random_uuid(),     -- fences every later write to this holder
+          -- fences every later write to this holder; minted by the worker when it passes one
+          -- (its renewer then knows the token before this commits: core/leases.py)
+          claim_token = coalesce(CAST(%(token)s AS uuid), gen_random_uuid()),
           claimed_by = %(worker)s,
           lease_expires_at = now() + make_interval(secs => %(lease)s),
           wait_event = NULL, wait_path = NULL, wait_value = NULL   -- a woken waiter waits no more
@@ -402,6 +453,9 @@ CLAIM = Statement(
         AND (CAST(%(limit)s AS int) IS NULL    -- concurrency=(limit, key): a free slot, counted under
              OR (SELECT count(*) FROM job_queue r          -- lock_concurrency's advisory lock
                  WHERE r.concurrency_key = job_queue.concurrency_key AND r.job_id = job_queue.job_id
+                   -- a key is per workspace; the whole-job limit (key '') spans them all
+                   AND (job_queue.concurrency_key = ''
+                        OR r.workspace_id IS NOT DISTINCT FROM job_queue.workspace_id)
                    AND r.state = 'running') < CAST(%(limit)s AS int))
       RETURNING id, job_id, claim_token, attempts, max_attempts, workspace_id, event_id, event_name, scheduled_for,
                 concurrency_key, traceparent
@@ -440,10 +494,11 @@ def lock_concurrency(conn: Connection, run_id: uuid.UUID) -> None:
 
 
 def claim(conn: Connection, run_id: uuid.UUID, *, job_id: str, worker: str, lease_seconds: float,
-          concurrency_limit: int | None = None) -> Claim | None:
+          concurrency_limit: int | None = None, token: uuid.UUID | None = None) -> Claim | None:
     """Move a queued, due run to running for this worker; ``None`` if it is not ours to run."""
     row = first(conn, CLAIM, {"run_id": run_id, "job_id": job_id, "worker": worker, "lease": lease_seconds,
-                              "limit": concurrency_limit, "async_commit": get_settings().claim_async_commit})
+                              "limit": concurrency_limit, "async_commit": get_settings().claim_async_commit,
+                              "token": token})
     if row is None:
         return None
     del row["async_commit"]
@@ -455,6 +510,7 @@ _NEXT_IN_LINE = text(
     WITH next AS (
       SELECT id FROM job_queue
       WHERE job_id = :job_id AND concurrency_key = :key
+        AND (:key = '' OR workspace_id IS NOT DISTINCT FROM :workspace_id)   -- the freed slot's workspace
         AND state = 'queued' AND run_at <= now()   -- waiting for a slot, due
       ORDER BY priority DESC, run_at               -- priority decides who gets a freed slot
       LIMIT 1
@@ -466,9 +522,9 @@ _NEXT_IN_LINE = text(
 )
 
 
-def next_in_line(conn: Connection, job_id: str, key: str) -> uuid.UUID | None:
+def next_in_line(conn: Connection, job_id: str, key: str, workspace_id: str | None) -> uuid.UUID | None:
     """The queued run that should take a concurrency slot just freed (publish it after commit)."""
-    return conn.execute(_NEXT_IN_LINE, {"job_id": job_id, "key": key}).scalar()
+    return conn.execute(_NEXT_IN_LINE, {"job_id": job_id, "key": key, "workspace_id": workspace_id}).scalar()
 
 
 # --- step write and heartbeat --------------------------------------------------------
@@ -597,15 +653,18 @@ def suspend(conn: Connection, claim_: Claim, *, outcome: str, until: datetime | 
 
 
 _LOCK_WAIT = text("SELECT pg_advisory_xact_lock(hashtext('motir.wait:' || :name))")
-_FIND_EVENT = text(
+FIND_EVENT = Statement(
+    "find_event",
+    "step.wait_for_event's look-back: the first event of a name, in the run's workspace, matching since the wait began.",
     """
     SELECT id, name, data, received_at FROM job_event
-    WHERE name = :name
-      AND data #>> CAST(:path AS text[]) = :value   -- the waiter's field, as text
-      AND received_at >= :since                     -- only events since the wait began
+    WHERE name = %(name)s
+      AND workspace_id IS NOT DISTINCT FROM %(workspace_id)s   -- the waiting run's workspace (system: system events)
+      AND data #>> CAST(%(path)s AS text[]) = %(value)s      -- the waiter's field, as text
+      AND received_at >= %(since)s                           -- only events since the wait began
     ORDER BY received_at
     LIMIT 1
-    """
+    """,
 )
 
 
@@ -615,10 +674,13 @@ def lock_wait(conn: Connection, name: str) -> None:
     conn.execute(_LOCK_WAIT, {"name": name})
 
 
-def find_event(conn: Connection, name: str, path: list[str], value: str | None, since: datetime) -> Any:
+def find_event(conn: Connection, name: str, path: list[str], value: str | None, since: datetime,
+               workspace_id: str | None) -> dict[str, Any] | None:
+    """The event a waiter of ``workspace_id`` looks back for (``id``, ``name``, ``data``), or None."""
     if value is None:
         return None
-    return conn.execute(_FIND_EVENT, {"name": name, "path": path, "value": value, "since": since}).one_or_none()
+    return first(conn, FIND_EVENT, {"name": name, "path": path, "value": value, "since": since,
+                                    "workspace_id": workspace_id})
 
 
 def renew_lease(conn: Connection, claim_: Claim, lease_seconds: float) -> bool:
@@ -847,3 +909,13 @@ def cancel(conn: Connection, run_id: uuid.UUID) -> bool:
     """Cancel a queued or running run. A running one stops at its next step
     boundary: the claim token is cleared, so its next write is refused."""
     return bool(conn.execute(_CANCEL, {"run_id": run_id}).scalar())
+
+
+# --- the worker's renewer --------------------------------------------------------
+
+
+def renew_claims(conn: Connection, held: Sequence[tuple[uuid.UUID, uuid.UUID]], lease_seconds: float) -> set[uuid.UUID]:
+    """``renew_leases`` by (run id, claim token) pairs, what a worker's renewer knows of a
+    claim (core/leases.py); the run ids still held. The same statement, the same fence."""
+    params = {"lease": lease_seconds, "run_ids": [run_id for run_id, _ in held], "tokens": [token for _, token in held]}
+    return set(conn.execute(_RENEW_LEASES, params).scalars())

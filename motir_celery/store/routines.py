@@ -1,0 +1,138 @@
+"""The schema's functions and triggers, declared, and their drift detection.
+
+The migrations are the one source of every function body (a revision is frozen);
+this module declares what the head revision leaves behind — each function's
+identity, a digest of its body, whether it runs as its owner (``SECURITY DEFINER``,
+then with a fixed ``search_path``) and who may execute it — so that ``motir migrate
+--check`` reports a function replaced, dropped, added or granted by hand exactly as
+it reports a dropped index. The kinds:
+
+* **writers** (``motir_write_*``): the one INSERT of an event, a batch, a direct run;
+  owner's rights, executed by the engine role only;
+* **checked** (``motir_enqueue_*``): the app role's only way to write (migration
+  0008 lists their guards); owner's rights, executed by the app role only;
+* **dispatchers** (``motir_record_event``, ``motir_record_events``,
+  ``motir_direct_run``): what the code calls; the caller's rights; the engine role
+  goes to the writer, anyone else to the checked function;
+* the trigger ``motir_run_settled`` and its function (wakes a parent, cancels children).
+
+A digest is ``md5(prosrc)``: a new revision that changes a body changes its digest
+here too (``alembic check`` fails until it does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy.engine import Connection
+
+from motir_celery.store.driver import Statement, rows
+from motir_celery.store.rls import APP_ROLE, ENGINE_ROLE
+
+__all__ = ["Routine", "Trigger", "ROUTINES", "TRIGGERS", "compare_routines"]
+
+_EVENT = "text, jsonb, text, text, text, text[], integer[], text[], smallint[], text[], text[], text[]"
+_EVENTS = ("text[], jsonb[], text[], text[], text, integer[], text[], integer[], text[], smallint[], text[], "
+           "text[], text[]")
+_DIRECT = ("text, jsonb, text, text, timestamp with time zone, double precision, text, integer, text, smallint, "
+           "text, text, text, text, double precision")
+
+
+@dataclass(frozen=True)
+class Routine:
+    name: str
+    #: Argument types as ``pg_get_function_identity_arguments`` names them, without names.
+    args: str
+    #: ``md5(prosrc)`` of the body the head revision creates.
+    digest: str
+    definer: bool
+    #: Roles with EXECUTE (``PUBLIC`` for Postgres's default grant).
+    executors: frozenset[str]
+
+
+@dataclass(frozen=True)
+class Trigger:
+    name: str
+    table: str
+    function: str
+
+
+_BOTH = frozenset({APP_ROLE, ENGINE_ROLE})
+
+ROUTINES: tuple[Routine, ...] = (
+    Routine("motir_write_event", _EVENT, "4c604f0e09c5dbf6f4f8250d5abe03a7", True, frozenset({ENGINE_ROLE})),
+    Routine("motir_write_events", _EVENTS, "ce2799ff00b0b6a54612a9f13b5035fd", True, frozenset({ENGINE_ROLE})),
+    Routine("motir_write_direct", _DIRECT, "e2060fb4ab6455ca85a10077f86f0f12", True, frozenset({ENGINE_ROLE})),
+    Routine("motir_enqueue_event", _EVENT, "585b94b8721b20a85772a2316553b994", True, frozenset({APP_ROLE})),
+    Routine("motir_enqueue_events", _EVENTS, "2c03e00c3cac1a35446723bdef77715d", True, frozenset({APP_ROLE})),
+    Routine("motir_enqueue_direct", _DIRECT, "fdfde43107847247662d3f4e575ed790", True, frozenset({APP_ROLE})),
+    Routine("motir_record_event", _EVENT, "bf735b3b58ca6deff16ff5df44724687", False, _BOTH),
+    Routine("motir_record_events", _EVENTS, "fca985c94bc4ce22acfdf3e76b2e40be", False, _BOTH),
+    Routine("motir_direct_run", _DIRECT, "a76790aa09645a99063f4f846ce34ca7", False, _BOTH),
+    Routine("motir_on_run_settled", "", "cb7c3b8d917bd6913d0ce310ad46bd5e", False, frozenset({"PUBLIC"})),
+)
+
+TRIGGERS: tuple[Trigger, ...] = (Trigger("motir_run_settled", "job_queue", "motir_on_run_settled"),)
+
+LIVE_ROUTINES = Statement(
+    "live_routines",
+    "The schema's motir_* functions: identity, body digest, owner's rights, search_path, who may execute them.",
+    """
+    SELECT p.proname AS name, pg_get_function_identity_arguments(p.oid) AS named_args,
+           oidvectortypes(p.proargtypes) AS args, md5(p.prosrc) AS digest, p.prosecdef AS definer,
+           coalesce(EXISTS (SELECT 1 FROM unnest(p.proconfig) c WHERE c LIKE 'search_path=%%pg_temp'), false)
+             AS fixed_path,
+           ARRAY(SELECT coalesce(r.rolname, 'PUBLIC') FROM aclexplode(coalesce(p.proacl, acldefault('f', p.proowner))) a
+                 LEFT JOIN pg_roles r ON r.oid = a.grantee
+                 WHERE a.privilege_type = 'EXECUTE' AND a.grantee <> p.proowner) AS executors
+    FROM pg_proc p
+    WHERE p.pronamespace = current_schema()::regnamespace   -- this schema's
+      AND p.proname LIKE 'motir\\_%%'                         -- ours, by name
+    """,
+)
+LIVE_TRIGGERS = Statement(
+    "live_triggers",
+    "The schema's motir_* triggers: name, table, function.",
+    """
+    SELECT t.tgname AS name, c.relname AS table, p.proname AS function
+    FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid JOIN pg_proc p ON p.oid = t.tgfoid
+    WHERE NOT t.tgisinternal                                -- not a constraint's own trigger
+      AND c.relnamespace = current_schema()::regnamespace AND t.tgname LIKE 'motir\\_%%'
+    """,
+)
+
+
+def compare_routines(conn: Connection) -> list[tuple[str, Any]]:
+    """Differences between the declared and the live functions and triggers, as
+    ``(kind, subject)``: ``add_function``, ``remove_function``, ``change_function``
+    (body, owner's rights or search_path), ``grant_execute`` / ``revoke_execute``
+    (a role, PUBLIC included), ``add_trigger``, ``remove_trigger``."""
+    live = {(r["name"], r["args"]): r for r in rows(conn, LIVE_ROUTINES, {})}
+    diffs: list[tuple[str, Any]] = []
+    for routine in ROUTINES:
+        row = live.pop((routine.name, routine.args), None)
+        if row is None:
+            diffs.append(("add_function", f"{routine.name}({routine.args})"))
+            continue
+        signature = f"{routine.name}({row['named_args']})"
+        if (row["digest"] != routine.digest or row["definer"] != routine.definer
+                or (routine.definer and not row["fixed_path"])):
+            diffs.append(("change_function", signature))
+        executors = set(row["executors"])
+        for role in sorted(routine.executors - executors):
+            diffs.append(("grant_execute", (signature, role)))
+        for role in sorted(executors - routine.executors):
+            diffs.append(("revoke_execute", (signature, role)))
+    for name, args in sorted(live):
+        diffs.append(("remove_function", f"{name}({args})"))
+    triggers = {(r["name"], r["table"], r["function"]) for r in rows(conn, LIVE_TRIGGERS, {})}
+    for trigger in TRIGGERS:
+        key = (trigger.name, trigger.table, trigger.function)
+        if key in triggers:
+            triggers.discard(key)
+        else:
+            diffs.append(("add_trigger", trigger.name))
+    for name, table, _function in sorted(triggers):
+        diffs.append(("remove_trigger", f"{name} ON {table}"))
+    return diffs
