@@ -17,8 +17,10 @@ URL's user and the engine's roles are in ``auth_file``, and any other login (one
 test creates at runtime) is looked up on the server with ``auth_query`` as the URL's
 user (``auth_user``). In production use ``auth_type = scram-sha-256`` instead.
 
-PgBouncer refuses to run as root: as root it is started as the ``postgres`` user
-(else ``nobody``), its folder handed to that user. It runs in the foreground as
+PgBouncer refuses to run as root: as root it is started as the owner of the upstream's
+socket folder when that is a Unix socket (the embedded Postgres of ``make test`` keeps its
+socket in its 0700 data folder, owned by its own user), else as ``postgres`` (else
+``nobody``), its folder handed to that user. It runs in the foreground as
 our child and is stopped by its pid (SIGINT: a safe shutdown), never by name.
 """
 
@@ -71,6 +73,23 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _unprivileged_user(upstream_host: str) -> pwd.struct_passwd | None:
+    """Whom to run PgBouncer as under root: one that can reach the upstream."""
+    if upstream_host.startswith("/"):  # a socket folder: only its owner may be able to enter it
+        try:
+            owner = pwd.getpwuid(os.stat(upstream_host).st_uid)
+        except (OSError, KeyError):
+            owner = None
+        if owner is not None and owner.pw_uid != 0:
+            return owner
+    for name in ("postgres", "nobody"):
+        try:
+            return pwd.getpwnam(name)
+        except KeyError:
+            continue
+    return None
+
+
 class PgBouncer:
     """One PgBouncer of our own. ``start()``, then ``url(...)``, ``show(...)``, ``stop()``."""
 
@@ -91,12 +110,7 @@ class PgBouncer:
         self.user = self.upstream.username or "postgres"
         self._run_as: pwd.struct_passwd | None = None
         if os.geteuid() == 0:
-            for name in ("postgres", "nobody"):
-                try:
-                    self._run_as = pwd.getpwnam(name)
-                    break
-                except KeyError:
-                    continue
+            self._run_as = _unprivileged_user(self.upstream_host)
 
     # --- addresses -----------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any
 
@@ -230,13 +231,17 @@ def test_doctor_reports_every_check_with_ok_or_fail_and_a_fix(env, engine) -> No
         assert any(line.split("  ")[0] in ("OK", "FAIL", "WARN") and name in line for line in result.stdout.splitlines()), name
     checks = _checks(motir("doctor", "--timeout", "1", "--json", ok=False))
     assert {n: c["status"] for n, c in checks.items() if n != "workers"} == {
-        "database": "OK", "migrations": "OK", "roles": "OK", "row-level security": "FAIL",
+        "database": "OK", "migrations": "OK", "roles": "OK", "row-level security": "WARN",
         "sweeper": "OK", "queue": "OK", "dlq": "OK", "broker": "OK"}
     assert checks["workers"]["status"] == "FAIL" and "celery -A motir_celery worker" in checks["workers"]["fix"]
     # No MOTIR_APP_DATABASE_URL: the engine's login drops to motir_app, and RESET ROLE undoes it.
+    # Development mode works as intended: a WARN with its reason (doctor --strict fails on it).
     rls_check = checks["row-level security"]
     assert "development mode" in rls_check["detail"] and "enforced for motir_app" in rls_check["detail"]
     assert "superuser" in rls_check["detail"] and "MOTIR_APP_DATABASE_URL" in rls_check["fix"]
+    assert "--strict" in rls_check["fix"]
+    # Every check that is not OK says what to do.
+    assert all(c["fix"] for c in checks.values() if c["status"] != "OK"), checks
 
 
 def test_doctor_says_ok_for_rls_only_with_app_and_admin_logins_that_cannot_leave_their_roles(
@@ -273,8 +278,21 @@ def test_doctor_is_all_ok_with_a_worker_that_consumes_the_queue_and_knows_the_jo
     monkeypatch.setattr(doctor, "all_jobs", lambda: mine)
     with celery_worker(tmp_path, broker=broker_url, concurrency=1):
         result = motir("doctor", "--timeout", "2")
-    assert "FAIL" not in result.stdout
+        strict = motir("doctor", "--timeout", "2", "--strict")  # a deploy pipeline's gate passes too
+        env.delenv("MOTIR_APP_DATABASE_URL")  # development mode, as `make run` and the examples
+        env.delenv("MOTIR_ADMIN_DATABASE_URL")
+        reset_settings()
+        dev = motir("doctor", "--timeout", "2")  # a WARN: exit 0
+        dev_strict = motir("doctor", "--timeout", "2", "--strict", ok=False)
+        dev_json = json.loads(motir("doctor", "--timeout", "2", "--strict", "--json", ok=False).stdout)
+    assert "FAIL" not in result.stdout and "WARN" not in result.stdout, result.stdout
     assert "OK    workers" in result.stdout and "motir job(s) registered" in result.stdout
+    assert strict.exit_code == 0 and "WARN" not in strict.stdout
+    assert dev.exit_code == 0 and "FAIL" not in dev.stdout, dev.stdout
+    assert re.search(r"WARN\s+row-level security\s+development mode", dev.stdout), dev.stdout
+    assert dev_strict.exit_code == 1 and "FAIL" not in dev_strict.stdout, dev_strict.stdout
+    assert dev_json["ok"] is False and dev_json["strict"] is True
+    assert [c["name"] for c in dev_json["checks"] if c["status"] != "OK"] == ["row-level security"]
 
 
 def test_doctor_blames_the_sweeper_for_a_lease_that_expired_long_ago_and_reports_the_oldest_due_run(env, engine) -> None:  # type: ignore[no-untyped-def]

@@ -736,10 +736,14 @@ def jobs(slots: int, as_json: bool) -> None:
               help="Seconds to wait for the database, broker and workers.")
 @click.option("--max-wait", default="5m", show_default=True,
               help="Fail when the oldest due run has waited longer than this.")
+@click.option("--strict", is_flag=True,
+              help="Exit 1 on a WARN too (development mode, no admin login, open DLQ entries): for deploy pipelines.")
 @json_option
-def doctor(timeout: float, max_wait: str, as_json: bool) -> None:
-    """Check the database, migrations, roles and RLS, broker, workers, sweeper, queue and DLQ."""
-    from motir_celery.ops.doctor import run_checks
+def doctor(timeout: float, max_wait: str, strict: bool, as_json: bool) -> None:
+    """Check the database, migrations, roles and RLS, broker, workers, sweeper, queue and DLQ.
+
+    Exit 1 on any FAIL; with --strict on any WARN too."""
+    from motir_celery.ops.doctor import exit_status, run_checks
 
     try:
         wait = parse_duration(max_wait).total_seconds()
@@ -755,10 +759,11 @@ def doctor(timeout: float, max_wait: str, as_json: bool) -> None:
             click.echo(f"{click.style(check.status.ljust(4), fg=colour)}  {check.name.ljust(18)}  {check.detail}")
             if check.fix:
                 click.echo(f"{'':4}  {'':18}  fix: {check.fix}")
+    status = exit_status(checks, strict=strict)
     if as_json:
-        _print_json({"ok": not any(c.failed for c in checks), "checks": checks})
-    if any(c.failed for c in checks):
-        sys.exit(1)
+        _print_json({"ok": status == 0, "strict": strict, "checks": checks})
+    if status:
+        sys.exit(status)
 
 
 # --- purge -----------------------------------------------------------------------

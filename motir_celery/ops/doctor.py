@@ -1,5 +1,10 @@
 """``motir doctor``: is this deployment able to run jobs? One line per check, each with its fix.
 
+A FAIL means jobs do not run, or tenants are not kept apart, as configured; a WARN is a
+set-up that works but is not one to deploy as it is (development mode, no admin login,
+open DLQ entries). ``motir doctor`` exits 1 on a FAIL; ``--strict`` (deploy pipelines)
+on a WARN too. Every check that is not OK says what to do.
+
 Checks, in order (later ones are skipped when the database is unreachable):
 
 1. database reachable — the engine URL, with a short connect timeout;
@@ -8,12 +13,15 @@ Checks, in order (later ones are skipped when the database is unreachable):
 3. roles — ``motir_app``, ``motir_admin`` and ``motir_engine`` exist;
 4. row-level security — enabled with its two policies on each table, the
    roles' grants as declared (no UPDATE or DELETE for the app role), and
-   *active* for the app connection (``row_security_active``); FAIL when the
-   app connection's login can leave the app role: a superuser, BYPASSRLS, the
-   owner, the engine or an admin member that ``RESET ROLE`` returns to — which
-   is what development mode (no ``MOTIR_APP_DATABASE_URL``) always is — or an
-   app login that is itself a member of ``motir_admin`` (it could set
-   ``motir.system_admin`` for itself). The admin login (``MOTIR_ADMIN_DATABASE_URL``)
+   *active* for the app connection (``row_security_active``); FAIL when
+   ``MOTIR_APP_DATABASE_URL``'s login can leave the app role (a superuser,
+   BYPASSRLS, the owner, the engine or an admin member that ``RESET ROLE``
+   returns to), or is itself a member of ``motir_admin`` (it could set
+   ``motir.system_admin`` for itself). Development mode (no
+   ``MOTIR_APP_DATABASE_URL``: the engine's login drops to the app role with
+   ``SET LOCAL ROLE``) is a WARN naming the roles ``RESET ROLE`` returns to: it
+   catches mistakes, not attackers, which is what ``make run`` and the examples
+   want and a deployment does not. The admin login (``MOTIR_ADMIN_DATABASE_URL``)
    must be a member of ``motir_admin`` and bypass nothing;
 5. broker reachable;
 6. workers alive — answer a Celery ping, consume this engine's queue, and know
@@ -47,20 +55,30 @@ from motir_celery.store.db import set_workspace_context
 from motir_celery.store.models import Base
 from motir_celery.store.rls import ADMIN_ROLE, compare_grants, policies_of
 
-__all__ = ["Check", "run_checks"]
+__all__ = ["Check", "run_checks", "exit_status"]
 
 
 @dataclass(frozen=True)
 class Check:
     name: str
-    #: "OK", "FAIL" or "WARN" (a warning does not fail ``motir doctor``).
+    #: "OK", "FAIL" or "WARN" (a warning fails ``motir doctor --strict`` only).
     status: str
     detail: str
+    #: What to do; every check that is not OK has one.
     fix: str = ""
 
     @property
     def failed(self) -> bool:
         return self.status == "FAIL"
+
+    def fails(self, *, strict: bool = False) -> bool:
+        """Whether this check fails ``motir doctor`` (``--strict``: a WARN does too)."""
+        return self.status == "FAIL" or (strict and self.status == "WARN")
+
+
+def exit_status(checks: list[Check], *, strict: bool = False) -> int:
+    """``motir doctor``'s exit status: 1 when a check fails (with ``strict``, a WARN counts), else 0."""
+    return 1 if any(c.fails(strict=strict) for c in checks) else 0
 
 
 def _ok(name: str, detail: str) -> Check:
@@ -224,11 +242,15 @@ def _rls(engine: Engine, settings: Settings) -> Check:
                      "MOTIR_APP_DATABASE_URL must log in as motir_app (not a superuser, not BYPASSRLS)")
     login, exits = escape
     if not settings.app_database_url:
-        return _fail("row-level security",
-                     f"development mode: enforced for {row.who} only while the engine's login ({login}) keeps "
-                     f"SET LOCAL ROLE; RESET ROLE returns to {login} ({', '.join(exits) or 'another role'})",
-                     "set MOTIR_APP_DATABASE_URL to a login that is only a member of motir_app "
-                     "(and MOTIR_ADMIN_DATABASE_URL for admin reads)")
+        # Development mode works as intended (make run, the examples): a WARN, which
+        # `motir doctor --strict` (a deploy pipeline) fails on.
+        return Check("row-level security", "WARN",
+                     f"development mode (no MOTIR_APP_DATABASE_URL): enforced for {row.who} only while the engine's "
+                     f"login ({login}) keeps SET LOCAL ROLE; RESET ROLE returns to {login} "
+                     f"({', '.join(exits) or 'another role'}), so it catches mistakes, not an attacker",
+                     "fine on a developer's machine; to deploy, set MOTIR_APP_DATABASE_URL to a login that is only "
+                     "a member of motir_app (and MOTIR_ADMIN_DATABASE_URL for admin reads); "
+                     "`motir doctor --strict` fails until then")
     if exits:
         return _fail("row-level security", f"the app login {login} can leave the app role: it is or may become "
                      f"{', '.join(exits)}",
@@ -287,13 +309,21 @@ def _admin_login(settings: Settings) -> Check | None:
 
 
 def _pooler(conn: Any, settings: Settings) -> Check | None:
-    """Through a pooler (PgBouncer) the server listens on another port than the URL names:
-    then prepared statements must be off if it pools transactions. None when direct."""
-    url_port = make_url(settings.database_url or "").port or 5432
+    """Through a pooler (PgBouncer) the server sees another connection than the URL names (another
+    port, or a Unix socket behind a TCP URL): then prepared statements must be off if it pools
+    transactions. None when direct."""
+    url = make_url(settings.database_url or "")
+    query = {k: (v[-1] if isinstance(v, tuple) else v) for k, v in url.query.items()}
+    host = url.host or query.get("host") or ""
+    if not host or host.startswith("/"):
+        return None  # the URL names a Unix socket: a connection to the server itself, as far as we can tell
+    url_port = url.port or int(query.get("port") or 5432)
     server_port = conn.execute(text("SELECT inet_server_port()")).scalar()
-    if server_port is None or server_port == url_port:
-        return None  # direct (or a Unix socket): nothing to say
-    where = (f"MOTIR_DATABASE_URL names port {url_port}, the server listens on {server_port}: "
+    if server_port == url_port:
+        return None  # direct: nothing to say
+    # NULL: the server sees a Unix-socket connection, though this process connected over TCP.
+    server = f"listens on {server_port}" if server_port is not None else "sees a Unix-socket connection"
+    where = (f"MOTIR_DATABASE_URL names port {url_port}, the server {server}: "
              "a pooler or proxy sits in between")
     if not settings.prepared_statements:
         return _ok("pooler", where + "; prepared statements are off, as transaction pooling needs")

@@ -1,9 +1,13 @@
 """The example's settings: a minimal Django project on PostgreSQL, with motir-celery."""
 
 import os
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
+# DATABASE_URL as libpq spells it: a TCP host (postgresql://user@host:5432/db) or a Unix
+# socket folder in the query (postgresql://user@/db?host=/run/pg&port=5432, as the embedded
+# Postgres of `make test` gives it). A host or port in the query is used when present.
 _db = urlsplit(os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/shop"))
+_query = {k: v[-1] for k, v in parse_qs(_db.query).items()}
 
 SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "example-only-not-a-secret")
 DEBUG = True
@@ -31,8 +35,8 @@ DATABASES = {
         "NAME": _db.path.lstrip("/"),
         "USER": unquote(_db.username or ""),
         "PASSWORD": unquote(_db.password or ""),
-        "HOST": _db.hostname or "",
-        "PORT": str(_db.port or ""),
+        "HOST": _query.get("host") or _db.hostname or "",
+        "PORT": _query.get("port") or str(_db.port or ""),
     }
 }
 
