@@ -40,6 +40,9 @@ class Settings:
     engine_role: str = "motir_engine"
     #: How long a claim holds a run without a heartbeat.
     lease_seconds: float = 60.0
+    #: How long one attempt's lease is renewed at most, for a job with no ``time_limit=``
+    #: (nor a worker time limit): past it, a process wedged with its run alive loses it.
+    max_hold_seconds: float = 3600.0
     #: Sweeper period (reclaim expired leases, re-publish lost messages).
     sweep_interval: float = 10.0
     #: A due queued run whose message is older than this is re-published.
@@ -83,6 +86,7 @@ class Settings:
             app_role=_identifier(env, "MOTIR_APP_ROLE", "motir_app"),
             engine_role=_identifier(env, "MOTIR_ENGINE_ROLE", "motir_engine"),
             lease_seconds=_positive(env, "MOTIR_LEASE_SECONDS", 60.0),
+            max_hold_seconds=_positive(env, "MOTIR_MAX_HOLD_SECONDS", 3600.0),
             sweep_interval=_positive(env, "MOTIR_SWEEP_INTERVAL", 10.0),
             republish_after=_positive(env, "MOTIR_REPUBLISH_AFTER", 60.0),
             max_payload_bytes=_count(env, "MOTIR_MAX_PAYLOAD_BYTES", 1_000_000),

@@ -189,3 +189,53 @@ def throttled(event: Any, step: Any) -> Any:
 def prio_worker(event: Any, step: Any) -> Any:
     """One at a time (limit 1): the order the runs execute in is the priority order."""
     return step.run("work", _interval, event, f"prio-{event.data['label']}", float(event.data.get("sleep", 0.2)))
+
+
+# --- heartbeats a GIL-holding body cannot starve (tests/test_heartbeats.py) ---------
+
+import math  # noqa: E402
+import re  # noqa: E402
+
+#: Backtracks in C along every way of writing n as 1s and 2s (Fibonacci(n) of them: each
+#: character more is x1.6), never releasing the GIL; a finer step than (a+)+$'s x2.
+_GIL_PATTERN = re.compile(r"(a|aa)+$")
+
+
+def _hold_the_gil(step: Any, seconds: float) -> dict[str, float]:
+    """Hold the GIL for ``seconds`` at least in one C call, sized by the fastest of three
+    short ones first. Timed in this thread's CPU time: the wall clock would count the
+    other threads that run between the calls, and a call's CPU time is a lower bound of
+    how long it held the GIL. Returns that bound."""
+    record(step, "gil")
+    probe, took = 26, float("inf")
+    for _ in range(3):
+        started = time.thread_time()
+        _GIL_PATTERN.match("a" * probe + "b")
+        took = min(took, max(time.thread_time() - started, 1e-3))
+    n = probe + max(0, math.ceil(math.log(seconds / took, (1 + 5 ** 0.5) / 2)))
+    started = time.thread_time()
+    _GIL_PATTERN.match("a" * n + "b")
+    return {"n": n, "held": time.thread_time() - started}
+
+
+@define_job("test.gil-hog", retry_policy=FAST)
+def gil_hog(step: Any, seconds: float) -> Any:
+    step.run("before", _effect, step, "before", 1)
+    held = step.run("gil", _hold_the_gil, step, seconds)
+    step.run("after", _effect, step, "after", 2)
+    return held
+
+
+@define_job("test.beside", retry_policy=FAST)
+def beside(step: Any, sleep: float) -> Any:
+    """Three steps that sleep (the GIL released): a run in flight beside a GIL-holding one."""
+    for name in ("a", "b", "c"):
+        step.run(name, _effect, step, name, name, sleep)
+    return "done"
+
+
+@define_job("test.long-first", retry_policy=FAST)
+def long_first(step: Any, seconds: float) -> Any:
+    """One step, long on the first attempt only: a run whose process a test kills."""
+    step.run("long", _effect, step, "long", 1, seconds if step.attempt == 1 else 0.0)
+    return "done"

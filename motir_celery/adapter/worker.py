@@ -1,13 +1,17 @@
-"""The worker's side thread: the heartbeats of the runs its process holds, and the sweeper.
+"""The worker's side duties: its lease renewer, its heartbeats and its sweeper.
 
-The one place that starts and supervises a worker's side duties. One daemon
-thread per process (``forks.per_process``: a prefork child gets its own on its
-first run), ticking about once a second:
+The one place that starts and supervises them:
 
-* heartbeats (``core/leases.py``) in every process that runs runs;
-* the sweep (``core/sweeper.py``) every ``MOTIR_SWEEP_INTERVAL`` in the worker's
-  main process (``EngineStep``, a bootstep), where the solo and threads pools
-  also run their runs; through the fleet's sweep slot, so one host per period sweeps.
+* the renewer (``adapter/renewer.py``), a process of its own per worker that
+  renews the leases every process of the worker holds, so a body holding its
+  process's GIL cannot starve them; started by ``EngineStep`` (a bootstep) in
+  the worker's main process, whose engine thread starts it again if it dies;
+* one engine thread per process (``forks.per_process``: a prefork child gets its
+  own on its first run), ticking about once a second: it keeps in touch with the
+  renewer, or renews the process's leases itself while the renewer is away
+  (``core/leases.py``); and in the main process (where the solo and threads pools
+  also run their runs) it sweeps (``core/sweeper.py``) every
+  ``MOTIR_SWEEP_INTERVAL``, through the fleet's sweep slot, so one host per period sweeps.
 
 Each duty uses a connection of its own (``db.side_engine``), so a busy run pool
 cannot starve it. A duty that fails is logged and tried again next tick; a
@@ -15,15 +19,15 @@ thread that died anyway is started again by the next run.
 
 At the worker's shutdown only the sweep stops. Celery stops this bootstep
 before its pool has drained (a warm shutdown finishes the runs in hand), and
-in the solo and threads pools those runs' heartbeats are this thread's: stopped
-with it, their leases ran out mid-run (measured: -3 s on a 3 s lease) and
-another worker's sweeper could hand them out again. The heartbeats end with
-the process (a daemon thread); a run still unsettled then is its lease's to
-recover.
+those runs still need their heartbeats (measured when the threads pool's ended
+here: -3 s on a 3 s lease, and another worker's sweeper could hand them out
+again). The renewer ends after the worker's main process, the engine threads
+with their processes; a run still unsettled then is its lease's to recover.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import random
 import threading
@@ -33,6 +37,7 @@ from typing import Any, Callable
 from celery import bootsteps
 
 from motir_celery.adapter.messages import publisher
+from motir_celery.adapter.renewer import Supervisor
 from motir_celery.core import leases, sweeper
 from motir_celery.core.publish import Publish
 from motir_celery.forks import per_process
@@ -50,10 +55,13 @@ class EngineThread:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._sweep: Callable[[], object] | None = None
+        self._supervise: Callable[[], object] | None = None
 
-    def ensure(self, publish: Publish | None = None) -> None:
-        """Running from now on (sweeping too, with ``publish``)."""
+    def ensure(self, publish: Publish | None = None, supervise: Callable[[], object] | None = None) -> None:
+        """Running from now on (sweeping too, with ``publish``; calling ``supervise`` every tick)."""
         with self._lock:
+            if supervise is not None:
+                self._supervise = supervise
             if publish is not None:
                 settings = get_settings()
                 self._sweep = lambda: sweeper.sweep(publish, settings=settings, once_per_period=True)
@@ -80,6 +88,9 @@ class EngineThread:
         # then sweep spread over it rather than all at once, every period after.
         next_sweep = time.monotonic() + random.uniform(0.0, settings.sweep_interval)
         while not self._stop.wait(tick):
+            supervise = self._supervise
+            if supervise is not None:
+                _duty("lease renewer supervision", supervise)
             _duty("lease renewal", leases.renew_due)
             sweep = self._sweep
             if sweep is not None and time.monotonic() >= next_sweep:
@@ -98,7 +109,8 @@ engine_thread = per_process(EngineThread)
 
 
 class EngineStep(bootsteps.StartStopStep):
-    """In the worker's main process: size the pool for the threads pool, start the sweeper (and stop it)."""
+    """In the worker's main process: size the pool for the threads pool, start the
+    renewer and the sweeper (and stop the sweeper)."""
 
     label = "motir engine"
 
@@ -107,9 +119,17 @@ class EngineStep(bootsteps.StartStopStep):
         pool_name = pool if isinstance(pool, str) else getattr(pool, "__module__", "") or ""
         if "thread" in pool_name:
             size_pool_for(int(worker.concurrency or 1))
+        # Here, before any pool child is forked (they inherit the socket's path), and
+        # started now: it gets ready while the rest of the worker boots.
+        self.renewer = Supervisor()
+        atexit.register(self.renewer.cleanup)
+        limit = getattr(worker, "time_limit", None)
+        leases.use_renewer(self.renewer.path, time_limit=float(limit) if isinstance(limit, (int, float)) else None)
+        self.renewer.spawn()
 
     def start(self, worker: Any) -> None:
-        engine_thread().ensure(publisher(worker.app))
+        self.renewer.wait()  # before the consumer starts: no run is held before it listens
+        engine_thread().ensure(publisher(worker.app), supervise=self.renewer.check)
 
     def stop(self, worker: Any) -> None:
         # Not engine_thread().stop(): this runs before the pool drains (see the module docstring).

@@ -99,22 +99,24 @@ def _execute(engine: Engine, run_uuid: uuid.UUID, job_id: str, worker: str, publ
              settings: Settings) -> Outcome:
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         limit = concurrency.limit_of(job_id)
-        claim = (statements.claim(conn, run_uuid, job_id=job_id, worker=worker,
-                                  lease_seconds=settings.lease_seconds) if limit is None else
-                 concurrency.claim_limited(engine, run_uuid, job_id, worker, settings.lease_seconds, limit))
-        if claim is None:
-            # Duplicate or stale delivery, a run not due yet, or a forged id: ack and do nothing.
-            log.debug("run %s of %s not claimable (duplicate, stale, not due or unknown)", run_uuid, job_id)
-            return Outcome(str(run_uuid), "skipped", "not claimable")
-        try:
-            with leases.hold(claim, settings.lease_seconds), \
-                    run_span(claim.job_id, str(claim.run_id), claim.attempt, claim.traceparent):
-                outcome = _attempt(claim, conn, engine, publish, settings)
-            invoke.after_settle(conn, claim, outcome.state, publish)  # a child's settle may wake its parent
-            return outcome
-        finally:
-            if claim.concurrency_key is not None:
-                concurrency.free_slot(engine, claim, publish)
+        # Held from before the claim, under the token the claim then stores: the lease is
+        # renewed from the claim's commit on, whatever else holds this process's GIL.
+        with leases.hold(run_uuid, job_id, settings) as token:
+            claim = (statements.claim(conn, run_uuid, job_id=job_id, worker=worker,
+                                      lease_seconds=settings.lease_seconds, token=token) if limit is None else
+                     concurrency.claim_limited(engine, run_uuid, job_id, worker, settings.lease_seconds, limit, token))
+            if claim is None:
+                # Duplicate or stale delivery, a run not due yet, or a forged id: ack and do nothing.
+                log.debug("run %s of %s not claimable (duplicate, stale, not due or unknown)", run_uuid, job_id)
+                return Outcome(str(run_uuid), "skipped", "not claimable")
+            try:
+                with run_span(claim.job_id, str(claim.run_id), claim.attempt, claim.traceparent):
+                    outcome = _attempt(claim, conn, engine, publish, settings)
+                invoke.after_settle(conn, claim, outcome.state, publish)  # a child's settle may wake its parent
+                return outcome
+            finally:
+                if claim.concurrency_key is not None:
+                    concurrency.free_slot(engine, claim, publish)
 
 
 def _attempt(claim: statements.Claim, conn: Connection, engine: Engine, publish: Publish | None,

@@ -1,0 +1,249 @@
+"""The worker's renewer: a process of its own that renews its worker's leases.
+
+A step body that holds its process's GIL (a C call that never lets go of it)
+freezes every thread of that process, the heartbeat's too. So a worker's leases
+are renewed from here, one small process per worker that runs no body, started
+by the worker's bootstep (``Supervisor``, in ``adapter/worker.py``). Each process
+of the worker that holds runs (the main one under solo and threads, each child
+under prefork) keeps a connection to its Unix socket, in a directory only the
+worker's user may enter, and writes one line per claim it holds and releases
+(``core/leases.py``; no database round trip on a run's path).
+
+A connection per holding process, rather than a file or shared memory, because
+the kernel closes it when that process dies, however it dies: the renewer then
+forgets that process's claims at once (their leases run out and the sweeper
+reclaims the runs, as when nothing renewed them), with no pid to poll or to be
+reused, and no lock shared between processes. The rest it renews in one fenced
+statement per lease length (``statements.renew_claims``), each claim until its
+bound. It ignores SIGINT and SIGTERM (a warm shutdown's runs still need their
+heartbeats) and ends when its worker's main process does. If it dies anyway,
+the holders renew their leases themselves (WARNING) until the worker's engine
+thread has started it again, and then tell it of their claims again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import selectors
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from motir_celery.core import leases
+from motir_celery.settings import get_settings
+from motir_celery.store.db import side_engine
+
+__all__ = ["Supervisor", "Renewer", "main"]
+
+log = logging.getLogger("motir_celery.renewer")
+
+#: How long the worker waits for a renewer it started to listen.
+READY_TIMEOUT = 15.0
+#: A line longer than this is no holder's: the connection is closed (its holder then tells again).
+MAX_LINE = 1024
+
+
+@dataclass
+class _Holder:
+    sock: socket.socket
+    pid: int | None = None
+    buffer: bytes = b""
+    tokens: set[uuid.UUID] = field(default_factory=set)
+
+
+class Renewer:
+    """The renewer process's loop: holders' lines in on one thread, renewals on the other."""
+
+    def __init__(self, path: str, worker_pid: int) -> None:
+        self.path = path
+        self.worker_pid = worker_pid
+        self.ledger = leases.Ledger()
+        self.selector = selectors.DefaultSelector()
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            os.unlink(path)  # a renewer before this one that died
+        except FileNotFoundError:
+            pass
+        self.listener.bind(path)
+        self.listener.listen(128)
+        self.listener.setblocking(False)
+        self.selector.register(self.listener, selectors.EVENT_READ, None)
+
+    def serve(self) -> None:
+        threading.Thread(target=self._read, name="motir-renewer-reader", daemon=True).start()
+        settings = get_settings()
+        log.info("lease renewer for worker pid %d listening at %s", self.worker_pid, self.path)
+        while os.getppid() == self.worker_pid:
+            try:
+                self.ledger.renew_due(side_engine)
+            except Exception:  # noqa: BLE001 — a database blip: next tick
+                log.warning("lease renewal failed", exc_info=True)
+            with self.ledger.lock:
+                shortest = min([settings.lease_seconds, *(lease.seconds for lease in self.ledger.leases.values())])
+            time.sleep(min(1.0, shortest / 6))  # a renewal due at lease / 3 is never late by more than lease / 6
+        log.info("lease renewer: worker pid %d is gone; exiting", self.worker_pid)
+        try:
+            os.unlink(self.path)
+            os.rmdir(os.path.dirname(self.path))
+        except OSError:
+            pass
+
+    def _read(self) -> None:
+        while True:
+            for key, _ in self.selector.select(timeout=1.0):
+                if key.data is None:
+                    self._accept()
+                else:
+                    self._receive(key.data)
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self.listener.accept()
+        except BlockingIOError:
+            return
+        sock.setblocking(False)
+        self.selector.register(sock, selectors.EVENT_READ, _Holder(sock))
+
+    def _receive(self, holder: _Holder) -> None:
+        try:
+            data = holder.sock.recv(65536)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._gone(holder, str(exc))
+            return
+        if not data:
+            self._gone(holder, "its connection closed")
+            return
+        *lines, holder.buffer = (holder.buffer + data).split(b"\n")
+        now = time.monotonic()
+        for raw in lines:
+            try:
+                item = leases.parse(raw.decode("ascii"), now)
+            except (ValueError, UnicodeDecodeError) as exc:
+                log.error("lease renewer: holder pid %s wrote a line that is not the protocol (%s); closing its "
+                          "connection (it renews in process and tells its claims again)", holder.pid, exc)
+                self._gone(holder, "protocol error")
+                return
+            if isinstance(item, leases.Lease):
+                holder.tokens.add(item.token)
+                self.ledger.add(item)
+            elif isinstance(item, uuid.UUID):
+                holder.tokens.discard(item)
+                self.ledger.drop(item)
+            else:
+                holder.pid = item
+        if len(holder.buffer) > MAX_LINE:
+            log.error("lease renewer: holder pid %s wrote a line of over %d bytes; closing its connection",
+                      holder.pid, MAX_LINE)
+            self._gone(holder, "protocol error")
+
+    def _gone(self, holder: _Holder, why: str) -> None:
+        self.selector.unregister(holder.sock)
+        holder.sock.close()
+        forgotten = [lease for token in holder.tokens if (lease := self.ledger.drop(token)) is not None]
+        if forgotten:
+            log.warning("lease renewer: holder pid %s is gone (%s): the leases of its %d run(s) are no longer "
+                        "renewed (the sweeper reclaims them when they run out): %s", holder.pid, why,
+                        len(forgotten), ", ".join(str(lease.run_id) for lease in forgotten[:20]))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m motir_celery.adapter.renewer")
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("--worker-pid", type=int, required=True)
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    # Stopped only by its worker's end (a warm shutdown still needs the heartbeats), or SIGKILL.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="[%(asctime)s: %(levelname)s/motir-renewer %(process)d] %(message)s")
+    Renewer(args.socket, args.worker_pid).serve()
+
+
+# --- in the worker's main process ---------------------------------------------------
+
+
+class Supervisor:
+    """Starts the worker's renewer, and starts it again when it has died."""
+
+    def __init__(self) -> None:
+        self.directory = tempfile.mkdtemp(prefix="motir-renewer-")  # 0700: the worker's user only
+        self.path = os.path.join(self.directory, "socket")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._started_at = 0.0
+        self._backoff = 1.0
+        self._next_start = 0.0
+        self._lock = threading.Lock()
+
+    def spawn(self) -> None:
+        """Start the renewer (``wait`` until it listens)."""
+        with self._lock:
+            level = logging.getLevelName(logging.getLogger("motir_celery").getEffectiveLevel())
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "motir_celery.adapter.renewer", "--socket", self.path,
+                 "--worker-pid", str(os.getpid()), "--log-level", str(level)],
+                stdin=subprocess.DEVNULL, close_fds=True)
+            self._started_at = time.monotonic()
+
+    def wait(self) -> bool:
+        """Wait until the renewer listens; ``False`` (WARNING) if it does not."""
+        proc = self.proc
+        if proc is None:
+            return False
+        deadline = self._started_at + READY_TIMEOUT
+        while time.monotonic() < deadline and proc.poll() is None:
+            if _listening(self.path):
+                log.info("lease renewer started (pid %d)", proc.pid)
+                return True
+            time.sleep(0.02)
+        log.warning("the lease renewer (pid %d) did not start listening (exit status %s): this worker's "
+                    "processes renew their leases themselves until it does", proc.pid, proc.poll())
+        return False
+
+    def check(self) -> None:
+        """The engine thread's tick in the main process: start the renewer again if it died."""
+        proc = self.proc
+        if proc is None or proc.poll() is None:
+            return
+        now = time.monotonic()
+        if now < self._next_start:
+            return
+        # Started again at once the first time; a renewer that keeps dying, at most every minute.
+        self._backoff = 1.0 if now - self._started_at > 60 else min(60.0, self._backoff * 2)
+        self._next_start = now + self._backoff
+        log.warning("the lease renewer (pid %d) exited with status %s; starting it again (meanwhile this "
+                    "worker's processes renew their leases themselves)", proc.pid, proc.returncode)
+        self.spawn()
+        self.wait()
+
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _listening(path: str) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+if __name__ == "__main__":
+    main()
