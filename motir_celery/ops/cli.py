@@ -228,7 +228,9 @@ def main(app_path: str | None) -> None:
               help="Give motir_app / motir_engine LOGIN with the passwords in $MOTIR_APP_PASSWORD / "
                    "$MOTIR_ENGINE_PASSWORD, and motir_admin with $MOTIR_ADMIN_PASSWORD when it is set "
                    "(never taken from the command line).")
-def migrate(check: bool, set_role_passwords: bool) -> None:
+@click.option("--to", "revision", default="head", show_default=True,
+              help="Stop at this revision: the expand step of a rolling deploy (docs/operations.md, Deploy order).")
+def migrate(check: bool, set_role_passwords: bool, revision: str) -> None:
     """Upgrade the schema to head (as the owner: MOTIR_MIGRATE_DATABASE_URL, else MOTIR_DATABASE_URL)."""
     from sqlalchemy import make_url
 
@@ -247,9 +249,9 @@ def migrate(check: bool, set_role_passwords: bool) -> None:
             raise click.ClickException(f"schema drift:\n{exc}") from None
         click.echo("no drift: the database matches the models, RLS policies and grants included")
         return
-    _progress(f"upgrading {where} to head…")
-    m.upgrade(url)
-    click.echo(f"migrated: {where} is at head")
+    _progress(f"upgrading {where} to {revision}…")
+    m.upgrade(url, revision)
+    click.echo(f"migrated: {where} is at {revision}")
     if set_role_passwords:
         _set_role_passwords(url, settings)
 
