@@ -239,3 +239,10 @@ def long_first(step: Any, seconds: float) -> Any:
     """One step, long on the first attempt only: a run whose process a test kills."""
     step.run("long", _effect, step, "long", 1, seconds if step.attempt == 1 else 0.0)
     return "done"
+
+
+@define_job("test.time-limited", retry_policy=FAST, time_limit=1)
+def time_limited(step: Any, seconds: float) -> Any:
+    """``long_first`` with a time limit of 1 s (its lease's bound)."""
+    step.run("long", _effect, step, "long", 1, seconds if step.attempt == 1 else 0.0)
+    return "done"

@@ -16,23 +16,30 @@ step body records each execution (``count_effects``).
   loses its runs after the lease, as before (the renewer forgets the dead
   process's claims), while a live process's run in the same worker keeps its own;
 * the renewer killed: the holders renew in process meanwhile, the worker starts it
-  again, and the run in flight is not harmed; the new renewer carries a GIL holder.
+  again, and the run in flight is not harmed; the new renewer carries a GIL holder;
+* a run held past its bound (the job's ``time_limit=``, else ``MOTIR_MAX_HOLD_SECONDS``)
+  is no longer renewed, and is reclaimed (in process: the renewer's ledger is the same).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
+import threading
 import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+import redis
 from sqlalchemy import text
 
+from motir_celery.core import leases, runner, sweeper
+from motir_celery.settings import Settings
 from tests.conftest import Worker, celery_worker, count_effects, wait_for
-from tests.jobs import beside, gil_hog, long_first
+from tests.jobs import beside, gil_hog, long_first, time_limited
 
 LEASE = 2.0
 #: How long the GIL-holding step holds it at least: past the lease and a sweep.
@@ -212,3 +219,37 @@ def test_a_killed_renewer_is_started_again_and_the_runs_in_flight_keep_their_lea
     assert "the worker's lease renewer is gone" in log  # the run's process renewed in process meanwhile
     assert _attempts(engine, run) == ["succeeded"] and count_effects(engine, run, "long") == 1
     assert _attempts(engine, hog) == ["succeeded"] and count_effects(engine, hog, "gil") == 1
+
+
+# --- the bound -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("job, env, bound", [
+    (time_limited, {}, "time_limit=1"),
+    (long_first, {"MOTIR_MAX_HOLD_SECONDS": "1"}, "MOTIR_MAX_HOLD_SECONDS=1"),
+], ids=["the job's time_limit", "MOTIR_MAX_HOLD_SECONDS"])
+def test_a_run_held_past_its_bound_is_no_longer_renewed_and_is_reclaimed(  # type: ignore[no-untyped-def]
+        engine, broker_url, caplog, job, env, bound):
+    """In this process, with its heartbeat and a sweeper running as a worker's would."""
+    settings = Settings.from_env({**os.environ, "MOTIR_LEASE_SECONDS": "1", **env})
+    queue = _queue()  # nobody consumes it: this process runs the run
+    run = job.apply_async([4], queue=queue).id
+    stop = threading.Event()
+
+    def every(seconds: float, duty: Any) -> threading.Thread:
+        thread = threading.Thread(target=lambda: [duty() for _ in iter(lambda: stop.wait(seconds), True)])
+        thread.start()
+        return thread
+
+    duties = [every(0.1, leases.renew_due), every(0.2, lambda: sweeper.sweep(None, settings=settings))]
+    caplog.set_level(logging.WARNING, logger="motir_celery.leases")
+    try:
+        outcome = runner.execute(run, job_id=job.id, worker="here", settings=settings)
+    finally:
+        stop.set()
+        for thread in duties:
+            thread.join()
+        redis.Redis.from_url(broker_url).delete(queue)
+    assert outcome.state == "lost"  # its step's record refused: the run was reclaimed while it ran
+    assert _attempts(engine, run) == ["lost"]
+    assert f"run {run}: held past its bound ({bound})" in caplog.text
