@@ -37,13 +37,13 @@ way to deliver a run twice). Not on an attached app: its other tasks may count
 on the emulation (late acks on Redis do). An app that sets
 ``broker_transport_options`` itself replaces ours.
 
-On ``redis://`` it also reads through ``messages.GuardedRedisTransport``
-(``broker_transport``): an item on a queue's list that is not a message is moved
-to ``<queue>.malformed`` with an ERROR line, where kombu would end the worker.
-An attached app opts in by setting ``broker_transport`` to
-``motir_celery.adapter.messages:GuardedRedisTransport`` itself. Not on ``rediss://``:
-a ``broker_transport`` replaces the URL's scheme, and with it kombu's TLS default
-for ``rediss`` (untested here, so left as kombu has it).
+On ``redis://`` it also reads through ``guard.GuardedRedisTransport``, on
+``amqp://`` through ``guard.GuardedAMQPTransport`` (``broker_transport``): an item
+a worker cannot decode or take as a task is moved to ``<queue>.malformed`` with an
+ERROR line, where Celery would end the worker. An attached app opts in by setting
+``broker_transport`` itself. Not on ``rediss://`` or ``amqps://``: a
+``broker_transport`` replaces the URL's scheme, and with it kombu's TLS default
+(untested here, so left as kombu has it).
 
 Task events are left as Celery leaves them, off: publishing them synchronously
 costs the worker's main process a third to a half of its CPU. Flower (its
@@ -68,6 +68,7 @@ from typing import Any
 from celery import Celery, signals
 from celery.exceptions import Retry
 
+from motir_celery.adapter.guard import GUARDED_AMQP_TRANSPORT
 from motir_celery.adapter.messages import GUARDED_TRANSPORT, publisher
 from motir_celery.adapter.worker import EngineStep, engine_thread
 from motir_celery.core import runner
@@ -130,8 +131,11 @@ def create_app(settings: Settings | None = None, *, main: str = "motir_celery") 
         # REJECTED: in attach(), where the user's own tasks may rely on it.
         app.conf.broker_transport_options = {"ack_emulation": False}
     if settings.broker_url.startswith("redis://"):
-        # A malformed item on a queue's list is moved aside, not fatal (messages.py).
+        # A malformed item on a queue's list is moved aside, not fatal (guard.py).
         app.conf.broker_transport = GUARDED_TRANSPORT
+    elif settings.broker_url.startswith(("amqp://", "pyamqp://")):
+        # The same on RabbitMQ: a message a worker cannot take goes to <queue>.malformed (guard.py).
+        app.conf.broker_transport = GUARDED_AMQP_TRANSPORT
     return attach(app, settings=settings)
 
 

@@ -34,18 +34,9 @@ retries):
 REJECTED: a held kombu producer and ``send_task(producer=...)``: it keeps every
 per-call cost above except the pool acquire (measured 1.36 ms against 1.44).
 
-The reading side has one guard too (``GuardedRedisTransport``, the transport of
-the apps ``create_app`` builds on ``redis://``). kombu decodes what it pops off a
-queue's list before Celery sees it, and an item that is not a kombu envelope (not
-JSON, not an object, no ``properties.delivery_tag``, a body that is not base64)
-raises out of the worker's event loop: ``Unrecoverable error``, and the worker
-exits (celery/celery#4308, open since 2017; no setting changes it). The guard
-remembers each BRPOP reply and, only when handling it raised, checks whether the
-item could be a message at all: if not, the item goes to the list
-``<queue>.malformed`` (the newest 1,000 kept), an ERROR line names it, and the
-worker goes on. Anything else is raised as before. Without the kombu internals it
-leans on (``Channel._create_client``, ``_brpop_read``), it does nothing and the
-worker dies as it would have: supervision restarts it (docs/operations.md).
+The reading side's guard (``GuardedRedisTransport``, moving an item a worker
+cannot take to ``<queue>.malformed``) lives in ``guard.py``; it is importable from
+here too, by the path docs/operations.md gives for an attached app.
 """
 
 from __future__ import annotations
@@ -62,14 +53,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from celery import Celery, signals
-from kombu.transport import redis as kombu_redis
 
+from motir_celery.adapter.guard import GUARDED_REDIS_TRANSPORT, MALFORMED_SUFFIX, GuardedRedisTransport
 from motir_celery.core.jobs import TASK_OPTIONS, _registry, task_name
 from motir_celery.core.publish import Publish
 from motir_celery.forks import per_process
 from motir_celery.settings import get_settings
 
-__all__ = ["publisher", "GuardedRedisTransport", "MALFORMED_SUFFIX"]
+__all__ = ["publisher", "GuardedRedisTransport", "MALFORMED_SUFFIX", "GUARDED_TRANSPORT"]
 
 log = logging.getLogger("motir_celery.adapter.messages")
 
@@ -296,72 +287,5 @@ def _key(queue: str, priority: int | None) -> str:
     return f"{queue}{_PRIORITY_SEP}{step}" if step else queue
 
 
-#: Where the guard moves an item that is not a message: ``<queue>.malformed``.
-MALFORMED_SUFFIX = ".malformed"
-_MALFORMED_KEPT = 1000
-
-
-def is_envelope(item: bytes | str) -> bool:
-    """Could kombu make a message of ``item``? (JSON object, ``properties.delivery_tag``, a decodable body.)"""
-    try:
-        payload = json.loads(item)
-        properties = payload["properties"]
-        properties["delivery_tag"]  # noqa: B018 — what kombu's Message reads first
-        if properties.get("body_encoding") == "base64":
-            base64.b64decode(payload.get("body") or "", validate=True)
-    except (ValueError, TypeError, KeyError, AttributeError):
-        return False
-    return True
-
-
-class _GuardedChannel(kombu_redis.Channel):
-    """kombu's Redis channel, but an item that is not a message is moved aside instead of ending the worker."""
-
-    _last_brpop: Any = None
-
-    def _create_client(self, asynchronous: bool = False) -> Any:
-        client = super()._create_client(asynchronous)  # type: ignore[no-untyped-call]  # kombu is untyped
-        if asynchronous:  # the client the consumer's BRPOP goes through
-            parse = client.parse_response
-
-            def remembering(connection: Any, command_name: str, **options: Any) -> Any:
-                reply = parse(connection, command_name, **options)
-                if command_name == "BRPOP":
-                    self._last_brpop = reply
-                return reply
-
-            client.parse_response = remembering
-        return client
-
-    def _brpop_read(self, **options: Any) -> Any:
-        self._last_brpop = None
-        try:
-            return super()._brpop_read(**options)  # type: ignore[no-untyped-call]
-        except Exception:
-            reply = self._last_brpop
-            if not reply or is_envelope(reply[1]):
-                raise  # not an item's fault (a lost connection, a handler): as kombu would
-            self._move_aside(reply[0], reply[1])
-            return True
-
-    def _move_aside(self, key: bytes | str, item: bytes | str) -> None:
-        queue = (key.decode() if isinstance(key, bytes) else key).rsplit(self.sep, 1)[0]
-        aside = queue + MALFORMED_SUFFIX
-        try:
-            with self.conn_or_acquire() as client:  # a pooled connection, not the consumer's
-                client.pipeline().lpush(aside, item).ltrim(aside, 0, _MALFORMED_KEPT - 1).execute()
-            where = f"moved to the Redis list {aside!r}"
-        except Exception as exc:  # noqa: BLE001 — dropping it is still better than dying of it
-            where = f"dropped (moving it to {aside!r} failed: {exc})"
-        log.error("a malformed message on queue %r (not a kombu envelope) was %s: %r",
-                  queue, where, item[:200])
-
-
-class GuardedRedisTransport(kombu_redis.Transport):
-    """``broker_transport`` for a ``redis://`` broker: kombu's, with ``_GuardedChannel``."""
-
-    Channel = _GuardedChannel
-
-
-#: The import path for ``app.conf.broker_transport``.
-GUARDED_TRANSPORT = f"{__name__}:GuardedRedisTransport"
+#: The import path for ``app.conf.broker_transport`` on ``redis://`` (guard.py).
+GUARDED_TRANSPORT = GUARDED_REDIS_TRANSPORT
