@@ -786,3 +786,20 @@ def test_on_rabbitmq_a_bad_message_or_a_failing_consumer_is_moved_aside_and_ackn
         with Connection(amqp_url) as conn:
             conn.default_channel.queue_delete(name)
             conn.default_channel.queue_delete(name + MALFORMED_SUFFIX)
+
+
+@pytest.mark.parametrize("url, transport", [
+    ("redis://127.0.0.1:6379/0", guard.GUARDED_REDIS_TRANSPORT),
+    ("amqp://guest:guest@127.0.0.1:5672//", guard.GUARDED_AMQP_TRANSPORT),
+    ("pyamqp://guest:guest@127.0.0.1:5672//", guard.GUARDED_AMQP_TRANSPORT),
+    ("rediss://127.0.0.1:6380/0", None),  # a transport would replace the scheme, and kombu's TLS default with it
+    ("amqps://guest:guest@127.0.0.1:5671//", None),
+])
+def test_create_app_reads_through_the_guard_on_redis_and_rabbitmq(
+        url: str, transport: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kombu.utils.imports import symbol_by_name
+
+    monkeypatch.setenv("CELERY_BROKER_URL", url)
+    assert create_app(Settings.from_env()).conf.broker_transport == transport
+    # the path docs/operations.md gave attached apps before the guard had a module of its own
+    assert symbol_by_name("motir_celery.adapter.messages:GuardedRedisTransport") is guard.GuardedRedisTransport

@@ -1,44 +1,36 @@
 """The worker's inbound guard: nothing in a message can end a worker, or bring it back to the queue.
 
 kombu decodes what a worker takes off a queue, and Celery turns it into a task
-request, inside the worker's event loop; an exception there (an item that is not
-JSON, a ``headers.task`` that is a list, a ``timelimit`` of ``"xyz"``) is an
-``Unrecoverable error``: the worker exits, and at shutdown kombu restores the
-unacknowledged item to its queue, so it dies again on every restart
-(celery/celery#4308). Here such an item is moved aside with an ERROR line naming
-why, acknowledged, and the worker goes on. Every failure goes through one of two
-points:
+request, inside the worker's event loop: an exception there (an item that is not
+JSON, a ``headers.task`` that is a list) is an ``Unrecoverable error``, and kombu
+restores the unacknowledged item at shutdown, so the worker dies on every restart
+(celery/celery#4308). Here such an item is moved to ``<queue>.malformed`` (the
+newest 1,000: the item's bytes on a Redis list; the message on a durable RabbitMQ
+queue, why in its ``x-motir-malformed`` header), logged at ERROR with the reason,
+and acknowledged; the worker goes on. Two points see every failure:
 
-- the consumer's callback (``basic_consume``, both transports): before Celery sees
-  a message a consumer acknowledges (the task consumer; Celery's own gossip and
-  control consumers do not ack), ``task_problem`` checks it against what Celery
-  reads: the body decodes under the consumer's ``accept`` (``Message.decode``,
-  memoized, so Celery does not decode it again), and a message naming a task has
-  Celery's protocol shapes and types (Celery reads ``timelimit`` only later, in
-  the pool, where nothing can catch it). Whatever still raises from Celery's
-  handling is caught here too. A well-formed message goes to Celery untouched:
-  an unknown task, or a durable task's body that is not a run id, is Celery's
-  (and the task's) to handle, logged there.
-- Redis only, the read (``_brpop_read``): an item that kombu cannot make a message
-  of (not UTF-8, not JSON, no ``properties.delivery_tag``, a body that is not
-  base64) fails before any callback.
+- the callback of a consumer that acknowledges (a worker's task consumer; Celery's
+  gossip, control and mingle consumers do not), both transports: ``task_problem``
+  checks the message first — the body decodes under the consumer's ``accept``
+  (memoized by kombu: Celery does not decode it again), a task message has
+  Celery's protocol shapes and types (``timelimit`` is read later, by the pool,
+  where nothing could catch it) — and whatever Celery's handling still raises is
+  caught. A well-formed message goes to Celery untouched: an unknown task, or a
+  job's message whose argument is not a run id, is Celery's or the job's to log.
+- Redis only, the read (``_brpop_read``): an item kombu cannot make a message of.
 
-Aside is ``<queue>.malformed``, the newest 1,000 kept: the item's own bytes on a
-Redis list, the message (headers, properties, body) on a durable RabbitMQ queue
-with ``x-max-length``, the reason in its ``x-motir-malformed`` header. Network
-errors (Redis ``ConnectionError``/``TimeoutError``, AMQP errors, ``OSError``) are
-never an item's fault and are raised as before (kombu reconnects). Not guarded:
-control messages over Redis pub/sub (anyone who can write those can send
-``shutdown``); Celery guards its control handler itself.
+Network errors are never an item's: raised as before (kombu reconnects; RabbitMQ
+redelivers). Control messages (Redis pub/sub, RabbitMQ fanout) are not guarded:
+whoever can write them can send ``shutdown``, and Celery catches its handler's errors.
 
-kombu internals leaned on, each checked by tests/test_poison_messages.py (with
-the internal gone or changed, those tests fail; the worker then dies as it did
-before the guard, which supervision covers, docs/operations.md): Redis
-``Channel._create_client`` (the asynchronous client's ``parse_response`` is
-wrapped to remember the BRPOP reply), ``Channel._brpop_read``, ``basic_consume``
-handing the consumer's callback a ``Message``; kombu's ``Consumer`` registering
-its bound ``_receive_callback`` (its ``accept``); py-amqp's ``basic_consume(...,
-callback=)`` and kombu's ``pyamqp.Channel.message_to_python``.
+kombu internals leaned on, each with a test in tests/test_poison_messages.py that
+fails without it (the worker would then die of such an item as before; supervision
+restarts it): Redis ``Channel._create_client`` (its asynchronous client's
+``parse_response``, wrapped to remember the BRPOP reply), ``Channel._brpop_read``,
+``Channel.basic_consume(queue, no_ack, callback, ...)``; kombu's ``Consumer``
+registering its bound ``_receive_callback`` (for its ``accept``); py-amqp's
+``basic_consume(..., callback=)``, kombu's ``pyamqp`` Connection/Channel classes and
+``message_to_python``.
 """
 
 from __future__ import annotations
