@@ -57,8 +57,8 @@ from starlette.routing import Route
 from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from motir_celery.core import dlq as dlq_ops
-from motir_celery.core import resume as resume_ops
+from motir_celery.core.operator import dlq as dlq_ops
+from motir_celery.core.operator import resume as resume_ops
 from motir_celery.core.publish import Publish
 from motir_celery.errors import ConfigurationError, MotirError
 from motir_celery.ops import reads
@@ -203,9 +203,15 @@ class _Dashboard:
 
         async def endpoint(request: Request) -> Response:
             try:
-                who = self.auth.identify(request)
+                who = await self.auth.identify(request)  # basic mode verifies on a pool, off this loop
             except AuthError as exc:
-                return self.problem(request, exc.status, exc.message, challenge=exc.challenge)
+                if exc.status in (429, 503):  # a flood's answer: plain text, no template (a third of the CPU)
+                    return PlainTextResponse(f"{exc.status}: {exc.message}\n", status_code=exc.status,
+                                             headers={"Retry-After": str(exc.retry_after or 1)})
+                response = self.problem(request, exc.status, exc.message, challenge=exc.challenge)
+                if exc.retry_after is not None:
+                    response.headers["Retry-After"] = str(exc.retry_after)
+                return response
             if request.method == "POST":
                 form = await request.form()
                 token = form.get("csrf")

@@ -21,6 +21,14 @@ Two ways to say who the caller is (``MOTIR_DASHBOARD_AUTH``; docs/security.md):
   ``sha256:`` always. A file others may write is refused; one they may read is
   loudly warned about.
 
+  Sign-in under attack (docs/security.md): verification runs on a bounded pool
+  of threads, never the event loop (a full pool answers 503 with
+  ``Retry-After``); failures back off per client and per user name (429 with
+  ``Retry-After``); an unknown name costs what a known one costs (a dummy hash of
+  the users' own kind and parameters, and with mixed kinds every failure padded to
+  the dearest). The client is the TCP peer, or — from a trusted proxy — the
+  nearest ``X-Forwarded-For`` hop that is not one; IPv6 clients count per /64.
+
 There is no anonymous access to any page that shows or changes a run: no
 identity → 401. An identity must carry a workspace or be an admin (403
 otherwise). What it then sees is decided by row-level security under the app
@@ -36,25 +44,32 @@ pressing Replay on an operator's behalf.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import getpass
+import hashlib
 import hmac
 import ipaddress
 import logging
+import math
 import os
 import secrets
 import stat
+import threading
+import time
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence, Union
+from typing import Callable, Mapping, Sequence, Union
 from urllib.parse import urlsplit
 
 from itsdangerous import BadSignature, SignatureExpired, TimestampSigner
 from starlette.requests import Request
 
 from motir_celery.errors import ConfigurationError, WorkspaceError
-from motir_celery.ops.dashboard.passwords import dummy_hash, hash_kind, verify_password
+from motir_celery.ops.dashboard.passwords import cost_class, dummy_like, hash_kind, hash_password, verify_password
+from motir_celery.ops.dashboard.signin import Backoff, Saturated, VerifierPool
 from motir_celery.store.db import validate_workspace_id
 
 __all__ = ["Identity", "AuthConfig", "Authenticator", "AuthError", "CsrfTokens", "load_users", "parse_networks",
@@ -66,6 +81,18 @@ Network = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
 LOOPBACK: tuple[Network, ...] = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128"))
 #: The only spellings of the admin header: "true" is admin, "false" is not; anything else is a 400.
 ADMIN_TRUE, ADMIN_FALSE = "true", "false"
+
+# Sign-in under attack (basic mode; docs/security.md). A client's first CLIENT_FREE failures
+# answer at once, then it waits BACKOFF_BASE s after its last failure, doubling to BACKOFF_CAP;
+# a user name (known or not, so the back-off says nothing about which exist) the same after
+# USER_FREE failures from clients that never signed in as it. One failure is forgotten per
+# full FORGET_EVERY s without one.
+CLIENT_FREE, USER_FREE = 5, 10
+BACKOFF_BASE, BACKOFF_CAP, FORGET_EVERY = 1.0, 60.0, 60.0
+#: Keys each back-off remembers (clients, user names), and (client, user) pairs that signed in.
+MAX_TRACKED, MAX_KNOWN_PAIRS = 10_000, 4096
+#: A verified credential is answered from memory (an HMAC of it under a per-process key) for this long.
+VERIFIED_TTL, MAX_VERIFIED = 300.0, 1024
 
 
 @dataclass(frozen=True)
@@ -86,9 +113,11 @@ class Identity:
 
 
 class AuthError(Exception):
-    def __init__(self, status: int, message: str, *, challenge: bool = False) -> None:
+    def __init__(self, status: int, message: str, *, challenge: bool = False, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.challenge = status, message, challenge
+        #: Seconds before a retry can succeed (429, 503, a 401 that started a back-off): ``Retry-After``.
+        self.retry_after = retry_after
 
 
 def parse_networks(raw: str, *, name: str = "MOTIR_DASHBOARD_TRUSTED_PROXIES") -> tuple[Network, ...]:
@@ -137,6 +166,9 @@ class AuthConfig:
     allow_plaintext: bool = False
     #: Local mode's identity: ``local:<OS user>``, admin of every workspace.
     local_user: str = "local"
+    #: Basic mode: threads verifying passwords, and sign-ins that may wait for one (more: 503).
+    verify_threads: int = 2
+    verify_queue: int = 4
 
     @property
     def trusted_peers(self) -> tuple[Network, ...]:
@@ -154,6 +186,8 @@ class AuthConfig:
         plaintext = env.get("MOTIR_DASHBOARD_ALLOW_PLAINTEXT_PASSWORDS", "").strip().lower()
         if plaintext not in ("", "0", "1", "false", "true"):
             raise ConfigurationError(f"MOTIR_DASHBOARD_ALLOW_PLAINTEXT_PASSWORDS={plaintext!r}: use 1 or 0")
+        threads = _count_setting(env, "MOTIR_DASHBOARD_VERIFY_THREADS", cls.verify_threads, low=1)
+        queue = _count_setting(env, "MOTIR_DASHBOARD_VERIFY_QUEUE", cls.verify_queue, low=0)
         return cls(
             mode=mode,
             user_header=env.get("MOTIR_DASHBOARD_USER_HEADER", "").strip() or cls.user_header,
@@ -163,7 +197,18 @@ class AuthConfig:
             trusted_proxies=parse_networks(env.get("MOTIR_DASHBOARD_TRUSTED_PROXIES", "")),
             allow_plaintext=plaintext in ("1", "true"),
             local_user=f"local:{_os_user()}",
+            verify_threads=threads,
+            verify_queue=queue,
         )
+
+
+def _count_setting(env: Mapping[str, str], name: str, default: int, *, low: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit() or not low <= int(raw) <= 64:
+        raise ConfigurationError(f"{name}={raw!r}: a whole number from {low} to 64")
+    return int(raw)
 
 
 def _os_user() -> str:
@@ -214,6 +259,12 @@ def load_users(path: str | Path, *, allow_plaintext: bool = False) -> dict[str, 
         if kind == "sha256":
             raise ConfigurationError(f"{path}:{number}: user {user!r} has an unsalted sha256: password, which is "
                                      "not a password hash; make one with `motir dashboard hash-password`")
+        if kind in ("argon2", "scrypt"):
+            try:
+                cost_class(password)
+            except ValueError as exc:
+                raise ConfigurationError(f"{path}:{number}: user {user!r} has a malformed {kind} hash ({exc}); "
+                                         "make one with `motir dashboard hash-password`") from None
         if kind == "plain":
             if not allow_plaintext:
                 raise ConfigurationError(
@@ -235,17 +286,49 @@ class Authenticator:
         self.config = config
         self._users = (load_users(config.users_file, allow_plaintext=config.allow_plaintext)
                        if config.mode == "basic" and config.users_file else {})
-        kinds = {hash_kind(u.password) for u in self._users.values()}
-        # An unknown user is checked against a hash as costly as the real ones (no timing oracle).
-        costliest = next((k for k in ("argon2", "scrypt") if k in kinds), "plain" if kinds else "scrypt")
-        self._dummy = _User(dummy_hash(costliest), None, False)
+        self._clients: Backoff[str] = Backoff(free=CLIENT_FREE, base=BACKOFF_BASE, cap=BACKOFF_CAP,
+                                              forget_every=FORGET_EVERY, max_keys=MAX_TRACKED)
+        self._names: Backoff[bytes] = Backoff(free=USER_FREE, base=BACKOFF_BASE, cap=BACKOFF_CAP,
+                                              forget_every=FORGET_EVERY, max_keys=MAX_TRACKED)
+        self._known_pairs: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._verified: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
+        self._cache_key = secrets.token_bytes(32)
+        self._in_flight: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._warned_proxies: set[str] = set()
+        self._pool = VerifierPool(config.verify_threads, config.verify_queue)
+        # An unknown name is checked against a dummy of the users' most common cost class (kind and
+        # parameters): it costs what the typical known user costs.
+        self._class_of = {name: cost_class(u.password) for name, u in self._users.items()}
+        classes = Counter(self._class_of.values())
+        samples = {self._class_of[name]: u.password for name, u in self._users.items()}
+        #: Seconds one failed verification costs, per class (kept current by every verification).
+        self._cost: dict[str, float] = {}
+        self._mixed = len(classes) > 1
+        if self._mixed:
+            # Mixed classes: the minority's cost would tell its names from unknown ones, so every failed
+            # verification is padded to what the dearest class costs (measured now, then kept current).
+            self._cost = _calibrate([samples[c] for c in classes])
+            log.info("users file %s mixes password hash classes (%s): failed sign-ins are padded to the dearest, "
+                     "%.0f ms; rehash with one kind to drop the padding", config.users_file,
+                     ", ".join(f"{n}× {c}" for c, n in classes.most_common()), 1000 * max(self._cost.values()))
+        typical = max(classes, key=lambda c: (classes[c], self._cost.get(c, 0.0)), default=None)
+        self._dummy = _User(dummy_like(samples[typical]) if typical else hash_password(secrets.token_urlsafe(16)),
+                            None, False)
+        self._dummy_class = typical or cost_class(self._dummy.password)
 
-    def identify(self, request: Request) -> Identity:
-        """The caller's identity, or ``AuthError`` (401 without one, 403 without a workspace)."""
+    @property
+    def unknown_user_cost(self) -> str:
+        """The cost class an unknown name is verified at (the users' most common one)."""
+        return self._dummy_class
+
+    async def identify(self, request: Request) -> Identity:
+        """The caller's identity, or ``AuthError`` (401 without one, 403 without a workspace,
+        429/503 with ``retry_after`` when a sign-in must wait)."""
         if self.config.mode == "local":
             return self._local(request)
         if self.config.mode == "basic":
-            user, workspace, admin = self._basic(request)
+            user, workspace, admin = await self._basic(request)
         else:
             user, workspace, admin = self._header(request)
         try:
@@ -269,15 +352,34 @@ class Authenticator:
                                  "(the Host header names another site)")
         return Identity(self.config.local_user, None, True, local=True)
 
+    def _trusted(self, address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+        return any(address in net for net in self.config.trusted_peers)
+
     def _peer_trusted(self, request: Request) -> bool:
+        peer = _address(request.client.host if request.client else "")
+        return peer is not None and self._trusted(peer)
+
+    def client_of(self, request: Request) -> str:
+        """Who the back-off counts a sign-in against: the TCP peer, or — when the peer is a trusted
+        proxy — the nearest ``X-Forwarded-For`` hop that is not one (walking from the right, where
+        each proxy appended the address it saw; a malformed hop stops the walk at the proxy that
+        passed it). IPv6 counts per /64: one host owns a whole /64."""
         host = request.client.host if request.client else ""
-        try:
-            peer = ipaddress.ip_address(host)
-        except ValueError:
-            return False
-        if isinstance(peer, ipaddress.IPv6Address) and peer.ipv4_mapped is not None:
-            peer = peer.ipv4_mapped  # a dual-stack socket reports IPv4 peers as ::ffff:a.b.c.d
-        return any(peer in net for net in self.config.trusted_peers)
+        address = _address(host)
+        if address is None:
+            return host or "unknown"
+        if self._trusted(address):
+            hops = [h.strip() for h in ",".join(request.headers.getlist("x-forwarded-for")).split(",") if h.strip()]
+            for hop in reversed(hops):
+                forwarded = _address(hop)
+                if forwarded is None:
+                    break
+                address = forwarded
+                if not self._trusted(address):
+                    break
+        if isinstance(address, ipaddress.IPv6Address):
+            return str(ipaddress.IPv6Network((address, 64), strict=False))
+        return str(address)
 
     @staticmethod
     def _single(request: Request, name: str) -> str | None:
@@ -311,7 +413,7 @@ class Authenticator:
             raise AuthError(400, f"{cfg.admin_header} must be exactly {ADMIN_TRUE!r} or {ADMIN_FALSE!r}")
         return user, workspace, admin_value == ADMIN_TRUE
 
-    def _basic(self, request: Request) -> tuple[str, str | None, bool]:
+    async def _basic(self, request: Request) -> tuple[str, str | None, bool]:
         header = request.headers.get("authorization", "")
         scheme, _, encoded = header.partition(" ")
         if scheme.lower() != "basic" or not encoded:
@@ -320,12 +422,156 @@ class Authenticator:
             user, _, password = base64.b64decode(encoded, validate=True).decode("utf-8").partition(":")
         except (binascii.Error, UnicodeDecodeError):
             raise AuthError(401, "malformed basic credentials", challenge=True) from None
+        client = self.client_of(request)
+        name = hashlib.blake2b(user.encode(), digest_size=16).digest()  # fixed size, whatever was sent
+        # 1. The back-off, before anything is verified — the memory of verified credentials included,
+        #    or a blocked client could guess against it at full speed.
+        exempt = self._known_pair(client, user)
+        wait = max(self._clients.wait(client), 0.0 if exempt else self._names.wait(name))
+        if wait > 0:
+            raise AuthError(429, f"too many failed sign-ins from your address or for this user name: "
+                                 f"try again in {math.ceil(wait)} s", retry_after=math.ceil(wait))
         record = self._users.get(user)
-        # Same work whether or not the user exists, so timing does not reveal user names.
-        ok = (record or self._dummy).check(password)
-        if record is None or not ok:
-            raise AuthError(401, "wrong user name or password", challenge=True)
-        return user, record.workspace, record.admin
+        digest = hmac.new(self._cache_key, user.encode() + b"\0" + password.encode(), hashlib.sha256).digest()
+        if record is not None and self._recently_verified(digest, user):
+            return user, record.workspace, record.admin
+        # 2. One verification at a time per client, on the pool; its failure is counted before it
+        #    runs (so concurrent guesses cannot outrun the count) and taken back if it succeeds.
+        with self._lock:
+            if self._in_flight.get(client):
+                raise AuthError(429, "a sign-in from your address is being checked: try again in 1 s",
+                                retry_after=1)
+            self._in_flight[client] = 1
+        target = record or self._dummy
+        klass = self._class_of[user] if record is not None else self._dummy_class
+        try:
+            future = self._pool.submit(lambda: _timed(target.check, password), priority=self._clients.failures(client))
+        except Saturated:
+            self._release(client)
+            raise self._busy() from None
+        future.add_done_callback(lambda _: self._release(client))
+        client_wait, client_started = self._clients.fail(client)
+        user_wait, user_started = (0.0, False) if exempt else self._names.fail(name)
+        try:
+            ok, took = await asyncio.wrap_future(future)
+        except Saturated:  # pushed out of the wait list by a cleaner client: not a guess
+            self._clients.refund(client)
+            if not exempt:
+                self._names.refund(name)
+            raise self._busy() from None
+        self._observe(klass, took)
+        if record is not None and ok:
+            self._clients.refund(client)
+            if not exempt:
+                self._names.refund(name)
+            self._remember(client, user, digest)
+            return user, record.workspace, record.admin
+        self._log_backoff(request, client, user if record is not None else None, client_started, user_started)
+        padded = self._padded(klass, took)
+        if padded > took:
+            await asyncio.sleep(padded - took)
+        wait = max(client_wait, user_wait)
+        raise AuthError(401, "wrong user name or password", challenge=True,
+                        retry_after=math.ceil(wait) if wait > 0 else None)
+
+    # --- the sign-in's memory ---------------------------------------------------
+
+    def _busy(self) -> AuthError:
+        """The answer when the pool is full: 503 (the server is over capacity, not this client), no
+        challenge (the browser keeps its password), and not a failure (nothing was verified).
+        Retry-After: the time the pool needs to drain what it holds."""
+        with self._lock:
+            per_job = max(self._cost.values(), default=0.2)
+        drain = self._pool.capacity * per_job / self._pool.threads
+        return AuthError(503, "the dashboard is busy checking other sign-ins: try again shortly",
+                         retry_after=max(1, math.ceil(drain)))
+
+    def _release(self, client: str) -> None:
+        with self._lock:
+            self._in_flight.pop(client, None)
+
+    def _observe(self, klass: str, took: float) -> None:
+        """Keep the cost of each class current (the padding floor, the 503's Retry-After)."""
+        with self._lock:
+            before = self._cost.get(klass)
+            self._cost[klass] = took if before is None else 0.8 * before + 0.2 * took
+
+    def _padded(self, klass: str, took: float) -> float:
+        """With mixed classes, how long this failed verification should seem to take: what the dearest
+        class would have taken now — ``took`` scaled by the classes' cost ratio, so the padding follows
+        the machine's load at once (a padding to the dearest's running average lags a rising load)."""
+        with self._lock:
+            if not self._mixed or not self._cost.get(klass):
+                return took
+            return took * max(self._cost.values()) / self._cost[klass]
+
+    def _known_pair(self, client: str, user: str) -> bool:
+        with self._lock:
+            return (client, user) in self._known_pairs
+
+    def _recently_verified(self, digest: bytes, user: str) -> bool:
+        with self._lock:
+            entry = self._verified.get(digest)
+            if entry is None:
+                return False
+            if entry[1] < time.monotonic() or not hmac.compare_digest(entry[0], user):
+                del self._verified[digest]
+                return False
+            return True
+
+    def _remember(self, client: str, user: str, digest: bytes) -> None:
+        with self._lock:
+            self._known_pairs[(client, user)] = None
+            self._known_pairs.move_to_end((client, user))
+            while len(self._known_pairs) > MAX_KNOWN_PAIRS:
+                self._known_pairs.popitem(last=False)
+            self._verified[digest] = (user, time.monotonic() + VERIFIED_TTL)
+            self._verified.move_to_end(digest)
+            while len(self._verified) > MAX_VERIFIED:
+                self._verified.popitem(last=False)
+
+    def _log_backoff(self, request: Request, client: str, user: str | None, client_started: bool,
+                     user_started: bool) -> None:
+        if client_started:
+            peer = request.client.host if request.client else ""
+            shared = ""
+            if client == peer and self._peer_trusted(request) and "x-forwarded-for" not in request.headers:
+                shared = (f"; {peer} is a trusted proxy that sent no X-Forwarded-For, so every client behind it "
+                          "shares this back-off (set X-Forwarded-For in the proxy)")
+            log.warning("sign-in back-off: %d failed sign-ins from %s; it now waits %.0f s after each failure, "
+                        "doubling to %.0f s%s", CLIENT_FREE, client, BACKOFF_BASE, BACKOFF_CAP, shared)
+        if user_started:
+            who = f"user {user[:64]!r}" if user is not None else "an unknown user name"
+            log.warning("sign-in back-off: %d failed sign-ins for %s from clients that never signed in as it; "
+                        "they now wait %.0f s after each failure, doubling to %.0f s (its own clients do not)",
+                        USER_FREE, who, BACKOFF_BASE, BACKOFF_CAP)
+
+
+def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        address = ipaddress.ip_address(host.strip().strip("[]"))
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped  # a dual-stack socket reports IPv4 peers as ::ffff:a.b.c.d
+    return address
+
+
+def _timed(check: Callable[[str], bool], password: str) -> tuple[bool, float]:
+    started = time.perf_counter()
+    ok = check(password)
+    return ok, time.perf_counter() - started
+
+
+def _calibrate(hashes: list[str]) -> dict[str, float]:
+    """What one failed verification of each hash's class costs here: the median of three, the classes
+    taken in turn (so a change of load meets them all alike)."""
+    dummies = {cost_class(h): dummy_like(h) for h in hashes}
+    took: dict[str, list[float]] = {c: [] for c in dummies}
+    for _ in range(3):
+        for c, dummy in dummies.items():
+            took[c].append(_timed(lambda given: verify_password(dummy, given), "x")[1])
+    return {c: sorted(t)[1] for c, t in took.items()}
 
 
 class CsrfTokens:
