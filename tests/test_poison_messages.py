@@ -683,12 +683,15 @@ class _Seen:
         message.ack()
 
 
-def _drain_events(conn: Connection, times: int) -> None:
-    for _ in range(times):
+def _drain_until(conn: Connection, done: Any, timeout: float = 10.0) -> None:
+    """Deliver what arrives until ``done()`` (the guard raising here fails the test, as it would end a worker)."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "timed out delivering"
         try:
-            conn.drain_events(timeout=2)
+            conn.drain_events(timeout=0.2)
         except TimeoutError:
-            return
+            pass
 
 
 @pytest.mark.parametrize("ack_emulation", [False, True], ids=["create_app's", "kombu's default"])
@@ -709,12 +712,12 @@ def test_on_redis_a_bad_item_or_a_failing_consumer_is_moved_aside_and_acknowledg
                 undecodable = fuzz._encode(envelope, b"[[")  # base64 of a body that is not JSON
                 client.lpush(name, b"not json", FINDING, undecodable)
                 client.lpush(name, good)
-                _drain_events(conn, 6)
+                _drain_until(conn, lambda: seen.messages and client.llen(name + MALFORMED_SUFFIX) == 3)
             assert [m.headers["id"] for m in seen.messages] == ["fz7-00001x"]  # only the good one reached it
             failing = _Seen(fail=True)
             with Consumer(channel, [queue], on_message=failing, accept=["json"]):
                 client.lpush(name, good)
-                _drain_events(conn, 2)
+                _drain_until(conn, lambda: client.llen(name + MALFORMED_SUFFIX) == 4)
             assert len(failing.messages) == 1 and failing.messages[0].acknowledged
             assert set(channel.qos._delivered) <= channel.qos._dirty  # nothing unacknowledged to restore
         aside = client.lrange(name + MALFORMED_SUFFIX, 0, -1)
@@ -747,7 +750,7 @@ def test_on_redis_the_reason_is_logged_for_each_way_an_item_fails(
                           on_message=_Seen(), accept=["json"]), caplog.at_level("ERROR", guard.log.name):
                 for item in items:
                     client.lpush(name, item)
-                _drain_events(conn, len(items) + 1)
+                _drain_until(conn, lambda: len([r for r in caplog.records if r.name == guard.log.name]) == len(items))
         lines = [r.getMessage() for r in caplog.records if r.name == guard.log.name]
         assert len(lines) == len(items)
         for line, why in zip(lines, items.values()):
@@ -756,8 +759,14 @@ def test_on_redis_the_reason_is_logged_for_each_way_an_item_fails(
         client.delete(name, name + MALFORMED_SUFFIX)
 
 
-def test_on_rabbitmq_a_bad_message_or_a_failing_consumer_is_moved_aside_and_acknowledged(amqp_url: str) -> None:
+def test_on_rabbitmq_a_bad_message_or_a_failing_consumer_is_moved_aside_and_acknowledged(
+        amqp_url: str, caplog: pytest.LogCaptureFixture) -> None:
     name = f"poison-{uuid.uuid4().hex[:8]}"
+
+    def refused() -> int:
+        return len([r for r in caplog.records if r.name == guard.log.name])
+
+    caplog.set_level("ERROR", guard.log.name)
     try:
         with Connection(amqp_url, transport=guard.GuardedAMQPTransport) as conn:
             channel = conn.channel()
@@ -767,12 +776,12 @@ def test_on_rabbitmq_a_bad_message_or_a_failing_consumer_is_moved_aside_and_ackn
                                            (b"\x80\x04K\x01.", {"task": "t", "id": "2"}, "application/x-python-serialize", "binary")])
             seen = _Seen()
             with Consumer(channel, [queue], on_message=seen, accept=["json"]):
-                _drain_events(conn, 3)
+                _drain_until(conn, lambda: refused() == 2)
             assert seen.messages == []
             _amqp_publish(amqp_url, name, [(b'[["x"], {}, {}]', {"task": "t", "id": "3"}, "application/json", "utf-8")])
             failing = _Seen(fail=True)
             with Consumer(channel, [queue], on_message=failing, accept=["json"]):
-                _drain_events(conn, 2)
+                _drain_until(conn, lambda: refused() == 3)
             assert len(failing.messages) == 1 and failing.messages[0].acknowledged
         aside = _amqp_aside(amqp_url, name)
         assert sorted(h[MALFORMED_HEADER] for h, _ in aside) == [
