@@ -240,12 +240,15 @@ class Refused(Exception):
 
 def _ack(message: Any) -> None:
     """Acknowledge ``message`` unless Celery did: a later shutdown must not restore it."""
+    if message.acknowledged:
+        return
     try:
-        if not message.acknowledged:
-            message.ack()
-    except Exception as exc:  # noqa: BLE001 — the item is aside either way
-        log.warning("could not acknowledge a malformed message (delivery tag %r): %r",
-                    getattr(message, "delivery_tag", None), exc)
+        message.ack()
+    except Exception:  # noqa: BLE001 — kombu's ack reads delivery_info, which may be what is wrong
+        try:
+            message.channel.basic_ack(message.delivery_tag)
+        except Exception as exc:  # noqa: BLE001 — the item is aside either way
+            log.warning("could not acknowledge a malformed message (delivery tag %r): %r", message.delivery_tag, exc)
 
 
 def _guarded(callback: Callable[[Any], Any], to_message: Callable[[Any], Any],
@@ -344,6 +347,9 @@ class _GuardedChannel(kombu_redis.Channel):
             why = _unreadable(self._last_brpop[1], exc)
         finally:
             self._reading = False
+        if not self._last_brpop:  # refused, but the reply was not remembered: no bytes to keep
+            log.error("a malformed message was dropped (its item was not kept): %s", why)
+            return True
         key, item = self._last_brpop
         self._move_aside(key, item, why)
         return True
