@@ -34,8 +34,8 @@ def main() -> None:
     from motir_celery import define_job
     from motir_celery.adapter.batch_publish import publish_many
     from motir_celery.adapter.celery_app import create_app, publisher
-    from motir_celery.core.batch import send_events
-    from motir_celery.core.events import send_event
+    from motir_celery.core.producer.batch import send_events
+    from motir_celery.core.producer.events import send_event
     from motir_celery.settings import Settings, reset_settings
     from motir_celery.store.db import dispose_engines
 

@@ -2,7 +2,7 @@
 
 Three processes (spawned, each with its own pool) walk the same ``slots`` cron
 slots of one job in the same order, each call in its own transaction as a
-beat does (``statements.enqueue_scheduled``). Every slot must come out exactly once:
+beat does (``producer_sql.enqueue_scheduled``). Every slot must come out exactly once:
 one ``Queued``, the other calls ``AlreadyQueued``. Reported: calls/s over all
 three, and distinct slots/s.
 """
@@ -24,7 +24,8 @@ JOB = "bench.beat"
 
 
 def _beat(url: str, slots: int, start_at: float, out: Any) -> None:
-    from motir_celery.store import statements
+    from motir_celery.store import records
+    from motir_celery.store.sql import producer as producer_sql
 
     engine = create_engine(url, pool_size=1)
     base = datetime(2030, 1, 1, tzinfo=timezone.utc)
@@ -35,8 +36,8 @@ def _beat(url: str, slots: int, start_at: float, out: Any) -> None:
     t0 = time.perf_counter()
     for i in range(slots):
         with engine.begin() as conn:
-            r = statements.enqueue_scheduled(conn, JOB, base + timedelta(minutes=i), max_attempts=3, policy="transient")
-        queued += isinstance(r, statements.Queued)
+            r = producer_sql.enqueue_scheduled(conn, JOB, base + timedelta(minutes=i), max_attempts=3, policy="transient")
+        queued += isinstance(r, records.Queued)
     out.put((queued, time.perf_counter() - t0, os.getpid()))
     engine.dispose()
 

@@ -6,9 +6,9 @@ dispatched just now (a deep, healthy backlog: nothing for the sweeper to
 re-publish). Then, at each depth, after VACUUM ANALYZE:
 
 * claim + settle: fresh runs are claimed and settled with the engine's own
-  statements (``statements.claim`` / ``statements.settle_succeeded``) on one autocommit
+  statements (``worker_sql.claim`` / ``worker_sql.settle_succeeded``) on one autocommit
   connection, as a worker does; the median of each is reported;
-* sweep: ``statements.reclaim_expired`` and ``statements.republish_due`` (each in its
+* sweep: ``maintenance_sql.reclaim_expired`` and ``maintenance_sql.republish_due`` (each in its
   own transaction, as ``sweeper.sweep`` runs them), median of several calls.
 """
 
@@ -51,8 +51,9 @@ def _seed(url: str, lo: int, hi: int) -> None:
 
 
 def _measure(url: str, runs: int, sweeps: int) -> dict[str, float]:
-    from motir_celery.core.events import send_event
-    from motir_celery.store import statements
+    from motir_celery.core.producer.events import send_event
+    from motir_celery.store.sql import maintenance as maintenance_sql
+    from motir_celery.store.sql import worker as worker_sql
 
     ids = [send_event("bench.three", {"n": i}, publish=None).run_ids[0] for i in range(runs)]
     engine = create_engine(url, poolclass=NullPool)
@@ -60,10 +61,10 @@ def _measure(url: str, runs: int, sweeps: int) -> dict[str, float]:
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         for run_id in ids:
             t0 = time.perf_counter()
-            c = statements.claim(conn, run_id, job_id="bench.three", worker="bench/depth", lease_seconds=60)
+            c = worker_sql.claim(conn, run_id, job_id="bench.three", worker="bench/depth", lease_seconds=60)
             t1 = time.perf_counter()
             assert c is not None
-            assert statements.settle_succeeded(conn, c, '{"ok":true}')
+            assert worker_sql.settle_succeeded(conn, c, '{"ok":true}')
             t2 = time.perf_counter()
             claim_t.append(t1 - t0)
             settle_t.append(t2 - t1)
@@ -71,11 +72,11 @@ def _measure(url: str, runs: int, sweeps: int) -> dict[str, float]:
     for _ in range(sweeps):
         with engine.begin() as conn:
             t0 = time.perf_counter()
-            statements.reclaim_expired(conn)
+            maintenance_sql.reclaim_expired(conn)
             reclaim_t.append(time.perf_counter() - t0)
         with engine.begin() as conn:
             t0 = time.perf_counter()
-            found = statements.republish_due(conn, after_seconds=3600)
+            found = maintenance_sql.republish_due(conn, after_seconds=3600)
             republish_t.append(time.perf_counter() - t0)
             assert not found
     engine.dispose()

@@ -19,7 +19,7 @@ def measure(url: str, rounds: int = 30) -> dict[str, Any]:
     import motir_celery
     from bench import fanout_jobs
     from motir_celery.adapter.celery_app import default_app
-    from motir_celery.core import events
+    from motir_celery.core.producer import events
 
     truncate(url)
     purge(default_app(), MOTIR_QUEUE)

@@ -221,7 +221,7 @@ def _stop_fleet(fleet: list[subprocess.Popen[bytes]]) -> None:
 def _feed(runs: int, settings: Any, batch: int = 250) -> None:
     """``runs`` events of fleet.two in batches of ``batch`` (one statement each), published after commit."""
     from motir_celery.adapter.celery_app import create_app, publisher
-    from motir_celery.core.batch import send_events
+    from motir_celery.core.producer.batch import send_events
 
     publish = publisher(create_app(settings))
     for start in range(0, runs, batch):

@@ -297,7 +297,7 @@ def _gone(admin: psycopg.Connection[Any], login: str, timeout: float = 60) -> No
 
 def _send(runs: int, offset: int) -> list[uuid.UUID]:
     """``runs`` events, one ``send_event`` (one transaction) each, messages not published."""
-    from motir_celery.core.events import send_event
+    from motir_celery.core.producer.events import send_event
 
     ids: list[uuid.UUID] = []
     for n in range(offset, offset + runs):

@@ -371,7 +371,7 @@ class Feeder(threading.Thread):
         try:
             import bench.retention_jobs  # noqa: F401  (the subscription, for the fan-out)
             from motir_celery.adapter.celery_app import create_app, publisher
-            from motir_celery.core.batch import send_events
+            from motir_celery.core.producer.batch import send_events
 
             publish = publisher(create_app(self.settings))
             t0 = time.monotonic()

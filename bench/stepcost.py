@@ -183,7 +183,7 @@ class Tracer:
 
 
 def _new_run(engine: Any, data: dict[str, Any]) -> uuid.UUID:
-    from motir_celery.core import events
+    from motir_celery.core.producer import events
 
     return events.send_event("bench.steps", data, publish=None).run_ids[0]
 
@@ -195,7 +195,7 @@ def _make_due(engine: Any, run_id: uuid.UUID) -> None:
 
 def measure(k_values: tuple[int, ...] = (0, 1, 3, 10), hits_k: int = 100, rounds: int = 5) -> dict[str, Any]:
     from bench import workload
-    from motir_celery.core import runner
+    from motir_celery.core.worker import runner
     from motir_celery.store.db import get_engine
 
     engine = get_engine()

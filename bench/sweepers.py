@@ -109,7 +109,7 @@ def _xacts(admin: psycopg.Connection[Any]) -> int:
 
 
 def measure(url: str, state: str, sweeps: int, interval: float, slotted: bool) -> Row:
-    from motir_celery.core import sweeper
+    from motir_celery.core.worker import sweeper
     from motir_celery.settings import Settings
     from motir_celery.store.db import dispose_engines, get_engine
 

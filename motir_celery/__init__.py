@@ -20,11 +20,11 @@ from __future__ import annotations
 import uuid
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from motir_celery.core.invoke import ChildFailed
 from motir_celery.core.jobs import CanvasNotSupported, Job, define_job, use_invoker
-from motir_celery.core.results import JobFailed, JobRevoked, ResultTimeout, RunHandle
+from motir_celery.core.producer.results import JobFailed, JobRevoked, ResultTimeout, RunHandle
 from motir_celery.core.retries import RetryPolicy
 from motir_celery.core.runspec import CancelOn
+from motir_celery.core.worker.invoke import ChildFailed
 from motir_celery.errors import (
     ConfigurationError,
     JobDefinitionError,
@@ -45,11 +45,11 @@ if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
     from sqlalchemy.orm import Session
 
-    from motir_celery.core.direct import PublishFor
-    from motir_celery.core.dlq import ReplayResult
-    from motir_celery.core.events import SendResult
-    from motir_celery.core.resume import ResumeResult
-    from motir_celery.store.statements import AlreadyQueued, Queued
+    from motir_celery.core.operator.dlq import ReplayResult
+    from motir_celery.core.operator.resume import ResumeResult
+    from motir_celery.core.producer.direct import PublishFor
+    from motir_celery.core.producer.events import SendResult
+    from motir_celery.store.records import AlreadyQueued, Queued
 
 __all__ = [
     "define_job",
@@ -104,7 +104,7 @@ def send_event(
 
     Messages go through ``app`` (default: the engine's own Celery app), after commit.
     """
-    from motir_celery.core import events
+    from motir_celery.core.producer import events
 
     return events.send_event(
         name, data, workspace_id=workspace_id, idempotency_key=idempotency_key, session=session,
@@ -120,7 +120,7 @@ def send_events(events: Sequence[Any], *, session: "Session | None" = None,
     ``workspace_id``, ``idempotency_key``, ``priority``."""
     from motir_celery.adapter.batch_publish import publish_many
     from motir_celery.adapter.celery_app import default_app
-    from motir_celery.core import batch
+    from motir_celery.core.producer import batch
 
     return batch.send_events(events, session=session, publish=_publish(app),
                              publish_many=publish_many(app or default_app()))
@@ -129,7 +129,7 @@ def send_events(events: Sequence[Any], *, session: "Session | None" = None,
 def replay_dlq(dlq_id: "uuid.UUID | str", *, actor: str, idempotency_key: str | None = None,
                app: "Celery | None" = None) -> "ReplayResult":
     """Replay a dead-lettered run for its job only; audited as ``actor``."""
-    from motir_celery.core import dlq
+    from motir_celery.core.operator import dlq
 
     return dlq.replay_dlq(dlq_id, actor=actor, idempotency_key=idempotency_key, publish=_publish(app))
 
@@ -137,18 +137,18 @@ def replay_dlq(dlq_id: "uuid.UUID | str", *, actor: str, idempotency_key: str | 
 def resume_dlq(dlq_id: "uuid.UUID | str", *, actor: str, app: "Celery | None" = None) -> "ResumeResult":
     """Queue a dead-lettered run again from its failed step (its stored steps kept, a fresh
     attempt budget); audited as ``actor`` (see ``core/resume.py``)."""
-    from motir_celery.core import resume
+    from motir_celery.core.operator import resume
 
     return resume.resume_dlq(dlq_id, actor=actor, publish=_publish(app))
 
 
 def cancel_run(run_id: "uuid.UUID | str") -> bool:
     """Cancel a queued or running run; a running one stops at its next step boundary."""
-    from motir_celery.store import statements
     from motir_celery.store.db import engine_connection
+    from motir_celery.store.sql import operator as operator_sql
 
     with engine_connection() as conn:
-        return statements.cancel(conn, uuid.UUID(str(run_id)))
+        return operator_sql.cancel(conn, uuid.UUID(str(run_id)))
 
 
 def enqueue_scheduled(job_id: str, scheduled_for: Any, *, app: "Celery | None" = None) -> "Queued | AlreadyQueued":
@@ -180,7 +180,7 @@ async def send_event_async(
 ) -> "SendResult":
     """``send_event`` for asyncio code: psycopg's async connection, the publish in a
     thread executor; ``session`` is SQLAlchemy's ``AsyncSession`` (see ``core/aio.py``)."""
-    from motir_celery.core import aio
+    from motir_celery.core.producer import aio
 
     return await aio.send_event_async(
         name, data, workspace_id=workspace_id, idempotency_key=idempotency_key, session=session,
@@ -201,14 +201,14 @@ class _DirectRuns:
 
     def apply_async(self, job: Job, args: Sequence[Any], kwargs: Mapping[str, Any],
                     options: dict[str, Any]) -> RunHandle:
-        from motir_celery.core import direct
+        from motir_celery.core.producer import direct
 
         publish_for: "PublishFor" = _publish_for
         return direct.apply_async(job, args, kwargs, options, publish_for=publish_for)
 
     async def apply_async_async(self, job: Job, args: Sequence[Any], kwargs: Mapping[str, Any],
                                 options: dict[str, Any]) -> RunHandle:
-        from motir_celery.core import aio
+        from motir_celery.core.producer import aio
 
         publish_for: "PublishFor" = _publish_for
         return await aio.apply_async_async(job, args, kwargs, options, publish_for=publish_for)

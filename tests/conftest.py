@@ -12,6 +12,13 @@ provides them (the machine's, or embedded ones it started):
   RabbitMQ those tests are skipped with a reason.
 
 A missing database or broker fails the session with a message; it never skips.
+Under ``CI`` any skipped test fails the run (each skip's own reason is printed
+first); elsewhere the skips are listed again at the end, with their reasons.
+
+``make test`` runs several sessions at once (pytest-xdist, ``-n``): each worker
+process is a session of its own (``SESSION``: its database, its queue, its
+``tmp_path``). Only cluster-wide things are shared, so they are either named
+per session (logins) or serialised (the migration, which creates the roles).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 from celery.utils.nodenames import default_nodename, host_format
@@ -36,7 +43,11 @@ from motir_celery.store.db import dispose_engines
 from tests.pgbouncer import database_errors
 
 ROOT = Path(__file__).resolve().parent.parent
+#: One per process: under pytest-xdist every worker process imports this module and is its own session.
 SESSION = uuid.uuid4().hex[:8]
+#: Held (pg_advisory_lock on the server's own database) while a session migrates its new database:
+#: the first migration on a server creates the cluster-wide roles, and two at once would both try.
+_MIGRATE_LOCK = 0x6D6F746972  # "motir"
 
 
 def _require(name: str) -> str:
@@ -66,7 +77,12 @@ def database_url() -> Iterator[str]:
     motir_settings.reset_settings()
     from motir_celery.store.migrate import upgrade
 
-    upgrade(url)
+    with admin.connect() as lock:
+        lock.execute(text("SELECT pg_advisory_lock(:k)"), {"k": _MIGRATE_LOCK})
+        try:
+            upgrade(url)
+        finally:
+            lock.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _MIGRATE_LOCK})
     # The tests' own ledger of executed step bodies, in a schema Alembic does not compare.
     with create_engine(url).begin() as conn:
         conn.execute(text(
@@ -143,6 +159,31 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
             report.longrepr = ("worker logs hold database errors (MOTIR_TEST_SCAN_WORKER_LOGS=1):\n"
                                + "\n".join(found[:40]) + (f"\n... {len(found) - 40} more" if len(found) > 40 else ""))
     return report
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """Skips are said again, loudly, at the very end; under CI they fail the run (pytest_sessionfinish)."""
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if r.when in ("setup", "call")]
+    if not skipped:
+        return
+    reasons: dict[str, int] = {}
+    for report in skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reasons[reason] = reasons.get(reason, 0) + 1
+    verdict = "CI fails on any skip" if os.environ.get("CI") else "not run on this machine"
+    terminalreporter.section(f"{len(skipped)} test(s) SKIPPED: {verdict}", sep="!", yellow=True, bold=True)
+    for reason, n in sorted(reasons.items()):
+        terminalreporter.line(f"{n:4d} x {reason}", yellow=True)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if hasattr(session.config, "workerinput") or not os.environ.get("CI"):
+        return  # the xdist controller (or a plain session) decides; off CI a skip is only reported
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = [r for r in (reporter.stats.get("skipped", []) if reporter else []) if r.when in ("setup", "call")]
+    if skipped and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def count_effects(eng: Engine, run_id: object, step: str | None = None) -> int:

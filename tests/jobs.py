@@ -241,8 +241,41 @@ def long_first(step: Any, seconds: float) -> Any:
     return "done"
 
 
+def _until_lost(step: Any, timeout: float) -> str:
+    """Runs until this attempt has been reclaimed (its job_run row says 'lost'), ``timeout`` at most."""
+    record(step, "long")
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(_dsn(), autocommit=True) as conn:
+        while time.monotonic() < deadline:
+            if conn.execute("SELECT 1 FROM job_run WHERE run_id = %s AND attempt = %s AND outcome = 'lost'",
+                            (step.run_id, step.attempt)).fetchone():
+                return "lost"
+            time.sleep(0.1)
+    return "still held"
+
+
 @define_job("test.time-limited", retry_policy=FAST, time_limit=1)
-def time_limited(step: Any, seconds: float) -> Any:
-    """``long_first`` with a time limit of 1 s (its lease's bound)."""
-    step.run("long", _effect, step, "long", 1, seconds if step.attempt == 1 else 0.0)
-    return "done"
+def time_limited(step: Any, timeout: float) -> Any:
+    """A step that runs until its attempt is reclaimed, in a job with a time limit of 1 s."""
+    return step.run("long", _until_lost, step, timeout)
+
+
+@define_job("test.until-lost", retry_policy=FAST)
+def until_lost(step: Any, timeout: float) -> Any:
+    """``time_limited`` without a time limit."""
+    return step.run("long", _until_lost, step, timeout)
+
+
+@define_job("test.until-released", retry_policy=FAST)
+def until_released(step: Any, timeout: float) -> Any:
+    """A step that runs until the test records a 'release' for its run, ``timeout`` at most."""
+    def body() -> bool:
+        record(step, "long")
+        deadline = time.monotonic() + timeout
+        while not recorded(step.run_id, "release"):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
+    return step.run("long", body)

@@ -16,8 +16,9 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
 import tests.jobs  # noqa: F401  (registers the test jobs in this process)
-from motir_celery.core import events, runner
-from motir_celery.core.runner import Outcome
+from motir_celery.core.producer import events
+from motir_celery.core.worker import runner
+from motir_celery.core.worker.runner import Outcome
 
 WORKER = "ops-test@host/1"
 

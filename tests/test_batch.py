@@ -90,16 +90,16 @@ def _waiting(engine, run_id):  # type: ignore[no-untyped-def]
 
 
 def test_a_batch_under_the_app_role_wakes_its_workspace_waiters_through_motir_wake_waiters(engine):  # type: ignore[no-untyped-def]
-    from motir_celery.core import events
-    from motir_celery.core.steps import Step
+    from motir_celery.core.producer import events
+    from motir_celery.core.worker.steps import Step
     from motir_celery.errors import Suspended
-    from motir_celery.store import statements
+    from motir_celery.store.sql import worker as worker_sql
 
     waiters = {}
     for ws in ("acme", "globex"):
         (run_id,) = events.send_event("cb.order", {"order": "o-1", "workspace_id": ws}, publish=None).run_ids
         conn = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
-        claim = statements.claim(conn, run_id, job_id="cb.waiter", worker="test", lease_seconds=30)
+        claim = worker_sql.claim(conn, run_id, job_id="cb.waiter", worker="test", lease_seconds=30)
         assert claim is not None
         step = Step(claim, conn, max_bytes=1 << 20, lease_seconds=30, transaction=engine.begin,
                     event_data=claim.event_data, publish=None, republish_after=60)

@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections import Counter
 from contextlib import ExitStack, contextmanager
@@ -34,15 +33,15 @@ import tests.jobs  # noqa: F401  (event jobs, for the "event enqueue unchanged" 
 from motir_celery import enqueue_scheduled
 from motir_celery.adapter.beat import SCHEDULER, MotirScheduler, OverlapSkipped, enqueue_slot
 from motir_celery.adapter.celery_app import attach, create_app
-from motir_celery.core.events import dispatch_event, send_event
 from motir_celery.core.jobs import get_job
+from motir_celery.core.producer.events import dispatch_event, send_event
 from motir_celery.core.schedule import latest_slot, schedule_options, slots_between
 from motir_celery.core.system_jobs import HEALTH_CHECK
 from motir_celery.errors import JobDefinitionError
 from motir_celery.settings import Settings
-from motir_celery.store import statements
 from motir_celery.store.db import workspace_session
-from motir_celery.store.statements import AlreadyQueued, Queued
+from motir_celery.store.records import AlreadyQueued, Queued
+from motir_celery.store.sql import producer as producer_sql
 from tests.conftest import ROOT, celery_worker, run_state, wait_for
 
 UTC = timezone.utc
@@ -156,7 +155,7 @@ def test_second_insert_of_a_slot_waits_for_the_first_and_then_is_already_queued(
     slot = slot_of(bj.EVERY_2S, db_now(engine))
     with engine.connect() as first:
         tx = first.begin()
-        created = statements.enqueue_scheduled(first, bj.EVERY_2S, slot, max_attempts=3, policy="transient")
+        created = producer_sql.enqueue_scheduled(first, bj.EVERY_2S, slot, max_attempts=3, policy="transient")
         assert isinstance(created, Queued)
         outcome: list[Any] = []
         second = threading.Thread(target=lambda: outcome.append(enqueue_slot(bj.EVERY_2S, slot, publish=None)))
@@ -204,9 +203,9 @@ def test_event_triggered_enqueue_is_unchanged(engine):  # type: ignore[no-untype
     # the same job id sits beside the event row (NULL scheduled_for / NULL event_id).
     slot = datetime(2026, 1, 1, tzinfo=UTC)
     with engine.begin() as conn:
-        assert isinstance(statements.enqueue_scheduled(conn, "test.three-steps", slot, max_attempts=1, policy="none"),
+        assert isinstance(producer_sql.enqueue_scheduled(conn, "test.three-steps", slot, max_attempts=1, policy="none"),
                           Queued)
-        assert type(statements.enqueue_scheduled(conn, "test.three-steps", slot, max_attempts=1, policy="none")) \
+        assert type(producer_sql.enqueue_scheduled(conn, "test.three-steps", slot, max_attempts=1, policy="none")) \
             is AlreadyQueued
     assert [(r.event_id is None, r.scheduled_for) for r in rows(engine, "test.three-steps")] == [
         (False, None), (True, slot)]
@@ -281,7 +280,7 @@ def test_overlap_skip_decision_waits_for_an_uncommitted_run_of_another_slot(engi
     assert opts.overlap == "skip"
     with engine.connect() as first:
         tx = first.begin()
-        assert isinstance(statements.enqueue_scheduled(first, bj.EVERY_1S_SKIP, s1, max_attempts=3, policy="transient", skip_overlap=True),
+        assert isinstance(producer_sql.enqueue_scheduled(first, bj.EVERY_1S_SKIP, s1, max_attempts=3, policy="transient", skip_overlap=True),
                           Queued)
         outcome: list[Any] = []
         second = threading.Thread(target=lambda: outcome.append(enqueue_slot(bj.EVERY_1S_SKIP, s2, publish=None)))
@@ -410,11 +409,17 @@ def test_three_real_beats_make_exactly_one_run_per_slot_none_missing(engine, bro
         with ExitStack() as stack:
             beats = [stack.enter_context(celery_beat(tmp_path, f"b{i}", env)) for i in range(3)]
             started = db_now(engine)
-            time.sleep(25)
-            # One beat dies hard mid-run: the other two carry on, nothing missing.
+            # The beats race for a while (at least two of them have won slots), then one
+            # dies hard mid-run: the other two carry on, nothing missing.
+            wait_for(lambda: (db_now(engine) - started).total_seconds() >= 10
+                     and sum("motir: queued " in log.read_text(errors="replace") for _, log in beats) >= 2,
+                     timeout=60, interval=0.5, what="10 s of racing beats, two of them with runs queued")
             os.killpg(beats[0][0].pid, signal.SIGKILL)
             beats[0][0].wait(timeout=10)
-            time.sleep(35)
+            killed = db_now(engine)
+            wait_for(lambda: sum(r.scheduled_for > killed for r in rows(engine, bj.EVERY_2S)) >= 6
+                     and sum(r.scheduled_for > killed for r in rows(engine, bj.EVERY_3S_CATCHUP)) >= 4,
+                     timeout=60, interval=0.5, what="the two survivors to queue 12 s of slots after the kill")
             for proc, log in beats[1:]:
                 assert proc.poll() is None, log.read_text(errors="replace")[-4000:]
             ended = db_now(engine)

@@ -22,7 +22,8 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.pool import NullPool
 
 from motir_celery.store.models import Base
-from motir_celery.store.statements import claim, enqueue_scheduled
+from motir_celery.store.sql.producer import enqueue_scheduled
+from motir_celery.store.sql.worker import claim
 
 # A slot given in a third zone: only its instant may matter. January: no DST anywhere involved.
 SLOT = datetime(2030, 1, 15, 9, 30, tzinfo=ZoneInfo("Europe/Berlin"))

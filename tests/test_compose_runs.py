@@ -186,11 +186,11 @@ def test_the_dashboard_shows_parents_children_events_and_resumes_in_a_browser(
 # --- the machinery, step by step in this process (no worker): the key, the wake, the trace ---
 
 def _claim(engine, run_id):  # type: ignore[no-untyped-def]
-    from motir_celery.core.steps import Step
-    from motir_celery.store import statements
+    from motir_celery.core.worker.steps import Step
+    from motir_celery.store.sql import worker as worker_sql
 
     conn = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
-    claim = statements.claim(conn, run_id, job_id="cb.parent", worker="test", lease_seconds=30)
+    claim = worker_sql.claim(conn, run_id, job_id="cb.parent", worker="test", lease_seconds=30)
     assert claim is not None
     return conn, Step(claim, conn, max_bytes=1 << 20, lease_seconds=30, transaction=engine.begin,
                       event_data=claim.event_data, publish=None, republish_after=60)
@@ -200,7 +200,7 @@ def test_one_child_per_parent_step_across_reclaims_and_the_settle_wakes_the_pare
     import pytest
     from sqlalchemy.exc import IntegrityError
 
-    from motir_celery.core import events
+    from motir_celery.core.producer import events
     from motir_celery.errors import Suspended
 
     (parent,) = events.send_event("cb.parent", {"n": 1, "workspace_id": "acme"}, publish=None).run_ids

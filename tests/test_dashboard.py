@@ -16,8 +16,8 @@ from starlette.testclient import TestClient
 from motir_celery.ops.dashboard import AuthConfig, DashboardConfig, create_app
 from motir_celery.ops.dashboard.auth import CsrfTokens, Identity
 from motir_celery.ops.dashboard.passwords import hash_password
-from motir_celery.store import statements
 from motir_celery.store.db import engine_connection
+from motir_celery.store.sql import producer as producer_sql
 from tests.ops_helpers import dead_letter, emit, fix_switch, run_event
 
 ALICE = {"X-Motir-User": "alice", "X-Motir-Workspace": "ws-a"}
@@ -63,7 +63,8 @@ def run_ids(html: str) -> set[str]:
 
 
 @pytest.mark.parametrize("method,path", [("GET", "/runs"), ("GET", "/dlq"), ("GET", "/health"),
-                                         ("GET", f"/runs/{uuid.uuid4()}"), ("POST", f"/dlq/{uuid.uuid4()}/replay")])
+                                         ("GET", f"/runs/{uuid.uuid4()}"), ("POST", f"/dlq/{uuid.uuid4()}/replay")],
+                         ids=lambda v: re.sub(r"[0-9a-f-]{36}", "ID", v))  # the same ids in every xdist worker
 def test_every_page_and_action_refuses_an_anonymous_caller(client: TestClient, method: str, path: str) -> None:
     response = client.request(method, path)
     assert response.status_code == 401
@@ -120,7 +121,7 @@ def test_a_workspace_user_sees_only_their_workspace_and_gets_404_for_another_wor
 
 def test_system_runs_are_visible_to_admins_only(client: TestClient, engine: Any) -> None:
     with engine_connection() as conn:
-        cron_run = statements.enqueue_scheduled(conn, "test.some-cron", datetime(2024, 1, 1, tzinfo=timezone.utc),
+        cron_run = producer_sql.enqueue_scheduled(conn, "test.some-cron", datetime(2024, 1, 1, tzinfo=timezone.utc),
                                            max_attempts=1, policy="none")
     assert str(cron_run.run_id) in run_ids(client.get("/runs", headers=OPS).text)  # type: ignore[union-attr]
     assert run_ids(client.get("/runs", headers=ALICE).text) == set()
@@ -265,7 +266,7 @@ def test_metrics_expose_depth_oldest_due_run_attempts_durations_and_dlq_without_
     assert ("motir_step_duration_seconds", (("job", "test.fail-after-two"), ("quantile", "0.5"))) in m
     assert not any("ws-a" in str(labels) or "workspace" in str(labels) for _, labels in m)  # no tenant ids
 
-    from motir_celery.core.dlq import replay_dlq
+    from motir_celery.core.operator.dlq import replay_dlq
 
     replay_dlq(dlq_id, actor="ops")
     m = _samples(client)

@@ -33,7 +33,7 @@ from motir_celery import (
     replay_dlq,
     send_event,
 )
-from motir_celery.core.results import celery_state
+from motir_celery.core.producer.results import celery_state
 from tests.conftest import ROOT, celery_worker, count_effects, run_state, wait_for
 
 IMPORTS = {"MOTIR_IMPORTS": "tests.jobs,tests.direct_jobs"}
@@ -85,7 +85,7 @@ def test_direct_runs_join_a_framework_transaction(engine: Engine) -> None:
     """events.join_transactions (contrib/django's hook): delay() writes there, publishes on its commit."""
     from contextlib import contextmanager
 
-    from motir_celery.core import events
+    from motir_celery.core.producer import events
 
     commits: list[Any] = []
 

@@ -262,7 +262,7 @@ def test_killed_between_commit_and_publish_the_sweeper_runs_it(  # type: ignore[
     # process dies in transaction.on_commit, after the commit and before the publish.
     script(django_env, f"""
 from django.test import Client
-from motir_celery.core import events
+from motir_celery.core.producer import events
 
 def die(*_):
     os._exit(17)

@@ -18,11 +18,15 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 import tests.jobs  # noqa: F401  (registers the test jobs)
-from motir_celery.core import dlq, events, leases, runner, sweeper
 from motir_celery.core.jobs import define_job
+from motir_celery.core.operator import dlq
+from motir_celery.core.producer import events
+from motir_celery.core.worker import leases, runner, sweeper
 from motir_celery.errors import JobDefinitionError, PayloadError, RetryAfterError, StepOutputError
 from motir_celery.settings import reset_settings
-from motir_celery.store import statements
+from motir_celery.store import records
+from motir_celery.store.sql import maintenance as maintenance_sql
+from motir_celery.store.sql import worker as worker_sql
 from tests.conftest import count_effects, run_state
 
 
@@ -42,9 +46,9 @@ def one(engine, sql: str, **params: Any) -> Any:  # type: ignore[no-untyped-def]
         return conn.execute(text(sql), params).one()
 
 
-def claim(engine, run_id: uuid.UUID, job_id: str, worker: str = "w") -> statements.Claim | None:  # type: ignore[no-untyped-def]
+def claim(engine, run_id: uuid.UUID, job_id: str, worker: str = "w") -> records.Claim | None:  # type: ignore[no-untyped-def]
     with engine.begin() as conn:
-        return statements.claim(conn, run_id, job_id=job_id, worker=worker, lease_seconds=30)
+        return worker_sql.claim(conn, run_id, job_id=job_id, worker=worker, lease_seconds=30)
 
 
 def expire_lease(engine, run_id: uuid.UUID) -> None:  # type: ignore[no-untyped-def]
@@ -62,7 +66,7 @@ def test_event_with_two_subscribers_makes_two_runs_and_redispatch_makes_none(eng
     assert sorted(r.job_id for r in result.runs) == ["test.mixed-fail", "test.mixed-ok"]
     assert len(result.run_ids) == 2 and len(published) == 2
     again = events.dispatch_event(result.event_id, publish=published)
-    assert all(isinstance(r, statements.AlreadyQueued) for r in again)
+    assert all(isinstance(r, records.AlreadyQueued) for r in again)
     assert len(published) == 2
     assert one(engine, "SELECT count(*) FROM job_queue")[0] == 2
 
@@ -102,16 +106,16 @@ def refusing(monkeypatch) -> dict[str, bool]:  # type: ignore[no-untyped-def]
     """While ``refusing["on"]``, every run send_event writes breaks ck_job_queue_attempts."""
     from dataclasses import replace
 
-    from motir_celery.core import runspec
+    from motir_celery.core.jobs import Job
 
     state = {"on": False}
-    real = runspec.spec_for
+    real = Job.spec
 
-    def spec_for(*args: Any, **kwargs: Any) -> Any:
-        spec = real(*args, **kwargs)
-        return replace(spec, max_attempts=0) if state["on"] else spec
+    def spec(self: Job, *args: Any, **kwargs: Any) -> Any:
+        made = real(self, *args, **kwargs)
+        return replace(made, max_attempts=0) if state["on"] else made
 
-    monkeypatch.setattr(events, "spec_for", spec_for)
+    monkeypatch.setattr(Job, "spec", spec)
     return state
 
 
@@ -270,14 +274,14 @@ def test_a_zombie_whose_lease_was_reclaimed_can_neither_write_a_step_nor_settle(
     rescuer = claim(engine, run_id, "test.three-steps", worker="rescuer")
     assert rescuer is not None and rescuer.token != zombie.token
     with engine.begin() as conn:
-        assert statements.store_step(conn, zombie, "a", '"zombie"', 0.0) is False
-        assert statements.renew_lease(conn, zombie, 30) is False
-        assert statements.settle_succeeded(conn, zombie, '"zombie"') is False
-        assert statements.settle_failed(conn, zombie, '{"type": "x"}') is None
-        assert statements.settle_retry(conn, zombie, '{"type": "x"}', 0) is False
+        assert worker_sql.store_step(conn, zombie, "a", '"zombie"', 0.0) is False
+        assert worker_sql.renew_lease(conn, zombie, 30) is False
+        assert worker_sql.settle_succeeded(conn, zombie, '"zombie"') is False
+        assert worker_sql.settle_failed(conn, zombie, '{"type": "x"}') is None
+        assert worker_sql.settle_retry(conn, zombie, '{"type": "x"}', 0) is False
     with engine.begin() as conn:
-        assert statements.store_step(conn, rescuer, "a", '"rescuer"', 0.0) is True
-        assert statements.settle_succeeded(conn, rescuer, '"done"') is True
+        assert worker_sql.store_step(conn, rescuer, "a", '"rescuer"', 0.0) is True
+        assert worker_sql.settle_succeeded(conn, rescuer, '"done"') is True
     assert one(engine, "SELECT output FROM job_step WHERE run_id = :r", r=run_id)[0] == "rescuer"
     assert run_state(engine, run_id) == "succeeded"
 
@@ -289,12 +293,12 @@ def test_a_stored_step_keeps_its_value_and_a_cancelled_run_stores_nothing(engine
     held = claim(engine, run_id, "test.three-steps")
     assert held is not None
     with engine.begin() as conn:
-        assert statements.store_step(conn, held, "a", '"first"', 0.0) is True
-        assert statements.store_step(conn, held, "a", '"again"', 0.0) is False  # stored already: kept
-        assert statements.store_step(conn, held, "b", '{"n":[1,"x\\"y"]}', 0.5) is True
+        assert worker_sql.store_step(conn, held, "a", '"first"', 0.0) is True
+        assert worker_sql.store_step(conn, held, "a", '"again"', 0.0) is False  # stored already: kept
+        assert worker_sql.store_step(conn, held, "b", '{"n":[1,"x\\"y"]}', 0.5) is True
     cancel_run(run_id)
     with engine.begin() as conn:  # the fence refuses
-        assert statements.store_step(conn, held, "c", "3", 0.0) is False
+        assert worker_sql.store_step(conn, held, "c", "3", 0.0) is False
     with engine.connect() as conn:
         stored = dict(conn.execute(text("SELECT step_id, output FROM job_step WHERE run_id = :r"), {"r": run_id}).all())
     assert stored == {"a": "first", "b": {"n": [1, 'x"y']}}
@@ -315,7 +319,7 @@ def test_a_reclaim_racing_a_step_write_never_loses_the_stored_step(engine):  # t
         def write() -> None:
             barrier.wait()
             with engine.begin() as conn:
-                stored.append(statements.store_step(conn, holder, "a", '"v"', 0.0))
+                stored.append(worker_sql.store_step(conn, holder, "a", '"v"', 0.0))
 
         def reclaim() -> None:
             barrier.wait()
@@ -415,14 +419,14 @@ def test_only_the_claim_commits_without_waiting_for_the_wal_flush(engine, monkey
     (run_id,) = events.send_event("test.three", {}).run_ids
     setting = "SELECT current_setting('synchronous_commit')"
     with engine.begin() as conn:
-        held = statements.claim(conn, run_id, job_id="test.three-steps", worker="w", lease_seconds=30)
+        held = worker_sql.claim(conn, run_id, job_id="test.three-steps", worker="w", lease_seconds=30)
         assert held is not None
         assert conn.execute(text(setting)).scalar_one() == "off"
     with engine.begin() as conn:
-        assert statements.store_step(conn, held, "a", '{"n":1}', 0.0) is True
+        assert worker_sql.store_step(conn, held, "a", '{"n":1}', 0.0) is True
         assert conn.execute(text(setting)).scalar_one() == "on"
     with engine.begin() as conn:
-        assert statements.settle_succeeded(conn, held, '"done"') is True
+        assert worker_sql.settle_succeeded(conn, held, '"done"') is True
         assert conn.execute(text(setting)).scalar_one() == "on"
     assert run_state(engine, run_id) == "succeeded"
     (other,) = events.send_event("test.three", {"n": 2}).run_ids
@@ -430,7 +434,7 @@ def test_only_the_claim_commits_without_waiting_for_the_wal_flush(engine, monkey
     reset_settings()
     try:
         with engine.begin() as conn:
-            assert statements.claim(conn, other, job_id="test.three-steps", worker="w", lease_seconds=30)
+            assert worker_sql.claim(conn, other, job_id="test.three-steps", worker="w", lease_seconds=30)
             assert conn.execute(text(setting)).scalar_one() == "on"
     finally:
         monkeypatch.delenv("MOTIR_CLAIM_ASYNC_COMMIT")
@@ -462,7 +466,7 @@ def test_a_hot_statement_on_a_dead_socket_raises_a_disconnect_that_invalidates_i
         with engine.pool._creator().cursor() as admin:  # a connection outside the pool
             admin.execute("SELECT pg_terminate_backend(%s)", (doomed,))
         with pytest.raises(DBAPIError) as raised:
-            statements.claim(conn, run_id, job_id="test.three-steps", worker="w", lease_seconds=30)
+            worker_sql.claim(conn, run_id, job_id="test.three-steps", worker="w", lease_seconds=30)
         assert raised.value.connection_invalidated
     with engine.connect() as conn:
         assert conn.execute(text("SELECT pg_backend_pid()")).scalar_one() != doomed
@@ -700,12 +704,12 @@ def test_heartbeat_keeps_a_long_step_claimed_past_its_lease(engine):  # type: ig
 def test_republish_finds_only_old_messages_and_sends_a_deep_backlog_in_slices(engine):  # type: ignore[no-untyped-def]
     result_ids = [events.send_event("test.three", {"i": i}).run_ids[0] for i in range(30)]
     with engine.begin() as conn:
-        assert statements.republish_due(conn, after_seconds=60, batch=10) == []  # messages are fresh
+        assert maintenance_sql.republish_due(conn, after_seconds=60, batch=10) == []  # messages are fresh
         conn.execute(text("UPDATE job_queue SET dispatched_at = now() - interval '5 minutes'"))
     with engine.begin() as conn:
-        first = statements.republish_due(conn, after_seconds=60, batch=10)
+        first = maintenance_sql.republish_due(conn, after_seconds=60, batch=10)
     with engine.begin() as conn:
-        second = statements.republish_due(conn, after_seconds=60, batch=10)
+        second = maintenance_sql.republish_due(conn, after_seconds=60, batch=10)
     assert len(first) == 10 and len(second) == 10
     assert not {r for r, _ in first} & {r for r, _ in second}  # re-stamped: not sent again
     assert {r for r, _ in first + second} <= set(result_ids)

@@ -28,17 +28,17 @@ from sqlalchemy.pool import NullPool
 
 import tests.direct_jobs as dj
 import tests.jobs  # noqa: F401  (the event jobs this process fans out to)
-from motir_celery.core import direct
-from motir_celery.core.batch import send_events
-from motir_celery.core.events import send_event
-from motir_celery.core.results import ResultTimeout, RunHandle
+from motir_celery.core.producer.batch import send_events
+from motir_celery.core.producer.events import send_event
+from motir_celery.core.producer.results import ResultTimeout, RunHandle
 from motir_celery.errors import PayloadError
 from motir_celery.settings import Settings, get_settings
-from motir_celery.store import schema, statements
+from motir_celery.store import records, schema
 from motir_celery.store.db import set_workspace_context, workspace_session
 from motir_celery.store.migrate import check, upgrade
 from motir_celery.store.rls import ADMIN_ROLE, APP_ROLE
 from motir_celery.store.routines import ROUTINES
+from motir_celery.store.sql import worker as worker_sql
 from tests.conftest import celery_worker, run_state, wait_for
 
 A, B = "ws-a", "ws-b"
@@ -170,9 +170,9 @@ def test_a_wait_that_times_out_does_not_find_another_workspaces_event(
 
 def test_a_singleton_key_is_per_workspace(engine: Engine) -> None:
     first = {ws: send_event("test.singleton", {"customer": "c-1"}, workspace_id=ws).runs[0] for ws in (A, B, None)}
-    assert all(isinstance(r, statements.Queued) for r in first.values()), first
+    assert all(isinstance(r, records.Queued) for r in first.values()), first
     again = send_event("test.singleton", {"customer": "c-1"}, workspace_id=A).runs[0]
-    assert isinstance(again, statements.AlreadyQueued)
+    assert isinstance(again, records.AlreadyQueued)
 
 
 def test_a_concurrency_key_counts_the_runs_of_its_own_workspace(engine: Engine) -> None:
@@ -180,18 +180,18 @@ def test_a_concurrency_key_counts_the_runs_of_its_own_workspace(engine: Engine) 
     b_runs = [send_event("test.limited", {"tenant": "t"}, workspace_id=B).run_ids[0] for _ in range(3)]
     a_run = send_event("test.limited", {"tenant": "t"}, workspace_id=A).run_ids[0]
 
-    def claim(run_id: uuid.UUID) -> statements.Claim | None:
+    def claim(run_id: uuid.UUID) -> records.Claim | None:
         with engine.begin() as tx:
-            statements.lock_concurrency(tx, run_id)
-            return statements.claim(tx, run_id, job_id="test.limited", worker="t", lease_seconds=60,
+            worker_sql.lock_concurrency(tx, run_id)
+            return worker_sql.claim(tx, run_id, job_id="test.limited", worker="t", lease_seconds=60,
                                     concurrency_limit=2)
 
     assert claim(b_runs[0]) is not None and claim(b_runs[1]) is not None
     assert claim(b_runs[2]) is None            # ws-b's own limit holds
     assert claim(a_run) is not None            # ws-a's tenant "t" is another key
     with engine.begin() as conn:               # a freed ws-b slot goes to ws-b's next run
-        assert statements.next_in_line(conn, "test.limited", "t", B) == b_runs[2]
-        assert statements.next_in_line(conn, "test.limited", "t", A) is None
+        assert worker_sql.next_in_line(conn, "test.limited", "t", B) == b_runs[2]
+        assert worker_sql.next_in_line(conn, "test.limited", "t", A) is None
 
 
 # --- 2. idempotency keys and result handles ------------------------------------------------

@@ -31,7 +31,11 @@ def _low(event: Any, step: Any) -> None:
     return None
 
 
-@define_job("test.msg-own-queue", event="test.msg-own-queue", queue="motir-test-own-queue")
+#: The job's own queue, this session's only: concurrent sessions (pytest -n) drain the same Redis.
+OWN_QUEUE = f"motir-test-own-queue-{uuid.uuid4().hex[:8]}"
+
+
+@define_job("test.msg-own-queue", event="test.msg-own-queue", queue=OWN_QUEUE)
 def _own_queue(event: Any, step: Any) -> None:
     return None
 
@@ -98,7 +102,7 @@ def test_a_message_pushed_the_short_way_is_the_message_send_task_writes(
     publish(first, job_id, countdown)   # the queue's first message here: send_task, which declares it
     publish(second, job_id, countdown)  # then the short way
     assert sent == [f"motir.{job_id}"]
-    queue = "motir-test-own-queue" if job_id == "test.msg-own-queue" else app.conf.task_default_queue
+    queue = OWN_QUEUE if job_id == "test.msg-own-queue" else app.conf.task_default_queue
     # Redis inverts priority (0 first): 8 becomes 1, kombu's list of priority step 0 is the queue's own.
     by_send_task, by_lane = _drain(broker, queue)
     long_way, short_way = _shape(by_send_task, first), _shape(by_lane, second)

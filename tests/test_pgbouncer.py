@@ -84,8 +84,9 @@ def test_every_surface_works_through_pgbouncer_and_leaves_no_session_state(throu
                                                                            engine: Any, tmp_path: Path) -> None:
     from motir_celery.adapter.beat import MotirScheduler, enqueue_slot
     from motir_celery.adapter.celery_app import create_app
-    from motir_celery.core import events, sweeper
+    from motir_celery.core.producer import events
     from motir_celery.core.schedule import latest_slot
+    from motir_celery.core.worker import sweeper
     from motir_celery.ops.cli import main
     from motir_celery.ops.dashboard import DashboardConfig
     from motir_celery.ops.dashboard import create_app as dashboard_app

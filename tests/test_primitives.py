@@ -17,10 +17,12 @@ from sqlalchemy import text
 
 import tests.jobs  # noqa: F401  (registers the test jobs in this process too)
 from motir_celery import send_event
-from motir_celery.core import events, runner
 from motir_celery.core.jobs import define_job
+from motir_celery.core.producer import events
+from motir_celery.core.worker import runner
 from motir_celery.errors import JobDefinitionError
-from motir_celery.store import statements
+from motir_celery.store import records
+from motir_celery.store.sql import worker as worker_sql
 from tests.conftest import ROOT, celery_worker, count_effects, run_state, wait_for
 
 
@@ -303,7 +305,7 @@ def test_singleton_key_allows_one_active_run_and_frees_the_key_when_it_settles(e
     second = events.send_event("test.singleton", {"customer": "c1"})
     other = events.send_event("test.singleton", {"customer": "c2"})
     assert len(first.run_ids) == 1 and second.run_ids == [] and len(other.run_ids) == 1
-    assert isinstance(second.runs[0], statements.AlreadyQueued)
+    assert isinstance(second.runs[0], records.AlreadyQueued)
     assert runner.execute(first.run_ids[0], job_id="test.singleton", worker="w").state == "succeeded"
     third = events.send_event("test.singleton", {"customer": "c1"})
     assert len(third.run_ids) == 1
@@ -334,13 +336,13 @@ def test_priority_decides_which_waiting_run_gets_a_freed_concurrency_slot(engine
     high = events.send_event("test.prio", {}, priority=9).run_ids[0]
     mid = events.send_event("test.prio", {}, priority=5).run_ids[0]
     with engine.begin() as conn:
-        order = [statements.next_in_line(conn, "test.prio", "", None) for _ in range(3)]
+        order = [worker_sql.next_in_line(conn, "test.prio", "", None) for _ in range(3)]
     assert order[0] == high
     with engine.begin() as conn:
         conn.execute(text("UPDATE job_queue SET state = 'succeeded' WHERE id = :r"), {"r": high})
-        assert statements.next_in_line(conn, "test.prio", "", None) == mid
+        assert worker_sql.next_in_line(conn, "test.prio", "", None) == mid
         conn.execute(text("UPDATE job_queue SET state = 'succeeded' WHERE id = :r"), {"r": mid})
-        assert statements.next_in_line(conn, "test.prio", "", None) == low
+        assert worker_sql.next_in_line(conn, "test.prio", "", None) == low
     with pytest.raises(JobDefinitionError, match="priority"):
         define_job("test.bad-prio", event="x", priority=10)
 
@@ -434,7 +436,7 @@ def test_singleton_on_a_real_worker_refuses_a_second_run_until_the_first_settles
         (first,) = send_event("test.singleton", {"customer": "w1", "sleep": 1.5}).run_ids
         wait_for(lambda: run_state(engine, first) == "running", what="the first run to start")
         refused = send_event("test.singleton", {"customer": "w1"})
-        assert refused.run_ids == [] and isinstance(refused.runs[0], statements.AlreadyQueued)
+        assert refused.run_ids == [] and isinstance(refused.runs[0], records.AlreadyQueued)
         assert _final(engine, first) == "succeeded"
         (later,) = send_event("test.singleton", {"customer": "w1"}).run_ids  # the key is free again
         assert _final(engine, later) == "succeeded"

@@ -6,7 +6,7 @@ from datetime import timedelta
 
 from sqlalchemy import text
 
-from motir_celery.core.dlq import dismiss_dlq, replay_dlq
+from motir_celery.core.operator.dlq import dismiss_dlq, replay_dlq
 from motir_celery.ops.purge import purge
 from tests.ops_helpers import age, dead_letter, emit, run_event
 

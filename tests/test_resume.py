@@ -15,8 +15,8 @@ from sqlalchemy import text
 import tests.compose_jobs  # noqa: F401
 from motir_celery import replay_dlq, resume_dlq, send_event
 from motir_celery.adapter.celery_app import create_app
-from motir_celery.core.dlq import Caller
-from motir_celery.core.resume import resume_as
+from motir_celery.core.operator.dlq import Caller
+from motir_celery.core.operator.resume import resume_as
 from motir_celery.ops.cli import main as cli
 from motir_celery.settings import Settings
 from tests.conftest import celery_worker, count_effects, run_state, wait_for
@@ -115,7 +115,7 @@ def _open(engine, job=None):  # type: ignore[no-untyped-def]
 def test_bulk_actions_filter_dry_run_pace_and_audit_each_entry(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
     import time
 
-    from motir_celery.core.bulk import DlqFilter, bulk_dlq
+    from motir_celery.core.operator.bulk import DlqFilter, bulk_dlq
 
     app = create_app(Settings.from_env())
     with celery_worker(tmp_path, broker=broker_url, env=IMPORTS):

@@ -329,7 +329,7 @@ def test_app_login_cannot_set_itself_a_stronger_role(role: str, app_login: str) 
 def test_send_event_in_an_app_role_transaction_wakes_its_own_workspace_waiters_only(
     app_settings: Settings, engine: Engine
 ) -> None:
-    from motir_celery.core.events import send_event
+    from motir_celery.core.producer.events import send_event
 
     waiting = {}
     with engine.begin() as conn:

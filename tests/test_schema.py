@@ -14,11 +14,14 @@ from typing import Iterator
 
 import psycopg.errors
 import pytest
-from sqlalchemy import TextClause, create_engine, text
+from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
-from motir_celery.store.statements import _RECLAIM_EXPIRED, _REPUBLISH_DUE, AlreadyQueued, Queued, enqueue_scheduled
+from motir_celery.store.driver import Statement, plan
+from motir_celery.store.records import AlreadyQueued, Queued
+from motir_celery.store.sql.maintenance import RECLAIM_EXPIRED, REPUBLISH_DUE
+from motir_celery.store.sql.producer import enqueue_scheduled
 
 SLOT = datetime(2030, 1, 1, 9, 0, tzinfo=timezone.utc)
 
@@ -218,15 +221,15 @@ def _plan_nodes(plan: object) -> Iterator[dict[str, object]]:
             yield from _plan_nodes(item)
 
 
-def _index_scans(conn: Connection, statement: TextClause, params: dict[str, object]) -> dict[str, str]:
+def _index_scans(conn: Connection, statement: Statement, params: dict[str, object]) -> dict[str, str]:
     """EXPLAIN the statement's own text (bound as the engine binds it): {index name: node type}."""
-    (plan,) = conn.execute(text("EXPLAIN (FORMAT JSON) " + statement.text), params).scalar_one()
-    return {str(n["Index Name"]): str(n["Node Type"]) for n in _plan_nodes(plan) if "Index Name" in n}
+    (found,) = plan(conn, statement, params)
+    return {str(n["Index Name"]): str(n["Node Type"]) for n in _plan_nodes(found) if "Index Name" in n}
 
 
 SWEEPER_QUERIES = {
-    "republish-due": (_REPUBLISH_DUE, {"after": 60.0, "batch": 500}, "ix_job_queue_stale"),
-    "reclaim-expired": (_RECLAIM_EXPIRED, {"batch": 500}, "ix_job_queue_leases"),
+    "republish-due": (REPUBLISH_DUE, {"after": 60.0, "batch": 500}, "ix_job_queue_stale"),
+    "reclaim-expired": (RECLAIM_EXPIRED, {"batch": 500}, "ix_job_queue_leases"),
 }
 
 

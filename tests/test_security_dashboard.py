@@ -183,7 +183,7 @@ def test_development_mode_on_a_public_address_does_not_start_even_with_a_named_p
     ("alice:plain-password:ws-a", 0o600, "clear-text password"),
     ("alice:sha256:5e884898da28047151d0e56f8dc6292773603d0d6aabbdd62a11ef721d1542d8:ws-a", 0o600, "unsalted"),
     (f"alice:{hash_password('pw', scheme='scrypt')}:ws-a", 0o666, "writable by group or others"),
-])
+], ids=["clear-text", "unsalted", "group-writable"])  # not the random salt: every xdist worker collects the same ids
 def test_a_users_file_with_clear_text_unsalted_hashes_or_open_to_writers_is_refused(
         database_url: str, tmp_path: Path, line: str, mode: int, said: str) -> None:
     users = tmp_path / f"users-{uuid.uuid4().hex[:6]}"

@@ -18,9 +18,9 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
-from motir_celery.core import dlq
-from motir_celery.core.events import MAX_IDEMPOTENCY_KEY, send_event
 from motir_celery.core.jobs import define_job
+from motir_celery.core.operator import dlq
+from motir_celery.core.producer.events import MAX_IDEMPOTENCY_KEY, send_event
 from motir_celery.core.retries import RetryPolicy
 from motir_celery.errors import JobDefinitionError, PayloadError
 from tests.ops_helpers import dead_letter, emit
@@ -79,7 +79,7 @@ def test_a_reused_idempotency_key_with_different_data_is_flagged_and_logged_and_
     first = send_event("test.three", {"n": 1, "workspace_id": "ws-a"}, idempotency_key=key, publish=None)
     same = send_event("test.three", {"workspace_id": "ws-a", "n": 1}, idempotency_key=key, publish=None)
     assert same.deduplicated and not same.conflicting and same.event_id == first.event_id  # jsonb equality
-    with caplog.at_level(logging.WARNING, logger="motir_celery.core.events"):
+    with caplog.at_level(logging.WARNING, logger="motir_celery.core.producer.events"):
         other = send_event("test.three", {"n": 2, "workspace_id": "ws-a"}, idempotency_key=key, publish=None)
         elsewhere = send_event("test.three", {"n": 1, "workspace_id": "ws-b"}, idempotency_key=key, publish=None)
     assert other.deduplicated and other.conflicting and other.event_id == first.event_id and not other.runs

@@ -12,7 +12,8 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
 import tests.jobs  # noqa: F401  (registers the test jobs)
-from motir_celery.core import events, sweeper
+from motir_celery.core.producer import events
+from motir_celery.core.worker import sweeper
 from motir_celery.settings import Settings
 from tests.conftest import celery_worker, wait_for
 

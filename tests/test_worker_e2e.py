@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -88,7 +89,7 @@ def test_retry_does_not_repeat_completed_steps(engine, broker, app, tmp_path):  
 
 
 def test_same_run_published_five_times_concurrently_runs_its_body_once(engine, broker, app, tmp_path):  # type: ignore[no-untyped-def]
-    from motir_celery.core import events
+    from motir_celery.core.producer import events
 
     publish = publisher(app)
     with celery_worker(tmp_path, broker=broker, concurrency=4):
@@ -133,7 +134,7 @@ def test_killed_worker_run_is_finished_by_another_without_redoing_steps(engine, 
 
 def test_dlq_replay_through_a_worker_runs_only_the_failed_subscriber(engine, broker, app, tmp_path):  # type: ignore[no-untyped-def]
     from motir_celery import replay_dlq
-    from motir_celery.core.runner import Event
+    from motir_celery.core.worker.runner import Event
     from tests.jobs import record
 
     with celery_worker(tmp_path, broker=broker):
@@ -155,7 +156,7 @@ def test_dlq_replay_through_a_worker_runs_only_the_failed_subscriber(engine, bro
 
 
 def test_a_run_whose_message_was_never_published_is_found_by_the_sweeper(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
-    from motir_celery.core import events
+    from motir_celery.core.producer import events
 
     # A crash between the commit and the publish: the row exists, no message does.
     (run_id,) = events.send_event("test.three", {}, publish=None).run_ids
@@ -283,11 +284,18 @@ def test_the_default_app_keeps_no_copy_of_a_reserved_message_in_redis(engine, br
 
     assert "ack_emulation" not in (user_app.app.conf.broker_transport_options or {})  # attach() leaves it
     broker = redis.Redis.from_url(broker_url)
-    broker.delete("unacked", "unacked_index")
+    queue = os.environ["MOTIR_QUEUE"]
+
+    def unacked_here() -> int:
+        # kombu's `unacked` hash is one per Redis database, written by every session's workers
+        # (pytest -n, other runs): count the entries routed to this session's queue only.
+        return sum(1 for raw in broker.hvals("unacked") if queue in json.loads(raw)[1:3])
+
+    assert unacked_here() == 0
     with celery_worker(tmp_path, broker=broker_url, concurrency=1, app=worker_app):
         running, reserved = (send_event("test.slow", {"sleep": 3}).run_ids[0] for _ in range(2))
         wait_for(lambda: run_state(engine, running) == "running", what="the first run to start")
         wait_for(lambda: broker.llen(os.environ["MOTIR_QUEUE"]) == 0, what="the second message to be reserved by the busy worker")
         assert run_state(engine, reserved) == "queued"
-        assert broker.hlen("unacked") == kept
+        assert unacked_here() == kept
         wait_for(lambda: run_state(engine, reserved) == "succeeded", what="the reserved run", timeout=30)

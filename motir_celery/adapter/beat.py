@@ -3,7 +3,7 @@
 Two pieces:
 
 * ``enqueue_slot(job_id, scheduled_for, publish=...)`` — create the run of one
-  cron slot: one transaction around ``statements.enqueue_scheduled`` (``INSERT … ON
+  cron slot: one transaction around ``producer_sql.enqueue_scheduled`` (``INSERT … ON
   CONFLICT (job_id, scheduled_for) DO NOTHING``), then publish **after the
   commit** and only for ``Queued``. Behind ``motir_celery.enqueue_scheduled``.
 * ``MotirScheduler`` — a ``celery.beat.PersistentScheduler`` whose ``tick()``
@@ -29,17 +29,15 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from celery.beat import PersistentScheduler
-from sqlalchemy import text
 
 from motir_celery.core.jobs import Job, all_jobs, get_job
 from motir_celery.core.publish import Publish
-from motir_celery.core.runspec import spec_for
 from motir_celery.core.schedule import ScheduleOptions, is_slot, latest_slot, newest_slots, next_slot, schedule_options
 from motir_celery.errors import JobDefinitionError
 from motir_celery.settings import Settings
-from motir_celery.store import statements
 from motir_celery.store.db import engine_connection
-from motir_celery.store.statements import AlreadyQueued, OverlapSkipped, Queued
+from motir_celery.store.records import AlreadyQueued, OverlapSkipped, Queued
+from motir_celery.store.sql import producer as producer_sql
 
 __all__ = ["enqueue_slot", "OverlapSkipped", "MotirCronMixin", "MotirScheduler", "SCHEDULER"]
 
@@ -86,9 +84,9 @@ def enqueue_slot(
 
 def _enqueue(job: Job, opts: ScheduleOptions, slot: datetime, publish: Publish | None,
              settings: Settings | None) -> Queued | AlreadyQueued:
-    spec = spec_for(job, {"scheduled_for": slot.isoformat()}, None)
+    spec = job.spec({"scheduled_for": slot.isoformat()}, None)
     with engine_connection(settings) as conn:  # commits on exit, before the publish below
-        result = statements.enqueue_scheduled(
+        result = producer_sql.enqueue_scheduled(
             conn, job.id, slot, max_attempts=spec.max_attempts, policy=spec.policy, priority=spec.priority,
             concurrency_key=spec.concurrency_key, skip_overlap=opts.overlap == "skip",
         )
@@ -168,7 +166,7 @@ class MotirCronMixin:
         if not jobs:
             return self.motir_max_sleep
         with engine_connection() as conn:
-            db_now: datetime = conn.execute(text("SELECT now()")).scalar_one()
+            db_now = producer_sql.db_now(conn)
         read_at = time.monotonic()
         if self._motir_publish is None:
             from motir_celery.adapter.celery_app import publisher  # the adapter's publish; imported late (no cycle)

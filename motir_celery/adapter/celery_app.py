@@ -71,8 +71,8 @@ from celery.exceptions import Retry
 from motir_celery.adapter.guard import GUARDED_AMQP_TRANSPORT
 from motir_celery.adapter.messages import GUARDED_TRANSPORT, publisher
 from motir_celery.adapter.worker import EngineStep, engine_thread
-from motir_celery.core import runner
 from motir_celery.core.jobs import TASK_OPTIONS, Job, on_job_defined
+from motir_celery.core.worker import runner
 from motir_celery.errors import ConfigurationError, RunFailed
 from motir_celery.settings import Settings, get_settings
 
@@ -205,6 +205,28 @@ def _on_import_modules(sender: Celery, **_: Any) -> None:
 _registered: "weakref.WeakKeyDictionary[Celery, set[str]]" = weakref.WeakKeyDictionary()
 
 
+def run_job(task: Any, job_id: str, run_id: str) -> dict[str, str]:
+    """The entry of every run: the body of each job's Celery task (``task`` is the bound task).
+    Claims the run its message names, runs the handler, settles; raises only to show the ending
+    in Celery's own terms (FAILURE, RETRY), the settle being committed already."""
+    worker = f"{task.request.hostname or 'worker'}/{os.getpid()}"
+    engine_thread().ensure()  # this process's heartbeats (a prefork child's first run starts them)
+    outcome = runner.execute(run_id, job_id=job_id, worker=worker, publish=publisher(task.app))
+    if outcome.state == "failed":
+        # Settled already (failed + DLQ row, committed). Raising only makes the
+        # task show as FAILURE in Flower and Celery's events; the message is
+        # acknowledged all the same (late acks too ack failures), so it is not redelivered.
+        raise RunFailed(f"run {outcome.run_id} of {job_id} failed for good; DLQ entry {outcome.detail}")
+    if outcome.state == "retrying":
+        # Settled already: queued again for its next attempt, whose message the runner
+        # published (or the sweeper will). Raising Retry only makes the task end in
+        # state RETRY (Flower's "Retried", the task-retried event, the task_retry
+        # signal): Celery sends a new message in Task.retry(), never for a Retry raised
+        # by the task itself, and acknowledges this one as for any ending.
+        raise Retry(f"run {outcome.run_id} of {job_id}: attempt failed, next attempt {outcome.detail}")
+    return asdict(outcome)
+
+
 def _register(app: Celery, job: Job) -> None:
     # Our own record, not `name in app.tasks`: that would finalize the app early,
     # and a job re-defined before finalization would be queued twice.
@@ -215,26 +237,11 @@ def _register(app: Celery, job: Job) -> None:
     # (priority= is ours, 0-9 higher first; messages.publisher maps it per broker.)
     options = {k: job.options[k] for k in TASK_OPTIONS if k in job.options}
 
-    def run_job(self: Any, run_id: str, *_: Any) -> dict[str, str]:
-        worker = f"{self.request.hostname or 'worker'}/{os.getpid()}"
-        engine_thread().ensure()  # this process's heartbeats (a prefork child's first run starts them)
-        outcome = runner.execute(run_id, job_id=job.id, worker=worker, publish=publisher(self.app))
-        if outcome.state == "failed":
-            # Settled already (failed + DLQ row, committed). Raising only makes the
-            # task show as FAILURE in Flower and Celery's events; the message is
-            # acknowledged all the same (late acks too ack failures), so it is not redelivered.
-            raise RunFailed(f"run {outcome.run_id} of {job.id} failed for good; DLQ entry {outcome.detail}")
-        if outcome.state == "retrying":
-            # Settled already: queued again for its next attempt, whose message the runner
-            # published (or the sweeper will). Raising Retry only makes the task end in
-            # state RETRY (Flower's "Retried", the task-retried event, the task_retry
-            # signal): Celery sends a new message in Task.retry(), never for a Retry raised
-            # by the task itself, and acknowledges this one as for any ending.
-            raise Retry(f"run {outcome.run_id} of {job.id}: attempt failed, next attempt {outcome.detail}")
-        return asdict(outcome)
+    def task(self: Any, run_id: str, *_: Any) -> dict[str, str]:
+        return run_job(self, job.id, run_id)
 
-    run_job.__name__ = run_job.__qualname__ = "run_" + re.sub(r"\W", "_", job.id)
-    run_job.__doc__ = f"Run of motir job {job.id!r}: claim, steps, settle."
+    task.__name__ = task.__qualname__ = "run_" + re.sub(r"\W", "_", job.id)
+    task.__doc__ = f"Run of motir job {job.id!r}: claim, steps, settle (celery_app.run_job)."
     # shared=False: every app registers its own jobs here; a shared task would be
     # registered again by every later app of the process (DuplicateTaskNameWarning).
-    app.task(name=job.task_name, bind=True, shared=False, **options)(run_job)
+    app.task(name=job.task_name, bind=True, shared=False, **options)(task)

@@ -55,7 +55,7 @@ from typing import Any
 from celery import Celery, signals
 
 from motir_celery.adapter.guard import GUARDED_REDIS_TRANSPORT, MALFORMED_SUFFIX, GuardedRedisTransport
-from motir_celery.core.jobs import TASK_OPTIONS, _registry, task_name
+from motir_celery.core.jobs import TASK_OPTIONS, find_job, task_name
 from motir_celery.core.publish import Publish
 from motir_celery.forks import per_process
 from motir_celery.settings import get_settings
@@ -89,7 +89,7 @@ def _task_options(job_id: str) -> dict[str, Any]:
     """The job's Celery options (define_job's ``queue=``, ``time_limit=``, ``soft_time_limit=``),
     given to every message: ``send_task`` reads a task's own options only from an app
     already finalized (a worker's), so a web process would send to the default queue."""
-    job = _registry.get(job_id)
+    job = find_job(job_id)
     if job is None:
         return {}
     return {k: job.options[k] for k in TASK_OPTIONS if k in job.options}
@@ -106,7 +106,7 @@ def _message_priority(app: Celery, job_id: str) -> int | None:
     ``x-max-priority`` (Celery's ``task_queue_max_priority``). Redis: kombu
     sorts 0 first, so the scale is inverted. Priority 0 sends no priority at all.
     """
-    job = _registry.get(job_id)
+    job = find_job(job_id)
     if job is None or not job.run_options.priority:
         return None
     scheme = str(app.conf.broker_url or "").split("://", 1)[0]

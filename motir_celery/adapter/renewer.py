@@ -14,7 +14,7 @@ the kernel closes it when that process dies, however it dies: the renewer then
 forgets that process's claims at once (their leases run out and the sweeper
 reclaims the runs, as when nothing renewed them), with no pid to poll or to be
 reused, and no lock shared between processes. The rest it renews in one fenced
-statement per lease length (``statements.renew_claims``), each claim until its
+statement per lease length (``worker_sql.renew_claims``), each claim until its
 bound. It ignores SIGINT and SIGTERM (a warm shutdown's runs still need their
 heartbeats) and ends when its worker's main process does. If it dies anyway,
 the holders renew their leases themselves (WARNING) until the worker's engine
@@ -38,7 +38,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from motir_celery.core import leases
+from motir_celery.core.worker import leases
 from motir_celery.settings import get_settings
 from motir_celery.store.db import side_engine
 
@@ -162,11 +162,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--socket", required=True)
     parser.add_argument("--worker-pid", type=int, required=True)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-file", help="append here (the worker's --logfile) instead of stderr")
     args = parser.parse_args(argv)
     # Stopped only by its worker's end (a warm shutdown still needs the heartbeats), or SIGKILL.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+    handler = logging.FileHandler(args.log_file) if args.log_file else logging.StreamHandler(sys.stderr)
+    logging.basicConfig(level=args.log_level, handlers=[handler],
                         format="[%(asctime)s: %(levelname)s/motir-renewer %(process)d] %(message)s")
     Renewer(args.socket, args.worker_pid).serve()
 
@@ -177,9 +179,11 @@ def main(argv: list[str] | None = None) -> None:
 class Supervisor:
     """Starts the worker's renewer, and starts it again when it has died."""
 
-    def __init__(self) -> None:
+    def __init__(self, log_file: str | None = None) -> None:
         self.directory = tempfile.mkdtemp(prefix="motir-renewer-")  # 0700: the worker's user only
         self.path = os.path.join(self.directory, "socket")
+        self.log_file = log_file
+        self._owner = os.getpid()
         self.proc: subprocess.Popen[bytes] | None = None
         self._started_at = 0.0
         self._backoff = 1.0
@@ -192,7 +196,8 @@ class Supervisor:
             level = logging.getLevelName(logging.getLogger("motir_celery").getEffectiveLevel())
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "motir_celery.adapter.renewer", "--socket", self.path,
-                 "--worker-pid", str(os.getpid()), "--log-level", str(level)],
+                 "--worker-pid", str(os.getpid()), "--log-level", str(level),
+                 *(["--log-file", self.log_file] if self.log_file else [])],
                 stdin=subprocess.DEVNULL, close_fds=True)
             self._started_at = time.monotonic()
 
@@ -231,7 +236,9 @@ class Supervisor:
         return None if self.proc is None else self.proc.pid
 
     def cleanup(self) -> None:
-        shutil.rmtree(self.directory, ignore_errors=True)
+        """At the worker's exit (never in a forked child, which inherits the ``atexit`` hook)."""
+        if os.getpid() == self._owner:
+            shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def _listening(path: str) -> bool:

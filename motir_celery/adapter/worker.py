@@ -38,8 +38,8 @@ from celery import bootsteps
 
 from motir_celery.adapter.messages import publisher
 from motir_celery.adapter.renewer import Supervisor
-from motir_celery.core import leases, sweeper
 from motir_celery.core.publish import Publish
+from motir_celery.core.worker import leases, sweeper
 from motir_celery.forks import per_process
 from motir_celery.settings import get_settings
 from motir_celery.store.db import size_pool_for
@@ -121,7 +121,8 @@ class EngineStep(bootsteps.StartStopStep):
             size_pool_for(int(worker.concurrency or 1))
         # Here, before any pool child is forked (they inherit the socket's path), and
         # started now: it gets ready while the rest of the worker boots.
-        self.renewer = Supervisor()
+        logfile = getattr(worker, "logfile", None)  # the worker's --logfile, unless per process (%n, %i...)
+        self.renewer = Supervisor(logfile if isinstance(logfile, str) and "%" not in logfile else None)
         atexit.register(self.renewer.cleanup)
         limit = getattr(worker, "time_limit", None)
         leases.use_renewer(self.renewer.path, time_limit=float(limit) if isinstance(limit, (int, float)) else None)

@@ -22,12 +22,13 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, NoReturn, Protocol, Sequence
 
-from motir_celery.core.results import RunHandle
+from motir_celery.core.producer.results import RunHandle
 from motir_celery.core.retries import RetryPolicy, resolve_policy
-from motir_celery.core.runspec import RunOptions, run_options
+from motir_celery.core.runspec import RunOptions, run_options, run_spec
 from motir_celery.errors import JobDefinitionError, MotirError, UnknownJobError
+from motir_celery.store.records import RunSpec
 
-__all__ = ["Job", "define_job", "get_job", "all_jobs", "subscribers", "cancelled_by", "on_job_defined", "task_name",
+__all__ = ["Job", "define_job", "get_job", "find_job", "all_jobs", "subscribers", "cancelled_by", "on_job_defined", "task_name",
            "CanvasNotSupported", "Invoker", "use_invoker"]
 
 JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,199}$")
@@ -57,6 +58,10 @@ class Job:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # handler(event, step), or a direct job's handler(step, *args, **kwargs), called inline.
         return self.handler(*args, **kwargs)
+
+    def spec(self, data: Any, workspace_id: str | None, priority: int | None = None) -> RunSpec:
+        """What a new run of this job carries, computed from its triggering event's data."""
+        return run_spec(self.id, self.retry_policy, self.run_options, data, workspace_id, priority)
 
     @property
     def direct(self) -> bool:
@@ -223,6 +228,11 @@ def define_job(
 
 def _origin(fn: Callable[..., Any]) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
+
+
+def find_job(job_id: str) -> Job | None:
+    """The job registered as ``job_id`` in this process, or None."""
+    return _registry.get(job_id)
 
 
 def get_job(job_id: str) -> Job:

@@ -14,15 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
+from motir_celery.core.retries import RetryPolicy
 from motir_celery.errors import JobDefinitionError
-from motir_celery.store.statements import RunSpec
+from motir_celery.store.records import RunSpec
 
-if TYPE_CHECKING:
-    from motir_celery.core.jobs import Job
-
-__all__ = ["RunSpec", "CancelOn", "RunOptions", "run_options", "spec_for", "path_of", "value_at"]
+__all__ = ["RunSpec", "CancelOn", "RunOptions", "run_options", "run_spec", "path_of", "value_at"]
 
 Key = str | Callable[[Any], Any]
 
@@ -127,16 +125,17 @@ def run_options(job_id: str, options: Mapping[str, Any]) -> RunOptions:
     )
 
 
-def spec_for(job: "Job", data: Any, workspace_id: str | None, priority: int | None = None) -> RunSpec:
-    opts = job.run_options
+def run_spec(job_id: str, policy: RetryPolicy, opts: RunOptions, data: Any, workspace_id: str | None,
+             priority: int | None = None) -> RunSpec:
+    """The column values of a new run of job ``job_id`` triggered by ``data`` (``Job.spec``)."""
     concurrency = None
     if opts.concurrency_limit is not None:
         # The key "" stands for "the whole job" when no key expression is given.
         concurrency = _eval(opts.concurrency_key, data, workspace_id) or ""
     return RunSpec(
-        job_id=job.id,
-        max_attempts=job.retry_policy.max_attempts,
-        policy=job.retry_policy.name,
+        job_id=job_id,
+        max_attempts=policy.max_attempts,
+        policy=policy.name,
         priority=opts.priority if priority is None else priority,
         singleton_key=_eval(opts.singleton_key, data, workspace_id),
         concurrency_key=concurrency,

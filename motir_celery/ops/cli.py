@@ -32,8 +32,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import click
 
-from motir_celery.core import bulk
-from motir_celery.core import dlq as dlq_ops
+from motir_celery.core.operator import bulk
+from motir_celery.core.operator import dlq as dlq_ops
 from motir_celery.errors import MotirError
 from motir_celery.ops import reads
 from motir_celery.ops.timefmt import (
@@ -640,7 +640,7 @@ def dlq_dismiss(dlq_id: str | None, actor: str, as_json: bool, **opts: Any) -> N
     """Close an entry without replaying it; purge may then delete it.
 
     Without DLQ_ID: every open entry matching the filters."""
-    from motir_celery.core.dlq import dismiss_dlq
+    from motir_celery.core.operator.dlq import dismiss_dlq
 
     actor = _actor(actor)
     if dlq_id is None:

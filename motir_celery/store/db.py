@@ -27,13 +27,14 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from sqlalchemy import Connection, Engine, create_engine, text
+from sqlalchemy import Connection, Engine, create_engine
 from sqlalchemy.orm import Session
 
 from motir_celery.errors import ConfigurationError, WorkspaceError
 from motir_celery.forks import per_process
 from motir_celery.settings import Settings, get_settings
 from motir_celery.store.rls import ADMIN_ROLE
+from motir_celery.store.sql import session
 
 __all__ = [
     "get_engine",
@@ -159,10 +160,7 @@ def set_workspace_context(conn: Connection | Session, workspace_id: str | None, 
     with bound parameters; the setting vanishes at COMMIT or ROLLBACK.
     """
     workspace_id = validate_workspace_id(workspace_id)
-    conn.execute(
-        text("SELECT set_config('motir.workspace_id', :ws, true), set_config('motir.system_admin', :admin, true)"),
-        {"ws": workspace_id or "", "admin": "true" if admin else "false"},
-    )
+    session.workspace_context(conn.connection() if isinstance(conn, Session) else conn, workspace_id, admin=admin)
 
 
 def reader_login(settings: Settings, *, admin: bool) -> tuple[str, str | None]:
@@ -196,8 +194,7 @@ def primary_wal_lsn(settings: Settings | None = None) -> str:
     """The engine's server's current WAL write position: every transaction committed
     before the call is before it (``reads.replayed`` tells when a standby shows it)."""
     with engine_connection(settings) as conn:
-        lsn: str = conn.execute(text("SELECT pg_current_wal_lsn()::text")).scalar_one()
-    return lsn
+        return session.primary_wal_lsn(conn)
 
 
 @contextmanager
@@ -215,9 +212,9 @@ def workspace_session(
     settings = settings or get_settings()
     url, role = reader_login(settings, admin=admin)
     engine = get_engine(url, settings=settings)
-    with Session(engine) as session, session.begin():
+    with Session(engine) as orm, orm.begin():
         if role is not None:
             # Same login as the engine: drop to the reading role for this transaction only.
-            session.execute(text(f'SET LOCAL ROLE "{role}"'))
-        set_workspace_context(session, workspace_id, admin=admin)
-        yield session
+            session.reader_role(orm.connection(), role)
+        set_workspace_context(orm, workspace_id, admin=admin)
+        yield orm

@@ -1,6 +1,7 @@
 """How a catalogued statement reaches Postgres: the psycopg connection under a SQLAlchemy one.
 
-``statements.py`` holds the SQL; this module only sends it, inside whatever
+``store/sql/`` holds the SQL, one module per audience; this module only sends it
+(``rows``, ``first``; ``rows_async`` for an asyncio connection), inside whatever
 transaction the SQLAlchemy ``Connection`` is in (the runner's is in autocommit:
 one statement, one transaction, one round trip), and hands back rows read by
 column name. Errors come out as SQLAlchemy's ``DBAPIError`` family, as from
@@ -21,10 +22,11 @@ import psycopg
 from psycopg.rows import dict_row
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from motir_celery.settings import get_settings
 
-__all__ = ["Statement", "rows", "first"]
+__all__ = ["Statement", "rows", "first", "rows_async", "plan"]
 
 
 class Statement(NamedTuple):
@@ -63,3 +65,18 @@ def first(conn: Connection, statement: Statement, params: dict[str, Any]) -> dic
     """The first row of ``statement``, or None."""
     found = rows(conn, statement, params)
     return found[0] if found else None
+
+
+async def rows_async(conn: AsyncConnection, statement: Statement, params: dict[str, Any]) -> list[dict[str, Any]]:
+    """``rows`` over an asyncio connection (core/producer/aio.py): the same SQL, rows by column name."""
+    result = await conn.exec_driver_sql(statement.sql, params)
+    return [dict(r) for r in result.mappings().all()] if result.returns_rows else []
+
+
+def plan(conn: Connection, statement: Statement, params: dict[str, Any], *, analyze: bool = False) -> Any:
+    """Postgres's plan of ``statement`` with these parameters (``EXPLAIN (FORMAT JSON)``; with
+    ``analyze``, run too: inside a transaction the caller rolls back, for a write)."""
+    options = "ANALYZE, BUFFERS, WAL, FORMAT JSON" if analyze else "FORMAT JSON"
+    explained = Statement(f"explain {statement.name}", statement.doc, f"EXPLAIN ({options}) {statement.sql}")
+    (found,) = rows(conn, explained, params)
+    return found["QUERY PLAN"]

@@ -30,6 +30,8 @@ from sqlalchemy.schema import CreateIndex
 
 from motir_celery.settings import get_settings
 from motir_celery.store import rls, routines, schema
+from motir_celery.store.driver import first
+from motir_celery.store.sql import catalog
 
 __all__ = ["alembic_config", "upgrade", "check", "migrations_dir"]
 
@@ -93,12 +95,6 @@ def _rls_statements(kind: str, subject: Any) -> list[str]:
     return [rls.drop_policy_sql(table, name)]
 
 
-_LIVE_PREDICATE = text(
-    "SELECT pg_get_expr(i.indpred, i.indrelid) FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
-    "WHERE c.relname = :name AND c.relnamespace = current_schema()::regnamespace"
-)
-
-
 def compare_index_predicates(conn: Connection, metadata: MetaData) -> list[tuple[str, str, list[str]]]:
     """Partial indexes whose live WHERE differs from the model's.
 
@@ -114,7 +110,7 @@ def compare_index_predicates(conn: Connection, metadata: MetaData) -> list[tuple
             where = index.dialect_options["postgresql"].get("where")
             if where is None or index.name is None:
                 continue
-            live = conn.execute(_LIVE_PREDICATE, {"name": index.name}).one_or_none()
+            live = first(conn, catalog.INDEX_PREDICATE, {"name": index.name})
             if live is None:
                 continue  # a missing index is Alembic's own finding
             predicate = str(where.compile(dialect=dialect, compile_kwargs={"literal_binds": True}))
@@ -122,11 +118,9 @@ def compare_index_predicates(conn: Connection, metadata: MetaData) -> list[tuple
             with conn.begin_nested() as sp:
                 conn.execute(text(f"CREATE TEMP TABLE motir_probe (LIKE {table.name})"))
                 conn.execute(text(f"CREATE INDEX motir_probe_ix ON motir_probe ({column}) WHERE {predicate}"))
-                declared = conn.execute(
-                    text("SELECT pg_get_expr(indpred, indrelid) FROM pg_index WHERE indexrelid = 'motir_probe_ix'::regclass")
-                ).scalar()
+                declared = first(conn, catalog.PROBE_PREDICATE, {})
                 sp.rollback()
-            if declared != live[0]:
+            if declared is None or declared["predicate"] != live["predicate"]:
                 create = str(CreateIndex(index).compile(dialect=dialect))
                 diffs.append(("change_index_predicate", str(index.name), [f"DROP INDEX {index.name}", create]))
     return diffs

@@ -43,6 +43,9 @@ from typing import Any, Iterable
 from sqlalchemy import MetaData, text
 from sqlalchemy.engine import Connection
 
+from motir_celery.store.driver import rows
+from motir_celery.store.sql import catalog
+
 __all__ = [
     "APP_ROLE",
     "ADMIN_ROLE",
@@ -176,41 +179,8 @@ def revoke_sql(g: Grant) -> str:
 
 # --- drift detection ----------------------------------------------------------------
 
-_LIVE_POLICIES = text(
-    """
-    SELECT p.tablename, p.policyname, p.permissive, p.cmd, p.roles::text[] AS roles,
-           p.qual, p.with_check
-    FROM pg_policies p
-    WHERE p.schemaname = current_schema() AND p.tablename = ANY(:tables)
-    """
-)
-_RLS_FLAGS = text(
-    "SELECT relname, relrowsecurity FROM pg_class "
-    "WHERE relnamespace = current_schema()::regnamespace AND relname = ANY(:tables)"
-)
-# Table and column privileges of the declared roles and of PUBLIC (grantee 0), from
-# the ACLs themselves: information_schema shows only what the current user may see.
-_LIVE_GRANTS = text(
-    """
-    SELECT c.relname AS table, coalesce(r.rolname, 'PUBLIC') AS role, a.privilege_type AS privilege,
-           NULL::text AS column
-    FROM pg_class c CROSS JOIN LATERAL aclexplode(c.relacl) a
-    LEFT JOIN pg_roles r ON r.oid = a.grantee
-    WHERE c.relnamespace = current_schema()::regnamespace AND c.relname = ANY(:tables)
-      AND (a.grantee = 0 OR r.rolname = ANY(:roles))
-    UNION ALL
-    SELECT c.relname, coalesce(r.rolname, 'PUBLIC'), a.privilege_type, att.attname::text
-    FROM pg_class c JOIN pg_attribute att ON att.attrelid = c.oid AND att.attacl IS NOT NULL
-    CROSS JOIN LATERAL aclexplode(att.attacl) a
-    LEFT JOIN pg_roles r ON r.oid = a.grantee
-    WHERE c.relnamespace = current_schema()::regnamespace AND c.relname = ANY(:tables)
-      AND (a.grantee = 0 OR r.rolname = ANY(:roles))
-    """
-)
-
-
 def _shape(row: Any) -> tuple[Any, ...]:
-    return (row.permissive, row.cmd, tuple(sorted(row.roles)), row.qual, row.with_check)
+    return (row["permissive"], row["cmd"], tuple(sorted(row["roles"])), row["qual"], row["with_check"])
 
 
 def _normalised(conn: Connection, policy: Policy) -> tuple[Any, ...]:
@@ -219,15 +189,15 @@ def _normalised(conn: Connection, policy: Policy) -> tuple[Any, ...]:
     directly would report drift for every difference in parentheses."""
     probe = "motir_drift_probe"
     with conn.begin_nested() as sp:
-        conn.execute(text(create_policy_sql(policy, name=probe)))
-        rows = conn.execute(_LIVE_POLICIES, {"tables": [policy.table]}).all()
+        conn.execute(text(create_policy_sql(policy, name=probe)))  # DDL built from the declaration
+        found = rows(conn, catalog.LIVE_POLICIES, {"tables": [policy.table]})
         sp.rollback()
-    (match,) = [r for r in rows if r.policyname == probe]
+    (match,) = [r for r in found if r["policyname"] == probe]
     return _shape(match)
 
 
 def _existing_tables(conn: Connection) -> set[str]:
-    return set(conn.execute(text("SELECT tablename FROM pg_tables WHERE schemaname = current_schema()")).scalars())
+    return {r["tablename"] for r in rows(conn, catalog.SCHEMA_TABLES, {})}
 
 
 def compare_policies(conn: Connection, metadata: MetaData) -> list[tuple[str, Any]]:
@@ -235,8 +205,8 @@ def compare_policies(conn: Connection, metadata: MetaData) -> list[tuple[str, An
     declared = policies_of(metadata)
     tables = list(declared)
     existing = _existing_tables(conn)
-    live = {(r.tablename, r.policyname): r for r in conn.execute(_LIVE_POLICIES, {"tables": tables})}
-    flags: dict[str, bool] = {r.relname: r.relrowsecurity for r in conn.execute(_RLS_FLAGS, {"tables": tables})}
+    live = {(r["tablename"], r["policyname"]): r for r in rows(conn, catalog.LIVE_POLICIES, {"tables": tables})}
+    flags: dict[str, bool] = {r["relname"]: r["relrowsecurity"] for r in rows(conn, catalog.RLS_FLAGS, {"tables": tables})}
     diffs: list[tuple[str, Any]] = []
     for table, policies in declared.items():
         if table not in existing:
@@ -262,9 +232,9 @@ def compare_grants(conn: Connection, metadata: MetaData) -> list[tuple[str, Gran
     tables = [t for t in grants_of(metadata) if t in _existing_tables(conn)]
     if not tables:
         return []
-    live = {Grant(r.table, r.role, r.privilege, r.column)
-            for r in conn.execute(_LIVE_GRANTS, {"tables": tables, "roles": list(ROLES)})
-            if r.privilege in PRIVILEGES}
+    live = {Grant(r["table"], r["role"], r["privilege"], r["column"])
+            for r in rows(conn, catalog.LIVE_GRANTS, {"tables": tables, "roles": list(ROLES)})
+            if r["privilege"] in PRIVILEGES}
     wanted = {g for g in declared if g.table in tables}
     order = lambda g: (g.table, g.role, g.privilege, g.column or "")  # noqa: E731 — stable diffs
     return ([("grant", g) for g in sorted(wanted - live, key=order)]

@@ -27,8 +27,9 @@ from typing import Any
 
 from sqlalchemy.engine import Connection
 
-from motir_celery.store.driver import Statement, rows
+from motir_celery.store.driver import rows
 from motir_celery.store.rls import APP_ROLE, ENGINE_ROLE
+from motir_celery.store.sql import catalog
 
 __all__ = ["Routine", "Trigger", "ROUTINES", "TRIGGERS", "compare_routines"]
 
@@ -75,40 +76,12 @@ ROUTINES: tuple[Routine, ...] = (
 
 TRIGGERS: tuple[Trigger, ...] = (Trigger("motir_run_settled", "job_queue", "motir_on_run_settled"),)
 
-LIVE_ROUTINES = Statement(
-    "live_routines",
-    "The schema's motir_* functions: identity, body digest, owner's rights, search_path, who may execute them.",
-    """
-    SELECT p.proname AS name, pg_get_function_identity_arguments(p.oid) AS named_args,
-           oidvectortypes(p.proargtypes) AS args, md5(p.prosrc) AS digest, p.prosecdef AS definer,
-           coalesce(EXISTS (SELECT 1 FROM unnest(p.proconfig) c WHERE c LIKE 'search_path=%%pg_temp'), false)
-             AS fixed_path,
-           ARRAY(SELECT coalesce(r.rolname, 'PUBLIC') FROM aclexplode(coalesce(p.proacl, acldefault('f', p.proowner))) a
-                 LEFT JOIN pg_roles r ON r.oid = a.grantee
-                 WHERE a.privilege_type = 'EXECUTE' AND a.grantee <> p.proowner) AS executors
-    FROM pg_proc p
-    WHERE p.pronamespace = current_schema()::regnamespace   -- this schema's
-      AND p.proname LIKE 'motir\\_%%'                         -- ours, by name
-    """,
-)
-LIVE_TRIGGERS = Statement(
-    "live_triggers",
-    "The schema's motir_* triggers: name, table, function.",
-    """
-    SELECT t.tgname AS name, c.relname AS table, p.proname AS function
-    FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid JOIN pg_proc p ON p.oid = t.tgfoid
-    WHERE NOT t.tgisinternal                                -- not a constraint's own trigger
-      AND c.relnamespace = current_schema()::regnamespace AND t.tgname LIKE 'motir\\_%%'
-    """,
-)
-
-
 def compare_routines(conn: Connection) -> list[tuple[str, Any]]:
     """Differences between the declared and the live functions and triggers, as
     ``(kind, subject)``: ``add_function``, ``remove_function``, ``change_function``
     (body, owner's rights or search_path), ``grant_execute`` / ``revoke_execute``
     (a role, PUBLIC included), ``add_trigger``, ``remove_trigger``."""
-    live = {(r["name"], r["args"]): r for r in rows(conn, LIVE_ROUTINES, {})}
+    live = {(r["name"], r["args"]): r for r in rows(conn, catalog.LIVE_ROUTINES, {})}
     diffs: list[tuple[str, Any]] = []
     for routine in ROUTINES:
         row = live.pop((routine.name, routine.args), None)
@@ -126,7 +99,7 @@ def compare_routines(conn: Connection) -> list[tuple[str, Any]]:
             diffs.append(("revoke_execute", (signature, role)))
     for name, args in sorted(live):
         diffs.append(("remove_function", f"{name}({args})"))
-    triggers = {(r["name"], r["table"], r["function"]) for r in rows(conn, LIVE_TRIGGERS, {})}
+    triggers = {(r["name"], r["table"], r["function"]) for r in rows(conn, catalog.LIVE_TRIGGERS, {})}
     for trigger in TRIGGERS:
         key = (trigger.name, trigger.table, trigger.function)
         if key in triggers:

@@ -24,23 +24,15 @@ from dataclasses import dataclass
 from sqlalchemy import Connection
 
 from motir_celery.forks import per_process
-from motir_celery.store.driver import Statement, first
+from motir_celery.store.driver import first
+from motir_celery.store.sql import catalog
 
-__all__ = ["Features", "features", "SCHEMA_FEATURES", "TTL", "forget"]
+__all__ = ["Features", "features", "TTL", "forget"]
 
 log = logging.getLogger("motir_celery.store.schema")
 
 #: Seconds a probe's answer is kept.
 TTL = 30.0
-
-SCHEMA_FEATURES = Statement(
-    "schema_features",
-    "Which later migrations' objects exist in this schema (no table is read: catalogue lookups only).",
-    """
-    SELECT to_regclass('job_sweep') IS NOT NULL AS sweep_slot,                 -- 0007
-           to_regproc('motir_direct_run') IS NOT NULL AS checked_enqueue        -- 0008
-    """,
-)
 
 _MIGRATION = {"sweep_slot": ("0007", "every worker sweeps on its own"),
               "checked_enqueue": ("0008", "direct runs are written as before 0008")}
@@ -70,7 +62,7 @@ def features(conn: Connection) -> Features:
     hit = cache.by_url.get(key)
     if hit is not None and hit[0] > now:
         return hit[1]
-    row = first(conn, SCHEMA_FEATURES, {})
+    row = first(conn, catalog.SCHEMA_FEATURES, {})
     found = Features(**row) if row is not None else Features()
     with cache.lock:
         cache.by_url[key] = (now + TTL, found)

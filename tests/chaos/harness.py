@@ -645,7 +645,7 @@ class Feeder(threading.Thread):
         self.runs_created = 0
 
     def run(self) -> None:
-        from motir_celery.core import events
+        from motir_celery.core.producer import events
 
         settings = self.env.settings()
         publish = self.env.publisher(self.copies)

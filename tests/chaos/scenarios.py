@@ -577,8 +577,8 @@ def bad_input(base: Base, *, runs: int = 200, workers: int = 2, rate: float = 20
     error (raised before anything is written) or a logged drop; nothing else disturbed."""
     import kombu
 
-    from motir_celery.core import events
-    from motir_celery.core.dlq import replay_dlq
+    from motir_celery.core.operator.dlq import replay_dlq
+    from motir_celery.core.producer import events
     from motir_celery.errors import PayloadError, WorkspaceError
     from motir_celery.store.db import workspace_session
 

@@ -16,7 +16,7 @@ from tests.chaos.scenarios import SUBSCRIBERS
 
 
 def _runs(env: ChaosEnv, n: int) -> list[tuple[str, str]]:
-    from motir_celery.core import events
+    from motir_celery.core.producer import events
 
     out = []
     for i in range(n):
@@ -103,7 +103,7 @@ def test_the_cross_tenant_check_sees_a_leak_when_there_is_one(database_url: str,
 
     reset_tables(database_url)
     env = ChaosEnv(database_url, "redis://127.0.0.1:1/0", tmp_path)
-    from motir_celery.core import events
+    from motir_celery.core.producer import events
 
     for ws in ("ws-a", "ws-b"):
         events.send_event("chaos.work", {}, workspace_id=ws, publish=None, settings=env.settings())

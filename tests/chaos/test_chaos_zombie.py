@@ -15,7 +15,8 @@ import os
 from sqlalchemy import text
 
 import tests.chaos.jobs  # noqa: F401
-from motir_celery.core import events, runner
+from motir_celery.core.producer import events
+from motir_celery.core.worker import runner
 from motir_celery.settings import Settings
 
 

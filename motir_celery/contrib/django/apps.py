@@ -16,7 +16,7 @@ class MotirConfig(AppConfig):
         from django.core import checks
 
         from motir_celery.contrib.django import conf, db
-        from motir_celery.core import events
+        from motir_celery.core.producer import events
 
         conf.apply()
         events.join_transactions(db.join)

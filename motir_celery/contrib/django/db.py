@@ -45,14 +45,14 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Callable, ContextManager, Iterator
 
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Engine, create_engine
 from sqlalchemy.dialects import registry
 from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
 from sqlalchemy.pool import NullPool
 
 from motir_celery.contrib.django import conf
 from motir_celery.contrib.django.middleware import request_workspace
-from motir_celery.core.events import Joined
+from motir_celery.core.producer.events import Joined
 from motir_celery.errors import ConfigurationError
 from motir_celery.store.db import set_workspace_context
 
@@ -141,8 +141,7 @@ def _joined(db_alias: str, workspace_id: str | None) -> Iterator[Joined]:
         # security checks the rows against it when Django logs in as the app role.
         scope = request_workspace()
         if scope is not None or workspace_id is not None:
-            conn.execute(text("SELECT set_config('motir.workspace_id', :ws, true)"),
-                         {"ws": scope if scope is not None else workspace_id})
+            set_workspace_context(conn, scope if scope is not None else workspace_id)
         yield conn, on_commit
 
 

@@ -27,13 +27,12 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Callable, Literal
 
-from sqlalchemy import text
-
-from motir_celery.core.dlq import Caller, _check_actor, dismiss_dlq, replay_dlq
+from motir_celery.core.operator.dlq import Caller, check_actor, dismiss_dlq, replay_dlq
+from motir_celery.core.operator.resume import resume_dlq
 from motir_celery.core.publish import Publish
-from motir_celery.core.resume import resume_dlq
 from motir_celery.settings import Settings
 from motir_celery.store.db import workspace_session
+from motir_celery.store.sql import operator as operator_sql
 
 __all__ = ["DlqFilter", "BulkResult", "bulk_dlq", "ACTIONS", "DEFAULT_RATE", "DEFAULT_LIMIT"]
 
@@ -80,39 +79,13 @@ def _like(value: str) -> str:
     return "%" + value.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
 
 
-_MATCH = """
-    SELECT d.id, d.function_id AS job, d.workspace_id AS workspace, d.last_failed_at AS failed_at,
-           concat_ws(': ', d.failure->>'type', d.failure->>'message') AS error
-    FROM job_run_dlq d
-    WHERE d.replayed_at IS NULL AND d.dismissed_at IS NULL AND d.resumed_at IS NULL   -- open entries only
-      {where}
-    ORDER BY d.last_failed_at, d.id            -- oldest failure first
-    LIMIT :limit
-"""
-
-
 def matching(flt: DlqFilter, caller: Caller, *, limit: int = DEFAULT_LIMIT,
              settings: Settings | None = None) -> list[dict[str, Any]]:
     """The open entries ``caller`` can see that match ``flt``, oldest failure first."""
-    where: list[str] = []
-    params: dict[str, Any] = {"limit": limit}
-    if flt.job is not None:
-        where.append("AND d.function_id = :job")
-        params["job"] = flt.job
-    if flt.workspace is not None:
-        where.append("AND d.workspace_id = :workspace")
-        params["workspace"] = flt.workspace
-    if flt.error is not None:
-        where.append("AND concat_ws(': ', d.failure->>'type', d.failure->>'message') ILIKE :error")
-        params["error"] = _like(flt.error)
-    if flt.since is not None:
-        where.append("AND d.last_failed_at >= :since")
-        params["since"] = flt.since
-    if flt.until is not None:
-        where.append("AND d.last_failed_at < :until")
-        params["until"] = flt.until
     with workspace_session(caller.workspace, admin=caller.admin, settings=settings) as s:
-        return [dict(r._mapping) for r in s.execute(text(_MATCH.format(where=" ".join(where))), params)]
+        return operator_sql.open_entries(s.connection(), job=flt.job, workspace=flt.workspace,
+                                         error_like=None if flt.error is None else _like(flt.error),
+                                         since=flt.since, until=flt.until, limit=limit)
 
 
 def bulk_dlq(action: Action, flt: DlqFilter, *, caller: Caller, dry_run: bool = False,
@@ -130,7 +103,7 @@ def bulk_dlq(action: Action, flt: DlqFilter, *, caller: Caller, dry_run: bool = 
         raise ValueError(f"rate must be more than 0 and at most 10000 per second, got {rate!r}")
     if not (1 <= limit <= MAX_LIMIT):
         raise ValueError(f"limit must be from 1 to {MAX_LIMIT}, got {limit!r}")
-    _check_actor(caller.actor)
+    check_actor(caller.actor)
     found = matching(flt, caller, limit=limit, settings=settings)
     head = found[:sample]
     if dry_run:

@@ -29,21 +29,21 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, create_async_engine
 
-from motir_celery.core import direct
-from motir_celery.core.events import SendResult, cancel_on, deduplicated, publish_after_commit, validate_event
 from motir_celery.core.jobs import Job, cancelled_by, subscribers
+from motir_celery.core.producer import direct
+from motir_celery.core.producer.events import SendResult, cancel_on, deduplicated, publish_after_commit, validate_event
+from motir_celery.core.producer.results import RunHandle
 from motir_celery.core.publish import Publish, publish_or_log
-from motir_celery.core.results import RunHandle
-from motir_celery.core.runspec import spec_for
 from motir_celery.core.tracing import current_traceparent
 from motir_celery.errors import PayloadError
 from motir_celery.forks import per_process
 from motir_celery.settings import Settings, get_settings
-from motir_celery.store import schema, statements
-from motir_celery.store.driver import Statement
+from motir_celery.store import records, schema
+from motir_celery.store.driver import rows_async
+from motir_celery.store.sql import producer as producer_sql
 
 if TYPE_CHECKING:
-    from motir_celery.core.direct import PublishFor
+    from motir_celery.core.producer.direct import PublishFor
 
 __all__ = ["send_event_async", "apply_async_async", "async_engine"]
 
@@ -73,12 +73,6 @@ def async_engine(settings: Settings | None = None) -> AsyncEngine:
     return engine
 
 
-async def _rows(conn: AsyncConnection, statement: Statement, params: dict[str, Any]) -> list[dict[str, Any]]:
-    """driver.rows for an async connection: the catalogued SQL as it is, rows by column name."""
-    result = await conn.exec_driver_sql(statement.sql, params)
-    return [dict(r) for r in result.mappings().all()] if result.returns_rows else []
-
-
 def _offloaded(publish: Publish, loop: asyncio.AbstractEventLoop) -> Publish:
     """``publish`` handed to the loop's thread executor (for commit hooks: fire and log)."""
     pending: set[asyncio.Future[Any]] = set()
@@ -93,7 +87,7 @@ def _offloaded(publish: Publish, loop: asyncio.AbstractEventLoop) -> Publish:
 
 def _publish_all(runs: Sequence[Any], publish: Publish) -> None:
     for run in runs:
-        if isinstance(run, statements.Queued) and not publish_or_log(publish, run.run_id, run.job_id):
+        if isinstance(run, records.Queued) and not publish_or_log(publish, run.run_id, run.job_id):
             break  # the broker is away: the sweeper publishes the rest
 
 
@@ -103,16 +97,16 @@ def _publish_all(runs: Sequence[Any], publish: Publish) -> None:
 async def _write_event(conn: AsyncConnection, name: str, data: Any, encoded: str, workspace_id: str | None,
                        key: str | None, jobs: Sequence[Job], priority: int | None) -> SendResult:
     """events.write_event, over an async connection."""
-    specs = [spec_for(job, data, workspace_id, priority) for job in jobs]
+    specs = [job.spec(data, workspace_id, priority) for job in jobs]
     params = {"name": name, "data": encoded, "workspace_id": workspace_id, "key": key,
-              **statements.spec_params(specs, current_traceparent())}
-    found = await _rows(conn, statements.RECORD_EVENT, params)
+              **producer_sql.spec_params(specs, current_traceparent())}
+    found = await rows_async(conn, producer_sql.RECORD_EVENT, params)
     recorded = [r for r in found if not r["woken"]]
     if not recorded:
         return await conn.run_sync(deduplicated, name, encoded, workspace_id, key)
-    woken = [statements.Queued(r["run_id"], r["job_id"]) for r in found if r["woken"]]
+    woken = [records.Queued(r["run_id"], r["job_id"]) for r in found if r["woken"]]
     cancelled = await conn.run_sync(cancel_on, name, data, workspace_id) if cancelled_by(name) else []
-    return SendResult(recorded[0]["event_id"], statements.runs_of(specs, recorded), woken=woken, cancelled=cancelled,
+    return SendResult(recorded[0]["event_id"], producer_sql.runs_of(specs, recorded), woken=woken, cancelled=cancelled,
                       workspace_id=workspace_id)
 
 
@@ -166,7 +160,7 @@ async def apply_async_async(job: Job, args: Sequence[Any], kwargs: Mapping[str, 
     if session is not None:
         written = await _write_direct(await session.connection(), call, settings)
         if publish is not None and direct.should_publish(written, settings):
-            run = statements.Queued(written.run_id, job.id)  # type: ignore[arg-type]
+            run = records.Queued(written.run_id, job.id)  # type: ignore[arg-type]
             publish_after_commit(session.sync_session, [run],
                                  _offloaded(direct.delayed(publish, written.due_in), loop))
         return direct.handle(call, written, settings)
@@ -180,10 +174,10 @@ async def apply_async_async(job: Job, args: Sequence[Any], kwargs: Mapping[str, 
 
 async def _write_direct(conn: AsyncConnection, call: direct.DirectCall, settings: Settings) -> direct.Written:
     checked = (await conn.run_sync(schema.features)).checked_enqueue
-    found = await _rows(conn, statements.DIRECT_RUN if checked else statements.DIRECT_RUN_BEFORE_0008,
+    found = await rows_async(conn, producer_sql.DIRECT_RUN if checked else producer_sql.DIRECT_RUN_BEFORE_0008,
                         call.params(settings))
     written = direct.interpret(call, found[0] if found else None)
     if written is not None:
         return written
-    again = await _rows(conn, statements.DIRECT_RUN_EXISTING, call.existing_params())
+    again = await rows_async(conn, producer_sql.DIRECT_RUN_EXISTING, call.existing_params())
     return direct.existing(call, again[0] if again else None)

@@ -20,19 +20,19 @@ from typing import Any, Callable, Mapping, Sequence
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
-from motir_celery.core import events as _events
 from motir_celery.core.jobs import cancelled_by, subscribers
+from motir_celery.core.producer import events as _events
 from motir_celery.core.publish import Publish
-from motir_celery.core.runspec import spec_for
 from motir_celery.core.tracing import current_traceparent
 from motir_celery.errors import PayloadError, WorkspaceError
 from motir_celery.settings import Settings, get_settings
-from motir_celery.store import compose, statements
+from motir_celery.store import records
 from motir_celery.store.db import get_engine
+from motir_celery.store.sql import producer as producer_sql
 
 __all__ = ["send_events", "MAX_BATCH"]
 
-log = logging.getLogger("motir_celery.core.events")
+log = logging.getLogger("motir_celery.core.producer.events")
 
 #: The most events one call takes (a statement's arrays stay a few MB at most).
 MAX_BATCH = 10_000
@@ -85,7 +85,7 @@ def send_events(
                                      or not 0 <= priority <= 9):
             raise PayloadError(f"send_events: item {i}: priority must be an integer from 0 to 9, got {priority!r}")
         rows_in.append((name, encoded, workspace_id, key))
-        specs.append([spec_for(job, data, workspace_id, priority) for job in subscribers(name)])
+        specs.append([job.spec(data, workspace_id, priority) for job in subscribers(name)])
         raw.append(data)
     traceparent = current_traceparent()
     cancelling = {name for name in {r[0] for r in rows_in} if cancelled_by(name)}  # cancel_on rules listen
@@ -115,7 +115,7 @@ def send_events(
     if publish_many is None:
         _events.publish_runs(_pending(results), publish)
         return results
-    runs = [(r.run_id, r.job_id) for r in _pending(results) if isinstance(r, statements.Queued)]
+    runs = [(r.run_id, r.job_id) for r in _pending(results) if isinstance(r, records.Queued)]
     try:
         if runs:
             publish_many(runs)
@@ -125,25 +125,25 @@ def send_events(
     return results
 
 
-def _pending(results: Sequence[_events.SendResult]) -> list[statements.Queued | statements.AlreadyQueued]:
+def _pending(results: Sequence[_events.SendResult]) -> list[records.Queued | records.AlreadyQueued]:
     return [run for r in results for run in (*r.runs, *r.woken)]
 
 
 def _write(conn: Connection, rows_in: list[tuple[str, str, str | None, str | None]],
-           specs: list[list[statements.RunSpec]], raw: list[Any],
+           specs: list[list[records.RunSpec]], raw: list[Any],
            traceparent: str | None, cancelling: set[str]) -> list[_events.SendResult]:
-    found = compose.record_events(conn, rows_in, specs, traceparent=traceparent)
+    found = producer_sql.record_events(conn, rows_in, specs, traceparent=traceparent)
     by_event: dict[int, list[dict[str, Any]]] = {}
-    woken: list[statements.Queued] = []
+    woken: list[records.Queued] = []
     for r in found:
         if r["woken"]:
-            woken.append(statements.Queued(r["run_id"], r["job_id"]))
+            woken.append(records.Queued(r["run_id"], r["job_id"]))
         else:
             by_event.setdefault(r["idx"], []).append(r)
     dedup = [i for i in range(len(rows_in)) if i + 1 not in by_event]
     existing: dict[int, dict[str, Any]] = {}
     if dedup:
-        for r in compose.existing_events(conn, [rows_in[i] for i in dedup]):
+        for r in producer_sql.existing_events(conn, [rows_in[i] for i in dedup]):
             existing[dedup[r["i"] - 1]] = r
     results: list[_events.SendResult] = []
     for i, (name, _encoded, ws, key) in enumerate(rows_in):
@@ -158,8 +158,8 @@ def _write(conn: Connection, rows_in: list[tuple[str, str, str | None, str | Non
             continue
         made = by_event[i + 1]
         created = {r["job_id"]: r["run_id"] for r in made if r["run_id"] is not None}
-        runs: list[statements.Queued | statements.AlreadyQueued] = [
-            statements.Queued(created[s.job_id], s.job_id) if s.job_id in created else statements.AlreadyQueued(s.job_id)
+        runs: list[records.Queued | records.AlreadyQueued] = [
+            records.Queued(created[s.job_id], s.job_id) if s.job_id in created else records.AlreadyQueued(s.job_id)
             for s in specs[i]]
         cancelled = _events.cancel_on(conn, name, raw[i], ws) if name in cancelling else []
         results.append(_events.SendResult(made[0]["event_id"], runs, cancelled=cancelled, workspace_id=ws))

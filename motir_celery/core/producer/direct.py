@@ -3,7 +3,7 @@
 A direct job (``define_job`` with neither ``event=`` nor ``cron=``) is started
 the way a Celery task is. One call writes one event named ``direct.<job_id>``
 whose data is ``{"args": [...], "kwargs": {...}}`` and, in the same statement,
-its one run (``statements.DIRECT_RUN``): the event log, the DLQ (which copies
+its one run (``producer_sql.DIRECT_RUN``): the event log, the DLQ (which copies
 the event's data, so a replay re-runs the same arguments), ``motir runs show``
 and RLS treat it as any other run; no schema change. The worker calls
 ``handler(step, *args, **kwargs)``; ``step.run_id`` and ``step.attempt`` carry
@@ -48,23 +48,23 @@ from typing import Any, Callable, Mapping, Sequence
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
-from motir_celery.core.events import joined_transaction, publish_after_commit, validate_event
 from motir_celery.core.jobs import Job
+from motir_celery.core.producer.events import joined_transaction, publish_after_commit, validate_event
+from motir_celery.core.producer.results import RunHandle
 from motir_celery.core.publish import Publish, publish_or_log
-from motir_celery.core.results import RunHandle
-from motir_celery.core.runspec import spec_for
 from motir_celery.core.tracing import current_traceparent
 from motir_celery.errors import PayloadError, checked_delay
 from motir_celery.settings import Settings, get_settings
-from motir_celery.store import schema, statements
+from motir_celery.store import records, schema
 from motir_celery.store.db import get_engine
 from motir_celery.store.driver import first
-from motir_celery.store.statements import RunSpec
+from motir_celery.store.records import RunSpec
+from motir_celery.store.sql import producer as producer_sql
 
 __all__ = ["DIRECT_PREFIX", "event_name", "DirectCall", "prepare", "apply_async", "arguments", "PublishFor",
            "APPLY_ASYNC_OPTIONS"]
 
-log = logging.getLogger("motir_celery.core.direct")
+log = logging.getLogger("motir_celery.core.producer.direct")
 
 DIRECT_PREFIX = "direct."
 
@@ -91,7 +91,7 @@ def arguments(data: Any) -> tuple[list[Any], dict[str, Any]]:
 
 @dataclass(frozen=True)
 class DirectCall:
-    """One validated direct call, ready for ``statements.DIRECT_RUN``."""
+    """One validated direct call, ready for ``producer_sql.DIRECT_RUN``."""
 
     job: Job
     name: str
@@ -161,7 +161,7 @@ def prepare(job: Job, args: Sequence[Any], kwargs: Mapping[str, Any], options: M
     if queue is not None and (not isinstance(queue, str) or not queue):
         raise ValueError(f"queue of job {job.id!r} must be a non-empty string, got {queue!r}")
     return DirectCall(job, name, encoded, workspace_id, key, seconds, eta, queue, priority,
-                      spec_for(job, data, workspace_id, priority))
+                      job.spec(data, workspace_id, priority))
 
 
 @dataclass(frozen=True)
@@ -191,11 +191,11 @@ def existing(call: DirectCall, row: Mapping[str, Any] | None) -> Written:
 
 def write(conn: Connection, call: DirectCall, settings: Settings) -> Written:
     """The event and its run, in ``conn``'s transaction (in autocommit: one statement, committed)."""
-    statement = statements.DIRECT_RUN if schema.features(conn).checked_enqueue else statements.DIRECT_RUN_BEFORE_0008
+    statement = producer_sql.DIRECT_RUN if schema.features(conn).checked_enqueue else producer_sql.DIRECT_RUN_BEFORE_0008
     written = interpret(call, first(conn, statement, call.params(settings)))
     if written is not None:
         return written
-    return existing(call, first(conn, statements.DIRECT_RUN_EXISTING, call.existing_params()))
+    return existing(call, first(conn, producer_sql.DIRECT_RUN_EXISTING, call.existing_params()))
 
 
 def delayed(publish: Publish, due_in: float) -> Publish:
@@ -214,7 +214,7 @@ def should_publish(written: Written, settings: Settings) -> bool:
     return written.run_id is not None and not written.deduplicated and written.due_in <= settings.republish_after
 
 
-def _publish_one(publish: Publish, run: statements.Queued) -> None:
+def _publish_one(publish: Publish, run: records.Queued) -> None:
     publish_or_log(publish, run.run_id, run.job_id)
 
 
@@ -233,7 +233,7 @@ def apply_async(job: Job, args: Sequence[Any], kwargs: Mapping[str, Any], option
     if session is not None:
         written = write(session.connection(), call, settings)
         if publish is not None and should_publish(written, settings):
-            run = statements.Queued(written.run_id, job.id)  # type: ignore[arg-type]
+            run = records.Queued(written.run_id, job.id)  # type: ignore[arg-type]
             publish_after_commit(session, [run], delayed(publish, written.due_in))
         return handle(call, written, settings)
     joined = joined_transaction(call.workspace_id)  # a framework's transaction (contrib/django), if any
@@ -241,7 +241,7 @@ def apply_async(job: Job, args: Sequence[Any], kwargs: Mapping[str, Any], option
         with joined as (conn, on_commit):
             written = write(conn, call, settings)
             if publish is not None and should_publish(written, settings):
-                run = statements.Queued(written.run_id, job.id)  # type: ignore[arg-type]
+                run = records.Queued(written.run_id, job.id)  # type: ignore[arg-type]
                 late = delayed(publish, written.due_in)
                 on_commit(lambda: _publish_one(late, run))
         return handle(call, written, settings)

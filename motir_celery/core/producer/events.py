@@ -32,25 +32,26 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Sequence
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection
 from sqlalchemy import event as sa_event
 from sqlalchemy.orm import Session
 
 from motir_celery.core.jobs import Job, cancelled_by, subscribers
+from motir_celery.core.producer.results import RunHandle
 from motir_celery.core.publish import Publish, publish_or_log
-from motir_celery.core.results import RunHandle
-from motir_celery.core.runspec import path_of, spec_for, value_at
+from motir_celery.core.runspec import path_of, value_at
 from motir_celery.core.tracing import current_traceparent
 from motir_celery.errors import PayloadError
 from motir_celery.settings import Settings, get_settings
-from motir_celery.store import statements
+from motir_celery.store import records
 from motir_celery.store.db import get_engine, validate_workspace_id
+from motir_celery.store.sql import producer as producer_sql
 
 __all__ = ["SendResult", "send_event", "dispatch_event", "publish_after_commit", "MAX_IDEMPOTENCY_KEY",
            "Joined", "join_transactions", "joined_transaction", "validate_event", "write_event", "deduplicated",
            "cancel_on", "publish_runs"]
 
-log = logging.getLogger("motir_celery.core.events")
+log = logging.getLogger("motir_celery.core.producer.events")
 
 #: Longest idempotency key, in characters (a UUID is 36; Stripe's limit is 255 too).
 MAX_IDEMPOTENCY_KEY = 255
@@ -86,14 +87,14 @@ class SendResult:
     #: The new event's id; the existing event's id when ``deduplicated``.
     event_id: uuid.UUID | None
     #: One entry per subscribing job: ``Queued(run_id)`` or ``AlreadyQueued``.
-    runs: list[statements.Queued | statements.AlreadyQueued] = field(default_factory=list)
+    runs: list[records.Queued | records.AlreadyQueued] = field(default_factory=list)
     #: The idempotency key was already used for this event name in this workspace: nothing was written.
     deduplicated: bool = False
     #: Deduplicated, and the stored event's data differ from this call's:
     #: one key was given two meanings. Nothing was written (the first event stands); logged.
     conflicting: bool = False
     #: Runs that were waiting for this event (step.wait_for_event), due now.
-    woken: list[statements.Queued] = field(default_factory=list)
+    woken: list[records.Queued] = field(default_factory=list)
     #: Runs this event cancelled (cancel_on).
     cancelled: list[uuid.UUID] = field(default_factory=list)
     #: The event's workspace (None: a system event); its runs' handles read there.
@@ -101,13 +102,13 @@ class SendResult:
 
     @property
     def run_ids(self) -> list[uuid.UUID]:
-        return [r.run_id for r in self.runs if isinstance(r, statements.Queued)]
+        return [r.run_id for r in self.runs if isinstance(r, records.Queued)]
 
     @property
     def results(self) -> list[RunHandle]:
         """A result handle per run created: ``.state``, ``.get(timeout=)`` (core/results.py)."""
         return [RunHandle(r.run_id, r.job_id, workspace_id=self.workspace_id)
-                for r in self.runs if isinstance(r, statements.Queued)]
+                for r in self.runs if isinstance(r, records.Queued)]
 
 
 def validate_event(name: Any, data: Any, workspace_id: Any, idempotency_key: Any, limit: int) -> tuple[str, str | None]:
@@ -150,9 +151,9 @@ def write_event(conn: Connection, name: str, data: Any, encoded: str, workspace_
     transaction. On a connection in autocommit only for an event that no
     cancel_on rule listens to (the caller checks): the event is one statement,
     its own transaction, and cancelling would take statements of their own."""
-    specs = [spec_for(job, data, workspace_id, priority) for job in jobs]
+    specs = [job.spec(data, workspace_id, priority) for job in jobs]
     # Runs suspended in step.wait_for_event for this event become due now (woken).
-    event_id, runs, woken = statements.record_event(conn, name, encoded, workspace_id, idempotency_key, specs,
+    event_id, runs, woken = producer_sql.record_event(conn, name, encoded, workspace_id, idempotency_key, specs,
                                                traceparent=traceparent)
     if event_id is None:
         return deduplicated(conn, name, encoded, workspace_id, idempotency_key)
@@ -164,7 +165,7 @@ def deduplicated(conn: Connection, name: str, encoded: str, workspace_id: str | 
                  idempotency_key: str | None) -> SendResult:
     """The result of an event its idempotency key refused: what the key stands for in this
     workspace, and a warning when the stored event's data differ (one key, two meanings)."""
-    existing = statements.existing_event(conn, name, encoded, workspace_id, idempotency_key)
+    existing = producer_sql.existing_event(conn, name, encoded, workspace_id, idempotency_key)
     conflicting = existing is None or not existing["same"]
     if conflicting:
         log.warning("idempotency key %r of event %r was already used in workspace %r with other data: "
@@ -181,7 +182,7 @@ def cancel_on(conn: Connection, name: str, data: Any, workspace_id: str | None) 
             key = value_at(data, path_of(rule.match)) if rule.event == name else None
             if key is not None:
                 within = rule.timeout.total_seconds() if rule.timeout else None
-                cancelled += statements.cancel_by_key(conn, job.id, key, within, workspace_id)
+                cancelled += producer_sql.cancel_by_key(conn, job.id, key, within, workspace_id)
     return cancelled
 
 
@@ -238,24 +239,25 @@ def send_event(
 
 
 def dispatch_event(event_id: uuid.UUID, *, publish: Publish | None = None,
-                   settings: Settings | None = None) -> list[statements.Queued | statements.AlreadyQueued]:
+                   settings: Settings | None = None) -> list[records.Queued | records.AlreadyQueued]:
     """Fan an already-recorded event out to its subscribers again (idempotent)."""
     with get_engine(settings=settings).begin() as conn:
-        name = conn.execute(text("SELECT name FROM job_event WHERE id = :id"), {"id": event_id}).scalar_one()
-        row = conn.execute(text("SELECT data, workspace_id FROM job_event WHERE id = :id"), {"id": event_id}).one()
-        specs = [spec_for(job, row.data, row.workspace_id) for job in subscribers(name)]
-        runs = statements.fan_out(conn, event_id, specs)
+        row = producer_sql.event_of(conn, event_id)
+        if row is None:
+            raise LookupError(f"no event {event_id}")
+        specs = [job.spec(row["data"], row["workspace_id"]) for job in subscribers(row["name"])]
+        runs = producer_sql.fan_out(conn, event_id, specs)
     publish_runs(runs, publish)
     return runs
 
 
-def publish_runs(runs: Sequence[statements.Queued | statements.AlreadyQueued], publish: Publish | None) -> None:
+def publish_runs(runs: Sequence[records.Queued | records.AlreadyQueued], publish: Publish | None) -> None:
     if publish is None:
         return
     for run in runs:
         # A refused publish is logged, not raised: the rows are committed and the
         # sweeper publishes what is left (the broker is away; don't wait per run).
-        if isinstance(run, statements.Queued) and not publish_or_log(publish, run.run_id, run.job_id):
+        if isinstance(run, records.Queued) and not publish_or_log(publish, run.run_id, run.job_id):
             break
 
 
@@ -263,7 +265,7 @@ _PENDING = "motir_celery.pending_publish"
 _HOOKED = "motir_celery.publish_hooked"
 
 
-def publish_after_commit(session: Session, runs: Sequence[statements.Queued | statements.AlreadyQueued],
+def publish_after_commit(session: Session, runs: Sequence[records.Queued | records.AlreadyQueued],
                          publish: Publish | None) -> None:
     """Publish ``runs`` when ``session`` commits; forget them if it rolls back."""
     if publish is None:

@@ -25,7 +25,7 @@ through the engine login, and the statement itself names the workspace too. A ru
 id of another workspace is not found: ``PENDING``, as Celery says of an unknown id,
 never its result or its error.
 
-``get`` polls: one indexed read (``statements.RUN_RESULT``), then sleeps 20 ms,
+``get`` polls: one indexed read (``producer_sql.RUN_RESULT``), then sleeps 20 ms,
 ×1.5 per poll, at most 500 ms between two — a run done in 50 ms is seen ~25 ms
 later, a wait of a minute costs ~130 reads. REJECTED: LISTEN/NOTIFY, which needs
 a trigger or a NOTIFY in every settle (a schema change and one more thing on the
@@ -46,9 +46,9 @@ from sqlalchemy import Engine
 
 from motir_celery.errors import MotirError
 from motir_celery.settings import Settings
-from motir_celery.store import statements
 from motir_celery.store.db import get_engine, validate_workspace_id, workspace_session
 from motir_celery.store.driver import first
+from motir_celery.store.sql import producer as producer_sql
 
 __all__ = ["RunHandle", "JobFailed", "JobRevoked", "ResultTimeout", "READY_STATES", "celery_state"]
 
@@ -147,10 +147,10 @@ class RunHandle:
         params = {"run_id": self.id, "workspace_id": self.workspace_id}
         if self.workspace_id is not None:
             with workspace_session(self.workspace_id, settings=self._settings) as session:
-                row = first(session.connection(), statements.RUN_RESULT, params)
+                row = first(session.connection(), producer_sql.RUN_RESULT, params)
         else:
             with self._engine().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-                row = first(conn, statements.RUN_RESULT, params)
+                row = first(conn, producer_sql.RUN_RESULT, params)
         if row is None:
             return _Snapshot("PENDING", None, None)
         return _Snapshot(celery_state(row["state"], row["last_outcome"]), row["result"], row["last_error"])

@@ -18,7 +18,8 @@ from sqlalchemy import Engine
 from motir_celery.core.jobs import get_job
 from motir_celery.core.publish import Publish, publish_or_log
 from motir_celery.errors import UnknownJobError
-from motir_celery.store import statements
+from motir_celery.store import records
+from motir_celery.store.sql import worker as worker_sql
 
 __all__ = ["limit_of", "claim_limited", "free_slot"]
 
@@ -33,18 +34,18 @@ def limit_of(job_id: str) -> int | None:
 
 
 def claim_limited(engine: Engine, run_id: uuid.UUID, job_id: str, worker: str, lease_seconds: float,
-                  limit: int, token: uuid.UUID | None = None) -> statements.Claim | None:
+                  limit: int, token: uuid.UUID | None = None) -> records.Claim | None:
     with engine.begin() as tx:
-        statements.lock_concurrency(tx, run_id)
-        return statements.claim(tx, run_id, job_id=job_id, worker=worker, lease_seconds=lease_seconds,
+        worker_sql.lock_concurrency(tx, run_id)
+        return worker_sql.claim(tx, run_id, job_id=job_id, worker=worker, lease_seconds=lease_seconds,
                                 concurrency_limit=limit, token=token)
 
 
-def free_slot(engine: Engine, claim: statements.Claim, publish: Publish | None) -> None:
+def free_slot(engine: Engine, claim: records.Claim, publish: Publish | None) -> None:
     """This run no longer holds its slot: hand it to the next queued run of the key."""
     try:
         with engine.begin() as tx:
-            next_run = statements.next_in_line(tx, claim.job_id, claim.concurrency_key or "", claim.workspace_id)
+            next_run = worker_sql.next_in_line(tx, claim.job_id, claim.concurrency_key or "", claim.workspace_id)
     except Exception:  # noqa: BLE001 — the sweeper re-publishes waiting runs anyway
         log.warning("run %s: could not hand its concurrency slot on", claim.run_id, exc_info=True)
         return

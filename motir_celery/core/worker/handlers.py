@@ -33,7 +33,7 @@ class _Steps(Protocol):
 
     def _encode(self, key: str, value: Any) -> str: ...
 
-    def _store(self, key: str, encoded: str, elapsed: float) -> Any: ...
+    def record(self, key: str, encoded: str, elapsed: float) -> Any: ...
 
 
 def coroutine_step(step: _Steps, key: str, fn: Callable[..., Awaitable[Any]], args: Sequence[Any],
@@ -58,4 +58,4 @@ async def _coroutine_step(step: _Steps, key: str, fn: Callable[..., Awaitable[An
         started = time.monotonic()
         value = await fn(*args, **kwargs)
         encoded = step._encode(key, value)
-    return step._store(key, encoded, time.monotonic() - started)
+    return step.record(key, encoded, time.monotonic() - started)

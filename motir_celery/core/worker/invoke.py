@@ -14,7 +14,7 @@ in order. How:
    (``traceparent``); it is published after that commit.
 2. **The parent suspends without holding a worker**: under a per-parent advisory
    lock it reads its children; while any is unfinished it is queued again with
-   ``wait_event = 'motir.children'`` (``statements.suspend``, no attempt charged) and
+   ``wait_event = 'motir.children'`` (``worker_sql.suspend``, no attempt charged) and
    the worker is given back.
 3. **The child's settle wakes the parent**: the trigger ``motir_run_settled`` (in the
    settle's own transaction, under the same lock) makes the parent due once *no*
@@ -57,14 +57,14 @@ from sqlalchemy import Connection
 
 from motir_celery.core.jobs import Job, get_job
 from motir_celery.core.publish import Publish, publish_or_log
-from motir_celery.core.runspec import spec_for
 from motir_celery.core.tracing import current_traceparent
 from motir_celery.errors import NonRetriableError, PayloadError, Suspended, checked_delay
-from motir_celery.store import compose, statements
+from motir_celery.store import records
+from motir_celery.store.sql import worker as worker_sql
 
 __all__ = ["ChildFailed", "invoke", "gather", "after_settle", "CHILD_EVENT_PREFIX", "MAX_CHILDREN"]
 
-log = logging.getLogger("motir_celery.core.invoke")
+log = logging.getLogger("motir_celery.core.worker.invoke")
 
 #: A child's event is named ``motir.invoke:<job_id>`` (its data is the data given).
 CHILD_EVENT_PREFIX = "motir.invoke:"
@@ -137,7 +137,7 @@ def _child_rows(step: Any, children: Sequence[tuple[str, Job | str, Any]]) -> li
         if "\\u0000" in encoded:
             raise PayloadError(f"data of child {child_key!r} ({job.id}) contains a NUL character")
         out.append((child_key, f"{CHILD_EVENT_PREFIX}{job.id}", encoded,
-                    f"motir.invoke:{claim.run_id}:{child_key}", spec_for(job, event_data, claim.workspace_id)))
+                    f"motir.invoke:{claim.run_id}:{child_key}", job.spec(event_data, claim.workspace_id)))
     return out
 
 
@@ -150,9 +150,9 @@ def _await(step: Any, key: str, children: Sequence[tuple[str, Job | str, Any]],
     rows = _child_rows(step, children)
     # 1. The children, once per (parent, step): a conflict is the child already started.
     with step._transaction() as tx:
-        held, created = compose.start_children(tx, claim, rows, traceparent=current_traceparent() or claim.traceparent,
+        held, created = worker_sql.start_children(tx, claim, rows, traceparent=current_traceparent() or claim.traceparent,
                                                detach=detach)
-        reason = "" if held else statements.why_fenced(tx, claim)
+        reason = "" if held else worker_sql.why_fenced(tx, claim)
     if not held:
         step._refused(key, reason)
     for run_id, job_id in created:  # after the commit that created them
@@ -173,18 +173,18 @@ def _await(step: Any, key: str, children: Sequence[tuple[str, Job | str, Any]],
             # The wait is over: cancel what is unfinished *before* taking the parent's lock,
             # in the order a child's settle takes them (its row, then the lock), so the two
             # cannot deadlock. A child that settled first stays as it ended.
-            timed_out = compose.cancel_children(tx, claim.run_id, keys)
+            timed_out = worker_sql.cancel_children(tx, claim.run_id, keys)
         # The trigger's lock: every child settle committed so far is visible below, and a
         # later one sees this suspension and wakes it.
-        compose.lock_parent(tx, claim.run_id)
-        kids = compose.children(tx, claim.run_id, keys)
+        worker_sql.lock_parent(tx, claim.run_id)
+        kids = worker_sql.children(tx, claim.run_id, keys)
         unfinished = [k for k in keys if k in kids and kids[k]["state"] not in _FINAL]
         if unfinished and not expired:
-            run_at = statements.suspend(tx, claim, outcome="suspended", until=until,
+            run_at = worker_sql.suspend(tx, claim, outcome="suspended", until=until,
                                         delay=None if until is not None else _FOREVER,
-                                        wait=(compose.CHILD_WAIT, [], None),
+                                        wait=(worker_sql.CHILD_WAIT, [], None),
                                         republish_after=step._republish_after)
-            reason = "" if run_at is not None else statements.why_fenced(tx, claim)
+            reason = "" if run_at is not None else worker_sql.why_fenced(tx, claim)
     if reason:
         step._refused(key, reason)
     if run_at is not None:
@@ -193,7 +193,7 @@ def _await(step: Any, key: str, children: Sequence[tuple[str, Job | str, Any]],
     cut = {str(r) for r in timed_out} | {str(kids[k]["run_id"]) for k in unfinished}
     outcomes = [_outcome(k, kids.get(k), str(kids[k]["run_id"]) in cut if k in kids else False, timeout)
                 for k in keys]
-    return step._store(key, json.dumps(outcomes, separators=(",", ":")), 0.0)  # type: ignore[no-any-return]
+    return step.record(key, json.dumps(outcomes, separators=(",", ":")), 0.0)  # type: ignore[no-any-return]
 
 
 def _outcome(key: str, kid: dict[str, Any] | None, timed_out: bool, timeout: Any) -> dict[str, Any]:
@@ -213,14 +213,14 @@ def _outcome(key: str, kid: dict[str, Any] | None, timed_out: bool, timeout: Any
     return {**base, "error": error}
 
 
-def after_settle(conn: Connection, claim: statements.Claim, state: str, publish: Publish | None) -> None:
+def after_settle(conn: Connection, claim: records.Claim, state: str, publish: Publish | None) -> None:
     """The runner's hook after an attempt settled: a child that reached a final state may
     have woken its parent (the trigger did, in the settle's transaction) — publish it.
     One string test for every other run."""
     if publish is None or state not in ("succeeded", "failed") or not claim.event_name.startswith(CHILD_EVENT_PREFIX):
         return
     try:
-        parent = compose.woken_parent(conn, claim.run_id)
+        parent = worker_sql.woken_parent(conn, claim.run_id)
         if parent is not None:
             publish_or_log(publish, parent[0], parent[1])
     except Exception:  # noqa: BLE001 — the settle is committed; the sweeper publishes the parent

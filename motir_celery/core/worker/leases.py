@@ -44,8 +44,8 @@ from motir_celery.core.jobs import get_job
 from motir_celery.errors import UnknownJobError
 from motir_celery.forks import per_process
 from motir_celery.settings import Settings, get_settings
-from motir_celery.store import statements
 from motir_celery.store.db import side_engine
+from motir_celery.store.sql import worker as worker_sql
 
 __all__ = ["Lease", "Ledger", "hold", "renew_due", "held_count", "use_renewer", "delegated", "parse", "HOLD",
            "RELEASE", "HOLDER"]
@@ -131,7 +131,7 @@ class Ledger:
             by_length.setdefault(lease.seconds, []).append(lease)
         for seconds, group in by_length.items():
             with engine().begin() as conn:
-                still = statements.renew_claims(conn, [(lease.run_id, lease.token) for lease in group], seconds)
+                still = worker_sql.renew_claims(conn, [(lease.run_id, lease.token) for lease in group], seconds)
             with self.lock:
                 for lease in group:
                     lease.next_at = now + seconds / 3
@@ -217,6 +217,7 @@ class _Holds:
 
     def _lost(self, why: str) -> None:
         assert self.sock is not None
+        _opened[:] = [(owner, sock) for owner, sock in _opened if sock is not self.sock]
         self.sock.close()
         self.sock = None
         self.outage = True

@@ -26,13 +26,13 @@ from typing import Any
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from motir_celery.core import concurrency, invoke, leases
-from motir_celery.core.direct import arguments
-from motir_celery.core.failures import describe, storable_error
 from motir_celery.core.jobs import Job, get_job
+from motir_celery.core.producer.direct import arguments
 from motir_celery.core.publish import Publish, publish_or_log
-from motir_celery.core.steps import Step, encode_json
 from motir_celery.core.tracing import run_span
+from motir_celery.core.worker import concurrency, invoke, leases
+from motir_celery.core.worker.failures import describe, storable_error
+from motir_celery.core.worker.steps import Step, encode_json
 from motir_celery.errors import (
     LostClaim,
     NonRetriableError,
@@ -44,8 +44,9 @@ from motir_celery.errors import (
     UnknownJobError,
 )
 from motir_celery.settings import Settings, get_settings
-from motir_celery.store import statements
+from motir_celery.store import records
 from motir_celery.store.db import get_engine
+from motir_celery.store.sql import worker as worker_sql
 
 __all__ = ["Event", "Outcome", "execute"]
 
@@ -102,7 +103,7 @@ def _execute(engine: Engine, run_uuid: uuid.UUID, job_id: str, worker: str, publ
         # Held from before the claim, under the token the claim then stores: the lease is
         # renewed from the claim's commit on, whatever else holds this process's GIL.
         with leases.hold(run_uuid, job_id, settings) as token:
-            claim = (statements.claim(conn, run_uuid, job_id=job_id, worker=worker,
+            claim = (worker_sql.claim(conn, run_uuid, job_id=job_id, worker=worker,
                                       lease_seconds=settings.lease_seconds, token=token) if limit is None else
                      concurrency.claim_limited(engine, run_uuid, job_id, worker, settings.lease_seconds, limit, token))
             if claim is None:
@@ -119,7 +120,7 @@ def _execute(engine: Engine, run_uuid: uuid.UUID, job_id: str, worker: str, publ
                     concurrency.free_slot(engine, claim, publish)
 
 
-def _attempt(claim: statements.Claim, conn: Connection, engine: Engine, publish: Publish | None,
+def _attempt(claim: records.Claim, conn: Connection, engine: Engine, publish: Publish | None,
              settings: Settings) -> Outcome:
     when = claim.scheduled_for
     event_data = claim.event_data if claim.event_id else {"scheduled_for": when.isoformat() if when else None}
@@ -168,17 +169,17 @@ def call_handler(job: Job, event: Any, step: Any) -> Any:
     return result
 
 
-def _settle_success(claim: statements.Claim, conn: Connection, publish: Publish | None, settings: Settings,
+def _settle_success(claim: records.Claim, conn: Connection, publish: Publish | None, settings: Settings,
                     encoded: str) -> Outcome:
     try:
-        if not statements.settle_succeeded(conn, claim, encoded):
+        if not worker_sql.settle_succeeded(conn, claim, encoded):
             return Outcome(str(claim.run_id), _fenced_state(conn, claim))
     except DBAPIError as refused:
         return _settle(claim, conn, publish, settings, _refusal(claim, refused), _backoff(claim))
     return Outcome(str(claim.run_id), "succeeded")
 
 
-def _settle(claim: statements.Claim, conn: Connection, publish: Publish | None, settings: Settings,
+def _settle(claim: records.Claim, conn: Connection, publish: Publish | None, settings: Settings,
             exc: BaseException, delay: float | None, *, defer: bool = False) -> Outcome:
     """A failed (``delay`` None, or no attempts left) or deferred attempt, settled. If
     Postgres refuses that too, the attempt fails with the database's own message."""
@@ -188,7 +189,7 @@ def _settle(claim: statements.Claim, conn: Connection, publish: Publish | None, 
         return _write_settle(claim, conn, publish, settings, _refusal(claim, refused), _backoff(claim), False)
 
 
-def _refusal(claim: statements.Claim, refused: DBAPIError) -> BaseException:
+def _refusal(claim: records.Claim, refused: DBAPIError) -> BaseException:
     """The database's own error for a refused settle; a lost connection is re-raised
     (the database is away: the lease and the sweeper take over)."""
     if refused.connection_invalidated:
@@ -197,17 +198,17 @@ def _refusal(claim: statements.Claim, refused: DBAPIError) -> BaseException:
     return refused.orig or refused
 
 
-def _write_settle(claim: statements.Claim, conn: Connection, publish: Publish | None, settings: Settings,
+def _write_settle(claim: records.Claim, conn: Connection, publish: Publish | None, settings: Settings,
                   exc: BaseException, delay: float | None, defer: bool) -> Outcome:
     run, error = str(claim.run_id), storable_error(exc)
     with conn.begin():
         if defer and delay is not None:
-            settled, state = statements.suspend(conn, claim, outcome="deferred", delay=delay, error_json=error,
+            settled, state = worker_sql.suspend(conn, claim, outcome="deferred", delay=delay, error_json=error,
                                                 republish_after=settings.republish_after) is not None, "deferred"
         elif delay is not None and claim.attempt < claim.max_attempts:
-            settled, state = statements.settle_retry(conn, claim, error, delay), "retrying"
+            settled, state = worker_sql.settle_retry(conn, claim, error, delay), "retrying"
         else:
-            dlq_id = statements.settle_failed(conn, claim, error)
+            dlq_id = worker_sql.settle_failed(conn, claim, error)
             settled, state = dlq_id is not None, "failed"
     if not settled:
         return Outcome(run, _fenced_state(conn, claim))
@@ -224,13 +225,13 @@ def _write_settle(claim: statements.Claim, conn: Connection, publish: Publish | 
     return Outcome(run, state, f"in {delay:.1f}s")
 
 
-def _backoff(claim: statements.Claim) -> float:
+def _backoff(claim: records.Claim) -> float:
     try:
         return get_job(claim.job_id).retry_policy.delay(claim.attempt)
     except UnknownJobError:
         return 0.0
 
 
-def _fenced_state(conn: Connection, claim: statements.Claim) -> str:
+def _fenced_state(conn: Connection, claim: records.Claim) -> str:
     with conn.begin():
-        return "cancelled" if statements.why_fenced(conn, claim) == "cancelled" else "lost"
+        return "cancelled" if worker_sql.why_fenced(conn, claim) == "cancelled" else "lost"

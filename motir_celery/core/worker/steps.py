@@ -24,14 +24,15 @@ from typing import Any, Callable, ContextManager, TypeVar
 
 from sqlalchemy import Connection
 
-from motir_celery.core import events
-from motir_celery.core.handlers import coroutine_step, is_coroutine_function
+from motir_celery.core.producer import events
 from motir_celery.core.publish import Publish
 from motir_celery.core.runspec import path_of, value_at
 from motir_celery.core.tracing import step_span
+from motir_celery.core.worker import invoke
+from motir_celery.core.worker.handlers import coroutine_step, is_coroutine_function
 from motir_celery.errors import LostClaim, RunCancelled, StepIdError, StepOutputError, Suspended, checked_delay
-from motir_celery.store import statements
-from motir_celery.store.statements import Claim
+from motir_celery.store.records import Claim
+from motir_celery.store.sql import worker as worker_sql
 
 __all__ = ["Step", "StepRun", "SEPARATOR", "MAX_STEP_ID", "encode_json"]
 
@@ -99,21 +100,21 @@ class StepRun:
             started = time.monotonic()
             value = fn(*args, **kwargs)
             encoded = self._encode(key, value)
-        return self._store(key, encoded, time.monotonic() - started)  # type: ignore[no-any-return]
+        return self.record(key, encoded, time.monotonic() - started)  # type: ignore[no-any-return]
 
     def _encode(self, key: str, value: Any) -> str:
         return encode_json(value, what=f"step {key!r} returned a value that", limit=self._max_bytes)
 
-    def _store(self, key: str, encoded: str, elapsed: float) -> Any:
+    def record(self, key: str, encoded: str, elapsed: float) -> Any:
         """Commit the step's record (fenced) and memoize it; raise if the run is no longer ours."""
         sent = time.monotonic()
-        if not statements.store_step(self._conn, self._claim, key, encoded, elapsed):
+        if not worker_sql.store_step(self._conn, self._claim, key, encoded, elapsed):
             with self._conn.begin():
-                reason = statements.why_fenced(self._conn, self._claim)
+                reason = worker_sql.why_fenced(self._conn, self._claim)
                 if reason == "held":
                     # Still ours, but the step was stored already (a duplicate id
                     # racing within one attempt): the stored value wins.
-                    self._memo[key] = statements.stored_output(self._conn, self._claim, key)
+                    self._memo[key] = worker_sql.stored_output(self._conn, self._claim, key)
                     return self._memo[key]
             self._refused(key, reason)
         self._confirmed = sent
@@ -135,8 +136,8 @@ class StepRun:
             return
         sent = time.monotonic()
         with self._conn.begin():
-            held = statements.renew_lease(self._conn, self._claim, self._lease)
-            reason = "" if held else statements.why_fenced(self._conn, self._claim)
+            held = worker_sql.renew_lease(self._conn, self._claim, self._lease)
+            reason = "" if held else worker_sql.why_fenced(self._conn, self._claim)
         if not held:
             self._refused(key, reason, started=False)
         self._confirmed = sent
@@ -203,8 +204,8 @@ class Step(StepRun):
             assert self._claim.db_now is not None
             return self._memo[key], self._claim.db_now
         with self._conn.begin():
-            row = statements.store_clock_step(self._conn, self._claim, key, seconds=seconds, until=until)
-            reason = "" if row is not None else statements.why_fenced(self._conn, self._claim)
+            row = worker_sql.store_clock_step(self._conn, self._claim, key, seconds=seconds, until=until)
+            reason = "" if row is not None else worker_sql.why_fenced(self._conn, self._claim)
         if row is None:
             self._refused(key, reason)
         window, now = row  # type: ignore[misc]
@@ -213,9 +214,9 @@ class Step(StepRun):
 
     def _suspend(self, *, until: datetime, wait: tuple[str, list[str], str | None] | None = None) -> None:
         with self._conn.begin():
-            run_at = statements.suspend(self._conn, self._claim, outcome="suspended", until=until, wait=wait,
+            run_at = worker_sql.suspend(self._conn, self._claim, outcome="suspended", until=until, wait=wait,
                                    republish_after=self._republish_after)
-            reason = "" if run_at is not None else statements.why_fenced(self._conn, self._claim)
+            reason = "" if run_at is not None else worker_sql.why_fenced(self._conn, self._claim)
         if run_at is None:
             self._refused("(suspend)", reason)
         raise Suspended(run_at)
@@ -234,7 +235,7 @@ class Step(StepRun):
             idempotency_key=f"motir.step:{self.run_id}:{key}", publish=self._publish,
         )
         encoded = json.dumps({"event_id": str(result.event_id), "deduplicated": result.deduplicated})
-        return self._store(key, encoded, 0.0)
+        return self.record(key, encoded, 0.0)
 
     def wait_for_event(self, step_id: str, *, event: str, match: str,
                        timeout: float | timedelta) -> dict[str, Any] | None:
@@ -256,19 +257,19 @@ class Step(StepRun):
             # The exclusive twin of send_event's shared lock: every event committed so
             # far is visible to the look-back below, and every later send_event will
             # see this run's waiter when it wakes waiters. No event falls between.
-            statements.lock_wait(tx, event)
-            row = statements.find_event(tx, event, path, value, since, self._claim.workspace_id)
+            worker_sql.lock_wait(tx, event)
+            row = worker_sql.find_event(tx, event, path, value, since, self._claim.workspace_id)
             if row is not None:
                 found = {"id": str(row["id"]), "name": row["name"], "data": row["data"]}
             elif now < until:
-                run_at = statements.suspend(tx, self._claim, outcome="suspended", until=until,
+                run_at = worker_sql.suspend(tx, self._claim, outcome="suspended", until=until,
                                        wait=(event, path, value), republish_after=self._republish_after)
-                reason = "" if run_at is not None else statements.why_fenced(tx, self._claim)
+                reason = "" if run_at is not None else worker_sql.why_fenced(tx, self._claim)
         if reason:
             self._refused(key, reason)
         if run_at is not None:
             raise Suspended(run_at)  # committed: the run waits in the queue, not in this process
-        return self._store(key, json.dumps(found), 0.0)  # type: ignore[no-any-return]
+        return self.record(key, json.dumps(found), 0.0)  # type: ignore[no-any-return]
 
     # --- composition: child runs awaited durably (core/invoke.py) ---------------------
 
@@ -277,15 +278,11 @@ class Step(StepRun):
         """Start one run of ``job`` (a Job or its id) on ``data`` — once per (run, step) — and
         return its result once it settles, the worker given back meanwhile; its final
         failure is raised as ``ChildFailed``. ``detach``: not cancelled with this run."""
-        from motir_celery.core import invoke
-
         return invoke.invoke(self, step_id, job, data, timeout=timeout, detach=detach)
 
     def gather(self, step_id: str, calls: Any, *, timeout: float | timedelta | None = None,
                return_exceptions: bool = False, detach: bool = False) -> list[Any]:
         """Start one child per ``(job, data)`` of ``calls`` at once; once every one has
         settled, their results in order (the first failure raised, unless ``return_exceptions``)."""
-        from motir_celery.core import invoke
-
         return invoke.gather(self, step_id, calls, timeout=timeout, return_exceptions=return_exceptions,
                              detach=detach)

@@ -33,12 +33,13 @@ from dataclasses import dataclass
 
 from motir_celery.core.publish import Publish, publish_or_log
 from motir_celery.settings import Settings, get_settings
-from motir_celery.store import schema, statements
+from motir_celery.store import schema
 from motir_celery.store.db import get_engine
+from motir_celery.store.sql import maintenance as maintenance_sql
 
 __all__ = ["SweepReport", "sweep"]
 
-log = logging.getLogger("motir_celery.core.sweeper")
+log = logging.getLogger("motir_celery.core.worker.sweeper")
 
 
 #: A period's sweep takes at most this many batches of each half: a backlog beyond
@@ -66,7 +67,7 @@ def sweep(publish: Publish | None, *, settings: Settings | None = None, batch: i
     if once_per_period:
         with engine.begin() as conn:
             # Before migration 0007 there is no slot: sweep every period, as that release did.
-            if schema.features(conn).sweep_slot and not statements.take_sweep_slot(
+            if schema.features(conn).sweep_slot and not maintenance_sql.take_sweep_slot(
                     conn, worker=f"{socket.gethostname()}/{os.getpid()}",
                     period_seconds=SLOT_SHARE * settings.sweep_interval):
                 return SweepReport(swept=False)
@@ -77,13 +78,13 @@ def sweep(publish: Publish | None, *, settings: Settings | None = None, batch: i
     lost: list[tuple[uuid.UUID, str]] = []
     for _ in range(batches):
         with engine.begin() as conn:
-            taken = statements.reclaim_expired(conn, batch=batch)
+            taken = maintenance_sql.reclaim_expired(conn, batch=batch)
         reclaimed += taken
         if len(taken) < batch:
             break
     for _ in range(batches):
         with engine.begin() as conn:
-            stale = statements.republish_due(conn, after_seconds=settings.republish_after, batch=batch)
+            stale = maintenance_sql.republish_due(conn, after_seconds=settings.republish_after, batch=batch)
         lost += stale
         if len(stale) < batch:
             break

@@ -1,0 +1,73 @@
+"""The values the catalogued statements take and give back: a run to create, a created run, a claim.
+
+Plain frozen dataclasses, so the engine's rooms and the adapter pass them around
+without knowing any SQL (store/sql/ has the statements that make and read them).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+__all__ = ["RunSpec", "Queued", "AlreadyQueued", "OverlapSkipped", "Claim"]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One row of a fan-out: the job and the values computed for its run."""
+
+    job_id: str
+    max_attempts: int
+    policy: str
+    priority: int = 0
+    singleton_key: str | None = None
+    concurrency_key: str | None = None
+    cancel_key: str | None = None
+
+
+@dataclass(frozen=True)
+class Queued:
+    """A new run was created; publish ``run_id`` after the transaction commits."""
+
+    run_id: uuid.UUID
+    job_id: str
+
+
+@dataclass(frozen=True)
+class AlreadyQueued:
+    """The run already exists (same event and job, or same cron slot); nothing written."""
+
+    job_id: str
+
+
+@dataclass(frozen=True)
+class OverlapSkipped(AlreadyQueued):
+    """An ``overlap="skip"`` job's slot was not run: another run of the job was queued
+    or running. The skip is recorded as a ``cancelled`` row for the slot (``run_id``),
+    so every beat, now or later, gets the same answer for it."""
+
+    run_id: uuid.UUID
+    blocking_run_id: uuid.UUID | None
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A run this worker holds: what the claim statement returned, its fence token included."""
+
+    run_id: uuid.UUID
+    job_id: str
+    token: uuid.UUID
+    attempt: int
+    max_attempts: int
+    workspace_id: str | None
+    event_id: uuid.UUID | None
+    event_name: str
+    event_data: Any
+    scheduled_for: datetime | None
+    steps: dict[str, Any]
+    #: The database's now() at claim time: step.sleep and waits compare with it.
+    db_now: datetime | None = None
+    concurrency_key: str | None = None
+    traceparent: str | None = None

@@ -1,0 +1,1 @@
+"""Every SQL statement of the package, one module per audience (the catalogue: ``catalogue()``)."""

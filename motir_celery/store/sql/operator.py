@@ -1,0 +1,197 @@
+"""The operator's statements: replay, resume, dismiss and cancel — one run or DLQ entry, or many.
+
+What the CLI and the dashboard do on an operator's behalf (core/operator/). Each
+"has this been answered already?" is a conditional UPDATE on the entry's audit
+columns, so of two concurrent actions one acts and the other is told why not. The
+visibility reads run under the caller's app or admin login (row-level security
+says what they may see); the actions run as the engine role.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection
+
+from motir_celery.store.driver import Statement, first, rows
+
+AUDIENCE = "operator"
+ROLES = ("motir_engine", "motir_app", "motir_admin")
+
+# --- visibility (under the caller's login) ------------------------------------------------
+
+RUN_VISIBLE = Statement(
+    "run_visible",
+    "Whether the caller's login sees a run: row-level security decides (another workspace's is not found).",
+    "SELECT 1 AS seen FROM job_queue WHERE id = %(id)s",
+)
+
+DLQ_VISIBLE = Statement(
+    "dlq_visible",
+    "Whether the caller's login sees a DLQ entry: row-level security decides.",
+    "SELECT 1 AS seen FROM job_run_dlq WHERE id = %(id)s",
+)
+
+
+def visible(conn: Connection, statement: Statement, row_id: uuid.UUID) -> bool:
+    return first(conn, statement, {"id": row_id}) is not None
+
+
+# --- replay and dismiss ---------------------------------------------------------------------
+
+REPLAY_STAMP = Statement(
+    "replay_stamp",
+    "Stamp an open DLQ entry as replayed by an actor, and return what the replay re-emits.",
+    """
+    UPDATE job_run_dlq SET replayed_at = now(), replayed_by = %(actor)s
+    WHERE id = %(id)s
+      AND replayed_at IS NULL      -- a second replay (concurrent or later) stamps nothing
+      AND dismissed_at IS NULL     -- a dismissed entry is closed
+      AND resumed_at IS NULL       -- so is a resumed one (its run was queued again)
+    RETURNING function_id, event_name, event_data, workspace_id, idempotency_key
+    """,
+)
+
+
+def replay_stamp(conn: Connection, dlq_id: uuid.UUID, actor: str) -> dict[str, Any] | None:
+    return first(conn, REPLAY_STAMP, {"id": dlq_id, "actor": actor})
+
+
+ENTRY_STATUS = Statement(
+    "entry_status",
+    "Why a DLQ entry was not acted on: replayed (and by which run), resumed (and which run), dismissed, or missing.",
+    """
+    SELECT replayed_at IS NOT NULL AS replayed, replay_run_id, resumed_at IS NOT NULL AS resumed, resumed_run_id,
+           dismissed_at IS NOT NULL AS dismissed
+    FROM job_run_dlq WHERE id = %(id)s
+    """,
+)
+
+
+def entry_status(conn: Connection, dlq_id: uuid.UUID) -> dict[str, Any] | None:
+    return first(conn, ENTRY_STATUS, {"id": dlq_id})
+
+
+REPLAY_LINK = Statement(
+    "replay_link",
+    "Link a replayed DLQ entry to the run its replay made.",
+    "UPDATE job_run_dlq SET replay_run_id = %(run_id)s WHERE id = %(id)s",
+)
+
+
+def replay_link(conn: Connection, dlq_id: uuid.UUID, run_id: uuid.UUID) -> None:
+    rows(conn, REPLAY_LINK, {"id": dlq_id, "run_id": run_id})
+
+
+DISMISS = Statement(
+    "dismiss",
+    "Close an open DLQ entry without replaying it, audited (purge may then delete it).",
+    """
+    UPDATE job_run_dlq SET dismissed_at = now(), dismissed_by = %(actor)s
+    WHERE id = %(id)s
+      AND replayed_at IS NULL AND dismissed_at IS NULL AND resumed_at IS NULL   -- open entries only
+    RETURNING 1 AS dismissed
+    """,
+)
+
+
+def dismiss(conn: Connection, dlq_id: uuid.UUID, actor: str) -> bool:
+    return first(conn, DISMISS, {"id": dlq_id, "actor": actor}) is not None
+
+
+# --- cancel ---------------------------------------------------------------------
+
+CANCEL = Statement(
+    "cancel",
+    "Cancel a queued or running run; a running one stops at its next step boundary (its token is cleared).",
+    """
+    WITH cancelled AS (
+      UPDATE job_queue
+      SET state = 'cancelled', finished_at = now(), claim_token = NULL, lease_expires_at = NULL,
+          wait_event = NULL
+      WHERE id = %(run_id)s
+        AND state IN ('queued', 'running')     -- a finished run stays as it ended
+      RETURNING id, attempts
+    ), ledger AS (
+      UPDATE job_run r SET outcome = 'cancelled', finished_at = now()
+      FROM cancelled c WHERE r.run_id = c.id AND r.outcome = 'running'
+    )
+    SELECT count(*) AS cancelled FROM cancelled
+    """,
+)
+
+
+def cancel(conn: Connection, run_id: uuid.UUID) -> bool:
+    """Cancel a queued or running run. A running one stops at its next step
+    boundary: the claim token is cleared, so its next write is refused."""
+    row = first(conn, CANCEL, {"run_id": run_id})
+    return bool(row and row["cancelled"])
+
+
+# --- resume ----------------------------------------------------------------------------
+
+RESUME = Statement(
+    "resume",
+    "Close a DLQ entry as resumed and queue its failed run again, steps kept, attempts fresh (one statement).",
+    """
+    WITH entry AS (
+      UPDATE job_run_dlq
+      SET resumed_at = now(), resumed_by = %(actor)s,
+          resumed_run_id = run_id, run_id = NULL     -- closed; the run may fail again into an entry of its own
+      WHERE id = %(id)s
+        AND resumed_at IS NULL                       -- a second resume (concurrent or later) stamps nothing
+        AND replayed_at IS NULL                      -- replayed: the failure was answered with a new run
+        AND dismissed_at IS NULL                     -- dismissed: closed
+        AND run_id IS NOT NULL                       -- the run still exists (not purged)
+      RETURNING resumed_run_id
+    ), run AS (
+      UPDATE job_queue q
+      SET state = 'queued', attempts = 0,            -- a fresh attempt budget (max_attempts as recorded)
+          run_at = now(), dispatched_at = now(),     -- due now; the caller publishes after commit
+          finished_at = NULL, result = NULL, claim_token = NULL, claimed_by = NULL, lease_expires_at = NULL,
+          wait_event = NULL, wait_path = NULL, wait_value = NULL
+      FROM entry
+      WHERE q.id = entry.resumed_run_id
+        AND q.state = 'failed'                       -- only a run that failed for good is resumed
+      RETURNING q.id, q.job_id
+    )
+    SELECT (SELECT count(*) FROM entry) AS stamped, run.id AS run_id, run.job_id FROM (SELECT 1) one
+    LEFT JOIN run ON true
+    """,
+)
+
+
+def resume(conn: Connection, dlq_id: uuid.UUID, actor: str) -> dict[str, Any]:
+    row = first(conn, RESUME, {"id": dlq_id, "actor": actor})
+    assert row is not None
+    return row
+
+
+# --- bulk -------------------------------------------------------------------------------
+
+OPEN_ENTRIES = Statement(
+    "open_entries",
+    "The open DLQ entries the caller sees that match a filter (each part optional), oldest failure first.",
+    """
+    SELECT d.id, d.function_id AS job, d.workspace_id AS workspace, d.last_failed_at AS failed_at,
+           concat_ws(': ', d.failure->>'type', d.failure->>'message') AS error
+    FROM job_run_dlq d
+    WHERE d.replayed_at IS NULL AND d.dismissed_at IS NULL AND d.resumed_at IS NULL   -- open entries only
+      AND (CAST(%(job)s AS text) IS NULL OR d.function_id = %(job)s)                   -- --job
+      AND (CAST(%(workspace)s AS text) IS NULL OR d.workspace_id = %(workspace)s)      -- --workspace
+      AND (CAST(%(error)s AS text) IS NULL                                             -- --error, a substring
+           OR concat_ws(': ', d.failure->>'type', d.failure->>'message') ILIKE %(error)s)
+      AND (CAST(%(since)s AS timestamptz) IS NULL OR d.last_failed_at >= %(since)s)    -- --since
+      AND (CAST(%(until)s AS timestamptz) IS NULL OR d.last_failed_at < %(until)s)     -- --until
+    ORDER BY d.last_failed_at, d.id            -- oldest failure first
+    LIMIT %(limit)s
+    """,
+)
+
+
+def open_entries(conn: Connection, *, job: str | None, workspace: str | None, error_like: str | None,
+                 since: datetime | None, until: datetime | None, limit: int) -> list[dict[str, Any]]:
+    return rows(conn, OPEN_ENTRIES, {"job": job, "workspace": workspace, "error": error_like, "since": since,
+                                     "until": until, "limit": limit})

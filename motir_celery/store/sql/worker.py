@@ -1,0 +1,579 @@
+"""The worker's statements, from message to settle: claim, step records, leases, waits, children, settles.
+
+A run of k new steps costs k + 2 statements, each its own transaction on the
+runner's autocommit connection: the claim, one fenced write per step (committed
+before the next body starts), the settle. Rules that hold for every statement here:
+
+* **The database decides.** "Already done?" is a unique constraint
+  (``ON CONFLICT DO NOTHING``) or a conditional ``UPDATE``, never a read then a
+  write. A conflict comes back as an ordinary value, not an exception.
+* **Fenced.** Every write a worker makes on a run it holds is conditional on
+  ``claim_token``; a worker whose lease was reclaimed writes nothing.
+* **One clock.** "Due", "expired" and every stored instant use the database's
+  ``now()``; Python only ever binds *durations* (lease length, backoff).
+
+Run by the engine role. Functions take a ``Connection`` and leave the transaction
+to the caller.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any, Sequence
+
+from sqlalchemy import Connection
+
+from motir_celery.settings import get_settings
+from motir_celery.store.driver import Statement, first, rows
+from motir_celery.store.records import Claim, RunSpec
+
+AUDIENCE = "worker"
+ROLES = ("motir_engine",)
+
+#: The wait_event of a parent suspended until its children settle (the trigger
+#: motir_run_settled matches it). No event is ever sent under this name with a
+#: wait_value, so send_event never wakes such a parent.
+CHILD_WAIT = "motir.children"
+
+# --- claim ------------------------------------------------------------------------
+
+CLAIM = Statement(
+    "claim",
+    "Move a queued, due run to running for one worker; its event and memoized steps in the same round trip.",
+    """
+    WITH claimed AS (
+      UPDATE job_queue
+      SET state = 'running',
+          attempts = attempts + 1,             -- charged now: a run that kills its worker still spends attempts
+          -- fences every later write to this holder; minted by the holder (its lease renewer
+          -- knows it before the claim commits: core/worker/leases.py) or here
+          claim_token = coalesce(CAST(%(token)s AS uuid), gen_random_uuid()),
+          claimed_by = %(worker)s,
+          lease_expires_at = now() + make_interval(secs => %(lease)s),
+          wait_event = NULL, wait_path = NULL, wait_value = NULL   -- a woken waiter waits no more
+      WHERE id = %(run_id)s
+        AND job_id = %(job_id)s                -- a message for another job's run (misrouted, forged) claims nothing
+        AND state = 'queued'                   -- running: someone holds it; final: done. Either way a stale message.
+        AND run_at <= now()                    -- not due yet (backoff): the sweeper publishes it again when it is
+        AND (CAST(%(limit)s AS int) IS NULL    -- concurrency=(limit, key): a free slot, counted under
+             OR (SELECT count(*) FROM job_queue r          -- lock_concurrency's advisory lock
+                 WHERE r.concurrency_key = job_queue.concurrency_key AND r.job_id = job_queue.job_id
+                   -- a key is per workspace; the whole-job limit (key '') spans them all
+                   AND (job_queue.concurrency_key = ''
+                        OR r.workspace_id IS NOT DISTINCT FROM job_queue.workspace_id)
+                   AND r.state = 'running') < CAST(%(limit)s AS int))
+      RETURNING id, job_id, claim_token, attempts, max_attempts, workspace_id, event_id, event_name, scheduled_for,
+                concurrency_key, traceparent
+    ), ledger AS (
+      INSERT INTO job_run (run_id, attempt, workspace_id, job_id, event_name, worker)
+      SELECT id, attempts, workspace_id, job_id, event_name, %(worker)s FROM claimed
+    )
+    SELECT c.id AS run_id, c.job_id, c.claim_token AS token, c.attempts AS attempt, c.max_attempts,
+           c.workspace_id, c.event_id, c.event_name, e.data AS event_data, c.scheduled_for,
+           -- memoized steps in the same round trip (snapshot taken before this claim: prior attempts' steps)
+           (SELECT coalesce(jsonb_object_agg(s.step_id, s.output), '{}'::jsonb)
+              FROM job_step s WHERE s.run_id = c.id) AS steps,
+           now() AS db_now, c.concurrency_key, c.traceparent,
+           -- MOTIR_CLAIM_ASYNC_COMMIT (on by default): this commit does not wait for the
+           -- WAL flush. Hazard: a crash of Postgres itself may lose the claim; the run is
+           -- then queued again with the attempt uncharged, and no step is lost, because
+           -- every step record and settle after it is a flushed commit later in the WAL.
+           CASE WHEN %(async_commit)s THEN set_config('synchronous_commit', 'off', true) END AS async_commit
+    FROM claimed c LEFT JOIN job_event e ON e.id = c.event_id
+    """,
+)
+
+
+def claim(conn: Connection, run_id: uuid.UUID, *, job_id: str, worker: str, lease_seconds: float,
+          concurrency_limit: int | None = None, token: uuid.UUID | None = None) -> Claim | None:
+    """Move a queued, due run to running for this worker; ``None`` if it is not ours to run."""
+    row = first(conn, CLAIM, {"run_id": run_id, "job_id": job_id, "worker": worker, "lease": lease_seconds,
+                              "limit": concurrency_limit, "async_commit": get_settings().claim_async_commit,
+                              "token": token})
+    if row is None:
+        return None
+    del row["async_commit"]
+    return Claim(**row)
+
+
+LOCK_CONCURRENCY = Statement(
+    "lock_concurrency",
+    "Serialise the claims of one (job, concurrency key) until the transaction ends (jobs with concurrency= only).",
+    """
+    SELECT pg_advisory_xact_lock(hashtextextended(job_id || chr(31) || concurrency_key, 0)) AS locked
+    FROM job_queue
+    WHERE id = %(run_id)s
+      AND concurrency_key IS NOT NULL          -- a run without a key takes no lock
+    """,
+)
+
+
+def lock_concurrency(conn: Connection, run_id: uuid.UUID) -> None:
+    """Serialise claims of one (job, concurrency key) until this transaction ends, so
+    two workers cannot both count the last free slot (cold path: jobs with concurrency=).
+    The lock spans workspaces (coarser than the count, so never wrong)."""
+    rows(conn, LOCK_CONCURRENCY, {"run_id": run_id})
+
+
+NEXT_IN_LINE = Statement(
+    "next_in_line",
+    "The queued, due run that takes a concurrency slot just freed (its message is sent after commit).",
+    """
+    WITH next AS (
+      SELECT id FROM job_queue
+      WHERE job_id = %(job_id)s AND concurrency_key = %(key)s
+        AND (%(key)s = '' OR workspace_id IS NOT DISTINCT FROM %(workspace_id)s)   -- the freed slot's workspace
+        AND state = 'queued' AND run_at <= now()   -- waiting for a slot, due
+      ORDER BY priority DESC, run_at               -- priority decides who gets a freed slot
+      LIMIT 1
+      FOR UPDATE SKIP LOCKED
+    )
+    UPDATE job_queue q SET dispatched_at = now() FROM next WHERE q.id = next.id
+    RETURNING q.id
+    """,
+)
+
+
+def next_in_line(conn: Connection, job_id: str, key: str, workspace_id: str | None) -> uuid.UUID | None:
+    """The queued run that should take a concurrency slot just freed (publish it after commit)."""
+    row = first(conn, NEXT_IN_LINE, {"job_id": job_id, "key": key, "workspace_id": workspace_id})
+    return None if row is None else row["id"]
+
+
+# --- step records and leases --------------------------------------------------------
+
+STORE_STEP = Statement(
+    "store_step",
+    "Store one finished step's result, fenced on the claim token; committed before the next body starts.",
+    """
+    WITH run AS (
+      SELECT id, workspace_id, attempts FROM job_queue
+      WHERE id = %(run_id)s
+        AND claim_token = %(token)s            -- fence: only the current holder writes
+        AND state = 'running'                  -- a cancelled run stops at its next step boundary
+      -- FOR SHARE: a concurrent reclaim or cancel waits for this insert to commit, or
+      -- this statement re-checks the fence against the reclaimed row and writes nothing.
+      FOR SHARE
+    )
+    INSERT INTO job_step (run_id, step_id, workspace_id, output, attempt, started_at)
+    SELECT id, %(step_id)s, workspace_id, CAST(%(output)s AS jsonb), attempts,
+           now() - make_interval(secs => %(elapsed)s)
+    FROM run
+    ON CONFLICT (run_id, step_id) DO NOTHING   -- stored already (a racing duplicate): the stored value wins
+    RETURNING 1 AS stored
+    """,
+)
+
+
+def store_step(conn: Connection, claim_: Claim, step_id: str, output_json: str, elapsed: float) -> bool:
+    """Store one step; ``False`` when nothing was written (fenced, or stored already)."""
+    params = {"run_id": claim_.run_id, "token": claim_.token, "step_id": step_id, "output": output_json,
+              "elapsed": elapsed}
+    return first(conn, STORE_STEP, params) is not None
+
+
+STORED_OUTPUT = Statement(
+    "stored_output",
+    "The output a step's record holds (the racing duplicate's, when this holder's insert found one).",
+    "SELECT output FROM job_step WHERE run_id = %(run_id)s AND step_id = %(step_id)s   -- the memo key",
+)
+
+
+def stored_output(conn: Connection, claim_: Claim, step_id: str) -> Any:
+    row = first(conn, STORED_OUTPUT, {"run_id": claim_.run_id, "step_id": step_id})
+    assert row is not None, "stored_output: the step has no record"
+    return row["output"]
+
+
+RENEW_LEASES = Statement(
+    "renew_leases",
+    "The heartbeat of every run one process (or its renewer) holds: one fenced UPDATE for all of them.",
+    """
+    UPDATE job_queue q SET lease_expires_at = now() + make_interval(secs => %(lease)s)
+    FROM unnest(CAST(%(run_ids)s AS uuid[]), CAST(%(tokens)s AS uuid[])) AS h(run_id, token)
+    WHERE q.id = h.run_id
+      AND q.claim_token = h.token              -- fence: each holder renews only its own claim
+      AND q.state = 'running'                  -- a settled or cancelled run is not renewed
+    RETURNING q.id
+    """,
+)
+
+
+def renew_claims(conn: Connection, held: Sequence[tuple[uuid.UUID, uuid.UUID]], lease_seconds: float) -> set[uuid.UUID]:
+    """Renew the leases of ``held`` (run id, claim token) pairs in one statement; the run ids still held."""
+    params = {"lease": lease_seconds, "run_ids": [run_id for run_id, _ in held], "tokens": [token for _, token in held]}
+    return {r["id"] for r in rows(conn, RENEW_LEASES, params)}
+
+
+def renew_leases(conn: Connection, claims: Sequence[Claim], lease_seconds: float) -> set[uuid.UUID]:
+    """The heartbeat of every run a process holds, in one statement; the run ids still held."""
+    return renew_claims(conn, [(c.run_id, c.token) for c in claims], lease_seconds)
+
+
+def renew_lease(conn: Connection, claim_: Claim, lease_seconds: float) -> bool:
+    return claim_.run_id in renew_claims(conn, [(claim_.run_id, claim_.token)], lease_seconds)
+
+
+RUN_STATE = Statement(
+    "run_state",
+    "Cold path after a refused write: the run's state and whether this holder's token still holds it.",
+    "SELECT state, claim_token = %(token)s AS ours FROM job_queue WHERE id = %(run_id)s",
+)
+
+
+def why_fenced(conn: Connection, claim_: Claim) -> str:
+    """Cold path after a refused write: 'cancelled', 'lost' (reclaimed) or 'held' (still ours)."""
+    row = first(conn, RUN_STATE, {"run_id": claim_.run_id, "token": claim_.token})
+    if row is None:
+        return "lost"
+    if row["state"] == "cancelled":
+        return "cancelled"
+    return "held" if row["ours"] else "lost"
+
+
+# --- sleeps and waits ---------------------------------------------------------------------
+
+STORE_CLOCK_STEP = Statement(
+    "store_clock_step",
+    "Memoize a sleep's or a wait's window {since, until} on the database's clock, fenced on the claim token.",
+    """
+    INSERT INTO job_step (run_id, step_id, workspace_id, output, attempt, started_at)
+    SELECT q.id, %(step_id)s, q.workspace_id,
+           -- both instants from the database clock (or the caller's absolute instant)
+           jsonb_build_object('since', now(),
+                              'until', coalesce(CAST(%(until)s AS timestamptz),
+                                                now() + make_interval(secs => CAST(%(secs)s AS float8)))),
+           q.attempts, now()
+    FROM job_queue q
+    WHERE q.id = %(run_id)s AND q.claim_token = %(token)s AND q.state = 'running'   -- fence
+    FOR SHARE OF q
+    ON CONFLICT (run_id, step_id) DO NOTHING
+    RETURNING output, now() AS db_now
+    """,
+)
+
+
+def store_clock_step(conn: Connection, claim_: Claim, step_id: str, *, seconds: float | None = None,
+                     until: datetime | None = None) -> tuple[Any, datetime] | None:
+    """Memoize {"since": now(), "until": now() + seconds | until} for step.sleep / waits.
+    Returns (output, db_now), or None when fenced."""
+    row = first(conn, STORE_CLOCK_STEP, {"run_id": claim_.run_id, "token": claim_.token, "step_id": step_id,
+                                         "secs": seconds, "until": until})
+    return None if row is None else (row["output"], row["db_now"])
+
+
+SUSPEND = Statement(
+    "suspend",
+    "Give the worker back without charging the attempt (sleep, wait, deferral): queued again at run_at, fenced.",
+    """
+    WITH settled AS (
+      UPDATE job_queue
+      SET state = 'queued',
+          run_at = coalesce(CAST(%(until)s AS timestamptz), now() + make_interval(secs => CAST(%(delay)s AS float8))),
+          attempts = attempts - 1,                -- a sleep, a wait or a rate-limit deferral is not a failure
+          deferrals = deferrals + CAST(%(deferred)s AS int),
+          -- the sweeper publishes it once due: "message older than republish_after" then holds at run_at
+          dispatched_at = coalesce(CAST(%(until)s AS timestamptz),
+                                   now() + make_interval(secs => CAST(%(delay)s AS float8)))
+                          - make_interval(secs => CAST(%(after)s AS float8)),
+          wait_event = %(wait_event)s, wait_path = CAST(%(wait_path)s AS text[]), wait_value = %(wait_value)s,
+          claim_token = NULL, claimed_by = NULL, lease_expires_at = NULL
+      WHERE id = %(run_id)s AND claim_token = %(token)s AND state = 'running'   -- fence
+      RETURNING id, run_at
+    ), ledger AS (
+      UPDATE job_run r SET outcome = %(outcome)s, finished_at = now(), error = CAST(%(error)s AS jsonb)
+      FROM settled s WHERE r.run_id = s.id AND r.outcome = 'running'   -- the open attempt
+    )
+    SELECT run_at FROM settled
+    """,
+)
+
+
+def suspend(conn: Connection, claim_: Claim, *, outcome: str, until: datetime | None = None,
+            delay: float | None = None, republish_after: float, error_json: str | None = None,
+            wait: tuple[str, list[str], str | None] | None = None) -> datetime | None:
+    """Give the worker back without charging the attempt: queued again at ``until``
+    (or ``now() + delay``). Returns the new run_at, or None when fenced."""
+    name, path, value = wait or (None, None, None)
+    row = first(conn, SUSPEND, {
+        "run_id": claim_.run_id, "token": claim_.token, "outcome": outcome, "until": until, "delay": delay,
+        "deferred": 1 if outcome == "deferred" else 0, "after": republish_after, "error": error_json,
+        "wait_event": name, "wait_path": path, "wait_value": value})
+    return None if row is None else row["run_at"]
+
+
+LOCK_WAIT = Statement(
+    "lock_wait",
+    "step.wait_for_event's fence: the exclusive twin of the shared lock every send of that event name holds.",
+    "SELECT pg_advisory_xact_lock(hashtext('motir.wait:' || %(name)s)) AS locked",
+)
+
+
+def lock_wait(conn: Connection, name: str) -> None:
+    """Exclusive twin of record_event's shared lock: after it, every event of ``name``
+    committed so far is visible, and every later one will see this transaction's waiter."""
+    rows(conn, LOCK_WAIT, {"name": name})
+
+
+FIND_EVENT = Statement(
+    "find_event",
+    "step.wait_for_event's look-back: the first event of a name, in the run's workspace, matching since the wait began.",
+    """
+    SELECT id, name, data, received_at FROM job_event
+    WHERE name = %(name)s
+      AND workspace_id IS NOT DISTINCT FROM %(workspace_id)s   -- the waiting run's workspace (system: system events)
+      AND data #>> CAST(%(path)s AS text[]) = %(value)s      -- the waiter's field, as text
+      AND received_at >= %(since)s                           -- only events since the wait began
+    ORDER BY received_at
+    LIMIT 1
+    """,
+)
+
+
+def find_event(conn: Connection, name: str, path: list[str], value: str | None, since: datetime,
+               workspace_id: str | None) -> dict[str, Any] | None:
+    """The event a waiter of ``workspace_id`` looks back for (``id``, ``name``, ``data``), or None."""
+    if value is None:
+        return None
+    return first(conn, FIND_EVENT, {"name": name, "path": path, "value": value, "since": since,
+                                    "workspace_id": workspace_id})
+
+
+# --- child runs (step.invoke / step.gather) -------------------------------------------
+
+START_CHILDREN = Statement(
+    "start_children",
+    "Start the child runs of one step.invoke / step.gather (each once per (parent, step)), fenced on the parent's claim.",
+    """
+    WITH parent AS (
+      SELECT id, workspace_id FROM job_queue
+      WHERE id = %(run_id)s
+        AND claim_token = %(token)s            -- fence: only the parent's current holder starts children
+        AND state = 'running'
+      FOR SHARE                                -- a concurrent cancel of the parent waits, then cancels them
+    ), spec AS (
+      SELECT * FROM unnest(CAST(%(steps)s AS text[]), CAST(%(names)s AS text[]), CAST(%(datas)s AS jsonb[]),
+                           CAST(%(keys)s AS text[]), CAST(%(job_ids)s AS text[]), CAST(%(max_attempts)s AS int[]),
+                           CAST(%(policies)s AS text[]), CAST(%(priorities)s AS smallint[]),
+                           CAST(%(singletons)s AS text[]), CAST(%(concurrency)s AS text[]),
+                           CAST(%(cancel_keys)s AS text[]), CAST(%(detached)s AS boolean[]))
+             AS s(step_id, name, data, key, job_id, max_attempts, retry_policy, priority, singleton_key,
+                  concurrency_key, cancel_key, detached)
+    ), e AS (
+      INSERT INTO job_event (name, data, workspace_id, idempotency_key)
+      SELECT s.name, s.data, p.workspace_id, s.key        -- the child carries the parent's workspace
+      FROM parent p, spec s
+      -- the key is derived from (parent run, step): a parent that runs this step again
+      -- (retry, crash, redelivery) writes no second event (uq_job_event_idempotency)
+      ON CONFLICT DO NOTHING
+      RETURNING id, name, workspace_id, idempotency_key
+    ), runs AS (
+      INSERT INTO job_queue (event_id, job_id, event_name, workspace_id, max_attempts, retry_policy, priority,
+                             singleton_key, concurrency_key, cancel_key, traceparent, parent_run_id, parent_step_id,
+                             detached)
+      SELECT e.id, s.job_id, e.name, e.workspace_id, s.max_attempts, s.retry_policy, s.priority,
+             s.singleton_key, s.concurrency_key, s.cancel_key, %(traceparent)s, p.id, s.step_id, s.detached
+      FROM e JOIN spec s ON s.key = e.idempotency_key, parent p
+      -- No conflict target: UNIQUE (parent_run_id, parent_step_id) is the arbiter of one child
+      -- per (parent, step); (event_id, job_id) and the singleton index apply as to any run.
+      ON CONFLICT DO NOTHING
+      RETURNING id, job_id
+    )
+    SELECT id AS run_id, job_id, (SELECT count(*) FROM parent) AS held FROM runs
+    UNION ALL SELECT NULL, NULL, (SELECT count(*) FROM parent)    -- always one row: is the parent still ours?
+    """,
+)
+
+
+def start_children(conn: Connection, claim_: Claim, children_: Sequence[tuple[str, str, str, str, RunSpec]],
+                   *, traceparent: str | None, detach: bool = False) -> tuple[bool, list[tuple[uuid.UUID, str]]]:
+    """``children_``: (step key, event name, data as JSON, idempotency key, spec).
+    Returns (parent still held, [(run_id, job_id) created now]) — publish those after commit."""
+    params = {
+        "run_id": claim_.run_id, "token": claim_.token, "traceparent": traceparent,
+        "steps": [c[0] for c in children_], "names": [c[1] for c in children_], "datas": [c[2] for c in children_],
+        "keys": [c[3] for c in children_], "job_ids": [c[4].job_id for c in children_],
+        "max_attempts": [c[4].max_attempts for c in children_], "policies": [c[4].policy for c in children_],
+        "priorities": [c[4].priority for c in children_], "singletons": [c[4].singleton_key for c in children_],
+        "concurrency": [c[4].concurrency_key for c in children_],
+        "cancel_keys": [c[4].cancel_key for c in children_], "detached": [detach for _ in children_],
+    }
+    found = rows(conn, START_CHILDREN, params)
+    held = bool(found and found[-1]["held"])
+    return held, [(r["run_id"], r["job_id"]) for r in found if r["run_id"] is not None]
+
+
+LOCK_PARENT = Statement(
+    "lock_parent",
+    "The per-parent lock the trigger motir_run_settled takes before waking a parent (held to commit).",
+    "SELECT pg_advisory_xact_lock(hashtextextended('motir.parent:' || CAST(%(run_id)s AS text), 0)) AS locked",
+)
+
+
+def lock_parent(conn: Connection, run_id: uuid.UUID) -> None:
+    """After it, every child settle committed so far is visible, and every later one
+    sees this transaction's suspension (and wakes it)."""
+    rows(conn, LOCK_PARENT, {"run_id": run_id})
+
+
+CHILDREN = Statement(
+    "children",
+    "The children of one step of a parent: state, result, and the error of their last attempt.",
+    """
+    SELECT c.parent_step_id AS step_id, c.id AS run_id, c.job_id, c.state, c.result,
+           (SELECT r.error FROM job_run r
+            WHERE r.run_id = c.id                    -- its ledger (ix_job_run_ledger)
+            ORDER BY r.started_at DESC LIMIT 1) AS error
+    FROM job_queue c
+    WHERE c.parent_run_id = %(run_id)s               -- served by uq_job_queue_parent_run_id_parent_step_id
+      AND c.parent_step_id = ANY(CAST(%(steps)s AS text[]))
+    """,
+)
+
+
+def children(conn: Connection, run_id: uuid.UUID, steps: Sequence[str]) -> dict[str, dict[str, Any]]:
+    return {r["step_id"]: r for r in rows(conn, CHILDREN, {"run_id": run_id, "steps": list(steps)})}
+
+
+CANCEL_CHILDREN = Statement(
+    "cancel_children",
+    "Cancel the unfinished children of one step (its timeout passed); their ledgers closed.",
+    """
+    WITH cancelled AS (
+      UPDATE job_queue
+      SET state = 'cancelled', finished_at = now(), claim_token = NULL, lease_expires_at = NULL, wait_event = NULL
+      WHERE parent_run_id = %(run_id)s AND parent_step_id = ANY(CAST(%(steps)s AS text[]))
+        AND state IN ('queued', 'running')     -- a finished child stays as it ended
+        AND NOT detached                       -- a detached child runs on; the parent stops waiting
+      RETURNING id
+    ), ledger AS (
+      UPDATE job_run r SET outcome = 'cancelled', finished_at = now()
+      FROM cancelled c WHERE r.run_id = c.id AND r.outcome = 'running'
+    )
+    SELECT id AS run_id FROM cancelled
+    """,
+)
+
+
+def cancel_children(conn: Connection, run_id: uuid.UUID, steps: Sequence[str]) -> list[uuid.UUID]:
+    return [r["run_id"] for r in rows(conn, CANCEL_CHILDREN, {"run_id": run_id, "steps": list(steps)})]
+
+
+WAKE_PARENT = Statement(
+    "woken_parent",
+    "The parent a child's settle just made due (the trigger did it, in the settle's transaction): publish it.",
+    """
+    SELECT p.id AS run_id, p.job_id FROM job_queue c JOIN job_queue p ON p.id = c.parent_run_id
+    WHERE c.id = %(run_id)s
+      AND p.state = 'queued' AND p.wait_event = 'motir.children'   -- suspended for its children
+      AND p.run_at <= now()                                         -- and due: the last child settled
+    """,
+)
+
+
+def woken_parent(conn: Connection, run_id: uuid.UUID) -> tuple[uuid.UUID, str] | None:
+    row = first(conn, WAKE_PARENT, {"run_id": run_id})
+    return None if row is None else (row["run_id"], row["job_id"])
+
+
+# --- settle ---------------------------------------------------------------------
+
+SETTLE_SUCCEEDED = Statement(
+    "settle_succeeded",
+    "Mark a run succeeded with its result and close the attempt's ledger row, fenced on the claim token.",
+    """
+    WITH settled AS (
+      UPDATE job_queue
+      SET state = 'succeeded', result = CAST(%(result)s AS jsonb), finished_at = now(),
+          claim_token = NULL, lease_expires_at = NULL
+      WHERE id = %(run_id)s
+        AND claim_token = %(token)s            -- fence: only the current holder settles
+        AND state = 'running'                  -- a cancelled run stays cancelled
+      RETURNING id
+    ), ledger AS (
+      UPDATE job_run r SET outcome = 'succeeded', finished_at = now()
+      FROM settled s WHERE r.run_id = s.id
+        AND r.outcome = 'running'              -- the open attempt, not an earlier one
+    )
+    SELECT count(*) AS settled FROM settled
+    """,
+)
+
+
+def settle_succeeded(conn: Connection, claim_: Claim, result_json: str) -> bool:
+    """Settle a run that succeeded; ``False`` when fenced (cancelled or reclaimed)."""
+    row = first(conn, SETTLE_SUCCEEDED, {"run_id": claim_.run_id, "token": claim_.token, "result": result_json})
+    return row is not None and row["settled"] == 1
+
+
+SETTLE_RETRY = Statement(
+    "settle_retry",
+    "Queue a failed attempt's run again after its backoff and close the attempt's ledger row, fenced.",
+    """
+    WITH settled AS (
+      UPDATE job_queue
+      SET state = 'queued',
+          run_at = now() + make_interval(secs => %(delay)s),   -- the backoff, on the database's clock
+          dispatched_at = now(),                               -- the caller publishes right after commit
+          claim_token = NULL, claimed_by = NULL, lease_expires_at = NULL
+      WHERE id = %(run_id)s AND claim_token = %(token)s AND state = 'running'   -- fence
+      RETURNING id, attempts
+    )
+    UPDATE job_run r SET outcome = 'retrying', finished_at = now(), error = CAST(%(error)s AS jsonb)
+    FROM settled s WHERE r.run_id = s.id AND r.outcome = 'running'   -- the open attempt
+    RETURNING 1 AS settled
+    """,
+)
+
+
+def settle_retry(conn: Connection, claim_: Claim, error_json: str, delay: float) -> bool:
+    params = {"run_id": claim_.run_id, "token": claim_.token, "error": error_json, "delay": delay}
+    return first(conn, SETTLE_RETRY, params) is not None
+
+
+#: The DLQ row, copied from the CTE ``failed`` (id, workspace_id, job_id, event_id, event_name,
+#: scheduled_for, attempts, failure): what an operator needs to act after the run and event are
+#: purged. Shared by the two ways a run fails for good: a worker settling its last attempt
+#: (SETTLE_FAILED), and the sweeper reclaiming a run whose last attempt lost its lease
+#: (maintenance.RECLAIM_EXPIRED).
+DLQ_ROW = """
+    INSERT INTO job_run_dlq (run_id, workspace_id, function_id, event_id, event_name, event_data,
+                             idempotency_key, failure, attempts, first_failed_at)
+    SELECT f.id, f.workspace_id, f.job_id, f.event_id, f.event_name,
+           coalesce(e.data, jsonb_build_object('scheduled_for', f.scheduled_for)),
+           e.idempotency_key, f.failure, f.attempts,
+           coalesce((SELECT min(r.finished_at) FROM job_run r
+                     WHERE r.run_id = f.id AND r.outcome IN ('retrying', 'lost')), now())
+    FROM failed f LEFT JOIN job_event e ON e.id = f.event_id
+"""
+
+SETTLE_FAILED = Statement(
+    "settle_failed",
+    "Mark a run failed for good and write its DLQ row in the same statement, fenced on the claim token.",
+    """
+    WITH failed AS (
+      UPDATE job_queue
+      SET state = 'failed', finished_at = now(), claim_token = NULL, lease_expires_at = NULL
+      WHERE id = %(run_id)s AND claim_token = %(token)s AND state = 'running'   -- fence
+      RETURNING id, workspace_id, job_id, event_id, event_name, scheduled_for, attempts,
+                CAST(%(error)s AS jsonb) AS failure
+    ), ledger AS (
+      UPDATE job_run r SET outcome = 'failed', finished_at = now(), error = CAST(%(error)s AS jsonb)
+      FROM failed f WHERE r.run_id = f.id AND r.outcome = 'running'
+    ), dlq AS ("""
+    + DLQ_ROW
+    + """
+      RETURNING id
+    )
+    -- one statement, one transaction: a failed run without its DLQ row (or the
+    -- reverse) cannot exist, whatever crashes when.
+    SELECT id FROM dlq
+    """,
+)
+
+
+def settle_failed(conn: Connection, claim_: Claim, error_json: str) -> uuid.UUID | None:
+    """Mark the run failed and write its DLQ row; returns the DLQ id (None if fenced)."""
+    row = first(conn, SETTLE_FAILED, {"run_id": claim_.run_id, "token": claim_.token, "error": error_json})
+    return None if row is None else row["id"]
