@@ -4,7 +4,9 @@ Against d5e1222 (issue 24, item 5) password verification ran on the event
 loop: 8 clients looping wrong passwords pushed ``/healthz`` to seconds, 60
 wrong guesses from one client all got a 401 at ~10/s, and an unknown name cost
 an argon2 verification where a known scrypt user cost a (cheaper) scrypt one.
-Here: the flood leaves ``/healthz``, a signed-in page and a fresh sign-in fast;
+Here: the flood leaves ``/healthz`` and a signed-in page fast, and a new client
+gets in (told by a 503's ``Retry-After`` when to come back while the pool is
+full); a flood from one client leaves another client's sign-in fast;
 the 6th failure in a row from one client is a 429 with ``Retry-After`` and
 another client is untouched; a user name attacked from many clients is slowed
 except for the clients that signed in as it; unknown and known names cost the
@@ -157,13 +159,14 @@ print(json.dumps(counts), flush=True)
 """
 
 #: Bounds under the flood, with margin for a loaded 2-core machine (the flood itself is 8 processes on
-#: those 2 cores, and other test sessions share them): measured here 10-100 ms median and 40-230 ms
-#: max for /healthz, 60-400 ms for a page; on d5e1222 /healthz took 2.7-4.7 s and no page answered.
-HEALTHZ_MEDIAN, HEALTHZ_MAX = 0.5, 1.5
-PAGE_MAX, FRESH_SIGN_IN_MAX = 2.0, 5.0
+#: those 2 cores, and other test sessions share them): measured here 10-100 ms median and 40-250 ms
+#: max for /healthz, 40-450 ms for a page (at a load average of 5-8; at 10-13, up to 470 ms median
+#: and 1 s for a page); on d5e1222 /healthz took 2.7-4.7 s and no page answered within 4.5 s.
+HEALTHZ_MEDIAN, HEALTHZ_MAX = 1.0, 2.0
+PAGE_MAX, FRESH_SIGN_IN_WITHIN = 3.0, 30.0
 
 
-def test_eight_clients_hammering_wrong_passwords_slow_neither_healthz_nor_signed_in_pages_nor_a_new_sign_in(
+def test_eight_clients_hammering_wrong_passwords_slow_neither_healthz_nor_signed_in_pages_and_a_new_client_gets_in(
         dashboard: int) -> None:
     alice = _address(10, 200)
     assert get(dashboard, "/runs", source=alice, auth=("alice", PASSWORDS["alice"])).status == 200
@@ -185,20 +188,19 @@ def test_eight_clients_hammering_wrong_passwords_slow_neither_healthz_nor_signed
         def sign_in_fresh() -> None:
             """A client new to the dashboard signs in (dave's first sign-in: a real verification)."""
             time.sleep(1.0)
-            while time.monotonic() < started + seconds - 0.5:
+            while time.monotonic() < started + FRESH_SIGN_IN_WITHIN:
                 answer = get(dashboard, "/runs", source=_address(10, 201), auth=("dave", PASSWORDS["dave"]))
                 fresh_tries.append(answer)
-                if answer.status != 503:
+                if answer.status != 503 or answer.retry_after is None:
                     return
                 # The pool is full of the flood's first attempts (not yet known as a flood): come back as told.
-                assert answer.retry_after is not None and 1 <= answer.retry_after <= 30
                 time.sleep(answer.retry_after)
 
         fresh_thread = threading.Thread(target=sign_in_fresh)
         fresh_thread.start()
         while time.monotonic() < started + seconds - 1.5:
             healthz.append(get(dashboard, "/healthz", source=alice).seconds)
-            if len(healthz) % 3 == 0:
+            if len(healthz) % 2 == 0:
                 pages.append(get(dashboard, "/runs", source=alice, auth=("alice", PASSWORDS["alice"])))
             time.sleep(0.05)
         fresh_thread.join()
@@ -210,16 +212,17 @@ def test_eight_clients_hammering_wrong_passwords_slow_neither_healthz_nor_signed
     print(f"\nflood: 8 clients x 2 connections for {seconds:.0f} s: {dict(counts)}")
     print(f"/healthz quiet: {_ms(quiet)}; under the flood: {_ms(healthz)}")
     print(f"signed-in page under the flood: {_ms([a.seconds for a in pages])}")
-    print("a new client's first sign-in under the flood: " + ", then ".join(
+    print("a new client's first sign-in, 1 s into the flood: " + ", then ".join(
         f"{a.status} in {a.seconds * 1000:.0f} ms" + (f" (Retry-After {a.retry_after})" if a.retry_after else "")
         for a in fresh_tries))
 
-    assert len(pages) >= 3, "the flood left no time for a signed-in page"
+    assert len(pages) >= 2, "the flood left no time for a signed-in page"
     assert statistics.median(healthz) < HEALTHZ_MEDIAN and max(healthz) < HEALTHZ_MAX
     assert all(a.status == 200 and "alice · ws-a" in a.body for a in pages)
     assert max(a.seconds for a in pages) < PAGE_MAX
-    fresh = fresh_tries[-1]
-    assert fresh.status == 200 and "dave · ws-b" in fresh.body and fresh.seconds < FRESH_SIGN_IN_MAX
+    # A new client gets in; while the pool is full of the flood's first attempts it is told when to come back.
+    assert fresh_tries and fresh_tries[-1].status == 200 and "dave · ws-b" in fresh_tries[-1].body, fresh_tries
+    assert all(a.status == 503 and a.retry_after is not None and 1 <= a.retry_after <= 30 for a in fresh_tries[:-1])
     # Every flooder met the back-off; none got in, none broke anything.
     assert set(counts) <= {"401", "429", "503"}, counts
     assert counts["429"] > counts["401"]
@@ -370,10 +373,12 @@ def mixed_dashboard(database_url: str, tmp_path_factory: pytest.TempPathFactory)
     yield from _serve(database_url, users)
 
 
-#: Medians within 15% (or 5 ms). On d5e1222 an unknown name cost an argon2id verification at
-#: argon2-cffi's default parameters (~10x the typical user's scrypt here); without the padding the
-#: minority's names cost ~3x an unknown one.
-TIMING_TOLERANCE, TIMING_SLACK = 0.15, 0.005
+#: Medians within 25% (or 5 ms): sized for a shared 2-core machine under load, where two groups that
+#: run the very same code (the typical users and unknown names) have measured up to 15% apart. What it
+#: guards against is far larger: on d5e1222 an unknown name cost an argon2id verification at
+#: argon2-cffi's defaults, 13x the typical user's here; without the padding the minority's names cost
+#: ~3x an unknown one.
+TIMING_TOLERANCE, TIMING_SLACK = 0.25, 0.005
 
 
 def test_an_unknown_name_costs_what_a_known_one_costs_with_mixed_hash_kinds(mixed_dashboard: int) -> None:
@@ -462,6 +467,8 @@ def test_backoff_is_free_then_doubles_to_its_cap_and_forgets_one_failure_per_qui
     assert b.failures("x") == 6 and b.fail("x") == (4.0, False)
     b.refund("x")
     assert b.failures("x") == 6
+    clock.now += 1.5  # a slow verification: the wait runs from its answer, not from its start
+    assert b.wait("x") == 0.5 and b.settle("x") == 2.0 and b.wait("x") == 2.0
 
 
 def test_backoff_memory_is_bounded_whatever_the_number_of_keys() -> None:

@@ -450,8 +450,8 @@ class Authenticator:
             self._release(client)
             raise self._busy() from None
         future.add_done_callback(lambda _: self._release(client))
-        client_wait, client_started = self._clients.fail(client)
-        user_wait, user_started = (0.0, False) if exempt else self._names.fail(name)
+        _, client_started = self._clients.fail(client)
+        user_started = False if exempt else self._names.fail(name)[1]
         try:
             ok, took = await asyncio.wrap_future(future)
         except Saturated:  # pushed out of the wait list by a cleaner client: not a guess
@@ -470,7 +470,7 @@ class Authenticator:
         padded = self._padded(klass, took)
         if padded > took:
             await asyncio.sleep(padded - took)
-        wait = max(client_wait, user_wait)
+        wait = max(self._clients.settle(client), 0.0 if exempt else self._names.settle(name))
         raise AuthError(401, "wrong user name or password", challenge=True,
                         retry_after=math.ceil(wait) if wait > 0 else None)
 

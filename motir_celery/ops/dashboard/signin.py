@@ -1,9 +1,9 @@
 """The mechanics of a sign-in under attack: a failure back-off per key, and a bounded pool of verifier threads.
 
 ``Backoff`` counts the failed sign-ins of a key (a client address, a user name)
-and says how long the key waits before its next attempt: nothing for the first
-``free`` failures, then ``base`` seconds doubling up to ``cap``; one failure is
-forgotten per full ``forget_every`` seconds without one. It holds at most
+and says how long the key waits after its last failure before its next attempt:
+nothing for the first ``free`` failures, then ``base`` seconds doubling up to
+``cap``; one failure is forgotten per full ``forget_every`` seconds without one. It holds at most
 ``max_keys`` keys (the least recently failed go first), so an attacker cycling
 addresses or names cannot grow it without limit.
 
@@ -87,6 +87,16 @@ class Backoff(Generic[K]):
             self._keys[key] = entry
             self._evict(now)
             return self.delay(entry.count), before < self.free <= entry.count
+
+    def settle(self, key: K) -> float:
+        """The failure counted ahead of a verification was answered now: the wait runs from here (a slow
+        verification must not use up the wait before the client hears of it). Returns the wait."""
+        with self._lock:
+            entry = self._keys.get(key)
+            if entry is None:
+                return 0.0
+            entry.last = self._clock()
+            return self.delay(entry.count)
 
     def refund(self, key: K) -> None:
         """Take back one failure counted ahead of a verification that then succeeded."""
