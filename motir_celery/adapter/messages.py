@@ -57,10 +57,11 @@ from celery import Celery, signals
 from motir_celery.adapter.guard import GUARDED_REDIS_TRANSPORT, MALFORMED_SUFFIX, GuardedRedisTransport
 from motir_celery.core.jobs import TASK_OPTIONS, find_job, task_name
 from motir_celery.core.publish import Publish
+from motir_celery.core.worker.inline import Inline
 from motir_celery.forks import per_process
 from motir_celery.settings import get_settings
 
-__all__ = ["publisher", "GuardedRedisTransport", "MALFORMED_SUFFIX", "GUARDED_TRANSPORT"]
+__all__ = ["publisher", "GuardedRedisTransport", "MALFORMED_SUFFIX", "GUARDED_TRANSPORT", "task_options", "argsrepr"]
 
 log = logging.getLogger("motir_celery.adapter.messages")
 
@@ -69,23 +70,27 @@ def publisher(app: Celery) -> Publish:
     """The publish callable the core is handed: one message per run, by task name.
 
     Cheap to make (a worker makes one per run, before its claim); the lane is
-    looked up when a message is sent."""
+    looked up when a message is sent. An app in Celery's eager mode
+    (``task_always_eager``) gets ``Inline``: each run is executed in this process, at once,
+    through the engine (core/worker/inline.py; docs/testing.md)."""
+    if app.conf.task_always_eager:
+        return Inline()
 
     def publish(run_id: uuid.UUID, job_id: str, countdown: float = 0.0) -> None:
         lane = _lane(app)
         if lane is not None and lane.push(run_id, job_id, countdown):
             return
-        options = _task_options(job_id)
+        options = task_options(job_id)
         priority = _message_priority(app, job_id)
         if priority is not None:
             options["priority"] = priority
         app.send_task(task_name(job_id), args=[str(run_id)], countdown=countdown or None,
-                      argsrepr=_argsrepr(job_id, run_id), **options)
+                      argsrepr=argsrepr(job_id, run_id), **options)
 
     return publish
 
 
-def _task_options(job_id: str) -> dict[str, Any]:
+def task_options(job_id: str) -> dict[str, Any]:
     """The job's Celery options (define_job's ``queue=``, ``time_limit=``, ``soft_time_limit=``),
     given to every message: ``send_task`` reads a task's own options only from an app
     already finalized (a worker's), so a web process would send to the default queue."""
@@ -95,7 +100,7 @@ def _task_options(job_id: str) -> dict[str, Any]:
     return {k: job.options[k] for k in TASK_OPTIONS if k in job.options}
 
 
-def _argsrepr(job_id: str, run_id: uuid.UUID | str) -> str:
+def argsrepr(job_id: str, run_id: uuid.UUID | str) -> str:
     return f"{job_id} run={run_id}"  # what Flower shows for the task's arguments
 
 
@@ -226,7 +231,7 @@ class _RedisLane:
 
     def _plan(self, job_id: str) -> _Plan | None:
         """The job's plan, kept once its queue has been declared; ``None`` (kept): send_task always."""
-        app, name, options = self.app, task_name(job_id), _task_options(job_id)
+        app, name, options = self.app, task_name(job_id), task_options(job_id)
         # As send_task routes: the job's own queue if it has one, else task_routes, else the default.
         route = app.amqp.router.route({"queue": options["queue"]} if "queue" in options else {}, name, (), {}, None)
         queue = route.get("queue")
@@ -259,7 +264,7 @@ class _RedisLane:
         """Celery's task message for ``run`` in kombu's Redis envelope, as send_task would push it."""
         message = self.app.amqp.create_task_message(
             task_id, plan.name, [run], {}, countdown=countdown or None, reply_to=reply_to, root_id=root_id,
-            parent_id=parent_id, origin=self.origin, argsrepr=_argsrepr(plan.job_id, run),
+            parent_id=parent_id, origin=self.origin, argsrepr=argsrepr(plan.job_id, run),
             time_limit=plan.options.get("time_limit"), soft_time_limit=plan.options.get("soft_time_limit"),
             ignore_result=None,  # as send_task: the task's own setting decides
         )

@@ -14,7 +14,7 @@ import uuid
 
 from celery import Celery
 
-from motir_celery.adapter.messages import _argsrepr, _task_options, publisher
+from motir_celery.adapter.messages import argsrepr, publisher, task_options
 from motir_celery.core.jobs import task_name
 from motir_celery.core.publish import Publish
 
@@ -22,17 +22,17 @@ __all__ = ["publisher_for"]
 
 
 def publisher_for(app: Celery, queue: str | None = None, priority: int | None = None) -> Publish:
-    if queue is None and priority is None:
-        return publisher(app)
+    if (queue is None and priority is None) or app.conf.task_always_eager:
+        return publisher(app)  # the job's own route, or Celery's eager mode (runs in this process)
 
     def publish(run_id: uuid.UUID, job_id: str, countdown: float = 0.0) -> None:
-        options = _task_options(job_id)
+        options = task_options(job_id)
         if queue is not None:
             options["queue"] = queue
         if priority:
             scheme = str(app.conf.broker_url or "").split("://", 1)[0]
             options["priority"] = 9 - priority if scheme.startswith(("redis", "rediss")) else priority
         app.send_task(task_name(job_id), args=[str(run_id)], countdown=countdown or None,
-                      argsrepr=_argsrepr(job_id, run_id), **options)
+                      argsrepr=argsrepr(job_id, run_id), **options)
 
     return publish
