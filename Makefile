@@ -1,6 +1,7 @@
 # make run   - the demo, against $MOTIR_DATABASE_URL / $CELERY_BROKER_URL or embedded services
-# make test  - pytest (extra arguments: make test PYTEST_ARGS="-k claim -x"); first installs the
-#              Debian packages the tests need when missing (.ci/system-packages: chromium, docker-compose)
+# make test  - pytest in 4 parallel sessions (PYTEST_WORKERS=N) (extra arguments: make test PYTEST_ARGS="-k claim -x";
+#              one session: PYTEST_WORKERS=0); first installs the Debian packages the tests need when
+#              missing (.ci/system-packages: chromium, docker-compose, pgbouncer)
 # make lint  - ruff check (the repository) and mypy motir_celery, as CI runs them
 # make test-pgbouncer - the worker end-to-end, hot-path, primitives, composition and shortened chaos tests again,
 #              through a private PgBouncer in transaction pooling (tests/pgbouncer.py) with
@@ -18,6 +19,13 @@ UV_VERSION := 0.13.8
 UV := .tools/bin/uv
 PYTHON := .venv/bin/python
 PYTEST_ARGS ?=
+# Parallel sessions (pytest-xdist): each worker process is a session of its own, with its own
+# database and queue (tests/conftest.py). The suite mostly waits on real workers, brokers and
+# Postgres, so 4 sessions keep this 2-core machine busy without starving the timing-bound tests.
+# --dist loadfile keeps each file's tests, and its module fixtures (a Django server, a standby
+# cluster, a PgBouncer), in one session. 0 runs one plain session.
+PYTEST_WORKERS ?= 4
+PYTEST_XDIST = -n $(PYTEST_WORKERS) --dist loadfile
 
 # uv compiles .pyc at install time: imports stay fast even under PYTHONDONTWRITEBYTECODE=1,
 # and a warm `uv sync` only re-checks them (~0.2s).
@@ -35,7 +43,7 @@ run: setup
 	$(call with-services,$(PYTHON) -m motir_celery.dev.demo)
 
 test: system-packages setup
-	$(call with-services,$(PYTHON) -m pytest $(PYTEST_ARGS))
+	$(call with-services,$(PYTHON) -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS))
 
 # The second pass (CI runs it after `make test`): the tests whose workers talk to the database
 # most, through PgBouncer (pool_mode = transaction, default_pool_size 4) in front of the same
@@ -47,7 +55,7 @@ PGBOUNCER_TESTS := tests/test_worker_e2e.py tests/test_hot_path.py tests/test_pg
 
 test-pgbouncer: system-packages setup
 	$(call with-services,MOTIR_TEST_SCAN_WORKER_LOGS=1 $(PYTHON) -m tests.pgbouncer run -- \
-		$(PYTHON) -m pytest $(PGBOUNCER_TESTS) $(PYTEST_ARGS))
+		$(PYTHON) -m pytest $(PYTEST_XDIST) $(PGBOUNCER_TESTS) $(PYTEST_ARGS))
 
 # Both checks run; either failing fails the target.
 lint: setup
