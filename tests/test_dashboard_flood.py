@@ -285,6 +285,15 @@ def test_the_sixth_failure_in_a_row_from_one_client_is_a_429_with_retry_after_an
     assert get(dashboard, "/runs", source=guesser, auth=("guesser", "guess-7")).status == 429
 
 
+def test_sixty_wrong_guesses_in_a_row_from_one_client_get_five_401s_and_then_429s(dashboard: int) -> None:
+    started = time.perf_counter()
+    statuses = [get(dashboard, "/runs", source=_address(16, 1), auth=("sixty", f"guess-{i}")).status
+                for i in range(60)]
+    seconds = time.perf_counter() - started
+    print(f"\n60 wrong guesses in a row from one client: {dict(Counter(statuses))} in {seconds:.2f} s")
+    assert statuses == [401] * dashboard_auth.CLIENT_FREE + [429] * (60 - dashboard_auth.CLIENT_FREE)
+
+
 def test_one_client_gets_one_verification_at_a_time(dashboard: int) -> None:
     source = _address(12, 1)
     barrier = threading.Barrier(4)
