@@ -19,7 +19,8 @@ statement for statement:
   clock reading the kit keeps itself (``tick()``).
 
 Crashes are injected by wrapping ``StepRun.run`` / ``StepRun.record`` for the fixture's
-lifetime (``install`` / ``uninstall``), never by a hook in the engine.
+lifetime (``install`` / ``uninstall``), never by a hook in the engine; for that time the
+messages the code under test publishes are held in ``published``, not sent to a broker.
 """
 
 from __future__ import annotations
@@ -32,12 +33,15 @@ from typing import Any, Callable, Sequence
 
 from sqlalchemy import Engine
 
+from motir_celery.adapter import celery_app, routing
 from motir_celery.core.jobs import Job, all_jobs, get_job
 from motir_celery.core.producer import events
 from motir_celery.core.producer.direct import apply_async
 from motir_celery.core.producer.events import SendResult
 from motir_celery.core.producer.results import ResultTimeout, RunHandle
+from motir_celery.core.publish import Publish
 from motir_celery.core.schedule import latest_slot
+from motir_celery.core.worker.inline import Inline
 from motir_celery.core.worker.runner import Outcome, execute
 from motir_celery.core.worker.steps import StepRun
 from motir_celery.core.worker.sweeper import sweep
@@ -85,6 +89,9 @@ class Motir:
     skipped: float = 0.0
     #: What every executed attempt came to, in order: (run id, outcome).
     outcomes: list[tuple[uuid.UUID, Outcome]] = field(default_factory=list)
+    #: The messages the code under test published, (run id, job id, countdown): the kit
+    #: holds them instead of a broker (``drain`` finds due runs in the database itself).
+    published: list[tuple[uuid.UUID, str, float]] = field(default_factory=list)
     _crashes: list[_Crash] = field(default_factory=list)
     _restore: list[Callable[[], None]] = field(default_factory=list)
 
@@ -183,9 +190,21 @@ class Motir:
         return None
 
     def install(self) -> None:
-        """Wrap the step boundaries for ``crash_after`` / ``crash_before`` (the fixture calls it)."""
+        """Wrap the step boundaries for ``crash_after`` / ``crash_before``, and hold the messages
+        the code under test publishes instead of sending them to a broker (the fixture calls it).
+        An app in Celery's eager mode keeps running its runs at once (``Inline``)."""
         kit = self
         run, record = StepRun.run, StepRun.record
+        publisher, publisher_for = celery_app.publisher, routing.publisher_for
+
+        def hold(run_id: uuid.UUID, job_id: str, countdown: float = 0.0) -> None:
+            kit.published.append((run_id, job_id, countdown))
+
+        def kit_publisher(app: Any) -> Publish:
+            return Inline(settings=kit.settings) if app.conf.task_always_eager else hold
+
+        def kit_publisher_for(app: Any, queue: str | None = None, priority: int | None = None) -> Publish:
+            return kit_publisher(app)
 
         def run_wrapped(step: StepRun, step_id: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             crash = kit._take(step_id, after=False) if isinstance(step_id, str) else None
@@ -203,10 +222,14 @@ class Motir:
 
         setattr(StepRun, "run", run_wrapped)
         setattr(StepRun, "record", record_wrapped)
+        setattr(celery_app, "publisher", kit_publisher)
+        setattr(routing, "publisher_for", kit_publisher_for)
 
         def restore() -> None:
             setattr(StepRun, "run", run)
             setattr(StepRun, "record", record)
+            setattr(celery_app, "publisher", publisher)
+            setattr(routing, "publisher_for", publisher_for)
 
         self._restore.append(restore)
 
