@@ -319,7 +319,7 @@ class _Dashboard:
 
     # --- actions ----------------------------------------------------------------
 
-    # Authorisation is a read under RLS, in core.dlq's *_as functions: an entry or
+    # Authorisation is a read under RLS, in core/operator/dlq.py's *_as functions: an entry or
     # run of another workspace is invisible, so a 404 exactly like a missing one.
 
     def keyed(self, who: Identity, dlq_id: uuid.UUID) -> bool:
