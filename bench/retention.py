@@ -670,13 +670,12 @@ DLQ_FK_INDEXES = (
 
 def _time_events_pass(url: str, older_than: timedelta) -> float:
     """One batch of purge's events-pass statement, rolled back."""
-    from motir_celery.ops.purge import _DELETE_EVENTS
+    from motir_celery.store.sql.maintenance import PURGE_EVENTS
 
-    sql = str(_DELETE_EVENTS).replace(":age", "%(age)s").replace(":batch", "%(batch)s")
     with _connect(url) as conn:
         with conn.transaction(force_rollback=True):
             t0 = time.monotonic()
-            conn.execute(sql, {"age": older_than.total_seconds(), "batch": 1000})
+            conn.execute(PURGE_EVENTS.sql, {"age": older_than.total_seconds(), "batch": 1000})
             return time.monotonic() - t0
 
 

@@ -153,7 +153,7 @@ def test_a_push_redis_refuses_is_sent_through_send_task_and_logged(
 
     publish = publisher(app)
     publish(uuid.uuid4(), "test.three-steps", 0.0)
-    lane = messages._lane(app)
+    lane = messages.redis_lane(app)
     assert lane is not None
 
     def refuse(*args: Any) -> None:

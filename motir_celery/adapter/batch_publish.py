@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 from celery import Celery, signals
 
-from motir_celery.adapter.messages import _lane, publisher
+from motir_celery.adapter.messages import publisher, redis_lane
 
 __all__ = ["publish_many", "PublishMany"]
 
@@ -32,7 +32,7 @@ def publish_many(app: Celery) -> PublishMany:
     single = publisher(app)
 
     def many(runs: Sequence[tuple[uuid.UUID, str]]) -> None:
-        lane = _lane(app)
+        lane = redis_lane(app)
         eligible = (lane is not None and not lane.sent_events and not signals.before_task_publish.receivers
                     and not signals.after_task_publish.receivers
                     and not (app.current_task is not None and app.current_worker_task is not None))

@@ -61,7 +61,7 @@ from motir_celery.core.worker.inline import Inline
 from motir_celery.forks import per_process
 from motir_celery.settings import get_settings
 
-__all__ = ["publisher", "GuardedRedisTransport", "MALFORMED_SUFFIX", "GUARDED_TRANSPORT", "task_options", "argsrepr"]
+__all__ = ["publisher", "GuardedRedisTransport", "MALFORMED_SUFFIX", "GUARDED_TRANSPORT", "task_options", "argsrepr", "redis_lane"]
 
 log = logging.getLogger("motir_celery.adapter.messages")
 
@@ -77,7 +77,7 @@ def publisher(app: Celery) -> Publish:
         return Inline()
 
     def publish(run_id: uuid.UUID, job_id: str, countdown: float = 0.0) -> None:
-        lane = _lane(app)
+        lane = redis_lane(app)
         if lane is not None and lane.push(run_id, job_id, countdown):
             return
         options = task_options(job_id)
@@ -137,7 +137,7 @@ class _Lanes:
 _lanes = per_process(_Lanes)  # a forked child opens its own sockets
 
 
-def _lane(app: Celery) -> "_RedisLane | None":
+def redis_lane(app: Celery) -> "_RedisLane | None":
     """This process's short way for ``app``; ``None`` where the broker rules it out."""
     lanes = _lanes()
     with lanes.lock:

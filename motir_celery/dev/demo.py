@@ -116,7 +116,7 @@ def _run(settings: Any) -> int:
     from motir_celery import send_event
     from motir_celery.dev import examples  # noqa: F401  (the jobs, registered in this process too)
     from motir_celery.ops import reads
-    from motir_celery.ops.cli import _table
+    from motir_celery.ops.cli import text_table
     from motir_celery.ops.timefmt import format_duration
     from motir_celery.store.db import workspace_session
 
@@ -145,7 +145,7 @@ def _run(settings: Any) -> int:
         time.sleep(0.2)
 
     print()
-    print(_table(
+    print(text_table(
         ["order", "run", "state", "attempts", "steps (attempt that stored it)", "took"],
         [(oid, d.run.id, d.run.state, f"{d.run.attempts}/{d.run.max_attempts}",
           " → ".join(f"{s.step_id} ({s.attempt})" for s in d.steps) or "-", format_duration(d.run.duration))
@@ -153,7 +153,7 @@ def _run(settings: Any) -> int:
         max_width=70,
     ))
     print()
-    print(_table(
+    print(text_table(
         ["order", "attempt", "worker", "outcome", "error"],
         [(oid, a.attempt, a.worker, a.outcome,
           (a.error or {}).get("message", "") if isinstance(a.error, dict) else "")

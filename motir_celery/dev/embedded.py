@@ -42,8 +42,10 @@ Decisions:
 * **Failures name the service, the reason and the log to read**, and the CLI
   exits 1, so a Makefile stops instead of running tests against nothing.
 
-This module imports nothing of ours but ``errors`` (layer 1), and the
-embedded-only packages lazily, so it loads without the ``embedded`` extra.
+At module level this module imports nothing of ours but ``errors`` (layer 1), and
+the embedded-only packages lazily, so it loads without the ``embedded`` extra; the
+statements that create the database are ``store/sql/setup.py``'s, imported when
+Postgres has started.
 """
 
 from __future__ import annotations
@@ -150,17 +152,24 @@ def start_postgres(root: Path) -> str:
 
 
 def _create_database(socket_dir: Path, port: int) -> None:
-    import psycopg
-    from psycopg import sql
+    from sqlalchemy import URL, create_engine
+    from sqlalchemy.exc import DBAPIError
+    from sqlalchemy.pool import NullPool
 
+    from motir_celery.store.sql import setup
+
+    url = URL.create("postgresql+psycopg", username="postgres", database="postgres",
+                     query={"host": str(socket_dir), "port": str(port)})
+    engine = create_engine(url, poolclass=NullPool, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 10})
     try:
-        with psycopg.connect(
-            host=str(socket_dir), port=port, user="postgres", dbname="postgres", autocommit=True, connect_timeout=10
-        ) as conn:
-            if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE,)).fetchone() is None:
-                conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(DATABASE)))
-    except psycopg.Error as exc:
-        raise EmbeddedServiceError("postgres", f"started, but creating database {DATABASE!r} failed: {exc}") from exc
+        with engine.connect() as conn:
+            if not setup.database_exists(conn, DATABASE):
+                setup.create_database(conn, DATABASE)
+    except DBAPIError as exc:
+        raise EmbeddedServiceError(
+            "postgres", f"started, but creating database {DATABASE!r} failed: {exc.orig or exc}") from exc
+    finally:
+        engine.dispose()
 
 
 def stop_postgres(root: Path) -> bool:

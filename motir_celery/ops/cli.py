@@ -84,7 +84,7 @@ def _cell(value: Any, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *, max_width: int = 60) -> str:
+def text_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *, max_width: int = 60) -> str:
     """Plain aligned columns: readable in a terminal, greppable, no box drawing."""
     cells = [[_cell(v, max_width) for v in row] for row in rows]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
@@ -259,11 +259,11 @@ def migrate(check: bool, set_role_passwords: bool, revision: str) -> None:
 def _set_role_passwords(url: str, settings: Settings) -> None:
     import os
 
-    from psycopg import sql
     from sqlalchemy import create_engine
     from sqlalchemy.pool import NullPool
 
     from motir_celery.store.rls import ADMIN_ROLE
+    from motir_celery.store.sql import setup
 
     wanted = {settings.app_role: "MOTIR_APP_PASSWORD", settings.engine_role: "MOTIR_ENGINE_PASSWORD"}
     missing = [var for var in wanted.values() if not os.environ.get(var)]
@@ -274,12 +274,9 @@ def _set_role_passwords(url: str, settings: Settings) -> None:
     engine = create_engine(url, poolclass=NullPool)
     try:
         with engine.begin() as conn:
-            raw = conn.connection.driver_connection
             for role, var in wanted.items():
-                # ALTER ROLE takes no bind parameters: quote with psycopg, never by hand.
-                stmt = sql.SQL("ALTER ROLE {} LOGIN PASSWORD {}").format(sql.Identifier(role),
-                                                                        sql.Literal(os.environ[var]))
-                conn.exec_driver_sql(stmt.as_string(raw))
+                # ALTER ROLE takes no bind parameters: store/sql/setup.py quotes with psycopg.
+                setup.set_login_password(conn, role, os.environ[var])
                 click.echo(f"role {role}: LOGIN, password from ${var}")
     finally:
         engine.dispose()
@@ -321,7 +318,7 @@ def send(name: str, data_json: str, workspace: str | None, idempotency_key: str 
         return
     click.echo(f"event {result.event_id}: {len(result.run_ids)} run(s) queued")
     if runs:
-        click.echo(_table(["job", "run", "status"], [(r["job_id"], r["run_id"], r["status"]) for r in runs]))
+        click.echo(text_table(["job", "run", "status"], [(r["job_id"], r["run_id"], r["status"]) for r in runs]))
 
 
 # --- runs ------------------------------------------------------------------------
@@ -359,7 +356,7 @@ def runs_list(job: str | None, state: str | None, workspace: str | None, since: 
     if not rows:
         click.echo("no runs match")
         return
-    click.echo(_table(
+    click.echo(text_table(
         ["run", "job", "workspace", "state", "attempts", "created", "took"],
         [(r.id, r.job_id, r.workspace_id or "system", r.state + (" (DLQ)" if r.in_dlq else ""),
           f"{r.attempts}/{r.max_attempts}", format_ago(r.created_at, now), format_duration(r.duration))
@@ -415,12 +412,12 @@ def runs_show(run_id: str, tracebacks: bool, as_json: bool) -> None:
         click.echo(f"{key.ljust(width)}  {value}")
     click.echo(f"\nsteps ({len(d.steps)})")
     if d.steps:
-        click.echo(_table(["step", "attempt", "started", "took", "output"],
+        click.echo(text_table(["step", "attempt", "started", "took", "output"],
                           [(s.step_id, s.attempt, format_instant(s.started_at), format_duration(s.duration),
                             json.dumps(s.output, default=str)) for s in d.steps]))
     click.echo(f"\nattempts ({len(d.attempts)})")
     if d.attempts:
-        click.echo(_table(["#", "worker", "outcome", "started", "took", "error"],
+        click.echo(text_table(["#", "worker", "outcome", "started", "took", "error"],
                           [(a.attempt, a.worker, a.outcome, format_instant(a.started_at), format_duration(a.duration),
                             _error_line(a.error)) for a in d.attempts], max_width=80))
     if tracebacks:
@@ -466,7 +463,7 @@ def dlq_list(include_closed: bool, job: str | None, workspace: str | None, limit
     if not entries:
         click.echo("the dead-letter queue is empty" if include_closed else "no open entries")
         return
-    click.echo(_table(
+    click.echo(text_table(
         ["id", "job", "workspace", "status", "attempts", "failed", "error"],
         [(e.id, e.function_id, e.workspace_id or "system",
           e.status + (f" by {e.replayed_by or e.dismissed_by}" if not e.open else ""), e.attempts,
@@ -504,7 +501,7 @@ def _rate(value: str) -> float:
 
 
 def _bulk(action: "bulk.Action", actor: str, opts: dict[str, Any], as_json: bool) -> None:
-    from motir_celery import _publish
+    from motir_celery.adapter.celery_app import default_app, publisher
 
     settings = _settings()
     names = {"job": "--job", "error_text": "--error", "workspace": "--workspace"}
@@ -531,7 +528,7 @@ def _bulk(action: "bulk.Action", actor: str, opts: dict[str, Any], as_json: bool
     caller = dlq_ops.Caller(actor, None, admin=True)
     verb = {"replay": "replayed", "resume": "resumed", "dismiss": "dismissed"}[action]
     result = bulk.bulk_dlq(action, flt, caller=caller, dry_run=opts["dry_run"], rate=rate, limit=opts["limit"],
-                           publish=None if opts["dry_run"] or action == "dismiss" else _publish(),
+                           publish=None if opts["dry_run"] or action == "dismiss" else publisher(default_app()),
                            settings=settings)
     if as_json:
         _print_json(result)
@@ -543,7 +540,7 @@ def _bulk(action: "bulk.Action", actor: str, opts: dict[str, Any], as_json: bool
         counts = ", ".join(f"{status} {n}" for status, n in sorted(result.counts.items())) or "nothing matched"
         click.echo(f"{action} by {actor}, at most {rate:g}/s: {result.matched} matched — {counts}")
     if result.sample:
-        click.echo(_table(["id", "job", "workspace", "failed", "error"],
+        click.echo(text_table(["id", "job", "workspace", "failed", "error"],
                           [(e["id"], e["job"], e["workspace"] or "system", format_ago(e["failed_at"], now),
                             e["error"]) for e in result.sample]))
 
@@ -726,7 +723,7 @@ def jobs(slots: int, as_json: bool) -> None:
         return ", ".join(f"{format_ago(datetime.fromisoformat(s), now)} ({datetime.fromisoformat(s):%a %H:%M %Z})"
                          for s in e["next_slots"])
 
-    click.echo(_table(["job", "trigger", "retry policy", "next slots"],
+    click.echo(text_table(["job", "trigger", "retry policy", "next slots"],
                       [(e["id"], trigger(e), retry(e), upcoming(e)) for e in out], max_width=90))
 
 
@@ -740,13 +737,18 @@ def jobs(slots: int, as_json: bool) -> None:
               help="Fail when the oldest due run has waited longer than this.")
 @click.option("--strict", is_flag=True,
               help="Exit 1 on a WARN too (development mode, no admin login, open DLQ entries): for deploy pipelines.")
+@click.option("--statements", is_flag=True,
+              help="Only list every SQL statement of the engine: name, audience, roles, what it does (no checks).")
 @json_option
-def doctor(timeout: float, max_wait: str, strict: bool, as_json: bool) -> None:
+def doctor(timeout: float, max_wait: str, strict: bool, statements: bool, as_json: bool) -> None:
     """Check the database, migrations, roles and RLS, broker, workers, sweeper, queue and DLQ.
 
-    Exit 1 on any FAIL; with --strict on any WARN too."""
+    Exit 1 on any FAIL; with --strict on any WARN too. --statements lists the statements instead."""
     from motir_celery.ops.doctor import exit_status, run_checks
 
+    if statements:
+        _statements(as_json)
+        return
     try:
         wait = parse_duration(max_wait).total_seconds()
     except ValueError as exc:
@@ -766,6 +768,21 @@ def doctor(timeout: float, max_wait: str, strict: bool, as_json: bool) -> None:
         _print_json({"ok": status == 0, "strict": strict, "checks": checks})
     if status:
         sys.exit(status)
+
+
+def _statements(as_json: bool) -> None:
+    from motir_celery.store.sql import catalogue
+
+    entries = catalogue()
+    if as_json:
+        _print_json([{"name": e.name, "audience": e.audience, "roles": list(e.roles), "doc": e.doc} for e in entries])
+        return
+    click.echo(text_table(["statement", "audience", "roles", "what it does"],
+                          [(e.name, e.audience, ", ".join(e.roles), e.doc) for e in entries], max_width=120))
+    counts: dict[str, int] = {}
+    for e in entries:
+        counts[e.audience] = counts.get(e.audience, 0) + 1
+    click.echo(f"\n{len(entries)} statements: " + ", ".join(f"{a} {n}" for a, n in counts.items()))
 
 
 # --- purge -----------------------------------------------------------------------
@@ -805,7 +822,7 @@ def purge(older_than: str, batch_size: int, dry_run: bool, as_json: bool) -> Non
         _print_json(report)
         return
     verb = "would delete" if dry_run else "deleted"
-    click.echo(_table(["", verb], [
+    click.echo(text_table(["", verb], [
         ("runs", report.runs), ("steps", report.steps), ("attempts", report.attempts),
         ("closed DLQ entries", report.dlq_entries), ("events", report.events),
     ]))

@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from sqlalchemy import create_engine, make_url, text
+from sqlalchemy import create_engine, make_url
 from sqlalchemy.engine import Engine
 from sqlalchemy.pool import NullPool
 
@@ -54,6 +54,7 @@ from motir_celery.settings import Settings, get_settings
 from motir_celery.store.db import set_workspace_context
 from motir_celery.store.models import Base
 from motir_celery.store.rls import ADMIN_ROLE, compare_grants, policies_of
+from motir_celery.store.sql import catalog, reads, session
 
 __all__ = ["Check", "run_checks", "exit_status"]
 
@@ -116,7 +117,7 @@ def run_checks(settings: Settings | None = None, *, timeout: float = 3.0, max_wa
         engine = _engine(settings.database_url, timeout)
         try:
             with engine.connect() as conn:
-                version = conn.execute(text("SHOW server_version")).scalar_one()
+                version = catalog.server_version(conn)
             yield _ok("database", f"PostgreSQL {version} at {_where(settings.database_url)}")
             db_ok = True
         except Exception as exc:  # noqa: BLE001 — whatever it is, it is the answer
@@ -137,8 +138,7 @@ def run_checks(settings: Settings | None = None, *, timeout: float = 3.0, max_wa
 def _waiting_by_queue(engine: Engine, settings: Settings) -> dict[str, int]:
     """Queued runs per Celery queue (a job's ``queue=``, else the engine's), to name those nobody consumes."""
     with engine.connect() as conn:
-        rows = conn.execute(text("SELECT job_id, count(*) AS n FROM job_queue WHERE state = 'queued' GROUP BY job_id"))
-        per_job = {r.job_id: int(r.n) for r in rows}
+        per_job = reads.queued_by_job(conn)
     jobs = {j.id: j for j in all_jobs()}
     waiting: dict[str, int] = {}
     for job_id, n in per_job.items():
@@ -157,9 +157,7 @@ def _database_checks(engine: Engine, settings: Settings, max_wait: float) -> Ite
             yield pooler
         yield _sweeper(conn, settings)
         yield _queue(conn, settings, max_wait)
-        n = conn.execute(text(
-            "SELECT count(*) FROM job_run_dlq WHERE replayed_at IS NULL AND dismissed_at IS NULL AND resumed_at IS NULL"
-        )).scalar_one()
+        n = reads.dlq_open(conn)
     yield (_ok("dlq", "no open entries") if not n else
            Check("dlq", "WARN", f"{n} open entr{'y' if n == 1 else 'ies'} waiting for a decision",
                  "motir dlq list; then motir dlq replay ID --actor YOU (or dismiss)"))
@@ -188,7 +186,7 @@ def _migrations(engine: Engine, settings: Settings) -> Check:
 def _roles(engine: Engine, settings: Settings) -> Check:
     wanted = [settings.app_role, ADMIN_ROLE, settings.engine_role]
     with engine.connect() as conn:
-        found = set(conn.execute(text("SELECT rolname FROM pg_roles WHERE rolname = ANY(:r)"), {"r": wanted}).scalars())
+        found = catalog.present_roles(conn, wanted)
     missing = [r for r in wanted if r not in found]
     if missing:
         return _fail("roles", f"missing: {', '.join(missing)}", "motir migrate creates them (needs CREATEROLE)")
@@ -199,16 +197,8 @@ def _rls(engine: Engine, settings: Settings) -> Check:
     declared = policies_of(Base.metadata)
     tables = sorted(declared)
     with engine.connect() as conn:
-        flags = {r.relname: r.relrowsecurity for r in conn.execute(
-            text("SELECT relname, relrowsecurity FROM pg_class "
-                 "WHERE relnamespace = current_schema()::regnamespace AND relname = ANY(:t)"),
-            {"t": tables},
-        )}
-        live = set(conn.execute(
-            text("SELECT tablename || '.' || policyname FROM pg_policies "
-                 "WHERE schemaname = current_schema() AND tablename = ANY(:t)"),
-            {"t": tables},
-        ).scalars())
+        flags = catalog.rls_flags(conn, tables)
+        live = catalog.policy_names(conn, tables)
         grants = [f"{kind} {g.privilege}{f' ({g.column})' if g.column else ''} on {g.table} "
                   f"{'to' if kind == 'grant' else 'from'} {g.role}" for kind, g in compare_grants(conn, Base.metadata)]
     off = [t for t in tables if not flags.get(t)]
@@ -225,27 +215,23 @@ def _rls(engine: Engine, settings: Settings) -> Check:
     try:
         with app_engine.begin() as conn:
             if not settings.app_database_url:
-                conn.execute(text(f'SET LOCAL ROLE "{settings.app_role}"'))
+                session.reader_role(conn, settings.app_role)  # SET LOCAL ROLE, as a workspace session does
             set_workspace_context(conn, "motir-doctor-probe")
-            row = conn.execute(text(
-                "SELECT current_user AS who, row_security_active('job_queue') AS active, "
-                "(SELECT rolsuper OR rolbypassrls FROM pg_roles WHERE rolname = current_user) AS bypass"
-            )).one()
-            escape = tuple(conn.execute(_ESCAPES, {"engine": settings.engine_role, "admin": ADMIN_ROLE}).one())
+            row = reads.rls_probe(conn)
+            login, exits = reads.login_escapes(conn, engine_role=settings.engine_role, admin_role=ADMIN_ROLE)
     except Exception as exc:  # noqa: BLE001
         how = "MOTIR_APP_DATABASE_URL" if settings.app_database_url else f"SET ROLE {settings.app_role}"
         return _fail("row-level security", f"cannot open the app connection ({how}): {_first_line(exc)}",
                      "set MOTIR_APP_DATABASE_URL to a login of motir_app, or GRANT motir_app TO the engine login")
-    if not row.active or row.bypass:
-        return _fail("row-level security", f"NOT enforced for the app connection (user {row.who}): "
+    if not row["active"] or row["bypass"]:
+        return _fail("row-level security", f"NOT enforced for the app connection (user {row['who']}): "
                      "it would see every workspace",
                      "MOTIR_APP_DATABASE_URL must log in as motir_app (not a superuser, not BYPASSRLS)")
-    login, exits = escape
     if not settings.app_database_url:
         # Development mode works as intended (make run, the examples): a WARN, which
         # `motir doctor --strict` (a deploy pipeline) fails on.
         return Check("row-level security", "WARN",
-                     f"development mode (no MOTIR_APP_DATABASE_URL): enforced for {row.who} only while the engine's "
+                     f"development mode (no MOTIR_APP_DATABASE_URL): enforced for {row['who']} only while the engine's "
                      f"login ({login}) keeps SET LOCAL ROLE; RESET ROLE returns to {login} "
                      f"({', '.join(exits) or 'another role'}), so it catches mistakes, not an attacker",
                      "fine on a developer's machine; to deploy, set MOTIR_APP_DATABASE_URL to a login that is only "
@@ -259,27 +245,8 @@ def _rls(engine: Engine, settings: Settings) -> Check:
     admin = _admin_login(settings)
     if admin is not None:
         return admin
-    return _ok("row-level security", f"enabled on {len(tables)} tables, enforced for {row.who} (login {login}, "
+    return _ok("row-level security", f"enabled on {len(tables)} tables, enforced for {row['who']} (login {login}, "
                f"which cannot leave it)")
-
-
-# Roles the login may become (RESET ROLE, SET ROLE) that would not be bound by the app
-# policy: superusers, BYPASSRLS, the tables' owner, the engine (its policy admits all),
-# and the admin role (for which motir.system_admin opens every workspace).
-_ESCAPES = text(
-    """
-    SELECT session_user AS login, coalesce(array_agg(r.rolname || CASE
-             WHEN r.rolsuper THEN ' (superuser)' WHEN r.rolbypassrls THEN ' (BYPASSRLS)'
-             WHEN r.oid = (SELECT relowner FROM pg_class WHERE oid = 'job_queue'::regclass) THEN ' (owner)'
-             WHEN r.rolname = :engine THEN ' (engine policy: every row)'
-             ELSE ' (admin: motir.system_admin counts)' END ORDER BY r.rolname)
-           FILTER (WHERE r.oid IS NOT NULL), '{}') AS exits
-    FROM (SELECT 1) AS one
-    LEFT JOIN pg_roles r ON pg_has_role(session_user, r.oid, 'MEMBER')
-      AND (r.rolsuper OR r.rolbypassrls OR r.rolname IN (:engine, :admin)
-           OR r.oid = (SELECT relowner FROM pg_class WHERE oid = 'job_queue'::regclass))
-    """
-)
 
 
 def _admin_login(settings: Settings) -> Check | None:
@@ -291,7 +258,7 @@ def _admin_login(settings: Settings) -> Check | None:
     eng = _engine(settings.admin_database_url, 3)
     try:
         with eng.connect() as conn:
-            login, exits = conn.execute(_ESCAPES, {"engine": settings.engine_role, "admin": ADMIN_ROLE}).one()
+            login, exits = reads.login_escapes(conn, engine_role=settings.engine_role, admin_role=ADMIN_ROLE)
     except Exception as exc:  # noqa: BLE001
         return _fail("row-level security", f"cannot open the admin connection: {_first_line(exc)}",
                      "check MOTIR_ADMIN_DATABASE_URL")
@@ -318,7 +285,7 @@ def _pooler(conn: Any, settings: Settings) -> Check | None:
     if not host or host.startswith("/"):
         return None  # the URL names a Unix socket: a connection to the server itself, as far as we can tell
     url_port = url.port or int(query.get("port") or 5432)
-    server_port = conn.execute(text("SELECT inet_server_port()")).scalar()
+    server_port = catalog.server_port(conn)
     if server_port == url_port:
         return None  # direct: nothing to say
     # NULL: the server sees a Unix-socket connection, though this process connected over TCP.
@@ -335,22 +302,13 @@ def _pooler(conn: Any, settings: Settings) -> Check | None:
 def _sweeper(conn: Any, settings: Settings) -> Check:
     # Allow three sweeper periods (plus slack) past each deadline before blaming it.
     grace = 3 * settings.sweep_interval + 5
-    row = conn.execute(
-        text("""
-            SELECT
-              (SELECT count(*) FROM job_queue WHERE state = 'running'
-                 AND lease_expires_at < now() - make_interval(secs => :grace)) AS stale_leases,
-              (SELECT count(*) FROM job_queue WHERE state = 'queued' AND run_at <= now()
-                 AND dispatched_at < now() - make_interval(secs => :republish + :grace)) AS unpublished
-        """),
-        {"grace": grace, "republish": settings.republish_after},
-    ).one()
-    if row.stale_leases or row.unpublished:
+    row = reads.sweeper_overdue(conn, grace=grace, republish_after=settings.republish_after)
+    if row["stale_leases"] or row["unpublished"]:
         parts = []
-        if row.stale_leases:
-            parts.append(f"{row.stale_leases} run(s) with a lease expired over {grace:.0f}s ago")
-        if row.unpublished:
-            parts.append(f"{row.unpublished} due run(s) not re-published for over "
+        if row["stale_leases"]:
+            parts.append(f"{row['stale_leases']} run(s) with a lease expired over {grace:.0f}s ago")
+        if row["unpublished"]:
+            parts.append(f"{row['unpublished']} due run(s) not re-published for over "
                          f"{settings.republish_after + grace:.0f}s")
         return _fail("sweeper", "; ".join(parts) + ": no sweeper has run lately",
                      "the sweeper runs inside every worker: start `celery -A motir_celery worker`")
@@ -358,25 +316,16 @@ def _sweeper(conn: Any, settings: Settings) -> Check:
 
 
 def _queue(conn: Any, settings: Settings, max_wait: float) -> Check:
-    row = conn.execute(text("""
-        SELECT count(*) FILTER (WHERE state = 'queued') AS queued,
-               count(*) FILTER (WHERE state = 'queued' AND run_at <= now()) AS due,
-               count(*) FILTER (WHERE state = 'running') AS running,
-               extract(epoch FROM now() - min(run_at) FILTER (WHERE state = 'queued' AND run_at <= now())) AS oldest,
-               -- which job waits longest: a job no worker imports is the usual culprit
-               (SELECT job_id FROM job_queue WHERE state = 'queued' AND run_at <= now()
-                ORDER BY run_at LIMIT 1) AS oldest_job
-        FROM job_queue WHERE state IN ('queued', 'running')
-    """)).one()
+    row = reads.queue_summary(conn)
     from motir_celery.ops.timefmt import format_duration
 
-    oldest = float(row.oldest) if row.oldest is not None else None
-    detail = f"{row.queued} queued ({row.due} due), {row.running} running; oldest due run "
-    detail += f"({row.oldest_job}) waiting {format_duration(oldest)}" if oldest is not None else "waiting -"
+    oldest = float(row["oldest"]) if row["oldest"] is not None else None
+    detail = f"{row['queued']} queued ({row['due']} due), {row['running']} running; oldest due run "
+    detail += f"({row['oldest_job']}) waiting {format_duration(oldest)}" if oldest is not None else "waiting -"
     if oldest is not None and oldest > max_wait:
         return _fail("queue", detail + f" (over {format_duration(max_wait)})",
                      f"workers are not keeping up, not consuming queue {settings.queue!r}, or do not import "
-                     f"{row.oldest_job!r} (MOTIR_IMPORTS): check `celery -A motir_celery inspect active_queues` "
+                     f"{row['oldest_job']!r} (MOTIR_IMPORTS): check `celery -A motir_celery inspect active_queues` "
                      "and `inspect registered`, or add workers")
     return _ok("queue", detail)
 

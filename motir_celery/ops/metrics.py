@@ -39,61 +39,19 @@ from typing import Any, Callable, Iterator
 
 from prometheus_client.core import CollectorRegistry, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from sqlalchemy import text
 
 from motir_celery.adapter.celery_app import create_app
 from motir_celery.core.jobs import all_jobs
 from motir_celery.settings import Settings, get_settings
 from motir_celery.store.db import workspace_session
 from motir_celery.store.models import RUN_STATES
+from motir_celery.store.sql import reads as sql
 
 __all__ = ["MotirCollector", "ConsumerProbe", "build_registry", "QUANTILES"]
 
 log = logging.getLogger("motir_celery.ops.metrics")
 
 QUANTILES = (0.5, 0.95, 0.99)
-
-_DEPTH = text("SELECT job_id, state, count(*) AS n FROM job_queue GROUP BY job_id, state")
-_OLDEST_DUE = text(
-    "SELECT job_id, extract(epoch FROM now() - min(run_at)) AS age FROM job_queue "
-    "WHERE state = 'queued' AND run_at <= now() GROUP BY job_id"
-)
-_EXPIRED = text(
-    "SELECT job_id, count(*) AS n FROM job_queue WHERE state = 'running' AND lease_expires_at < now() GROUP BY job_id"
-)
-_DLQ = text(
-    """
-    SELECT function_id AS job_id,
-           count(*) FILTER (WHERE replayed_at IS NULL AND dismissed_at IS NULL AND resumed_at IS NULL) AS open,
-           count(*) FILTER (WHERE replayed_at >= now() - make_interval(secs => :window)) AS replays
-    FROM job_run_dlq GROUP BY function_id
-    """
-)
-_RUNS_RECENT = text(
-    """
-    SELECT job_id, state, count(*) AS n,
-           percentile_cont(CAST(:q AS float8[])) WITHIN GROUP
-             (ORDER BY extract(epoch FROM finished_at - created_at)) AS quantiles
-    FROM job_queue
-    WHERE finished_at >= now() - make_interval(secs => :window)
-    GROUP BY job_id, state
-    """
-)
-_ATTEMPTS_RECENT = text(
-    "SELECT job_id, outcome, count(*) AS n FROM job_run "
-    "WHERE finished_at >= now() - make_interval(secs => :window) GROUP BY job_id, outcome"
-)
-_STEPS_RECENT = text(
-    """
-    SELECT q.job_id, count(*) AS n,
-           percentile_cont(CAST(:q AS float8[])) WITHIN GROUP
-             (ORDER BY extract(epoch FROM s.completed_at - s.started_at)) AS quantiles
-    FROM job_step s JOIN job_queue q ON q.id = s.run_id
-    WHERE s.completed_at >= now() - make_interval(secs => :window)
-    GROUP BY q.job_id
-    """
-)
-
 
 Consumers = dict[str, set[str]]  # worker name -> the queues it consumes
 
@@ -203,19 +161,19 @@ class MotirCollector(Collector):
         yield per_queue
 
     def _collect(self) -> Iterator[Metric]:
-        params: dict[str, Any] = {"window": self.window, "q": list(QUANTILES)}
         with workspace_session(None, admin=True, settings=self.settings) as session:
-            depth = session.execute(_DEPTH).all()
-            oldest = {r.job_id: float(r.age) for r in session.execute(_OLDEST_DUE)}
-            expired = {r.job_id: r.n for r in session.execute(_EXPIRED)}
-            dlq = session.execute(_DLQ, params).all()
-            runs_recent = session.execute(_RUNS_RECENT, params).all()
-            attempts_recent = session.execute(_ATTEMPTS_RECENT, params).all()
-            steps_recent = session.execute(_STEPS_RECENT, params).all()
+            conn = session.connection()
+            depth = sql.queue_depth(conn)
+            oldest = sql.oldest_due(conn)
+            expired = sql.expired_leases(conn)
+            dlq = sql.dlq_by_job(conn, window=self.window)
+            runs_recent = sql.runs_recent(conn, window=self.window, quantiles=QUANTILES)
+            attempts_recent = sql.attempts_recent(conn, window=self.window)
+            steps_recent = sql.steps_recent(conn, window=self.window, quantiles=QUANTILES)
 
-        jobs = sorted({r.job_id for r in depth})
+        jobs = sorted({r["job_id"] for r in depth})
         runs = GaugeMetricFamily("motir_runs", "Runs by job and state (rows in job_queue)", labels=["job", "state"])
-        present = {(r.job_id, r.state): r.n for r in depth}
+        present = {(r["job_id"], r["state"]): r["n"] for r in depth}
         for job in jobs:
             for state in RUN_STATES:  # every state, zeros included: absent series break alerts
                 runs.add_metric([job, state], present.get((job, state), 0))
@@ -243,8 +201,8 @@ class MotirCollector(Collector):
             "motir_dlq_replays_recent", f"DLQ entries replayed in the last {self.window:g}s", labels=["job"]
         )
         for r in dlq:
-            dlq_open.add_metric([r.job_id], r.open)
-            replays.add_metric([r.job_id], r.replays)
+            dlq_open.add_metric([r["job_id"]], r["open"])
+            replays.add_metric([r["job_id"]], r["replays"])
         yield dlq_open
         yield replays
 
@@ -258,9 +216,9 @@ class MotirCollector(Collector):
             labels=["job", "state", "quantile"],
         )
         for r in runs_recent:
-            finished.add_metric([r.job_id, r.state], r.n)
-            for q, value in zip(QUANTILES, r.quantiles or ()):
-                run_duration.add_metric([r.job_id, r.state, str(q)], float(value))
+            finished.add_metric([r["job_id"], r["state"]], r["n"])
+            for q, value in zip(QUANTILES, r["quantiles"] or ()):
+                run_duration.add_metric([r["job_id"], r["state"], str(q)], float(value))
         yield finished
         yield run_duration
 
@@ -269,7 +227,7 @@ class MotirCollector(Collector):
             labels=["job", "outcome"],
         )
         for r in attempts_recent:
-            attempts.add_metric([r.job_id, r.outcome], r.n)
+            attempts.add_metric([r["job_id"], r["outcome"]], r["n"])
         yield attempts
 
         step_duration = GaugeMetricFamily(
@@ -278,8 +236,8 @@ class MotirCollector(Collector):
             labels=["job", "quantile"],
         )
         for r in steps_recent:
-            for q, value in zip(QUANTILES, r.quantiles or ()):
-                step_duration.add_metric([r.job_id, str(q)], float(value))
+            for q, value in zip(QUANTILES, r["quantiles"] or ()):
+                step_duration.add_metric([r["job_id"], str(q)], float(value))
         yield step_duration
 
         window = GaugeMetricFamily("motir_metrics_window_seconds", "The window of the *_recent series")

@@ -31,7 +31,7 @@ also the deduplication window; and a purged cron run's slot is forgotten,
 which is harmless because beat only enqueues current slots.
 
 Runs as the engine role (``engine_connection``): retention is a system task
-across every workspace.
+across every workspace. The statements are ``store/sql/maintenance.py``'s (``PURGE_*``).
 """
 
 from __future__ import annotations
@@ -40,12 +40,13 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection
 from sqlalchemy.exc import IntegrityError
 
 from motir_celery.ops.timefmt import MAX_DURATION
 from motir_celery.settings import Settings, get_settings
 from motir_celery.store.db import get_engine
+from motir_celery.store.sql import maintenance
 
 __all__ = ["PurgeReport", "purge", "FINISHED_STATES"]
 
@@ -69,111 +70,6 @@ class PurgeReport:
     kept_for_open_dlq: int = 0
     notes: list[str] = field(default_factory=list)
 
-
-# A run is purgeable when it is finished, finished before the cutoff, and has no
-# open DLQ entry. Shared by the delete and by --dry-run's count.
-_PURGEABLE_RUN = """
-    q.state IN ('succeeded', 'failed', 'cancelled')
-    AND q.finished_at < now() - make_interval(secs => :age)
-    AND NOT EXISTS (SELECT 1 FROM job_run_dlq d
-                    WHERE d.run_id = q.id AND d.replayed_at IS NULL AND d.dismissed_at IS NULL)
-"""
-
-_DELETE_RUNS = text(
-    f"""
-    WITH doomed AS (
-      SELECT q.id, q.event_id FROM job_queue q
-      WHERE {_PURGEABLE_RUN}
-      ORDER BY q.finished_at
-      LIMIT :batch
-      FOR UPDATE SKIP LOCKED          -- a second purge (or a cancel in flight) takes other rows
-    ), steps AS (
-      SELECT count(*) AS n FROM job_step WHERE run_id IN (SELECT id FROM doomed)
-    ), attempts AS (
-      SELECT count(*) AS n FROM job_run WHERE run_id IN (SELECT id FROM doomed)
-    ), deleted AS (
-      -- job_step and job_run cascade; job_run_dlq.run_id / replay_run_id become NULL
-      -- (a closed entry stays readable: it copies the job, event and failure).
-      DELETE FROM job_queue WHERE id IN (SELECT id FROM doomed) RETURNING 1
-    ), freed AS (
-      -- The events of these runs that no other run needs. Every part of this statement
-      -- reads the snapshot taken before the delete above, so the doomed runs are still
-      -- visible here: "no other run" excludes them by id.
-      SELECT e.id FROM job_event e
-      WHERE e.id IN (SELECT event_id FROM doomed)            -- pk_job_event, one probe each
-        AND e.received_at < now() - make_interval(secs => :age)
-        AND NOT EXISTS (SELECT 1 FROM job_queue q             -- uq (event_id, job_id), event_id leading
-                        WHERE q.event_id = e.id AND q.id NOT IN (SELECT id FROM doomed))
-      -- A fan-out inserting a run for this event holds a KEY SHARE lock on it: skip it (the
-      -- sweep of step 3 takes it later). One that commits after our snapshot makes
-      -- ON DELETE RESTRICT, checked at the end of this statement, refuse the whole batch.
-      FOR UPDATE SKIP LOCKED
-    ), events AS (
-      DELETE FROM job_event WHERE id IN (SELECT id FROM freed) RETURNING 1
-    )
-    -- The counts read the snapshot taken before the delete: what went with the runs.
-    SELECT (SELECT count(*) FROM deleted) AS runs, (SELECT n FROM steps) AS steps,
-           (SELECT n FROM attempts) AS attempts, (SELECT count(*) FROM events) AS events
-    """
-)
-
-_CLOSED_DLQ = """
-    -- coalesce(NULL, NULL) is NULL and never < anything: an open entry cannot match.
-    coalesce(d.replayed_at, d.dismissed_at) < now() - make_interval(secs => :age)
-"""
-
-_DELETE_DLQ = text(
-    f"""
-    DELETE FROM job_run_dlq WHERE id IN (
-      SELECT d.id FROM job_run_dlq d WHERE {_CLOSED_DLQ}
-      LIMIT :batch FOR UPDATE SKIP LOCKED
-    )
-    RETURNING 1
-    """
-)
-
-_UNNEEDED_EVENT = """
-    e.received_at < now() - make_interval(secs => :age)
-    -- served by the unique (event_id, job_id) index, event_id leading
-    AND NOT EXISTS (SELECT 1 FROM job_queue q WHERE q.event_id = e.id)
-"""
-
-_DELETE_EVENTS = text(
-    f"""
-    DELETE FROM job_event WHERE id IN (
-      SELECT e.id FROM job_event e WHERE {_UNNEEDED_EVENT}
-      ORDER BY e.received_at
-      LIMIT :batch
-      -- An event a fan-out is inserting a run for holds a KEY SHARE lock: skip it.
-      FOR UPDATE SKIP LOCKED
-    )
-    RETURNING 1
-    """
-)
-
-_COUNT = text(
-    f"""
-    SELECT
-      (SELECT count(*) FROM job_queue q WHERE {_PURGEABLE_RUN}) AS runs,
-      (SELECT count(*) FROM job_step s JOIN job_queue q ON q.id = s.run_id WHERE {_PURGEABLE_RUN}) AS steps,
-      (SELECT count(*) FROM job_run r JOIN job_queue q ON q.id = r.run_id WHERE {_PURGEABLE_RUN}) AS attempts,
-      (SELECT count(*) FROM job_run_dlq d WHERE {_CLOSED_DLQ}) AS dlq_entries,
-      -- events whose every run would be purged too
-      (SELECT count(*) FROM job_event e
-        WHERE e.received_at < now() - make_interval(secs => :age)
-          AND NOT EXISTS (SELECT 1 FROM job_queue q WHERE q.event_id = e.id AND NOT ({_PURGEABLE_RUN})))
-        AS events
-    """
-)
-
-_KEPT = text(
-    """
-    SELECT count(*) FROM job_queue q
-    WHERE q.state = 'failed' AND q.finished_at < now() - make_interval(secs => :age)
-      AND EXISTS (SELECT 1 FROM job_run_dlq d
-                  WHERE d.run_id = q.id AND d.replayed_at IS NULL AND d.dismissed_at IS NULL)
-    """
-)
 
 #: A batch that lost a race with a concurrent writer is retried this many times.
 _RACE_RETRIES = 5
@@ -201,14 +97,13 @@ def purge(
         raise ValueError(f"batch_size must be a whole number from 1 to 100000, got {batch_size!r}")
     engine = get_engine(settings=settings or get_settings())
     report = PurgeReport(older_than_seconds=age, dry_run=dry_run)
-    params = {"age": age, "batch": batch_size}
 
     if dry_run:
         with engine.begin() as conn:
-            counts = conn.execute(_COUNT, params).one()
-            report.kept_for_open_dlq = conn.execute(_KEPT, params).scalar_one()
-        report.runs, report.steps, report.attempts = counts.runs, counts.steps, counts.attempts
-        report.dlq_entries, report.events = counts.dlq_entries, counts.events
+            counts = maintenance.purge_counts(conn, age=age)
+            report.kept_for_open_dlq = maintenance.purge_kept(conn, age=age)
+        report.runs, report.steps, report.attempts = counts["runs"], counts["steps"], counts["attempts"]
+        report.dlq_entries, report.events = counts["dlq_entries"], counts["events"]
         return report
 
     def batches(kind: str, step: Callable[[Connection], int], done: int = 0) -> None:
@@ -234,20 +129,20 @@ def purge(
                 return
 
     def runs(conn: Connection) -> int:
-        row = conn.execute(_DELETE_RUNS, params).one()
-        report.runs += row.runs
-        report.steps += row.steps
-        report.attempts += row.attempts
-        report.events += row.events
-        return int(row.runs)
+        row = maintenance.purge_runs(conn, age=age, batch=batch_size)
+        report.runs += row["runs"]
+        report.steps += row["steps"]
+        report.attempts += row["attempts"]
+        report.events += row["events"]
+        return row["runs"]
 
     def dlq(conn: Connection) -> int:
-        n = len(conn.execute(_DELETE_DLQ, params).all())
+        n = maintenance.purge_dlq(conn, age=age, batch=batch_size)
         report.dlq_entries += n
         return n
 
     def events(conn: Connection) -> int:
-        n = len(conn.execute(_DELETE_EVENTS, params).all())
+        n = maintenance.purge_events(conn, age=age, batch=batch_size)
         report.events += n
         return n
 
@@ -256,5 +151,5 @@ def purge(
     # Its progress counts every event deleted, with the runs and by this pass.
     batches("events", events, done=report.events)
     with engine.begin() as conn:
-        report.kept_for_open_dlq = conn.execute(_KEPT, params).scalar_one()
+        report.kept_for_open_dlq = maintenance.purge_kept(conn, age=age)
     return report

@@ -4,7 +4,8 @@ Every function takes a ``Session`` opened by ``db.workspace_session`` — the ap
 role, with row-level security enforced — so what a caller can see is decided
 by Postgres from the workspace context, never by a ``WHERE`` this module might
 forget. The filters here (job, state, workspace) only narrow what RLS already
-allows; an admin context (``admin=True``) is what widens it.
+allows; an admin context (``admin=True``) is what widens it. The statements are
+``store/sql/reads.py``'s; this module turns their rows into the values below.
 
 Filters are checked before they reach SQL (``check_filter``): a NUL, a
 non-printable character or an over-long value is a ``FilterError`` naming the
@@ -28,10 +29,11 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from motir_celery.store.models import RUN_STATES
+from motir_celery.store.sql import producer
+from motir_celery.store.sql import reads as sql
 
 __all__ = [
     "RunSummary",
@@ -287,19 +289,6 @@ class Freshness:
         return not self.standby or (self.streaming and self.behind_bytes == 0)
 
 
-_FRESHNESS = text(
-    """
-    SELECT now() AS now, pg_is_in_recovery() AS standby,
-           -- the receiver's pid is the one column of this view every role may read
-           EXISTS (SELECT 1 FROM pg_stat_wal_receiver) AS streaming,
-           -- replay can be ahead of receive (WAL found in pg_wal at start): that is zero behind
-           greatest(pg_wal_lsn_diff(pg_last_wal_receive_lsn(), pg_last_wal_replay_lsn()), 0) AS behind,
-           -- both clocks (the primary's commit stamp, this server's now()) may differ: never negative
-           greatest(extract(epoch FROM now() - pg_last_xact_replay_timestamp()), 0) AS age
-    """
-)
-
-
 def freshness(session: Session) -> Freshness:
     """``now()`` and, on a hot standby, how far behind it is: one query, in the caller's transaction.
 
@@ -307,14 +296,14 @@ def freshness(session: Session) -> Freshness:
     so this costs what ``db_now`` costs. Every function it calls is executable by any role:
     reading it needs no grant.
     """
-    row = session.execute(_FRESHNESS).one()
-    if not row.standby:
-        return Freshness(now=row.now)
-    behind = int(row.behind) if row.behind is not None else None
-    fresh = Freshness(now=row.now, standby=True, streaming=row.streaming, behind_bytes=behind)
-    if fresh.caught_up or row.age is None:
+    row = sql.freshness(session.connection())
+    if not row["standby"]:
+        return Freshness(now=row["now"])
+    behind = int(row["behind"]) if row["behind"] is not None else None
+    fresh = Freshness(now=row["now"], standby=True, streaming=row["streaming"], behind_bytes=behind)
+    if fresh.caught_up or row["age"] is None:
         return fresh
-    return dataclasses.replace(fresh, replay_age=float(row.age))
+    return dataclasses.replace(fresh, replay_age=float(row["age"]))
 
 
 def format_wal_bytes(n: int | None) -> str:
@@ -331,32 +320,15 @@ def format_wal_bytes(n: int | None) -> str:
 
 def replayed(session: Session, lsn: str) -> bool:
     """Whether this server shows the primary's writes up to WAL position ``lsn`` (always, on a primary)."""
-    done: bool = session.execute(
-        text("SELECT coalesce(pg_last_wal_replay_lsn() >= CAST(:lsn AS pg_lsn), true)"), {"lsn": lsn}
-    ).scalar_one()
-    return done
+    return sql.replayed(session.connection(), lsn)
 
 
 def db_now(session: Session) -> datetime:
-    now: datetime = session.execute(text("SELECT now()")).scalar_one()
-    return now
+    return producer.db_now(session.connection())
 
 
-_RUN_COLUMNS = """
-    q.id, q.job_id, q.event_name, q.workspace_id, q.state, q.attempts, q.max_attempts, q.retry_policy,
-    q.created_at, q.run_at, q.finished_at, q.claimed_by,
-    EXISTS (SELECT 1 FROM job_run_dlq d
-            WHERE d.run_id = q.id AND d.replayed_at IS NULL AND d.dismissed_at IS NULL) AS in_dlq
-"""
-
-
-def _summary(row: Any) -> RunSummary:
-    return RunSummary(
-        id=row.id, job_id=row.job_id, event_name=row.event_name, workspace_id=row.workspace_id,
-        state=row.state, attempts=row.attempts, max_attempts=row.max_attempts, retry_policy=row.retry_policy,
-        created_at=row.created_at, run_at=row.run_at, finished_at=row.finished_at, claimed_by=row.claimed_by,
-        in_dlq=row.in_dlq,
-    )
+def _summary(row: dict[str, Any]) -> RunSummary:
+    return RunSummary(**{k: row[k] for k in RunSummary.__dataclass_fields__})
 
 
 def list_runs(
@@ -372,37 +344,13 @@ def list_runs(
     if state is not None and state not in RUN_STATES:
         raise FilterError("state", f"unknown state {state!r:.40}; one of {', '.join(RUN_STATES)}")
     job, workspace = check_filter("job", job), check_filter("workspace", workspace)
-    where: list[str] = ["true"]
-    params: dict[str, Any] = {"limit": max(1, min(limit, MAX_LIMIT))}
-    if job:
-        where.append("q.job_id = :job")
-        params["job"] = job
-    if state:
-        where.append("q.state = :state")
-        params["state"] = state
-    if workspace:
-        where.append("q.workspace_id = :workspace")
-        params["workspace"] = workspace
-    if since is not None:
-        where.append("q.created_at >= :since")
-        params["since"] = since
-    rows = session.execute(
-        text(f"SELECT {_RUN_COLUMNS} FROM job_queue q WHERE {' AND '.join(where)} "
-             "ORDER BY q.created_at DESC, q.id LIMIT :limit"),
-        params,
-    ).all()
-    return [_summary(r) for r in rows]
+    found = sql.list_runs(session.connection(), job=job, state=state or None, workspace=workspace, since=since,
+                          limit=max(1, min(limit, MAX_LIMIT)))
+    return [_summary(r) for r in found]
 
 
-_DLQ_COLUMNS = """
-    d.id, d.run_id, d.workspace_id, d.function_id, d.event_name, d.event_data, d.failure, d.attempts,
-    d.first_failed_at, d.last_failed_at, d.replayed_at, d.replayed_by, d.replay_run_id,
-    d.dismissed_at, d.dismissed_by, d.resumed_at, d.resumed_by, d.resumed_run_id, d.idempotency_key
-"""
-
-
-def _dlq(row: Any) -> DlqEntry:
-    return DlqEntry(**{k: getattr(row, k) for k in DlqEntry.__dataclass_fields__})
+def _dlq(row: dict[str, Any]) -> DlqEntry:
+    return DlqEntry(**{k: row[k] for k in DlqEntry.__dataclass_fields__})
 
 
 def get_run(session: Session, run_id: uuid.UUID | str) -> RunDetail | None:
@@ -410,60 +358,29 @@ def get_run(session: Session, run_id: uuid.UUID | str) -> RunDetail | None:
     rid = as_uuid(run_id)
     if rid is None:
         return None
-    row = session.execute(
-        text(f"""
-            SELECT {_RUN_COLUMNS}, now() AS now, q.event_id, e.data AS event_data, e.idempotency_key,
-                   q.scheduled_for, q.lease_expires_at, q.result
-            FROM job_queue q LEFT JOIN job_event e ON e.id = q.event_id
-            WHERE q.id = :id
-        """),
-        {"id": rid},
-    ).one_or_none()
+    conn = session.connection()
+    row = sql.run(conn, rid)
     if row is None:
         return None
-    steps = [
-        StepRow(r.step_id, r.attempt, r.started_at, r.completed_at, r.output)
-        for r in session.execute(
-            text("SELECT step_id, attempt, started_at, completed_at, output FROM job_step "
-                 "WHERE run_id = :id ORDER BY started_at, completed_at, step_id"),
-            {"id": rid},
-        )
-    ]
-    attempts = [
-        AttemptRow(r.attempt, r.worker, r.outcome, r.started_at, r.finished_at, r.error)
-        for r in session.execute(
-            text("SELECT attempt, worker, outcome, started_at, finished_at, error FROM job_run "
-                 "WHERE run_id = :id ORDER BY attempt"),
-            {"id": rid},
-        )
-    ]
-    dlq_rows = session.execute(
-        text(f"SELECT {_DLQ_COLUMNS} FROM job_run_dlq d WHERE d.run_id = :id OR d.replay_run_id = :id"),
-        {"id": rid},
-    ).all()
-    own = next((_dlq(r) for r in dlq_rows if r.run_id == rid), None)
-    replay_of = next((_dlq(r) for r in dlq_rows if r.replay_run_id == rid), None)
+    steps = [StepRow(r["step_id"], r["attempt"], r["started_at"], r["completed_at"], r["output"])
+             for r in sql.run_steps(conn, rid)]
+    attempts = [AttemptRow(r["attempt"], r["worker"], r["outcome"], r["started_at"], r["finished_at"], r["error"])
+                for r in sql.run_attempts(conn, rid)]
+    dlq_rows = sql.run_dlq(conn, rid)
+    own = next((_dlq(r) for r in dlq_rows if r["run_id"] == rid), None)
+    replay_of = next((_dlq(r) for r in dlq_rows if r["replay_run_id"] == rid), None)
     # Composition (issue 20): the parent, the children, the resumes. RLS applies to each row.
-    family = session.execute(
-        # Two index lookups (the primary key; uq_job_queue_parent_run_id_parent_step_id), not an OR join.
-        text("SELECT q.id, q.job_id, q.state, q.parent_step_id, true AS is_parent FROM job_queue q "
-             "WHERE q.id = (SELECT parent_run_id FROM job_queue WHERE id = :id) "
-             "UNION ALL "
-             "SELECT q.id, q.job_id, q.state, q.parent_step_id, false FROM job_queue q WHERE q.parent_run_id = :id"),
-        {"id": rid},
-    ).all()
-    parent = next((ChildRow(r.id, r.job_id, r.state, None) for r in family if r.is_parent), None)
-    children = sorted((ChildRow(r.id, r.job_id, r.state, r.parent_step_id) for r in family if not r.is_parent),
+    family = sql.run_family(conn, rid)
+    parent = next((ChildRow(r["id"], r["job_id"], r["state"], None) for r in family if r["is_parent"]), None)
+    children = sorted((ChildRow(r["id"], r["job_id"], r["state"], r["parent_step_id"])
+                       for r in family if not r["is_parent"]),
                       key=lambda c: _step_order(c.step_id))
-    resumes = [_dlq(r) for r in session.execute(
-        text(f"SELECT {_DLQ_COLUMNS} FROM job_run_dlq d WHERE d.resumed_run_id = :id ORDER BY d.resumed_at DESC"),
-        {"id": rid},
-    )]
+    resumes = [_dlq(r) for r in sql.run_resumes(conn, rid)]
     return RunDetail(
-        run=_summary(row), now=row.now, event_id=row.event_id,
-        event_data=row.event_data if row.event_id else {"scheduled_for": row.scheduled_for},
-        idempotency_key=row.idempotency_key, scheduled_for=row.scheduled_for,
-        lease_expires_at=row.lease_expires_at, result=row.result,
+        run=_summary(row), now=row["now"], event_id=row["event_id"],
+        event_data=row["event_data"] if row["event_id"] else {"scheduled_for": row["scheduled_for"]},
+        idempotency_key=row["idempotency_key"], scheduled_for=row["scheduled_for"],
+        lease_expires_at=row["lease_expires_at"], result=row["result"],
         steps=steps, attempts=attempts, dlq=own, replay_of=replay_of,
         parent=parent, children=children, resumes=resumes,
     )
@@ -502,31 +419,16 @@ def list_events(
     payload field by its text (``data #>> path = value``). RLS bounds what is seen."""
     name, workspace, value = check_filter("name", name), check_filter("workspace", workspace), \
         check_filter("value", value)
-    where: list[str] = ["true"]
-    params: dict[str, Any] = {"limit": max(1, min(limit, MAX_LIMIT))}
-    if name:
-        where.append("e.name = :name")
-        params["name"] = name
-    if workspace:
-        where.append("e.workspace_id = :workspace")
-        params["workspace"] = workspace
-    if field_path:
-        where.append("e.data #>> CAST(:path AS text[]) = :value")
-        params["path"], params["value"] = field_path, value or ""
-    rows = session.execute(
-        text(f"SELECT e.id, e.name, e.workspace_id, e.idempotency_key, e.received_at, e.data FROM job_event e "
-             f"WHERE {' AND '.join(where)} ORDER BY e.received_at DESC, e.id LIMIT :limit"),
-        params,
-    ).all()
+    conn = session.connection()
+    found = sql.list_events(conn, name=name, workspace=workspace, path=field_path or None, value=value or "",
+                            limit=max(1, min(limit, MAX_LIMIT)))
     runs: dict[uuid.UUID, list[ChildRow]] = {}
-    if rows:
-        for r in session.execute(
-            text("SELECT event_id, id, job_id, state FROM job_queue WHERE event_id = ANY(:ids) ORDER BY created_at"),
-            {"ids": [r.id for r in rows]},
-        ):
-            runs.setdefault(r.event_id, []).append(ChildRow(r.id, r.job_id, r.state, None))
-    return [EventRow(r.id, r.name, r.workspace_id, r.idempotency_key, r.received_at, r.data, runs.get(r.id, []))
-            for r in rows]
+    if found:
+        for r in sql.event_runs(conn, [e["id"] for e in found]):
+            runs.setdefault(r["event_id"], []).append(ChildRow(r["id"], r["job_id"], r["state"], None))
+    return [EventRow(e["id"], e["name"], e["workspace_id"], e["idempotency_key"], e["received_at"], e["data"],
+                     runs.get(e["id"], []))
+            for e in found]
 
 
 def list_dlq(
@@ -539,51 +441,24 @@ def list_dlq(
 ) -> list[DlqEntry]:
     """Newest failures first; only open entries (neither replayed nor dismissed) by default."""
     job, workspace = check_filter("job", job), check_filter("workspace", workspace)
-    where: list[str] = ["true"]
-    params: dict[str, Any] = {"limit": max(1, min(limit, MAX_LIMIT))}
-    if not include_closed:
-        where.append("d.replayed_at IS NULL AND d.dismissed_at IS NULL AND d.resumed_at IS NULL")
-    if job:
-        where.append("d.function_id = :job")
-        params["job"] = job
-    if workspace:
-        where.append("d.workspace_id = :workspace")
-        params["workspace"] = workspace
-    rows = session.execute(
-        text(f"SELECT {_DLQ_COLUMNS} FROM job_run_dlq d WHERE {' AND '.join(where)} "
-             "ORDER BY d.last_failed_at DESC, d.id LIMIT :limit"),
-        params,
-    ).all()
-    return [_dlq(r) for r in rows]
+    found = sql.list_dlq(session.connection(), include_closed=include_closed, job=job, workspace=workspace,
+                         limit=max(1, min(limit, MAX_LIMIT)))
+    return [_dlq(r) for r in found]
 
 
 def get_dlq(session: Session, dlq_id: uuid.UUID | str) -> DlqEntry | None:
     did = as_uuid(dlq_id)
     if did is None:
         return None
-    row = session.execute(text(f"SELECT {_DLQ_COLUMNS} FROM job_run_dlq d WHERE d.id = :id"), {"id": did}).one_or_none()
+    row = sql.dlq_entry(session.connection(), did)
     return _dlq(row) if row else None
 
 
 def queue_health(session: Session) -> QueueHealth:
     """Depth by job and state, the oldest due run per job, expired leases, open DLQ entries."""
     now = db_now(session)
-    depth = {
-        (r.job_id, r.state): r.n
-        for r in session.execute(text("SELECT job_id, state, count(*) AS n FROM job_queue GROUP BY job_id, state"))
-    }
-    oldest = {
-        r.job_id: float(r.age)
-        for r in session.execute(text(
-            # Due = queued and run_at <= now(): the rows ix_job_queue_due indexes.
-            "SELECT job_id, extract(epoch FROM now() - min(run_at)) AS age FROM job_queue "
-            "WHERE state = 'queued' AND run_at <= now() GROUP BY job_id"
-        ))
-    }
-    expired = session.execute(
-        text("SELECT count(*) FROM job_queue WHERE state = 'running' AND lease_expires_at < now()")
-    ).scalar_one()
-    dlq_open = session.execute(
-        text("SELECT count(*) FROM job_run_dlq WHERE replayed_at IS NULL AND dismissed_at IS NULL AND resumed_at IS NULL")
-    ).scalar_one()
-    return QueueHealth(now=now, depth=depth, oldest_due=oldest, expired_leases=expired, dlq_open=dlq_open)
+    conn = session.connection()
+    depth = {(r["job_id"], r["state"]): int(r["n"]) for r in sql.queue_depth(conn)}
+    oldest = sql.oldest_due(conn)
+    expired = sum(sql.expired_leases(conn).values())
+    return QueueHealth(now=now, depth=depth, oldest_due=oldest, expired_leases=expired, dlq_open=sql.dlq_open(conn))

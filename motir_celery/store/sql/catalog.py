@@ -8,7 +8,11 @@ tenant's row.
 
 from __future__ import annotations
 
-from motir_celery.store.driver import Statement
+from typing import Sequence
+
+from sqlalchemy import Connection
+
+from motir_celery.store.driver import Statement, first, rows
 
 AUDIENCE = "catalog"
 ROLES = ("owner", "motir_engine")
@@ -108,3 +112,50 @@ SCHEMA_FEATURES = Statement(
            to_regproc('motir_direct_run') IS NOT NULL AS checked_enqueue        -- 0008
     """,
 )
+
+# --- motir doctor's probes of the server (as the engine login) ----------------------------------
+
+SERVER_VERSION = Statement(
+    "server_version",
+    "The server's PostgreSQL version (doctor's first line: the database answers).",
+    "SELECT current_setting('server_version') AS version",
+)
+
+
+def server_version(conn: Connection) -> str:
+    row = first(conn, SERVER_VERSION, {})
+    assert row is not None
+    return str(row["version"])
+
+PRESENT_ROLES = Statement(
+    "present_roles",
+    "Which of some roles exist on the server (motir migrate creates them).",
+    "SELECT rolname FROM pg_roles WHERE rolname = ANY(%(roles)s)",
+)
+
+
+def present_roles(conn: Connection, roles: Sequence[str]) -> set[str]:
+    return {r["rolname"] for r in rows(conn, PRESENT_ROLES, {"roles": list(roles)})}
+
+SERVER_PORT = Statement(
+    "server_port",
+    "The port the server sees this connection on (NULL over a Unix socket): a pooler in between shows up here.",
+    "SELECT inet_server_port() AS port",
+)
+
+
+def server_port(conn: Connection) -> int | None:
+    row = first(conn, SERVER_PORT, {})
+    assert row is not None
+    port: int | None = row["port"]
+    return port
+
+
+def rls_flags(conn: Connection, tables: Sequence[str]) -> dict[str, bool]:
+    """``RLS_FLAGS`` by table: whether row-level security is enabled on it."""
+    return {r["relname"]: bool(r["relrowsecurity"]) for r in rows(conn, RLS_FLAGS, {"tables": list(tables)})}
+
+
+def policy_names(conn: Connection, tables: Sequence[str]) -> set[str]:
+    """``LIVE_POLICIES`` as ``table.policy`` names."""
+    return {f"{r['tablename']}.{r['policyname']}" for r in rows(conn, LIVE_POLICIES, {"tables": list(tables)})}

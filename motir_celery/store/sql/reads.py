@@ -1,0 +1,494 @@
+"""The reads behind the CLI, the dashboard, /metrics and ``motir doctor``: runs, a run in full, events, the DLQ, health.
+
+The CLI, the dashboard and /metrics send these on a ``workspace_session`` connection:
+the app role (or the admin login), row-level security on, so *what* a caller sees is
+decided by the policies from the workspace context, never by a ``WHERE`` here. Every
+filter below only narrows what the policies already allow; each is optional
+(``CAST(%(x)s AS type) IS NULL OR …``: one fixed statement, no SQL built per call).
+Every statement is a plain SELECT, so the session may be on a hot standby
+(``FRESHNESS`` says how far behind it is).
+
+``motir doctor`` sends its health counts (the ``doctor`` section) as the engine login,
+which sees every workspace — it judges the whole fleet — and its login probes as the
+app and admin logins it checks. ``ops/reads.py`` and ``ops/metrics.py`` turn the rows
+into values; ``ops/doctor.py`` into checks.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any, Sequence
+
+from sqlalchemy import Connection
+
+from motir_celery.store.driver import Statement, first, rows
+
+AUDIENCE = "reads"
+ROLES = ("motir_app", "motir_admin", "motir_engine")
+
+# --- where the rows come from ----------------------------------------------------------------
+
+FRESHNESS = Statement(
+    "freshness",
+    "The reading server's now() and, on a hot standby, whether it streams and how far behind it is.",
+    """
+    SELECT now() AS now, pg_is_in_recovery() AS standby,
+           -- the receiver's pid is the one column of this view every role may read
+           EXISTS (SELECT 1 FROM pg_stat_wal_receiver) AS streaming,
+           -- replay can be ahead of receive (WAL found in pg_wal at start): that is zero behind
+           greatest(pg_wal_lsn_diff(pg_last_wal_receive_lsn(), pg_last_wal_replay_lsn()), 0) AS behind,
+           -- both clocks (the primary's commit stamp, this server's now()) may differ: never negative
+           greatest(extract(epoch FROM now() - pg_last_xact_replay_timestamp()), 0) AS age
+    """,
+)
+
+
+def freshness(conn: Connection) -> dict[str, Any]:
+    row = first(conn, FRESHNESS, {})
+    assert row is not None
+    return row
+
+
+REPLAYED = Statement(
+    "replayed",
+    "Whether this server shows the primary's writes up to a WAL position (always true on a primary).",
+    # a primary has no replay position (NULL): everything it committed, it shows
+    "SELECT coalesce(pg_last_wal_replay_lsn() >= CAST(%(lsn)s AS pg_lsn), true) AS replayed",
+)
+
+
+def replayed(conn: Connection, lsn: str) -> bool:
+    row = first(conn, REPLAYED, {"lsn": lsn})
+    assert row is not None
+    return bool(row["replayed"])
+
+
+# --- runs ------------------------------------------------------------------------------------
+
+# A run's summary: its row, and whether an open DLQ entry holds it.
+_RUN_COLUMNS = """
+    q.id, q.job_id, q.event_name, q.workspace_id, q.state, q.attempts, q.max_attempts, q.retry_policy,
+    q.created_at, q.run_at, q.finished_at, q.claimed_by,
+    EXISTS (SELECT 1 FROM job_run_dlq d
+            WHERE d.run_id = q.id
+              AND d.replayed_at IS NULL AND d.dismissed_at IS NULL) AS in_dlq   -- open (a resumed one has no run_id)
+"""
+
+LIST_RUNS = Statement(
+    "list_runs",
+    "The newest runs the caller sees, narrowed by job, state, workspace and creation time (each optional).",
+    f"""
+    SELECT {_RUN_COLUMNS}
+    FROM job_queue q
+    WHERE (CAST(%(job)s AS text) IS NULL OR q.job_id = %(job)s)                       -- --job
+      AND (CAST(%(state)s AS text) IS NULL OR q.state = %(state)s)                    -- --state
+      AND (CAST(%(workspace)s AS text) IS NULL OR q.workspace_id = %(workspace)s)     -- an admin's --workspace
+      AND (CAST(%(since)s AS timestamptz) IS NULL OR q.created_at >= %(since)s)       -- --since
+    ORDER BY q.created_at DESC, q.id        -- newest first; the id breaks ties stably
+    LIMIT %(limit)s
+    """,
+)
+
+
+def list_runs(conn: Connection, *, job: str | None, state: str | None, workspace: str | None,
+              since: datetime | None, limit: int) -> list[dict[str, Any]]:
+    return rows(conn, LIST_RUNS, {"job": job, "state": state, "workspace": workspace, "since": since,
+                                  "limit": limit})
+
+
+RUN = Statement(
+    "run",
+    "One run the caller sees, with its event, lease and result, and the database's now().",
+    f"""
+    SELECT {_RUN_COLUMNS}, now() AS now, q.event_id, e.data AS event_data, e.idempotency_key,
+           q.scheduled_for, q.lease_expires_at, q.result
+    FROM job_queue q LEFT JOIN job_event e ON e.id = q.event_id   -- a cron run has no event
+    WHERE q.id = %(id)s
+    """,
+)
+
+
+def run(conn: Connection, run_id: uuid.UUID) -> dict[str, Any] | None:
+    return first(conn, RUN, {"id": run_id})
+
+
+RUN_STEPS = Statement(
+    "run_steps",
+    "A run's stored steps, in the order they ran.",
+    """
+    SELECT step_id, attempt, started_at, completed_at, output FROM job_step
+    WHERE run_id = %(id)s
+    ORDER BY started_at, completed_at, step_id
+    """,
+)
+
+
+def run_steps(conn: Connection, run_id: uuid.UUID) -> list[dict[str, Any]]:
+    return rows(conn, RUN_STEPS, {"id": run_id})
+
+
+RUN_ATTEMPTS = Statement(
+    "run_attempts",
+    "A run's attempts (the ledger): worker, outcome, times and error of each.",
+    """
+    SELECT attempt, worker, outcome, started_at, finished_at, error FROM job_run
+    WHERE run_id = %(id)s
+    ORDER BY attempt
+    """,
+)
+
+
+def run_attempts(conn: Connection, run_id: uuid.UUID) -> list[dict[str, Any]]:
+    return rows(conn, RUN_ATTEMPTS, {"id": run_id})
+
+
+# Every column of a DLQ entry (ops/reads.py's DlqEntry, field by field).
+_DLQ_COLUMNS = """
+    d.id, d.run_id, d.workspace_id, d.function_id, d.event_name, d.event_data, d.failure, d.attempts,
+    d.first_failed_at, d.last_failed_at, d.replayed_at, d.replayed_by, d.replay_run_id,
+    d.dismissed_at, d.dismissed_by, d.resumed_at, d.resumed_by, d.resumed_run_id, d.idempotency_key
+"""
+
+RUN_DLQ = Statement(
+    "run_dlq",
+    "The DLQ entries of a run: its own (it failed) and the one it is the replay of.",
+    f"""
+    SELECT {_DLQ_COLUMNS} FROM job_run_dlq d
+    WHERE d.run_id = %(id)s              -- its own entry (at most one)
+       OR d.replay_run_id = %(id)s       -- the entry whose replay made it (ix_job_run_dlq_replay_run)
+    """,
+)
+
+
+def run_dlq(conn: Connection, run_id: uuid.UUID) -> list[dict[str, Any]]:
+    return rows(conn, RUN_DLQ, {"id": run_id})
+
+
+RUN_FAMILY = Statement(
+    "run_family",
+    "The run that started a run (step.invoke / step.gather) and the runs it started, with their step.",
+    """
+    -- Two index lookups (the primary key; uq_job_queue_parent_run_id_parent_step_id), not an OR join.
+    SELECT q.id, q.job_id, q.state, q.parent_step_id, true AS is_parent FROM job_queue q
+    WHERE q.id = (SELECT parent_run_id FROM job_queue WHERE id = %(id)s)       -- its parent
+    UNION ALL
+    SELECT q.id, q.job_id, q.state, q.parent_step_id, false FROM job_queue q
+    WHERE q.parent_run_id = %(id)s                                              -- its children
+    """,
+)
+
+
+def run_family(conn: Connection, run_id: uuid.UUID) -> list[dict[str, Any]]:
+    return rows(conn, RUN_FAMILY, {"id": run_id})
+
+
+RUN_RESUMES = Statement(
+    "run_resumes",
+    "The DLQ entries closed by resuming a run, newest first.",
+    f"""
+    SELECT {_DLQ_COLUMNS} FROM job_run_dlq d
+    WHERE d.resumed_run_id = %(id)s      -- ix_job_run_dlq_resumed_run
+    ORDER BY d.resumed_at DESC
+    """,
+)
+
+
+def run_resumes(conn: Connection, run_id: uuid.UUID) -> list[dict[str, Any]]:
+    return rows(conn, RUN_RESUMES, {"id": run_id})
+
+
+# --- events ----------------------------------------------------------------------------------
+
+LIST_EVENTS = Statement(
+    "list_events",
+    "The newest events the caller sees, narrowed by name, workspace and one payload field's text (each optional).",
+    """
+    SELECT e.id, e.name, e.workspace_id, e.idempotency_key, e.received_at, e.data FROM job_event e
+    WHERE (CAST(%(name)s AS text) IS NULL OR e.name = %(name)s)                          -- name
+      AND (CAST(%(workspace)s AS text) IS NULL OR e.workspace_id = %(workspace)s)        -- an admin's workspace
+      AND (CAST(%(path)s AS text[]) IS NULL                                              -- field=value: the field's
+           OR e.data #>> CAST(%(path)s AS text[]) = %(value)s)                           -- text at that path
+    ORDER BY e.received_at DESC, e.id       -- newest first; the id breaks ties stably
+    LIMIT %(limit)s
+    """,
+)
+
+
+def list_events(conn: Connection, *, name: str | None, workspace: str | None, path: list[str] | None,
+                value: str, limit: int) -> list[dict[str, Any]]:
+    return rows(conn, LIST_EVENTS, {"name": name, "workspace": workspace, "path": path, "value": value,
+                                    "limit": limit})
+
+
+EVENT_RUNS = Statement(
+    "event_runs",
+    "The runs some events made, oldest first.",
+    """
+    SELECT event_id, id, job_id, state FROM job_queue
+    WHERE event_id = ANY(%(ids)s)           -- uq (event_id, job_id), event_id leading
+    ORDER BY created_at
+    """,
+)
+
+
+def event_runs(conn: Connection, event_ids: Sequence[uuid.UUID]) -> list[dict[str, Any]]:
+    return rows(conn, EVENT_RUNS, {"ids": list(event_ids)})
+
+
+# --- the DLQ ---------------------------------------------------------------------------------
+
+LIST_DLQ = Statement(
+    "list_dlq",
+    "The newest DLQ entries the caller sees: open ones only unless asked, narrowed by job and workspace.",
+    f"""
+    SELECT {_DLQ_COLUMNS} FROM job_run_dlq d
+    WHERE (CAST(%(include_closed)s AS boolean)                                        -- --all
+           OR (d.replayed_at IS NULL AND d.dismissed_at IS NULL AND d.resumed_at IS NULL))   -- else open only
+      AND (CAST(%(job)s AS text) IS NULL OR d.function_id = %(job)s)                  -- --job
+      AND (CAST(%(workspace)s AS text) IS NULL OR d.workspace_id = %(workspace)s)     -- an admin's --workspace
+    ORDER BY d.last_failed_at DESC, d.id    -- newest failure first
+    LIMIT %(limit)s
+    """,
+)
+
+
+def list_dlq(conn: Connection, *, include_closed: bool, job: str | None, workspace: str | None,
+             limit: int) -> list[dict[str, Any]]:
+    return rows(conn, LIST_DLQ, {"include_closed": include_closed, "job": job, "workspace": workspace,
+                                 "limit": limit})
+
+
+DLQ_ENTRY = Statement(
+    "dlq_entry",
+    "One DLQ entry the caller sees, every column.",
+    f"SELECT {_DLQ_COLUMNS} FROM job_run_dlq d WHERE d.id = %(id)s",
+)
+
+
+def dlq_entry(conn: Connection, dlq_id: uuid.UUID) -> dict[str, Any] | None:
+    return first(conn, DLQ_ENTRY, {"id": dlq_id})
+
+
+# --- queue health (the dashboard's, /metrics', the CLI's) ------------------------------------------
+
+QUEUE_DEPTH = Statement(
+    "queue_depth",
+    "How many runs each job has in each state.",
+    "SELECT job_id, state, count(*) AS n FROM job_queue GROUP BY job_id, state",
+)
+
+
+def queue_depth(conn: Connection) -> list[dict[str, Any]]:
+    return rows(conn, QUEUE_DEPTH, {})
+
+
+OLDEST_DUE = Statement(
+    "oldest_due",
+    "Per job, how many seconds its oldest due queued run has waited past its run_at.",
+    """
+    SELECT job_id, extract(epoch FROM now() - min(run_at)) AS age FROM job_queue
+    WHERE state = 'queued' AND run_at <= now()   -- due: the rows ix_job_queue_due indexes
+    GROUP BY job_id
+    """,
+)
+
+
+def oldest_due(conn: Connection) -> dict[str, float]:
+    return {r["job_id"]: float(r["age"]) for r in rows(conn, OLDEST_DUE, {})}
+
+
+EXPIRED_LEASES = Statement(
+    "expired_leases",
+    "Per job, the running runs whose lease expired and that no sweeper has reclaimed yet.",
+    """
+    SELECT job_id, count(*) AS n FROM job_queue
+    WHERE state = 'running' AND lease_expires_at < now()   -- ix_job_queue_leases
+    GROUP BY job_id
+    """,
+)
+
+
+def expired_leases(conn: Connection) -> dict[str, int]:
+    return {r["job_id"]: int(r["n"]) for r in rows(conn, EXPIRED_LEASES, {})}
+
+
+DLQ_OPEN = Statement(
+    "dlq_open",
+    "How many DLQ entries are open (neither replayed, dismissed nor resumed).",
+    "SELECT count(*) AS n FROM job_run_dlq WHERE replayed_at IS NULL AND dismissed_at IS NULL AND resumed_at IS NULL",
+)
+
+
+def dlq_open(conn: Connection) -> int:
+    row = first(conn, DLQ_OPEN, {})
+    assert row is not None
+    return int(row["n"])
+
+
+# --- /metrics: what happened in the window ---------------------------------------------------------
+
+DLQ_BY_JOB = Statement(
+    "dlq_by_job",
+    "Per job, the open DLQ entries and those replayed within the window.",
+    """
+    SELECT function_id AS job_id,
+           count(*) FILTER (WHERE replayed_at IS NULL AND dismissed_at IS NULL AND resumed_at IS NULL) AS open,
+           count(*) FILTER (WHERE replayed_at >= now() - make_interval(secs => %(window)s)) AS replays
+    FROM job_run_dlq GROUP BY function_id
+    """,
+)
+
+
+def dlq_by_job(conn: Connection, *, window: float) -> list[dict[str, Any]]:
+    return rows(conn, DLQ_BY_JOB, {"window": window})
+
+
+RUNS_RECENT = Statement(
+    "runs_recent",
+    "Per job and final state, the runs that finished within the window and their created-to-finished quantiles.",
+    """
+    SELECT job_id, state, count(*) AS n,
+           percentile_cont(CAST(%(q)s AS float8[])) WITHIN GROUP
+             (ORDER BY extract(epoch FROM finished_at - created_at)) AS quantiles
+    FROM job_queue
+    WHERE finished_at >= now() - make_interval(secs => %(window)s)   -- ix_job_queue_finished
+    GROUP BY job_id, state
+    """,
+)
+
+
+def runs_recent(conn: Connection, *, window: float, quantiles: Sequence[float]) -> list[dict[str, Any]]:
+    return rows(conn, RUNS_RECENT, {"window": window, "q": list(quantiles)})
+
+
+ATTEMPTS_RECENT = Statement(
+    "attempts_recent",
+    "Per job and outcome, the attempts that ended within the window.",
+    """
+    SELECT job_id, outcome, count(*) AS n FROM job_run
+    WHERE finished_at >= now() - make_interval(secs => %(window)s)
+    GROUP BY job_id, outcome
+    """,
+)
+
+
+def attempts_recent(conn: Connection, *, window: float) -> list[dict[str, Any]]:
+    return rows(conn, ATTEMPTS_RECENT, {"window": window})
+
+
+STEPS_RECENT = Statement(
+    "steps_recent",
+    "Per job, the step bodies stored within the window and their duration quantiles.",
+    """
+    SELECT q.job_id, count(*) AS n,
+           percentile_cont(CAST(%(q)s AS float8[])) WITHIN GROUP
+             (ORDER BY extract(epoch FROM s.completed_at - s.started_at)) AS quantiles
+    FROM job_step s JOIN job_queue q ON q.id = s.run_id
+    WHERE s.completed_at >= now() - make_interval(secs => %(window)s)
+    GROUP BY q.job_id
+    """,
+)
+
+
+def steps_recent(conn: Connection, *, window: float, quantiles: Sequence[float]) -> list[dict[str, Any]]:
+    return rows(conn, STEPS_RECENT, {"window": window, "q": list(quantiles)})
+
+
+# --- motir doctor (as the engine login, and as each login it checks) --------------------------------
+
+QUEUED_BY_JOB = Statement(
+    "queued_by_job",
+    "Per job, how many runs are queued (doctor names the Celery queues nobody consumes).",
+    "SELECT job_id, count(*) AS n FROM job_queue WHERE state = 'queued' GROUP BY job_id",
+)
+
+
+def queued_by_job(conn: Connection) -> dict[str, int]:
+    return {r["job_id"]: int(r["n"]) for r in rows(conn, QUEUED_BY_JOB, {})}
+
+
+SWEEPER_OVERDUE = Statement(
+    "sweeper_overdue",
+    "What a sweeper would have fixed by now: leases expired, and due runs unpublished, for longer than a grace.",
+    """
+    SELECT
+      (SELECT count(*) FROM job_queue WHERE state = 'running'
+         AND lease_expires_at < now() - make_interval(secs => %(grace)s)) AS stale_leases,   -- not reclaimed
+      (SELECT count(*) FROM job_queue WHERE state = 'queued' AND run_at <= now()             -- due, and its
+         AND dispatched_at < now() - make_interval(secs => %(republish)s + %(grace)s))       -- message not
+        AS unpublished                                                                       -- sent again
+    """,
+)
+
+
+def sweeper_overdue(conn: Connection, *, grace: float, republish_after: float) -> dict[str, Any]:
+    row = first(conn, SWEEPER_OVERDUE, {"grace": grace, "republish": republish_after})
+    assert row is not None
+    return row
+
+
+QUEUE_SUMMARY = Statement(
+    "queue_summary",
+    "Queued, due and running runs, how long the oldest due run has waited, and its job.",
+    """
+    SELECT count(*) FILTER (WHERE state = 'queued') AS queued,
+           count(*) FILTER (WHERE state = 'queued' AND run_at <= now()) AS due,
+           count(*) FILTER (WHERE state = 'running') AS running,
+           extract(epoch FROM now() - min(run_at) FILTER (WHERE state = 'queued' AND run_at <= now())) AS oldest,
+           -- which job waits longest: a job no worker imports is the usual culprit
+           (SELECT job_id FROM job_queue WHERE state = 'queued' AND run_at <= now()
+            ORDER BY run_at LIMIT 1) AS oldest_job
+    FROM job_queue WHERE state IN ('queued', 'running')   -- the live rows (partial indexes)
+    """,
+)
+
+
+def queue_summary(conn: Connection) -> dict[str, Any]:
+    row = first(conn, QUEUE_SUMMARY, {})
+    assert row is not None
+    return row
+
+
+RLS_PROBE = Statement(
+    "rls_probe",
+    "Who the current login reads as, whether row-level security applies to it, and whether its role bypasses it.",
+    """
+    SELECT current_user AS who, row_security_active('job_queue') AS active,
+           (SELECT rolsuper OR rolbypassrls FROM pg_roles WHERE rolname = current_user) AS bypass
+    """,
+)
+
+
+def rls_probe(conn: Connection) -> dict[str, Any]:
+    row = first(conn, RLS_PROBE, {})
+    assert row is not None
+    return row
+
+
+# Roles the login may become (RESET ROLE, SET ROLE) that would not be bound by the app
+# policy: superusers, BYPASSRLS, the tables' owner, the engine (its policy admits all),
+# and the admin role (for which motir.system_admin opens every workspace).
+LOGIN_ESCAPES = Statement(
+    "login_escapes",
+    "The session's login and every role it may become that row-level security would not bind as the app role.",
+    """
+    SELECT session_user AS login, coalesce(array_agg(r.rolname || CASE
+             WHEN r.rolsuper THEN ' (superuser)' WHEN r.rolbypassrls THEN ' (BYPASSRLS)'
+             WHEN r.oid = (SELECT relowner FROM pg_class WHERE oid = 'job_queue'::regclass) THEN ' (owner)'
+             WHEN r.rolname = %(engine)s THEN ' (engine policy: every row)'
+             ELSE ' (admin: motir.system_admin counts)' END ORDER BY r.rolname)
+           FILTER (WHERE r.oid IS NOT NULL), '{}') AS exits
+    FROM (SELECT 1) AS one
+    LEFT JOIN pg_roles r ON pg_has_role(session_user, r.oid, 'MEMBER')      -- roles it is, or may SET ROLE to
+      AND (r.rolsuper OR r.rolbypassrls                                     -- RLS never binds these
+           OR r.rolname IN (%(engine)s, %(admin)s)                          -- policies that see every workspace
+           OR r.oid = (SELECT relowner FROM pg_class WHERE oid = 'job_queue'::regclass))   -- the owner
+    """,
+)
+
+
+def login_escapes(conn: Connection, *, engine_role: str, admin_role: str) -> tuple[str, list[str]]:
+    row = first(conn, LOGIN_ESCAPES, {"engine": engine_role, "admin": admin_role})
+    assert row is not None
+    return row["login"], list(row["exits"])
