@@ -282,6 +282,9 @@ def load_users(path: str | Path, *, allow_plaintext: bool = False) -> dict[str, 
 
 
 class Authenticator:
+    """Says who a request is (``identify``); in basic mode it also keeps the sign-in's memory: the
+    back-offs, the clients that signed in as each user, recently verified credentials, the pool."""
+
     def __init__(self, config: AuthConfig) -> None:
         self.config = config
         self._users = (load_users(config.users_file, allow_plaintext=config.allow_plaintext)
@@ -295,7 +298,6 @@ class Authenticator:
         self._cache_key = secrets.token_bytes(32)
         self._in_flight: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._warned_proxies: set[str] = set()
         self._pool = VerifierPool(config.verify_threads, config.verify_queue)
         # An unknown name is checked against a dummy of the users' most common cost class (kind and
         # parameters): it costs what the typical known user costs.
@@ -313,9 +315,14 @@ class Authenticator:
                      "%.0f ms; rehash with one kind to drop the padding", config.users_file,
                      ", ".join(f"{n}× {c}" for c, n in classes.most_common()), 1000 * max(self._cost.values()))
         typical = max(classes, key=lambda c: (classes[c], self._cost.get(c, 0.0)), default=None)
-        self._dummy = _User(dummy_like(samples[typical]) if typical else hash_password(secrets.token_urlsafe(16)),
-                            None, False)
-        self._dummy_class = typical or cost_class(self._dummy.password)
+        if typical is not None:
+            dummy = dummy_like(samples[typical])
+        elif config.mode == "basic":  # an empty users file: nobody signs in, at the cost of a real hash
+            dummy = hash_password(secrets.token_urlsafe(16))
+        else:  # no passwords in this mode: never verified against
+            dummy = secrets.token_urlsafe(16)
+        self._dummy = _User(dummy, None, False)
+        self._dummy_class = typical or cost_class(dummy)
 
     @property
     def unknown_user_cost(self) -> str:
@@ -514,7 +521,7 @@ class Authenticator:
             entry = self._verified.get(digest)
             if entry is None:
                 return False
-            if entry[1] < time.monotonic() or not hmac.compare_digest(entry[0], user):
+            if entry[1] < time.monotonic() or entry[0] != user:  # (the digest already binds the user)
                 del self._verified[digest]
                 return False
             return True
@@ -594,4 +601,4 @@ class CsrfTokens:
             user = self._signer.unsign(token, max_age=self.MAX_AGE).decode()
         except (BadSignature, SignatureExpired):
             return False
-        return hmac.compare_digest(user, identity.user)
+        return hmac.compare_digest(user.encode(), identity.user.encode())  # str: ASCII only
