@@ -7,7 +7,7 @@ by the worker's bootstep (``Supervisor``, in ``adapter/worker.py``). Each proces
 of the worker that holds runs (the main one under solo and threads, each child
 under prefork) keeps a connection to its Unix socket, in a directory only the
 worker's user may enter, and writes one line per claim it holds and releases
-(``core/leases.py``; no database round trip on a run's path).
+(``core/worker/leases.py``; no database round trip on a run's path).
 
 A connection per holding process, rather than a file or shared memory, because
 the kernel closes it when that process dies, however it dies: the renewer then

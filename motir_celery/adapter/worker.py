@@ -9,7 +9,7 @@ The one place that starts and supervises them:
 * one engine thread per process (``forks.per_process``: a prefork child gets its
   own on its first run), ticking about once a second: it keeps in touch with the
   renewer, or renews the process's leases itself while the renewer is away
-  (``core/leases.py``); and in the main process (where the solo and threads pools
+  (``core/worker/leases.py``); and in the main process (where the solo and threads pools
   also run their runs) it sweeps (``core/sweeper.py``) every
   ``MOTIR_SWEEP_INTERVAL``, through the fleet's sweep slot, so one host per period sweeps.
 
@@ -42,7 +42,7 @@ from motir_celery.core.publish import Publish
 from motir_celery.core.worker import leases, sweeper
 from motir_celery.forks import per_process
 from motir_celery.settings import get_settings
-from motir_celery.store.db import size_pool_for
+from motir_celery.store.db import side_engine, size_pool_for
 
 __all__ = ["EngineStep", "engine_thread"]
 
@@ -119,6 +119,11 @@ class EngineStep(bootsteps.StartStopStep):
         pool_name = pool if isinstance(pool, str) else getattr(pool, "__module__", "") or ""
         if "thread" in pool_name:
             size_pool_for(int(worker.concurrency or 1))
+        if get_settings().database_url:
+            # The database driver imported now, in the main thread: a pool child forked while
+            # the engine thread imports it (its first sweep) inherits that import's lock, held
+            # by a thread the child does not have, and hangs at its first run for ever.
+            side_engine()
         # Here, before any pool child is forked (they inherit the socket's path), and
         # started now: it gets ready while the rest of the worker boots.
         logfile = getattr(worker, "logfile", None)  # the worker's --logfile, unless per process (%n, %i...)
