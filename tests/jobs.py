@@ -279,3 +279,25 @@ def until_released(step: Any, timeout: float) -> Any:
         return True
 
     return step.run("long", body)
+
+
+def _wait_for_release(step: Any, key: str, timeout: float) -> bool:
+    """Until the test records a 'release' under ``key`` (one connection, polled), ``timeout`` at most."""
+    record(step, "b")
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(_dsn(), autocommit=True) as conn:
+        while not conn.execute("SELECT 1 FROM test.side_effect WHERE run_id = %s AND step = 'release'",
+                               (key,)).fetchone():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+    return True
+
+
+@define_job("test.beside-until", retry_policy=FAST)
+def beside_until(step: Any, sleep: float, key: str) -> Any:
+    """``beside`` whose step b lasts until the test releases ``key``: in flight for as long as the test needs."""
+    step.run("a", _effect, step, "a", "a", sleep)
+    step.run("b", _wait_for_release, step, key, 120.0)
+    step.run("c", _effect, step, "c", "c", sleep)
+    return "done"

@@ -39,7 +39,7 @@ from sqlalchemy import text
 from motir_celery.core.worker import leases, runner, sweeper
 from motir_celery.settings import Settings
 from tests.conftest import Worker, celery_worker, count_effects, wait_for
-from tests.jobs import beside, gil_hog, long_first, time_limited, until_lost, until_released
+from tests.jobs import beside, beside_until, gil_hog, long_first, time_limited, until_lost, until_released
 
 LEASE = 2.0
 #: How long the GIL-holding step holds it at least: past the lease and a sweep.
@@ -113,9 +113,14 @@ def test_a_step_holding_the_gil_past_the_lease_runs_once_and_costs_no_other_run_
     queue = _queue()
     with _subject(tmp_path, broker_url, pool, concurrency, queue) as subject:
         if pool == "threads":
-            unrelated = [beside.apply_async([sleep], queue=queue).id for _ in range(UNRELATED)]
-            wait_for(lambda: _started(engine, unrelated, "a") == UNRELATED, what=f"{UNRELATED} runs in flight")
+            # In flight until the step holding the GIL is over: their step b lasts until released.
+            key = f"release-{uuid.uuid4()}"
+            unrelated = [beside_until.apply_async([sleep, key], queue=queue).id for _ in range(UNRELATED)]
+            wait_for(lambda: _started(engine, unrelated, "b") == UNRELATED, what=f"{UNRELATED} runs in flight")
             hog = gil_hog.apply_async([HOG], queue=queue).id
+            _all_ended(engine, [hog], timeout=120)
+            with engine.begin() as conn:
+                conn.execute(text("INSERT INTO test.side_effect (run_id, step) VALUES (:k, 'release')"), {"k": key})
         else:
             hog = gil_hog.apply_async([HOG], queue=queue).id
             wait_for(lambda: count_effects(engine, hog, "gil") == 1, what="the GIL-holding step to start")
