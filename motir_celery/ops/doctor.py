@@ -91,8 +91,11 @@ def _fail(name: str, detail: str, fix: str) -> Check:
 
 
 def _engine(url: str, timeout: float) -> Engine:
+    # prepare_threshold None: a few statements per one-shot connection gain nothing from being
+    # prepared, and behind a transaction pooler (what the pooler check warns about) they would fail.
     return create_engine(url, poolclass=NullPool, connect_args={"connect_timeout": max(1, int(timeout)),
-                                                                "application_name": "motir-doctor"})
+                                                                "application_name": "motir-doctor",
+                                                                "prepare_threshold": None})
 
 
 def _where(url: str) -> str:

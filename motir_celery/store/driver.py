@@ -45,9 +45,12 @@ def rows(conn: Connection, statement: Statement, params: dict[str, Any]) -> list
         # A sync Connection over an asyncio driver (AsyncConnection.run_sync): SQLAlchemy sends it.
         result = conn.exec_driver_sql(statement.sql, params)
         return [dict(r) for r in result.mappings()] if result.returns_rows else []
+    # A connection made with prepare_threshold=None prepares nothing, whatever this process's
+    # settings say: MOTIR_PREPARED_STATEMENTS=0 (db.py) and doctor's one-shot connections.
+    prepare = get_settings().prepared_statements and raw.prepare_threshold is not None
     try:
         with raw.cursor(row_factory=dict_row) as cursor:
-            cursor.execute(statement.sql, params, prepare=get_settings().prepared_statements)
+            cursor.execute(statement.sql, params, prepare=prepare)
             return cursor.fetchall() if cursor.description is not None else []
     except psycopg.Error as exc:
         broken = raw.closed or raw.broken
