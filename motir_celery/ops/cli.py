@@ -417,13 +417,16 @@ def runs_show(run_id: str, tracebacks: bool, as_json: bool) -> None:
                             json.dumps(s.output, default=str)) for s in d.steps]))
     click.echo(f"\nattempts ({len(d.attempts)})")
     if d.attempts:
+        # Numbered in order: a resume (motir dlq resume) starts the attempt budget afresh, so the
+        # ledger's own number repeats; it is shown beside the order when they differ.
         click.echo(text_table(["#", "worker", "outcome", "started", "took", "error"],
-                          [(a.attempt, a.worker, a.outcome, format_instant(a.started_at), format_duration(a.duration),
-                            _error_line(a.error)) for a in d.attempts], max_width=80))
+                          [(_attempt_label(i, a.attempt), a.worker, a.outcome, format_instant(a.started_at),
+                            format_duration(a.duration), _error_line(a.error))
+                           for i, a in enumerate(d.attempts, 1)], max_width=80))
     if tracebacks:
-        for a in d.attempts:
+        for i, a in enumerate(d.attempts, 1):
             if isinstance(a.error, dict) and a.error.get("traceback"):
-                click.echo(f"\n--- attempt {a.attempt} traceback ---\n{a.error['traceback'].rstrip()}")
+                click.echo(f"\n--- attempt {_attempt_label(i, a.attempt)} traceback ---\n{a.error['traceback'].rstrip()}")
     if r.state == "succeeded":
         click.echo(f"\nresult  {json.dumps(d.result, default=str)}")
 
@@ -708,6 +711,8 @@ def jobs(slots: int, as_json: bool) -> None:
         if e["cron"]:
             words = f" — {e['schedule']}" if e["schedule"] else ""
             return f"cron {e['cron']} ({e['timezone']}){words}"
+        if not e["events"]:
+            return "direct (.delay() / Celery messages)"
         return "event " + ", ".join(e["events"])
 
     def retry(e: dict[str, Any]) -> str:
@@ -723,8 +728,13 @@ def jobs(slots: int, as_json: bool) -> None:
         return ", ".join(f"{format_ago(datetime.fromisoformat(s), now)} ({datetime.fromisoformat(s):%a %H:%M %Z})"
                          for s in e["next_slots"])
 
-    click.echo(text_table(["job", "trigger", "retry policy", "next slots"],
-                      [(e["id"], trigger(e), retry(e), upcoming(e)) for e in out], max_width=90))
+    click.echo(text_table(["job", "task", "trigger", "retry policy", "next slots"],
+                      [(e["id"], e["task"], trigger(e), retry(e), upcoming(e)) for e in out], max_width=90))
+
+
+def _attempt_label(order: int, attempt: int) -> str:
+    """An attempt's place in the ledger, with its number in its budget when a resume reset it."""
+    return str(order) if order == attempt else f"{order} ({attempt} after a resume)"
 
 
 # --- doctor ----------------------------------------------------------------------
@@ -775,7 +785,8 @@ def _statements(as_json: bool) -> None:
 
     entries = catalogue()
     if as_json:
-        _print_json([{"name": e.name, "audience": e.audience, "roles": list(e.roles), "doc": e.doc} for e in entries])
+        _print_json([{"name": e.name, "audience": e.audience, "roles": list(e.roles), "doc": e.doc,
+                      "prepared": e.statement.prepare} for e in entries])
         return
     click.echo(text_table(["statement", "audience", "roles", "what it does"],
                           [(e.name, e.audience, ", ".join(e.roles), e.doc) for e in entries], max_width=120))

@@ -31,11 +31,18 @@ __all__ = ["Statement", "rows", "first", "rows_async", "plan"]
 
 class Statement(NamedTuple):
     """One catalogued statement: its name, what it does in one line, its SQL
-    (psycopg ``%(name)s`` placeholders; each predicate's reason in a comment)."""
+    (psycopg ``%(name)s`` placeholders; each predicate's reason in a comment).
+
+    ``prepare=False``: never prepared server-side, so every call is planned for its own
+    values. For a statement with optional predicates (``CAST(%(x)s AS text) IS NULL OR
+    col = %(x)s``): after five calls Postgres may switch a prepared one to a generic plan,
+    which cannot use the filter's index (a filtered list of 300,000 runs went from 1 ms
+    to 50 ms)."""
 
     name: str
     doc: str
     sql: str
+    prepare: bool = True
 
 
 def rows(conn: Connection, statement: Statement, params: dict[str, Any]) -> list[dict[str, Any]]:
@@ -47,7 +54,7 @@ def rows(conn: Connection, statement: Statement, params: dict[str, Any]) -> list
         return [dict(r) for r in result.mappings()] if result.returns_rows else []
     # A connection made with prepare_threshold=None prepares nothing, whatever this process's
     # settings say: MOTIR_PREPARED_STATEMENTS=0 (db.py) and doctor's one-shot connections.
-    prepare = get_settings().prepared_statements and raw.prepare_threshold is not None
+    prepare = statement.prepare and get_settings().prepared_statements and raw.prepare_threshold is not None
     try:
         with raw.cursor(row_factory=dict_row) as cursor:
             cursor.execute(statement.sql, params, prepare=prepare)
@@ -80,6 +87,7 @@ def plan(conn: Connection, statement: Statement, params: dict[str, Any], *, anal
     """Postgres's plan of ``statement`` with these parameters (``EXPLAIN (FORMAT JSON)``; with
     ``analyze``, run too: inside a transaction the caller rolls back, for a write)."""
     options = "ANALYZE, BUFFERS, WAL, FORMAT JSON" if analyze else "FORMAT JSON"
-    explained = Statement(f"explain {statement.name}", statement.doc, f"EXPLAIN ({options}) {statement.sql}")
+    explained = Statement(f"explain {statement.name}", statement.doc, f"EXPLAIN ({options}) {statement.sql}",
+                          statement.prepare)
     (found,) = rows(conn, explained, params)
     return found["QUERY PLAN"]

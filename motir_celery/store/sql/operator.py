@@ -188,6 +188,7 @@ OPEN_ENTRIES = Statement(
     ORDER BY d.last_failed_at, d.id            -- oldest failure first
     LIMIT %(limit)s
     """,
+    prepare=False,   # optional predicates: planned for each call's filters (driver.Statement)
 )
 
 

@@ -88,6 +88,7 @@ LIST_RUNS = Statement(
     ORDER BY q.created_at DESC, q.id        -- newest first; the id breaks ties stably
     LIMIT %(limit)s
     """,
+    prepare=False,   # optional predicates: planned for each call's filters (driver.Statement)
 )
 
 
@@ -212,6 +213,7 @@ LIST_EVENTS = Statement(
     ORDER BY e.received_at DESC, e.id       -- newest first; the id breaks ties stably
     LIMIT %(limit)s
     """,
+    prepare=False,   # optional predicates: planned for each call's filters (driver.Statement)
 )
 
 
@@ -250,6 +252,7 @@ LIST_DLQ = Statement(
     ORDER BY d.last_failed_at DESC, d.id    -- newest failure first
     LIMIT %(limit)s
     """,
+    prepare=False,   # optional predicates: planned for each call's filters (driver.Statement)
 )
 
 
