@@ -35,7 +35,9 @@ Checks, in order (later ones are skipped when the database is unreachable):
 
 Each check gets its own short-lived connection (``NullPool``) with a connect
 timeout, so a dead host costs seconds, not minutes, and doctor never touches
-the pools the rest of the process uses.
+the pools the rest of the process uses. Its statements are ``store/sql/reads.py``'s
+(the doctor section) and ``store/sql/catalog.py``'s; ``motir doctor --statements``
+lists every statement of the engine.
 """
 
 from __future__ import annotations
