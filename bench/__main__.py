@@ -5,310 +5,296 @@
     python -m bench --sections throughput,steps --runs 2000
     python -m bench --baseline /path/to/other/checkout   # adds that engine as a side (before/after)
 
-Needs MOTIR_DATABASE_URL (a Postgres server; the suite creates and drops its
-own databases on it) and CELERY_BROKER_URL (Redis). ``pgbench`` comes from
-the PostgreSQL client packages (Debian: ``apt-get install postgresql-contrib``
-or ``postgresql-client``); without it that row is skipped. Procrastinate and
-DBOS are installed by the suite into ``bench/.peers-venv`` (pip, first run
-only), never into the project's environment; ``--no-peers`` skips them.
-
-Every figure is a median of several rounds, and every comparison a ratio of
-two figures measured in the same run, sides interleaved round by round: the
-machine is shared and absolute numbers drift. The sections and their methods
-are documented in each module (``bench/throughput.py``, ``stepcost.py``,
-``depth.py``, ``fanout.py``, ``beat.py``, ``memory.py``, ``peers/``).
+Needs MOTIR_DATABASE_URL (a Postgres server; the suite creates and drops its own
+databases on it) and CELERY_BROKER_URL (Redis). ``pgbench`` (Debian:
+postgresql-contrib) gives the commit ceiling; without it that row is skipped.
+Procrastinate and DBOS are installed into ``bench/.peers-venv`` (pip, first run
+only), never into the project's environment; ``--no-peers`` skips them. Every
+figure is a median of rounds, and every comparison a ratio of two figures of this
+run, the sides taking turns round by round (``harness.interleave``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata as md
+import itertools
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
-from contextlib import contextmanager
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
+from urllib.parse import urlsplit
 
-from bench.common import DB, MOTIR_QUEUE, ROOT, admin_dsn, child_cwd, child_env, create_bench_database, drop_database
-from bench.stats import median
+from bench import harness as h
 
+DB = "motir_bench"
 SECTIONS = ("throughput", "latency", "steps", "cpu", "depth", "fanout", "beat", "memory")
-NOTES_MARKER = "<!-- Everything below this line is kept when the suite rewrites this file. -->"
+Log = Callable[[str], None]
 
 
-def prepare_environment() -> str:
-    """Create the bench database and point the engine (this process and its workers) at it."""
-    missing = [v for v in ("MOTIR_DATABASE_URL", "CELERY_BROKER_URL") if not os.environ.get(v)]
-    if missing:
-        sys.exit(f"set {' and '.join(missing)} (a Postgres server and a Redis broker); "
-                 "`eval \"$(python -m motir_celery.dev.embedded env)\"` starts embedded ones")
-    os.environ.setdefault("BENCH_SERVER_URL", os.environ["MOTIR_DATABASE_URL"])
-    url = create_bench_database()
-    os.environ.update(MOTIR_DATABASE_URL=url, MOTIR_IMPORTS="bench.workload", MOTIR_QUEUE=MOTIR_QUEUE)
-    from motir_celery.settings import reset_settings
-
-    reset_settings()
-    import bench.workload  # noqa: F401
-
-    return url
-
-
-def _sizes(args: argparse.Namespace) -> dict[str, Any]:
+def sizes(args: argparse.Namespace) -> dict[str, Any]:
     quick = args.quick
     return {
-        "runs": args.runs or (500 if quick else 2000),
-        "dbos_runs": args.dbos_runs or (200 if quick else 600),
-        "rounds": args.rounds or (1 if quick else 3),
-        "latency_events": 100 if quick else 250,
-        "latency_rounds": 1 if quick else 3,
-        "depth": (10_000, 100_000) if quick else (10_000, 1_000_000),
-        "memory": (1000, 3000) if quick else (1000, 10_000),
-        "beat_slots": 500 if quick else 2000,
-        "fanout_rounds": 10 if quick else 30,
-        "step_rounds": 2 if quick else 5,
-        "pgbench_s": 5 if quick else 10,
-        "cpu_runs": 300 if quick else 1000,
-        "cpu_rounds": 1 if quick else 2,
+        "runs": args.runs or (500 if quick else 2000), "dbos_runs": args.dbos_runs or (200 if quick else 600),
+        "rounds": args.rounds or (1 if quick else 3), "latency_events": 100 if quick else 250,
+        "latency_rounds": 1 if quick else 3, "depth": (10_000, 100_000) if quick else (10_000, 1_000_000),
+        "memory": (1000, 3000) if quick else (1000, 10_000), "beat_slots": 500 if quick else 2000,
+        "fanout_rounds": 10 if quick else 30, "step_rounds": 2 if quick else 5, "pgbench_s": 5 if quick else 10,
+        "cpu_runs": 300 if quick else 1000, "cpu_rounds": 1 if quick else 2,
     }
 
-
-# --- sections ---------------------------------------------------------------------
 
 SIDE_ORDER = ("motir", "motir_events", "baseline", "plain", "plain_noack", "procrastinate", "dbos")
 SIDE_NAMES = {"motir": "motir-celery (3 durable steps)",
               "motir_events": "motir-celery, Celery task events on (as while Flower watches)",
               "baseline": "motir-celery, baseline engine (--baseline)",
               "plain": "plain Celery (no durability)",
-              "plain_noack": "plain Celery, Redis ack emulation off (as motir-celery's app sets it)", "procrastinate": "Procrastinate (1 task, no steps)",
+              "plain_noack": "plain Celery, Redis ack emulation off (as motir-celery's app sets it)",
+              "procrastinate": "Procrastinate (1 task, no steps)",
               "dbos": "DBOS Transact (workflow of 3 steps)"}
-
 #: (label, workers, concurrency per worker, DBOS worker_concurrency, pgbench clients)
 CONFIGS = (("1 worker x 2", 1, 2, 2, 2), ("2 workers x 2", 2, 2, 8, 4))
 DBOS_POLL = 0.05
 
 
-@contextmanager
-def _engine_at(path: str | None) -> Iterator[None]:
-    """Run the durable side's workers on another checkout's engine (``--baseline``)."""
-    if path is None:
-        yield
-        return
-    os.environ["BENCH_ENGINE_PATH"] = path
-    try:
-        yield
-    finally:
-        del os.environ["BENCH_ENGINE_PATH"]
+def side(name: str, db: h.Database, args: argparse.Namespace) -> h.Side:
+    """The Celery sides: the engine, its variants (task events on; --baseline's engine), plain Celery."""
+    if name == "motir_events":
+        return h.Motir(db, app="bench.motir_app", env={"BENCH_TASK_EVENTS": "1"})
+    if name == "baseline":
+        return h.Motir(db, engine=args.baseline)
+    if name.startswith("plain"):
+        return h.Plain(env={"BENCH_NO_ACK_EMULATION": "1"} if name == "plain_noack" else {})
+    return h.Motir(db)
 
 
-def section_throughput(url: str, sz: dict[str, Any], args: argparse.Namespace, log: Callable[[str], None]) -> dict:
-    from bench import peersenv, throughput
+def peer(module: str, section: str, *args: Any) -> Callable[[], Any]:
+    """A peer's measurement, in its virtualenv; its first call sets its database up."""
+    calls = itertools.count()
+    return lambda: peersenv().run(module, section, "--admin-dsn", h.dsn(h.server_url()), *args,
+                                  *(["--reuse"] if next(calls) else []))
 
+
+def peersenv() -> Any:
+    from bench import peersenv as module
+
+    return module
+
+
+# --- sections ---------------------------------------------------------------------
+
+
+def section_throughput(db: h.Database, sz: dict[str, Any], args: argparse.Namespace, log: Log) -> dict:
+    """N runs queued first, then the workers started and the backlog drained (``harness.drain``);
+    the variants in the first configuration only, to keep the run short."""
     out: dict[str, Any] = {}
     for i, (label, workers, conc, dbos_conc, clients) in enumerate(CONFIGS):
-        names = ["motir"]
-        if i == 0:  # the variants: first configuration only, to keep the run short
-            names += ["motir_events"] + (["baseline"] if args.baseline else [])
-        names += ["plain"] + (["plain_noack"] if i == 0 else []) + (["procrastinate", "dbos"] if args.peers else [])
-        sides: dict[str, list[float]] = {k: [] for k in names}
-        for r in range(sz["rounds"]):
-            for side in names:
-                t0 = time.perf_counter()
-                if side in ("motir", "motir_events", "baseline"):
-                    with _engine_at(args.baseline if side == "baseline" else None):
-                        v = throughput.motir_round(
-                            url, sz["runs"], workers, conc,
-                            app="bench.motir_events_app" if side == "motir_events" else "motir_celery")
-                elif side in ("plain", "plain_noack"):
-                    v = throughput.plain_round(sz["runs"], workers, conc, env=child_env(
-                        BENCH_NO_ACK_EMULATION="1") if side == "plain_noack" else None)
-                elif side == "procrastinate":
-                    v = peersenv.run("bench.peers.procrastinate_side", "throughput", "--admin-dsn", admin_dsn(),
-                                     "--runs", sz["runs"], "--workers", workers, "--concurrency", conc,
-                                     "--rounds", 1, *(["--reuse"] if r else []))["rounds"][0]
-                else:
-                    v = peersenv.run("bench.peers.dbos_side", "throughput", "--admin-dsn", admin_dsn(),
-                                     "--runs", sz["dbos_runs"], "--workers", workers, "--concurrency", dbos_conc,
-                                     "--poll", DBOS_POLL, "--rounds", 1, *(["--reuse"] if r else []))["rounds"][0]
-                sides[side].append(v)
-                log(f"  throughput [{label}] round {r + 1}: {side:<13} {v:7.1f} runs/s  ({time.perf_counter() - t0:.0f}s)")
-        entry: dict[str, Any] = {k: {"median": median(v), "rounds": v} for k, v in sides.items()}
-        entry["workers"], entry["concurrency"], entry["dbos_concurrency"] = workers, conc, dbos_conc
+        names = ["motir", *(["motir_events", *(["baseline"] if args.baseline else [])] if i == 0 else []),
+                 "plain", *(["plain_noack"] if i == 0 else [])]
+        turns: dict[str, Callable[[], float]] = {
+            n: (lambda s=side(n, db, args): h.drain(s, sz["runs"], workers, conc).rate) for n in names}
+        if args.peers:
+            runs = ("--runs", sz["runs"], "--workers", workers, "--concurrency", conc, "--rounds", 1)
+            pro = peer("bench.peers.procrastinate_side", "throughput", *runs)
+            dbos = peer("bench.peers.dbos_side", "throughput", "--runs", sz["dbos_runs"], "--workers", workers,
+                        "--concurrency", dbos_conc, "--poll", DBOS_POLL, "--rounds", 1)
+            turns.update(procrastinate=lambda: pro()["rounds"][0], dbos=lambda: dbos()["rounds"][0])
+        sides = h.interleave(turns, sz["rounds"], lambda m: log(f"  throughput [{label}] {m}"), lambda v: f"{v:7.1f} runs/s")
+        entry: dict[str, Any] = {k: {"median": h.median(v), "rounds": v} for k, v in sides.items()}
+        entry.update(workers=workers, concurrency=conc, dbos_concurrency=dbos_conc)
         if shutil.which("pgbench"):
-            entry["pgbench"] = throughput.pgbench(url, clients, sz["pgbench_s"])
+            entry["pgbench"] = pgbench(db, clients, sz["pgbench_s"])
             log(f"  throughput [{label}] pgbench -c {clients}: {entry['pgbench']['tps']:.0f} commits/s")
         out[label] = entry
     return out
 
 
-def section_latency(url: str, sz: dict[str, Any], args: argparse.Namespace, log: Callable[[str], None]) -> dict:
-    """The sides the targets compare (motir, plain Celery, Procrastinate; and the
-    baseline) take turns, ``latency_rounds`` times: this machine's speed drifts by
-    a millisecond within minutes, more than the gaps measured. Each side's p50 is
-    the median of its rounds' p50s (p99 likewise); the rest run once."""
-    from bench import peersenv, throughput
+def pgbench(db: h.Database, clients: int, seconds: int) -> dict[str, Any]:
+    """Commits/s of a one-row INSERT per transaction at ``clients`` connections: the ceiling."""
+    u = urlsplit(h.dsn(db.url))
+    db.rows("CREATE TABLE bench_pgbench (id bigserial PRIMARY KEY, v int NOT NULL, at timestamptz NOT NULL DEFAULT now())")
+    with tempfile.NamedTemporaryFile("w", suffix=".sql") as fh:
+        fh.write("INSERT INTO bench_pgbench (v) VALUES (1);\n")
+        fh.flush()
+        try:
+            out = subprocess.run(
+                ["pgbench", "-n", "-c", str(clients), "-j", str(clients), "-T", str(seconds), "-f", fh.name,
+                 "-h", u.hostname or "127.0.0.1", "-p", str(u.port or 5432), "-U", u.username or "postgres", db.name],
+                capture_output=True, text=True, env=h.child_env(PGPASSWORD=u.password or ""), check=True).stdout
+        finally:
+            db.rows("DROP TABLE bench_pgbench")
+    return {"tps": float(re.search(r"tps = ([0-9.]+)", out).group(1)), "clients": clients}  # type: ignore[union-attr]
 
+
+def section_latency(db: h.Database, sz: dict[str, Any], args: argparse.Namespace, log: Log) -> dict:
+    """``harness.latency``: the sides the targets compare take turns, ``latency_rounds`` times (this
+    machine drifts by a millisecond within minutes); p50 and p99 are medians of the rounds'. The
+    rest run once, after them."""
     n, interval = sz["latency_events"], 0.02
-    turns: dict[str, Callable[[], dict]] = {"motir": lambda: throughput.motir_latency(url, n, interval, 2)}
+    turns: dict[str, Callable[[], dict]] = {"motir": lambda: h.latency(side("motir", db, args), n, interval)}
     if args.baseline:
-        turns["baseline"] = lambda: _baseline_latency(args.baseline, n, interval)
-    turns["plain"] = lambda: throughput.plain_latency(n, interval, 2)
+        turns["baseline"] = lambda: baseline_latency(args.baseline, db, n, interval)
+    turns["plain"] = lambda: h.latency(side("plain", db, args), n, interval)
     if args.peers:
-        turns["procrastinate"] = lambda: peersenv.run(
-            "bench.peers.procrastinate_side", "latency", "--admin-dsn", admin_dsn(), "--events", n,
-            "--interval", interval, "--concurrency", 2)
-    rounds: dict[str, list[dict]] = {side: [] for side in turns}
-    for _ in range(sz["latency_rounds"]):
-        for side, measure in turns.items():
-            rounds[side].append(measure())
+        turns["procrastinate"] = peer("bench.peers.procrastinate_side", "latency", "--events", n,
+                                      "--interval", interval, "--concurrency", 2)
+    rounds = h.interleave(turns, sz["latency_rounds"])
     out: dict[str, Any] = {"events": n, "interval": interval, "rounds": sz["latency_rounds"]}
-    for side, results in rounds.items():
-        out[side] = {"p50": median([r["p50"] for r in results]), "p99": median([r["p99"] for r in results]),
+    for name, results in rounds.items():
+        out[name] = {"p50": h.median(r["p50"] for r in results), "p99": h.median(r["p99"] for r in results),
                      "n": sum(r["n"] for r in results), "p50s": [r["p50"] for r in results]}
-    out["motir_events"] = throughput.motir_latency(url, n, interval, 2, app="bench.motir_events_app")
+    out["motir_events"] = h.latency(side("motir_events", db, args), n, interval)
     if args.peers:
-        out["dbos"] = peersenv.run("bench.peers.dbos_side", "latency", "--admin-dsn", admin_dsn(), "--events", n,
-                                   "--interval", interval, "--concurrency", 2, "--poll", DBOS_POLL)
-    for side in SIDE_ORDER:
-        if side in out:
-            log(f"  latency {side:<13} p50 {out[side]['p50'] * 1e3:6.1f} ms  p99 {out[side]['p99'] * 1e3:6.1f} ms")
+        out["dbos"] = peer("bench.peers.dbos_side", "latency", "--events", n, "--interval", interval,
+                           "--concurrency", 2, "--poll", DBOS_POLL)()
+    for name in SIDE_ORDER:
+        if name in out:
+            log(f"  latency {name:<13} p50 {out[name]['p50'] * 1e3:6.1f} ms  p99 {out[name]['p99'] * 1e3:6.1f} ms")
     return out
 
 
-# The sender is half of a latency: the baseline's send_event publishes too, from a
-# process whose motir_celery is the baseline's (imported before bench is found on ROOT).
-_BASELINE_SENDER = (
-    "import json, os, sys; import motir_celery; sys.path.insert(0, sys.argv[1]); from bench import throughput; "
-    "print(json.dumps(throughput.motir_latency(os.environ['MOTIR_DATABASE_URL'], int(sys.argv[2]), "
-    "float(sys.argv[3]), 2)))"
-)
+# The sender is half of a latency: the baseline's publishes too, from a process whose
+# motir_celery is the baseline's (imported before this checkout's bench is put first).
+_BASELINE_SENDER = ("import json, sys; import motir_celery; sys.path.insert(0, sys.argv[1]); from bench import harness as h; "
+                    "print(json.dumps(h.latency(h.Motir(h.Database(sys.argv[2])), int(sys.argv[3]), float(sys.argv[4]))))")
 
 
-def _baseline_latency(path: str, n: int, interval: float) -> dict:
-    """motir_latency with both the sender and the workers on the baseline's engine."""
-    with _engine_at(path):
-        done = subprocess.run([sys.executable, "-c", _BASELINE_SENDER, str(ROOT), str(n), str(interval)],
-                              env=child_env(), cwd=child_cwd(), capture_output=True, text=True)
+def baseline_latency(path: str, db: h.Database, n: int, interval: float) -> dict:
+    done = subprocess.run([sys.executable, "-c", _BASELINE_SENDER, str(h.ROOT), db.url, str(n), str(interval)],
+                          env=h.child_env(path, BENCH_ENGINE_PATH=path), cwd=path, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"baseline latency failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _stepcost(rounds: int, engine_path: str | None, **extra: str) -> dict:
-    env = child_env(**extra)
-    if engine_path:
-        env["PYTHONPATH"] = os.pathsep.join([engine_path, str(ROOT)])
-    proc = subprocess.run([sys.executable, "-m", "bench.stepcost", "--rounds", str(rounds)], capture_output=True,
-                          text=True, env=env, cwd=engine_path or ROOT, timeout=900)
-    if proc.returncode:
-        raise RuntimeError(proc.stderr[-4000:])
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def section_steps(url: str, sz: dict[str, Any], args: argparse.Namespace, log: Callable[[str], None]) -> dict:
-    out = {"motir": _stepcost(sz["step_rounds"], None)}
-    if args.baseline:
-        out["baseline"] = _stepcost(sz["step_rounds"], args.baseline)
-    for side, r in out.items():
-        log(f"  steps {side}: miss {r['miss_us']:.0f} us, hit {r['hit_us']:.2f} us; "
+def section_steps(db: h.Database, sz: dict[str, Any], args: argparse.Namespace, log: Log) -> dict:
+    """``bench.stepcost`` in a process of its own, on this engine and on the baseline's."""
+    out = {}
+    for name, engine in (("motir", None), *((("baseline", args.baseline),) if args.baseline else ())):
+        proc = subprocess.run([sys.executable, "-m", "bench.stepcost", "--rounds", str(sz["step_rounds"])],
+                              capture_output=True, text=True, env=h.child_env(engine), cwd=h.child_cwd(engine),
+                              timeout=900)
+        if proc.returncode:
+            raise RuntimeError(proc.stderr[-4000:])
+        out[name] = r = json.loads(proc.stdout.strip().splitlines()[-1])
+        log(f"  steps {name}: miss {r['miss_us']:.0f} us, hit {r['hit_us']:.2f} us; "
             + ", ".join(f"k={k}: {p['round_trips']} rt / {p['commits']} commits / {p.get('waits')} waits"
                         for k, p in r["fresh"].items()))
     return out
 
 
-def section_cpu(url: str, sz: dict[str, Any], args: argparse.Namespace, log: Callable[[str], None]) -> dict:
-    from bench import cpu
-
-    variants: dict[str, tuple[str | None, str, dict[str, str]]] = {"motir": (None, "motir_celery", {})}
-    if args.baseline:
-        variants["baseline"] = (args.baseline, "motir_celery", {})
-    variants["motir_events"] = (None, "bench.motir_events_app", {})
-    variants["plain"] = (None, "bench.plain_app", {})
-    r = cpu.measure(url, variants, runs=sz["cpu_runs"], rounds=sz["cpu_rounds"], engine_at=_engine_at)
-    for k, v in r["variants"].items():
-        log(f"  cpu {k:<15} " + ", ".join(f"{m} {x:.2f}" for m, x in v.items()))
-    return r
+def section_cpu(db: h.Database, sz: dict[str, Any], args: argparse.Namespace, log: Log) -> dict:
+    """CPU per run of one worker (prefork x 2) by process, from the kernel (``harness.Meter``): steadier
+    than wall-clock rates on a shared machine. Plain Celery is the floor (no database)."""
+    names = ["motir", *(["baseline"] if args.baseline else []), "motir_events", "plain"]
+    rounds = h.interleave({n: (lambda s=side(n, db, args): h.drain(s, sz["cpu_runs"], cpu=True).cpu) for n in names},
+                          sz["cpu_rounds"])
+    variants = {n: {m: h.median(r[m] for r in rs) for m in rs[0]} for n, rs in rounds.items()}
+    for n, v in variants.items():
+        log(f"  cpu {n:<15} " + ", ".join(f"{m} {x:.2f}" for m, x in v.items()))
+    return {"runs": sz["cpu_runs"], "rounds": sz["cpu_rounds"], "variants": variants}
 
 
-def section_depth(url: str, sz: dict[str, Any], args: argparse.Namespace, log: Callable[[str], None]) -> dict:
+def section_depth(db: h.Database, sz: dict[str, Any], args: argparse.Namespace, log: Log) -> dict:
     from bench import depth
 
-    r = depth.measure(url, *sz["depth"])
+    r = depth.measure(db, *sz["depth"])
     log(f"  depth {r['small']} -> {r['large']}: " + ", ".join(f"{k} x{v:.2f}" for k, v in r["ratio"].items()))
     return r
 
 
-def section_fanout(url: str, sz: dict[str, Any], args: argparse.Namespace, log: Callable[[str], None]) -> dict:
-    from bench import fanout
+def section_fanout(db: h.Database, sz: dict[str, Any], args: argparse.Namespace, log: Log) -> dict:
+    """One event with 50 subscribers: ``send_event`` writes the event and its runs in one transaction,
+    then publishes 50 messages (purged after); with publishing, and database only (``publish=None``)."""
+    import motir_celery
+    from bench import workload
+    from motir_celery.core.producer import events
 
-    r = fanout.measure(url, sz["fanout_rounds"])
-    log(f"  fan-out x{r['subscribers']}: {r['ms']:.1f} ms ({r['rows_per_s']:.0f} rows/s); db only {r['db_ms']:.1f} ms")
-    return r
+    workload.fanout_subscribers()
+    motir = h.Motir(db)
+    motir.reset()
+    motir_celery.send_event(workload.FANOUT_EVENT, {"warm": True})  # pool, prepared statements, broker connection
+    times: dict[str, list[float]] = {"with": [], "db": []}
+    for i in range(sz["fanout_rounds"]):
+        for kind, publish in (("with", motir_celery.send_event), ("db", events.send_event)):
+            t0 = time.perf_counter()
+            r = publish(workload.FANOUT_EVENT, {"i": i}, **({} if kind == "with" else {"publish": None}))
+            times[kind].append(time.perf_counter() - t0)
+            assert len(r.run_ids) == workload.FANOUT
+    motir.reset()
+    rows, t, d = workload.FANOUT + 1, h.median(times["with"]), h.median(times["db"])
+    log(f"  fan-out x{workload.FANOUT}: {t * 1e3:.1f} ms ({rows / t:.0f} rows/s); db only {d * 1e3:.1f} ms")
+    return {"subscribers": workload.FANOUT, "ms": t * 1e3, "rows_per_s": rows / t, "db_ms": d * 1e3,
+            "db_rows_per_s": rows / d}
 
 
-def section_beat(url: str, sz: dict[str, Any], args: argparse.Namespace, log: Callable[[str], None]) -> dict:
+def section_beat(db: h.Database, sz: dict[str, Any], args: argparse.Namespace, log: Log) -> dict:
     from bench import beat
 
-    r = beat.measure(url, sz["beat_slots"])
+    r = beat.measure(db, sz["beat_slots"])
     log(f"  beat x{r['beats']}: {r['calls_per_s']:.0f} calls/s, {r['slots_per_s']:.0f} slots/s")
     return r
 
 
-def section_memory(url: str, sz: dict[str, Any], args: argparse.Namespace, log: Callable[[str], None]) -> dict:
-    from bench import memory
-
-    r = memory.measure(url, sz["memory"])
-    log("  memory: " + ", ".join(f"{s['runs']} runs: child {s['child_rss_kb'] / 1024:.1f} MiB" for s in r["samples"]))
-    return r
+def section_memory(db: h.Database, sz: dict[str, Any], args: argparse.Namespace, log: Log) -> dict:
+    """RSS (VmRSS) and peak (VmHWM) of one worker's main process and pool children after each
+    checkpoint; the runs queued in slices of 2,000 on the one worker that lives through it."""
+    motir, samples, done = h.Motir(db), [], 0
+    motir.reset()
+    with motir.workers(1, 2, "memory") as procs:
+        for target in sz["memory"]:
+            while done < target:
+                batch = min(2000, target - done)
+                motir.prequeue(batch, done)
+                done += batch
+                h.settle(motir, procs, done)
+            main, *children = h.rss_tree(procs.pids[0])
+            samples.append({"runs": target, "main_rss_kb": main[1], "child_rss_kb": max(c[1] for c in children),
+                            "child_hwm_kb": max(c[2] for c in children)})
+    first, last = samples[0], samples[-1]
+    log("  memory: " + ", ".join(f"{s['runs']} runs: child {s['child_rss_kb'] / 1024:.1f} MiB" for s in samples))
+    return {"samples": samples, "growth": last["child_rss_kb"] / first["child_rss_kb"] - 1,
+            "main_growth": last["main_rss_kb"] / first["main_rss_kb"] - 1}
 
 
 # --- report -----------------------------------------------------------------------
 
 
-def _run(cmd: list[str]) -> str:
+def _out(cmd: list[str]) -> str:
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
 
 
-def environment(url: str, peers: bool) -> dict[str, str]:
-    import importlib.metadata as md
-
+def environment(db: h.Database, peers: bool) -> dict[str, str]:
     import redis
-    from sqlalchemy import create_engine, text
-    from sqlalchemy.pool import NullPool
 
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
-    mem = next((int(line.split()[1]) // 1024 // 1024 for line in Path("/proc/meminfo").read_text().splitlines()
-                if line.startswith("MemTotal")), 0)
-    engine = create_engine(url, poolclass=NullPool)
-    with engine.connect() as conn:
-        pg = conn.execute(text("SHOW server_version")).scalar_one()
-        pg_settings = ", ".join(f"{k}={conn.execute(text(f'SHOW {k}')).scalar_one()}"
-                                for k in ("synchronous_commit", "fsync", "shared_buffers", "max_connections"))
-    engine.dispose()
-    rinfo = redis.Redis.from_url(os.environ["CELERY_BROKER_URL"]).info("server")
+    mem = int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0]) // 1024 // 1024
+    pg = ", ".join(f"{k}={db.value(f'SHOW {k}')}" for k in ("synchronous_commit", "fsync", "shared_buffers",
+                                                             "max_connections"))
     env = {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": h.now(),
         "machine": f"{cpu}, {os.cpu_count()} cores, {mem} GiB RAM, {platform.system()} {platform.release()}",
         "load average at start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
         "python": platform.python_version(),
-        "postgres": f"{pg} ({pg_settings})",
-        "redis": rinfo.get("redis_version", "?"),
-        "motir-celery": _run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"]) or "?",
+        "postgres": f"{db.value('SHOW server_version')} ({pg})",
+        "redis": redis.Redis.from_url(os.environ["CELERY_BROKER_URL"]).info("server").get("redis_version", "?"),
+        "motir-celery": _out(["git", "-C", str(h.ROOT), "describe", "--always", "--dirty"]) or "?",
         "libraries": ", ".join(f"{p} {md.version(p)}" for p in ("celery", "kombu", "SQLAlchemy", "psycopg", "redis")),
-        "pgbench": _run(["pgbench", "--version"]) or "not installed (apt-get install postgresql-contrib)",
+        "pgbench": _out(["pgbench", "--version"]) or "not installed (apt-get install postgresql-contrib)",
     }
     if peers:
-        from bench import peersenv
-
-        env["peers (bench/.peers-venv)"] = ", ".join(f"{k} {v}" for k, v in peersenv.versions().items())
+        env["peers (bench/.peers-venv)"] = ", ".join(f"{k} {v}" for k, v in peersenv().versions().items())
     return env
 
 
@@ -485,14 +471,14 @@ def _protocol(p: dict[str, int]) -> str:
     return f"{p['round_trips']} / {p['commits']}" + (f" ({p['waits']})" if "waits" in p else "")
 
 
+
+
 def write_report(path: Path, markdown: str) -> None:
-    notes = ""
-    if path.exists():
-        old = path.read_text()
-        if NOTES_MARKER in old:
-            notes = old.split(NOTES_MARKER, 1)[1]
+    """The suite's file, up to its notes marker; what is below the marker is kept."""
+    old = path.read_text() if path.exists() else ""
+    notes = old.split(h.NOTES_MARKER, 1)[1] if h.NOTES_MARKER in old else "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(markdown + "\n" + NOTES_MARKER + (notes or "\n"))
+    path.write_text(markdown + "\n" + h.NOTES_MARKER + notes)
 
 
 def main() -> None:
@@ -500,55 +486,50 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller sizes and one round (a few minutes)")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
-    parser.add_argument("--runs", type=int, help="runs per throughput round (default 2000; --quick 500; "
-                        "the issue's 5000 fits too, in ~35 min)")
+    parser.add_argument("--runs", type=int, help="runs per throughput round (default 2000; --quick 500)")
     parser.add_argument("--dbos-runs", type=int, help="runs per DBOS throughput round (default 600; --quick 200)")
     parser.add_argument("--rounds", type=int, help="throughput rounds per side (default 3; --quick 1)")
     parser.add_argument("--no-peers", dest="peers", action="store_false", help="skip Procrastinate and DBOS")
     parser.add_argument("--baseline", help="path of another checkout whose motir_celery runs as an extra side")
-    parser.add_argument("--output", default=str(ROOT / "docs" / "performance.md"),
+    parser.add_argument("--output", default=str(h.ROOT / "docs" / "performance.md"),
                         help="markdown report (default docs/performance.md; '-' for none)")
     parser.add_argument("--keep", action="store_true", help="keep the bench databases afterwards")
     args = parser.parse_args()
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    unknown = set(sections) - set(SECTIONS)
-    if unknown:
+    if unknown := set(sections) - set(SECTIONS):
         parser.error(f"unknown section(s): {', '.join(sorted(unknown))}")
     if args.baseline:
         args.baseline = str(Path(args.baseline).resolve())
         if not (Path(args.baseline) / "motir_celery").is_dir():
             parser.error(f"--baseline {args.baseline}: no motir_celery package there")
+    h.need("MOTIR_DATABASE_URL", "CELERY_BROKER_URL")
     if not shutil.which("pgbench"):
-        print("pgbench not found: the commit-ceiling row is skipped "
-              "(Debian: apt-get install postgresql-contrib, or postgresql-client)", file=sys.stderr)
-
+        print("pgbench not found: the commit-ceiling row is skipped (Debian: apt-get install postgresql-contrib)",
+              file=sys.stderr)
     started = time.perf_counter()
 
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - started:6.0f}s] {msg}", flush=True)
 
-    if args.peers and {"throughput", "latency"} & set(sections):
-        from bench import peersenv
-
-        peersenv.ensure()
-    url = prepare_environment()
-    env = environment(url, args.peers and bool({"throughput", "latency"} & set(sections)))
-    sz = _sizes(args)
+    peers = args.peers and bool({"throughput", "latency"} & set(sections))
+    if peers:
+        peersenv().ensure()
+    db = h.Database.create(DB)
+    h.use_engine(db.url, h.MOTIR_QUEUE)
+    env = environment(db, peers)
+    sz = sizes(args)
     results: dict[str, Any] = {}
-    fns = {"throughput": section_throughput, "latency": section_latency, "steps": section_steps, "cpu": section_cpu,
-           "depth": section_depth, "fanout": section_fanout, "beat": section_beat, "memory": section_memory}
     try:
         for name in sections:
             log(f"{name} ...")
-            results[name] = fns[name](url, sz, args, log)
+            results[name] = globals()[f"section_{name}"](db, sz, args, log)
     finally:
         if not args.keep:
-            drop_database(DB)
-            for peer in ("motir_bench_procrastinate", "motir_bench_dbos"):
-                drop_database(peer)
-    elapsed = time.perf_counter() - started
-    command = "python -m bench " + " ".join(sys.argv[1:])
-    text_out, markdown = render(results, env, command.strip(), elapsed)
+            db.drop()
+            for peer_db in ("motir_bench_procrastinate", "motir_bench_dbos"):
+                h.drop_database(peer_db)
+    text_out, markdown = render(results, env, ("python -m bench " + " ".join(sys.argv[1:])).strip(),
+                                time.perf_counter() - started)
     Path("/tmp/bench-results.json").write_text(json.dumps({"env": env, "results": results}, indent=1, default=str))
     print()
     print(text_out)

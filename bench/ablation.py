@@ -35,15 +35,10 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import create_engine, text
-from sqlalchemy.pool import NullPool
-
-from bench.common import ROOT, child_cwd, child_env, create_bench_database, drop_database
-from bench.stats import median
+from bench import harness as h
 
 DB = "motir_bench_ablation"
 QUEUE = "bench-ablation"
@@ -77,95 +72,28 @@ CONTROL = "control"
 
 def engine_reads(var: str) -> bool:
     """Whether the engine that the workers run (BENCH_ENGINE_PATH or this checkout) mentions ``var``."""
-    pkg = child_cwd() / "motir_celery"
-    return any(var in p.read_text(errors="replace") for p in pkg.rglob("*.py"))
+    return any(var in p.read_text(errors="replace") for p in (h.child_cwd() / "motir_celery").rglob("*.py"))
 
 
 # --- one measurement, in a process of its own ----------------------------------------
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
-    """A drain, then a latency run on the same (now warm) workers, with this process's environment.
-
-    The same methods as ``throughput.motir_round`` and ``motir_latency``, with one worker start
-    instead of two: a third of a measurement's time was starting and stopping workers.
-    """
-    import bench.workload  # noqa: F401  (the jobs, as the workers import them through MOTIR_IMPORTS)
-    import motir_celery
-    from bench.common import celery_workers, purge, truncate, wait_for
-    from bench.stats import drain_rate, percentile
-    from bench.throughput import prequeue_motir
-    from motir_celery.adapter.celery_app import default_app
-
-    url, queue, n, events = spec["url"], spec["queue"], spec["runs"], spec["events"]
-    truncate(url)
-    purge(default_app(), queue)
-    engine = create_engine(url, poolclass=NullPool)
-    poll = create_engine(url, pool_size=1)  # one kept connection: its backend is left out of the CPU
-    with poll.connect() as conn:
-        poll_pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
-
-    def count() -> int:
-        with poll.connect() as conn:
-            return int(conn.execute(text("SELECT count(*) FROM job_queue WHERE state = 'succeeded'")).scalar_one())
-
+    """A drain (``harness.settle``, CPU from 10 % of it), then a latency run on the same, now warm,
+    workers (``harness.send_paced``), with this process's environment: one worker start, not two."""
+    motir = h.Motir(h.Database(spec["url"]), queue=spec["queue"])
+    n, events = spec["runs"], spec["events"]
+    motir.reset()
     t0 = time.perf_counter()
-    prequeue_motir(url, n)
-    sent: dict[Any, float] = {}
-    mark: dict[str, float] = {}
-    with celery_workers("motir_celery", queue, 1, 2, tag="ablation") as procs:
-
-        def drained() -> bool:
-            c = count()
-            if "count" not in mark and c >= n // 10:  # past the workers' start-up
-                mark.update(count=c, cpu=_cpu(procs[0].pid, poll_pid))
-            return c >= n
-
-        wait_for(drained, procs, timeout=180, tag="ablation", poll=0.05)
-        cpu_ms = (_cpu(procs[0].pid, poll_pid) - mark["cpu"]) / (n - mark["count"]) * 1e3
+    motir.prequeue(n)
+    with motir.workers(1, 2, "ablation") as procs:
+        cpu = h.settle(motir, procs, n, meter=h.Meter(procs, motir.backends), timeout=180, poll=0.05)
         t1 = time.perf_counter()
-        start = time.perf_counter()
-        for i in range(events):
-            t = time.time()
-            sent[motir_celery.send_event("bench.three", {"n": i}).run_ids[0]] = t
-            time.sleep(max(0.0, start + (i + 1) * INTERVAL - time.perf_counter()))
-        wait_for(lambda: count() >= n + events, procs, timeout=120, tag="ablation")
-    poll.dispose()
-    with engine.connect() as conn:
-        done: dict[Any, float] = dict(conn.execute(text(
-            "SELECT id, extract(epoch FROM finished_at)::float8 FROM job_queue WHERE state = 'succeeded'")).all())
-        bad = conn.execute(text("SELECT count(*) FROM job_queue WHERE state <> 'succeeded'")).scalar_one()
-    engine.dispose()
-    if bad or len(done) != n + events:
-        raise RuntimeError(f"{bad} runs did not succeed")
-    lat = [done[run_id] - t for run_id, t in sent.items()]
-    drained_at = [at for run_id, at in done.items() if run_id not in sent]
-    return {"tp": drain_rate(drained_at), "p50": percentile(lat, 50), "p99": percentile(lat, 99), "cpu_ms": cpu_ms,
-            "tp_s": t1 - t0, "lat_s": time.perf_counter() - t1}
-
-
-def _cpu(worker_pid: int, poll_pid: int) -> float:
-    """CPU seconds (user + system) of a worker (main process and pool children) and of the
-    Postgres backends serving the ablation database, less the driver's own polling backend."""
-    import psutil
-
-    main = psutil.Process(worker_pid)
-    total = 0.0
-    for p in [main, *main.children(recursive=True)]:
-        try:
-            c = p.cpu_times()
-            total += c.user + c.system
-        except psutil.Error:
-            continue
-    for p in psutil.process_iter(["name", "cmdline"]):
-        try:
-            if (p.pid != poll_pid and "postgres" in (p.info["name"] or "")
-                    and f" {DB} " in " ".join(p.info["cmdline"] or []) + " "):
-                c = p.cpu_times()
-                total += c.user + c.system
-        except psutil.Error:
-            continue
-    return total
+        sent = h.send_paced(motir, procs, events, INTERVAL, before=n, warm=False)
+    done = motir.finished()
+    lat = h.latencies(done, sent)
+    return {"tp": h.drain_rate(at for k, at in done.items() if k not in sent), "p50": lat["p50"], "p99": lat["p99"],
+            "cpu_ms": cpu["total_ms"], "tp_s": t1 - t0, "lat_s": time.perf_counter() - t1}
 
 
 # The engine the workers run is the sender's too: motir_celery is imported from the child's
@@ -175,11 +103,11 @@ _CHILD = ("import json, sys; import motir_celery; sys.path.insert(0, sys.argv[1]
 
 
 def _slot(url: str, setting: dict[str, str], runs: int, events: int) -> dict[str, Any]:
-    env = child_env(MOTIR_DATABASE_URL=url, MOTIR_IMPORTS="bench.workload", MOTIR_QUEUE=QUEUE, **setting)
+    env = h.child_env(MOTIR_DATABASE_URL=url, MOTIR_IMPORTS="bench.workload", MOTIR_QUEUE=QUEUE, **setting)
     spec = json.dumps({"url": url, "queue": QUEUE, "runs": runs, "events": events})
     last = ""
     for attempt in range(2):  # the engine may be mid-edit in a work tree: one retry
-        done = subprocess.run([sys.executable, "-c", _CHILD, str(ROOT), spec], env=env, cwd=child_cwd(),
+        done = subprocess.run([sys.executable, "-c", _CHILD, str(h.ROOT), spec], env=env, cwd=h.child_cwd(),
                               capture_output=True, text=True, timeout=600)
         if done.returncode == 0:
             result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -205,27 +133,19 @@ def schedule(keys: list[str], rounds: int) -> list[str | None]:
 
 def pair(seq: list[str | None], results: list[dict[str, Any]], key: str) -> dict[str, Any]:
     """Each OFF of ``key`` against the mean of the ON measurements beside it."""
-    on_tp: list[float] = []
-    off_tp: list[float] = []
-    ratio: list[float] = []
-    on_p50: list[float] = []
-    off_p50: list[float] = []
-    delta: list[float] = []
-    on_cpu: list[float] = []
-    off_cpu: list[float] = []
+    xs: dict[str, list[float]] = {k: [] for k in ("on_tp", "off_tp", "ratios", "on_p50", "off_p50", "deltas",
+                                                  "on_cpu", "off_cpu")}
     for i, k in enumerate(seq):
-        if k != key:
-            continue
-        before, after, off = results[i - 1], results[i + 1], results[i]
-        tp = (before["tp"] + after["tp"]) / 2
-        p50 = (before["p50"] + after["p50"]) / 2
-        for xs, x in ((on_tp, tp), (off_tp, off["tp"]), (ratio, tp / off["tp"]),
-                      (on_p50, p50), (off_p50, off["p50"]), (delta, off["p50"] - p50),
-                      (on_cpu, (before["cpu_ms"] + after["cpu_ms"]) / 2), (off_cpu, off["cpu_ms"])):
-            xs.append(x)
-    return {"on_tp": median(on_tp), "off_tp": median(off_tp), "ratio": median(ratio), "ratios": ratio,
-            "on_p50": median(on_p50), "off_p50": median(off_p50), "delta": median(delta), "deltas": delta,
-            "on_cpu": median(on_cpu), "off_cpu": median(off_cpu)}
+        if k == key:
+            on = {m: (results[i - 1][m] + results[i + 1][m]) / 2 for m in ("tp", "p50", "cpu_ms")}
+            off = results[i]
+            for name, x in (("on_tp", on["tp"]), ("off_tp", off["tp"]), ("ratios", on["tp"] / off["tp"]),
+                            ("on_p50", on["p50"]), ("off_p50", off["p50"]), ("deltas", off["p50"] - on["p50"]),
+                            ("on_cpu", on["cpu_ms"]), ("off_cpu", off["cpu_ms"])):
+                xs[name].append(x)
+    medians = {k: h.median(v) for k, v in xs.items()}
+    return {**medians, "ratio": medians["ratios"], "delta": medians["deltas"], "ratios": xs["ratios"],
+            "deltas": xs["deltas"]}
 
 
 def verdict(row: dict[str, Any]) -> str:
@@ -246,7 +166,7 @@ def render(rows: dict[str, dict[str, Any]], skipped: list[Mechanism], meta: dict
     marked = False
     stopped = (f" of {meta['planned']} (stopped at the {meta['budget']:g} min budget)"
                if meta["rounds"] < meta["planned"] else "")
-    md = [BEGIN, "## Ablation: what each performance mechanism buys (generated)", "",
+    md = ["## Ablation: what each performance mechanism buys (generated)", "",
           "Generated by the suite's ablation, not by `python -m bench` (which keeps this section):", "",
           f"    {meta['command']}", "",
           f"{meta['date']}, `{meta['commit']}`, run took {meta['elapsed'] / 60:.1f} min, load average at start "
@@ -284,32 +204,15 @@ def render(rows: dict[str, dict[str, Any]], skipped: list[Mechanism], meta: dict
     if skipped:
         md += ["", "Not measured (the engine does not read the switch): "
                + ", ".join(f"`{m.var}`" for m in skipped) + "."]
-    md.append(END)
     return "\n".join(md) + "\n"
-
-
-def write_section(path: Path, section: str) -> None:
-    """Replace the section between the markers; the first time, put it just below the suite's notes marker."""
-    from bench.__main__ import NOTES_MARKER
-
-    old = path.read_text() if path.exists() else ""
-    if BEGIN in old and END in old:
-        head, rest = old.split(BEGIN, 1)
-        new = head + section.rstrip("\n") + rest.split(END, 1)[1]
-    elif NOTES_MARKER in old:
-        head, rest = old.split(NOTES_MARKER, 1)
-        new = head + NOTES_MARKER + "\n" + section + rest
-    else:
-        new = old + "\n" + NOTES_MARKER + "\n" + section
-    path.write_text(new)
 
 
 def _commit() -> str:
     if os.environ.get("BENCH_ENGINE_PATH"):
         return f"engine at {os.environ['BENCH_ENGINE_PATH']}"
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "motir_celery"], cwd=ROOT, capture_output=True,
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=h.ROOT, capture_output=True, text=True).stdout
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "motir_celery"], cwd=h.ROOT, capture_output=True,
                                text=True).stdout
         return "commit " + out.strip() + (" with uncommitted changes in motir_celery/" if dirty.strip() else "")
     except OSError:
@@ -326,16 +229,14 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=150, help="events per latency measurement")
     parser.add_argument("--only", help="comma-separated mechanisms: " + ",".join(m.key for m in MECHANISMS))
     parser.add_argument("--no-control", dest="control", action="store_false", help="skip the control row")
-    parser.add_argument("--output", default=str(ROOT / "docs" / "performance.md"),
+    parser.add_argument("--output", default=str(h.ROOT / "docs" / "performance.md"),
                         help="markdown file whose ablation section is rewritten ('-' for none)")
     parser.add_argument("--keep", action="store_true", help="keep the ablation database afterwards")
     parser.add_argument("--engine", help="path of another checkout whose motir_celery is measured")
     args = parser.parse_args()
     if args.engine:
         os.environ["BENCH_ENGINE_PATH"] = str(Path(args.engine).resolve())
-    for var in ("MOTIR_DATABASE_URL", "CELERY_BROKER_URL"):
-        if not os.environ.get(var):
-            sys.exit(f"set {var}")
+    h.need("MOTIR_DATABASE_URL", "CELERY_BROKER_URL")
     wanted = set(args.only.split(",")) if args.only else {m.key for m in MECHANISMS}
     unknown = wanted - {m.key for m in MECHANISMS}
     if unknown:
@@ -350,13 +251,12 @@ def main() -> None:
 
     started = time.perf_counter()
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    date = h.now()
 
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - started:6.0f}s] {msg}", flush=True)
 
-    os.environ.setdefault("BENCH_SERVER_URL", os.environ["MOTIR_DATABASE_URL"])
-    url = create_bench_database(DB)
+    db = h.Database.create(DB)
     defaults = {m.var: m.on for m in active}
     keys = [m.key for m in active] + ([CONTROL] if args.control else [])
     settings: dict[str | None, dict[str, str]] = {None: defaults, CONTROL: defaults}
@@ -377,7 +277,7 @@ def main() -> None:
                     f"past the {args.budget:g} min budget")
                 break
             load1 = os.getloadavg()[0]
-            r = _slot(url, settings[key], args.runs, args.events)
+            r = _slot(db.url, settings[key], args.runs, args.events)
             r["load1"] = load1
             seq.append(key)
             results.append(r)
@@ -387,10 +287,10 @@ def main() -> None:
             rounds_done = args.rounds
     finally:
         if not args.keep:
-            drop_database(DB)
+            db.drop()
     rows = {key: pair(seq, results, key) for key in keys}
     elapsed = time.perf_counter() - started
-    command = ("python -m bench.ablation " + " ".join(a for a in sys.argv[1:])).strip()
+    command = h.command("bench.ablation").strip()
     load += " (at the end: " + " ".join(f"{x:.2f}" for x in os.getloadavg()) + ")"
     meta = {"command": command, "date": date, "commit": _commit(), "elapsed": elapsed, "load": load,
             "runs": args.runs, "events": args.events, "rounds": rounds_done, "planned": args.rounds,
@@ -401,7 +301,7 @@ def main() -> None:
     print()
     print(section.replace("**", ""))
     if args.output != "-":
-        write_section(Path(args.output), section)
+        h.write_between(Path(args.output), BEGIN, END, section, anchor=h.NOTES_MARKER)
         print(f"written to {args.output} (raw numbers: /tmp/bench-ablation.json)")
 
 

@@ -1,90 +1,62 @@
 """Where a durable run's wall time goes inside a worker: the pool child's cycle.
 
-    python -m bench.cycle --runs 3000 --rounds 3
+    python -m bench.cycle --runs 3000 --rounds 3 [--late-acks]
 
-One worker (prefork, concurrency 2) drains a queued backlog. Every attempt's
-ledger row (``job_run``) carries the claim's ``now()`` (``started_at``), the
-settle's ``now()`` (``finished_at``) and the pool child that ran it
-(``worker`` = node/pid), so for each child, from the database alone:
-
-* **exec** — claim to settle of one run: the engine's own part (three step
-  bodies, two flushed step writes; the settle, which stores the third
-  step with the result, commits after it);
-* **hop** — settle of one run to the claim of the next on the same child:
-  the settle's commit, the task returning to Celery, the result and the ack
-  in the worker's main process, the next message and its dispatch, and the
-  runner's set-up before its claim.
-
-Plain Celery's whole cycle per child (concurrency / drain rate) is measured in
-the same round, alternating with the durable side. ``--late-acks`` runs both
-sides with late acknowledgements (the engine's default before early acks).
-Not part of ``python -m bench``: docs/performance.md quotes it in its notes.
+One worker (prefork x 2) drains a queued backlog. Every attempt's ``job_run`` row holds
+the claim's ``now()`` (``started_at``), the settle's (``finished_at``) and the pool child
+(``worker``), so per child, from the database alone: **exec**, claim to settle of one run
+(the engine's part: three step bodies, two flushed step writes, the settle); **hop**,
+settle of one run to the claim of the next on the same child (the task returning to
+Celery, the ack, the next message, the runner's set-up). Plain Celery's whole cycle per
+child (concurrency / drain rate) is measured in the same rounds, taking turns.
+``--late-acks`` runs both sides with late acknowledgements.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 
-from sqlalchemy import create_engine, text
-from sqlalchemy.pool import NullPool
+from bench import harness as h
 
-from bench.stats import median
-
-_PER_CHILD = text(
-    """
+PER_CHILD = """
     WITH r AS (
       SELECT worker, started_at, finished_at,
              lag(finished_at) OVER (PARTITION BY worker ORDER BY started_at) AS previous_settle
       FROM job_run
     )
-    SELECT worker,
-           percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM finished_at - started_at)) AS exec_s,
-           percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM started_at - previous_settle)) AS hop_s
+    SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM finished_at - started_at)),
+           percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM started_at - previous_settle))
     FROM r GROUP BY worker
-    """
-)
-
-
-def per_child(url: str) -> tuple[float, float]:
-    """Median exec and hop (seconds) over the pool children of the last drain."""
-    engine = create_engine(url, poolclass=NullPool)
-    with engine.connect() as conn:
-        rows = conn.execute(_PER_CHILD).all()
-    engine.dispose()
-    return median([r.exec_s for r in rows]), median([r.hop_s for r in rows])
+"""
 
 
 def main() -> None:
-    from bench.__main__ import prepare_environment
-    from bench.throughput import motir_round, plain_round
-
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = h.parser("bench.cycle", __doc__, write=None)
     parser.add_argument("--runs", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--late-acks", action="store_true", help="both sides with task_acks_late")
     args = parser.parse_args()
-    url = prepare_environment()
-    app = "motir_celery"
+    h.need("MOTIR_DATABASE_URL", "CELERY_BROKER_URL")
     if args.late_acks:
-        os.environ["BENCH_LATE_ACKS"] = "1"  # read by bench.plain_app in its workers
-        app = "bench.motir_lateacks_app"
+        os.environ["BENCH_LATE_ACKS"] = "1"  # read by both apps in their workers
     concurrency = 2
-    execs, hops, cycles, plain_cycles = [], [], [], []
-    for _ in range(args.rounds):
-        rate = motir_round(url, args.runs, 1, concurrency, app=app)
-        exec_s, hop_s = per_child(url)
-        execs.append(exec_s)
-        hops.append(hop_s)
-        cycles.append(concurrency / rate)
-        plain_cycles.append(concurrency / plain_round(args.runs, 1, concurrency))
-    ms = lambda xs: f"{median(xs) * 1e3:5.2f} ms  ({', '.join(f'{x * 1e3:.2f}' for x in xs)})"  # noqa: E731
+    with h.Database.create("motir_bench_cycle") as db:
+        motir = h.Motir(db, app="bench.motir_app" if args.late_acks else "motir_celery")
+
+        def durable() -> tuple[float, float, float]:
+            rate = h.drain(motir, args.runs, 1, concurrency).rate
+            per_child = db.rows(PER_CHILD)
+            return h.median(r[0] for r in per_child), h.median(r[1] for r in per_child), concurrency / rate
+
+        rounds = h.interleave({"motir": durable, "plain": lambda: concurrency / h.drain(h.Plain(), args.runs).rate},
+                              args.rounds)
     acks = "late" if args.late_acks else "early (default)"
     print(f"pool child cycle, 1 worker x {concurrency}, {acks} acks, {args.runs} runs x {args.rounds} rounds (medians)")
-    print(f"  motir: claim -> settle (exec)           {ms(execs)}")
-    print(f"  motir: settle -> next claim (hop)       {ms(hops)}")
-    print(f"  motir: whole cycle (2 / runs per s)     {ms(cycles)}")
-    print(f"  plain Celery: whole cycle               {ms(plain_cycles)}")
+    for label, xs in (("motir: claim -> settle (exec)", [r[0] for r in rounds["motir"]]),
+                      ("motir: settle -> next claim (hop)", [r[1] for r in rounds["motir"]]),
+                      ("motir: whole cycle (2 / runs per s)", [r[2] for r in rounds["motir"]]),
+                      ("plain Celery: whole cycle", rounds["plain"])):
+        print(f"  {label:<38} {h.median(xs) * 1e3:5.2f} ms  ({', '.join(f'{x * 1e3:.2f}' for x in xs)})")
 
 
 if __name__ == "__main__":

@@ -1,112 +1,78 @@
 """Per-call cost of ``job.delay()`` against Celery's own ``task.delay()``, in the same run.
 
-    MOTIR_DATABASE_URL=postgresql+psycopg://postgres@127.0.0.1:5432/postgres \
-    CELERY_BROKER_URL=redis://127.0.0.1:6379/0 .venv/bin/python -m bench.delay_cost [--calls 2000]
+    python -m bench.delay_cost [--calls 2000] [--rounds 5]
 
-No worker: what a call site pays. Celery's ``delay`` publishes one message
-(kombu). Ours writes the run — one statement, its own committed (flushed)
-transaction: the event with the arguments and the run — then publishes its
-message; ``task_id=`` adds nothing on a first call; ``delay_async`` is the same
-write over psycopg's async connection, awaited one after the other. The
-variants take turns in rounds (``--rounds``), so drift of a shared machine
-touches all of them; the median per call of each is printed, and the ratio to
-Celery's. Informative, not a pass/fail: the difference is the Postgres commit,
-which is what makes the run durable (Celery's message alone is not).
-
-A fresh database (``motir_bench_delay``) is created and dropped; the two
-queues it publishes to are purged at the end.
+No worker: what a call site pays. Celery's ``delay`` publishes one message. Ours writes
+the run (one statement in its own flushed transaction: the event with the arguments and
+the run), then publishes its message; ``task_id=`` adds nothing on a first call;
+``delay_async`` is the same write over psycopg's async connection. The variants take
+turns in rounds; the median per call of each and its ratio to Celery's are printed. The
+difference is the Postgres commit, which is what makes the run durable.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
-import statistics
 import time
 import uuid
 from typing import Any, Callable
 
-from bench.common import create_bench_database, drop_database
+from celery import Celery
 
-DB = "motir_bench_delay"
+from bench import harness as h
+from motir_celery import define_job
+from motir_celery.store.db import dispose_engines
+
 PLAIN_QUEUE, MOTIR_QUEUE = "bench-delay-plain", "bench-delay-motir"
-
-
-def _timed(fn: Callable[[int], Any], calls: int) -> list[float]:
-    out = []
-    for i in range(calls):
-        started = time.perf_counter()
-        fn(i)
-        out.append(time.perf_counter() - started)
-    return out
 
 
 async def _timed_async(fn: Callable[[int], Any], calls: int) -> list[float]:
     out = []
     for i in range(calls):
-        started = time.perf_counter()
+        t0 = time.perf_counter()
         await fn(i)
-        out.append(time.perf_counter() - started)
+        out.append(time.perf_counter() - t0)
     return out
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = h.parser("bench.delay_cost", __doc__, write=None)
     parser.add_argument("--calls", type=int, default=2000, help="calls per variant (default 2000)")
     parser.add_argument("--rounds", type=int, default=5, help="turns the variants take (default 5)")
     opts = parser.parse_args()
-    broker = os.environ["CELERY_BROKER_URL"]
-    os.environ.setdefault("BENCH_SERVER_URL", os.environ["MOTIR_DATABASE_URL"])  # the server, for the drop
-    url = create_bench_database(DB)
-    os.environ["MOTIR_DATABASE_URL"] = url
-    os.environ["MOTIR_QUEUE"] = MOTIR_QUEUE
-    from celery import Celery
+    h.need("MOTIR_DATABASE_URL", "CELERY_BROKER_URL")
+    with h.Database.create("motir_bench_delay") as db:
+        h.use_engine(db.url, MOTIR_QUEUE, imports="")
+        plain = Celery("bench_plain", broker=os.environ["CELERY_BROKER_URL"], set_as_current=False)
+        plain.conf.update(task_default_queue=PLAIN_QUEUE, task_ignore_result=True)
 
-    import motir_celery
-    from motir_celery import define_job
-    from motir_celery.settings import reset_settings
-    from motir_celery.store.db import dispose_engines
+        @plain.task(name="bench.plain.noop")
+        def noop(order_id: int) -> None: ...
 
-    reset_settings()
-    plain = Celery("bench_plain", broker=broker, set_as_current=False)
-    plain.conf.update(task_default_queue=PLAIN_QUEUE, task_ignore_result=True)
+        @define_job("bench.delay.noop", retry_policy="none")
+        def durable(step: Any, order_id: int) -> None: ...
 
-    @plain.task(name="bench.plain.noop")
-    def noop(order_id: int) -> None: ...
-
-    @define_job("bench.delay.noop", retry_policy="none")
-    def durable(step: Any, order_id: int) -> None: ...
-
-    motir_app = motir_celery.app  # the engine's app, built from the environment
-    per_round = max(1, opts.calls // opts.rounds)
-    variants: dict[str, Callable[[int], Any]] = {
-        "celery task.delay()": lambda i: noop.delay(i),
-        "motir job.delay()": lambda i: durable.delay(i),
-        "motir job.apply_async(task_id=)": lambda i: durable.apply_async(args=[i], task_id=str(uuid.uuid4())),
-    }
-    timings: dict[str, list[float]] = {name: [] for name in [*variants, "motir await job.delay_async()"]}
-    try:
-        for fn in variants.values():  # warm up: connections, the Redis lane's plan, imports
-            _timed(fn, 20)
-        asyncio.run(_timed_async(lambda i: durable.delay_async(i), 20))
-        for _ in range(opts.rounds):
-            for name, fn in variants.items():
-                timings[name] += _timed(fn, per_round)
-            timings["motir await job.delay_async()"] += asyncio.run(
-                _timed_async(lambda i: durable.delay_async(i), per_round))
-    finally:
-        for app, queue in ((plain, PLAIN_QUEUE), (motir_app, MOTIR_QUEUE)):
-            with app.connection_for_write() as conn:
-                conn.default_channel.queue_purge(queue)
-        dispose_engines()
-        drop_database(DB)
-    base = statistics.median(timings["celery task.delay()"])
-    print(f"per-call cost, median of {per_round * opts.rounds} calls each ({opts.rounds} rounds), broker {broker}:")
-    for name, samples in timings.items():
-        med = statistics.median(samples)
-        p99 = sorted(samples)[int(len(samples) * 0.99) - 1]
-        print(f"  {name:34s} {med * 1e6:8.0f} us   p99 {p99 * 1e6:8.0f} us   x{med / base:.2f} of Celery's delay()")
+        n = max(1, opts.calls // opts.rounds)
+        variants: dict[str, Callable[[], list[float]]] = {
+            "celery task.delay()": lambda: h.timed(lambda i: noop.delay(i), n),
+            "motir job.delay()": lambda: h.timed(lambda i: durable.delay(i), n),
+            "motir job.apply_async(task_id=)": lambda: h.timed(
+                lambda i: durable.apply_async(args=[i], task_id=str(uuid.uuid4())), n),
+            "motir await job.delay_async()": lambda: asyncio.run(_timed_async(lambda i: durable.delay_async(i), n)),
+        }
+        try:
+            for warm in variants.values():  # connections, the Redis lane's plan, imports
+                warm()
+            rounds = h.interleave(variants, opts.rounds)
+        finally:
+            h.purge_queue(PLAIN_QUEUE)
+            h.purge_queue(MOTIR_QUEUE)
+            dispose_engines()
+    samples = {name: [x for r in rs for x in r] for name, rs in rounds.items()}
+    print(f"per-call cost, median of {n * opts.rounds} calls each ({opts.rounds} rounds), us; p99 "
+          + ", ".join(f"{k} {h.percentile(v, 99) * 1e6:.0f}" for k, v in samples.items()))
+    h.report({k: [h.median(r) for r in rs] for k, rs in rounds.items()}, "celery task.delay()", "us", 1e6, 0)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def _ledger() -> psycopg.Connection[Any]:
 
 
 def _effect(event: Any, name: str) -> dict[str, str]:
-    host = os.environ.get("FLEET_HOST") or socket.gethostname()
+    host = os.environ.get("BENCH_HOST") or socket.gethostname()
     _ledger().execute("INSERT INTO bench.side_effect (run_id, step, attempt, host, pid) VALUES (%s, %s, %s, %s, %s)",
                       (str(event.run_id), name, event.attempt, host, os.getpid()))
     return {"step": name, "host": host}

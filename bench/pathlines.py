@@ -3,9 +3,9 @@
     python -m bench.pathlines
 
 Counts the code lines (not blank, not a comment, not a module docstring or an
-import) of the definitions on that path: the task (``adapter/celery_app._register``),
-the runner, the step's run path (``steps.StepRun`` and ``encode_json``), the hot
-statements and the driver.
+import) of the definitions on that path: the task (``adapter/celery_app.run_job`` and
+``_register``), the runner, the step's run path (``steps.StepRun`` and ``encode_json``),
+the hot statements (``store/sql/worker.py``, the ``Claim`` record) and the driver.
 Issue 16's budget: about 450 lines across at most 5 files.
 """
 
@@ -18,12 +18,13 @@ ROOT = Path(__file__).resolve().parent.parent / "motir_celery"
 
 #: file -> the top-level definitions on the path (None: the whole module).
 PATH: dict[str, set[str] | None] = {
-    "adapter/celery_app.py": {"_register"},
-    "core/runner.py": None,
-    "core/steps.py": {"encode_json", "StepRun", "_SURROGATE", "SEPARATOR", "MAX_STEP_ID", "T"},
-    "store/statements.py": {"Claim", "CLAIM", "claim", "STORE_STEP", "store_step", "SETTLE_SUCCEEDED",
-                            "settle_succeeded", "_SETTLE_RETRY", "settle_retry", "_DLQ_INSERT", "_SETTLE_FAILED",
-                            "settle_failed", "_RUN_STATE", "why_fenced"},
+    "adapter/celery_app.py": {"run_job", "_register"},
+    "core/worker/runner.py": None,
+    "core/worker/steps.py": {"encode_json", "StepRun", "_SURROGATE", "SEPARATOR", "MAX_STEP_ID", "T"},
+    "store/sql/worker.py": {"CLAIM", "claim", "STORE_STEP", "store_step", "SETTLE_SUCCEEDED", "settle_succeeded",
+                            "SETTLE_RETRY", "settle_retry", "SETTLE_FAILED", "settle_failed", "RUN_STATE",
+                            "why_fenced"},
+    "store/records.py": {"Claim"},
     "store/driver.py": None,
 }
 

@@ -14,7 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, child_env
+from bench import harness as h
+
+ROOT = h.ROOT
 
 VENV = ROOT / "bench" / ".peers-venv"
 REQUIREMENTS = ["procrastinate==3.10.0", "dbos==3.4.0", "psycopg[binary]==3.3.9"]
@@ -46,7 +48,7 @@ def versions() -> dict[str, str]:
 
 def run(module: str, *args: str, timeout: float = 1800) -> dict[str, Any]:
     proc = subprocess.run([str(PYTHON), "-m", module, *map(str, args)], capture_output=True, text=True,
-                          env=child_env(), cwd=ROOT, timeout=timeout)
+                          env=h.child_env(), cwd=ROOT, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{module} {' '.join(map(str, args))} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,51 +1,20 @@
 """What one Postgres carries (issue 19): the database's work per run, and a model of the bounds.
 
-    python -m bench.pgcost                      # 1, 2 and 4 worker processes (+ 4 across a checkpoint), 2,000 runs each
-    python -m bench.pgcost --runs 300 --procs 1,2 --no-write
+    python -m bench.pgcost [--runs 2000 --procs 1,2,4] [--no-checkpoint-point] [--no-write]
 
-Needs CELERY_BROKER_URL (Redis; a queue of its own, ``bench-pgcost-<random>``). It does
-**not** use the machine's Postgres: it starts a private server of its own
-(``tests.chaos.harness.PrivatePostgres``) with ``fsync``, ``full_page_writes`` and
-``synchronous_commit`` on (realistic WAL and commits), ``pg_stat_statements`` preloaded
-(``track=all``), ``track_io_timing`` on, and ``checkpoint_timeout`` / ``max_wal_size``
-large enough that no checkpoint falls inside a measurement. The server is stopped and
-its folder removed at the end, also on error.
-
-The job is ``bench.three`` (``bench/workload.py``): an event-triggered job of three
-trivial steps, the suite's representative workload. Each point runs **one** ``celery
-worker -P prefork -c N`` (one host of N processes). Per point:
-
-1. empty the tables, ``CHECKPOINT`` (every point starts at the same place of the
-   checkpoint cycle: the first write of a page after it is a full-page image);
-2. start the worker, drain 50 warm-up runs (connections, prepared statements and
-   caches are made outside the measurement);
-3. **producer**: ``--runs`` events sent one by one with ``send_event`` (one transaction
-   each, as an application sends them), as a login of its own (``motir_bench_producer``,
-   a superuser like the workers' ``postgres``), so ``pg_stat_statements`` tells its
-   statements from the workers'. Messages are published only after this phase (Redis
-   only: no database work), so the producer and the drain are measured apart;
-4. **drain**: the messages are published and the warm worker drains them.
-
-Between snapshots: ``pg_stat_statements`` is reset and read (top-level statements of the
-bench database), and deltas are taken of ``pg_stat_wal``, ``pg_stat_database``
-(``xact_commit``), ``pg_current_wal_lsn()``, the XIDs assigned
-(``pg_snapshot_xmax(pg_current_snapshot())``: transactions that wrote) and the server's
-CPU. ``pg_waldump --stats=record`` over the measured WAL gives its make-up (full-page
-images against records, by record type). A snapshot is taken 2 s after the last
-transaction, so the backends' cumulative statistics (flushed at most once a second by an
-idle backend) are in it.
-
-Postgres CPU is utime + stime from ``/proc/<pid>/stat`` (clock ticks) of: the postmaster
-itself, every live child of the postmaster (client backends, checkpointer, background
-writer, WAL writer, autovacuum launcher and workers, stats) at both ends, plus the
-postmaster's cutime + cstime (the children it reaped during the window: short-lived
-backends and autovacuum workers are not lost).
+A private Postgres (``harness.private_postgres``: ``fsync``, ``full_page_writes``,
+``synchronous_commit`` on, ``pg_stat_statements`` preloaded, no checkpoint inside a
+measurement). Per point, one ``celery worker -P prefork -c N`` on ``bench.three``: empty
+tables and a ``CHECKPOINT``; 50 warm-up runs; the **producer** (``send_event`` one by one,
+as a login of its own, messages held back); the **drain** (the messages published, the warm
+worker drains them). Between snapshots: ``pg_stat_statements`` (reset, read), deltas of
+``pg_stat_wal``, ``pg_stat_database``, the WAL position, the XIDs assigned and the whole
+server's CPU (``harness.read_cpu`` of the postmaster's tree, reaped children included; the
+bench's own backends left out); ``pg_waldump --stats=record`` gives the WAL's make-up.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import re
 import statistics
 import subprocess
@@ -53,20 +22,18 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import psycopg
 
-from bench.common import celery_workers, child_env, purge, succeeded, truncate, wait_for, write_block
+from bench import harness as h
 
 DB = "motir_bench_pgcost"
 PRODUCER = "motir_bench_producer"
 MONITOR = "motir_bench_monitor"
 JOB = "bench.three"
 WARMUP = 50
-TICKS = os.sysconf("SC_CLK_TCK")
 SERVER_SETTINGS = (
     "fsync=on", "full_page_writes=on", "synchronous_commit=on",
     "shared_preload_libraries=pg_stat_statements", "pg_stat_statements.track=all", "track_io_timing=on",
@@ -84,62 +51,6 @@ HATCHET_URL = "https://news.ycombinator.com/item?id=43572733"
 HATCHET_TX_PER_TASK = 5
 
 
-# --- the server's processes -------------------------------------------------------------------
-
-
-def _stat(pid: int) -> list[str] | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""
-
-
-@dataclass
-class Cpu:
-    """Ticks: the postmaster's own and reaped children's, and each live child's (utime + stime)."""
-
-    postmaster: int
-    reaped: int
-    live: dict[int, int]
-    kinds: dict[int, str]
-
-
-def server_cpu(postmaster: int) -> Cpu:
-    """After ``rsplit(")")``, index 1 is ppid (field 4), 11/12 utime/stime, 13/14 cutime/cstime."""
-    own = _stat(postmaster)
-    assert own is not None, "the private postmaster is gone"
-    live, kinds = {}, {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        fields = _stat(int(entry))
-        if fields is None or int(fields[1]) != postmaster:
-            continue
-        pid = int(entry)
-        live[pid] = int(fields[11]) + int(fields[12])
-        cmd = _cmdline(pid)
-        kinds[pid] = "client" if (f" {DB} " in f"{cmd} " or "postgres postgres" in cmd) else "background"
-    return Cpu(int(own[11]) + int(own[12]), int(own[13]) + int(own[14]), live, kinds)
-
-
-def cpu_delta_ms(a: Cpu, b: Cpu, exclude: tuple[int, ...] = ()) -> tuple[float, float]:
-    """(total, of which live background processes) in ms between two readings. A child
-    that exited in between is in b.reaped whole; its share before ``a`` is taken off.
-    ``exclude``: live backends left out (the bench's own monitor and snapshot connections)."""
-    gone = sum(t for pid, t in a.live.items() if pid not in b.live)
-    total = (b.postmaster - a.postmaster) + (b.reaped - a.reaped) - gone
-    total += sum(t - a.live.get(pid, 0) for pid, t in b.live.items() if pid not in exclude)
-    background = sum(t - a.live.get(pid, 0) for pid, t in b.live.items() if b.kinds[pid] == "background")
-    return total * 1000 / TICKS, background * 1000 / TICKS
-
-
 # --- snapshots --------------------------------------------------------------------------------
 
 
@@ -150,10 +61,10 @@ class Snap:
     wal: dict[str, float]
     db: dict[str, int]
     xid: int
-    cpu: Cpu
+    cpu: h.Reading
 
 
-def snapshot(admin: psycopg.Connection[Any], postmaster: int) -> Snap:
+def snapshot(admin: psycopg.Connection[Any], postmaster: int, mine: tuple[int, ...]) -> Snap:
     wal = admin.execute("SELECT wal_records, wal_fpi, wal_bytes, wal_buffers_full, wal_write, wal_sync,"
                         " wal_write_time, wal_sync_time FROM pg_stat_wal").fetchone()
     db = admin.execute("SELECT xact_commit, xact_rollback, blks_hit, blks_read FROM pg_stat_database"
@@ -164,7 +75,8 @@ def snapshot(admin: psycopg.Connection[Any], postmaster: int) -> Snap:
     assert wal is not None and db is not None
     names = ("records", "fpi", "bytes", "buffers_full", "write", "sync", "write_time", "sync_time")
     return Snap(time.monotonic(), lsn, {**dict(zip(names, map(float, wal))), "lsn_bytes": float(lsn_bytes)},
-                dict(zip(("commit", "rollback", "hit", "read"), map(int, db))), int(xid), server_cpu(postmaster))
+                dict(zip(("commit", "rollback", "hit", "read"), map(int, db))), int(xid),
+                h.read_cpu([postmaster], exclude=mine))
 
 
 def read_statements(admin: psycopg.Connection[Any]) -> list[dict[str, Any]]:
@@ -207,11 +119,14 @@ class Phase:
 
     @classmethod
     def between(cls, a: Snap, b: Snap, runs: int, statements: list[dict[str, Any]],
-                walstats: dict[str, tuple[int, int, int]], exclude: tuple[int, ...], polls: int) -> "Phase":
-        cpu, background = cpu_delta_ms(a.cpu, b.cpu, exclude)
+                walstats: dict[str, tuple[int, int, int]], polls: int) -> "Phase":
+        """The live children but client backends (of the bench database, or of the ``postgres``
+        login) are the server's background processes: checkpointer, WAL writer, autovacuum..."""
+        background = [pid for pid in b.cpu.ticks if pid != b.cpu.roots[0]
+                      and f" {DB} " not in f"{h.cmdline(pid)} " and "postgres postgres" not in h.cmdline(pid)]
         return cls(runs, b.at - a.at, [s for s in statements if s["role"] != MONITOR],
                    {k: b.wal[k] - a.wal[k] for k in a.wal}, b.db["commit"] - a.db["commit"] - polls,
-                   b.xid - a.xid, cpu, background, walstats)
+                   b.xid - a.xid, h.cpu_ms(a.cpu, b.cpu), h.cpu_ms(a.cpu, b.cpu, only=background), walstats)
 
 
 @dataclass
@@ -255,32 +170,9 @@ class Point:
 # --- the measurement ----------------------------------------------------------------------------
 
 
-class Monitor:
-    """How many runs succeeded, polled on one connection of its own login (``motir_bench_monitor``):
-    its statements are left out of ``pg_stat_statements``' figures, its transactions counted and
-    taken off the commits, its backend's CPU taken off the server's."""
-
-    def __init__(self, port: int) -> None:
-        self.conn = psycopg.connect(f"host=127.0.0.1 port={port} user={MONITOR} dbname={DB}", autocommit=True)
-        self.pid = int(self.conn.execute("SELECT pg_backend_pid()").fetchone()[0])  # type: ignore[index]
-        self.polls = 0
-
-    def succeeded(self) -> int:
-        self.polls += 1
-        row = self.conn.execute("SELECT count(*) FROM job_queue WHERE state = 'succeeded'").fetchone()
-        return int(row[0]) if row else 0
-
-    def close(self) -> None:
-        self.conn.close()
-
-
 #: An idle backend that flushed its statistics less than a second ago flushes the rest after
 #: 10 s (PGSTAT_IDLE_INTERVAL); one that exits flushes at once.
 IDLE_FLUSH = 11.0
-
-
-def _quiet(seconds: float) -> None:
-    time.sleep(seconds)
 
 
 def _gone(admin: psycopg.Connection[Any], login: str, timeout: float = 60) -> None:
@@ -295,98 +187,57 @@ def _gone(admin: psycopg.Connection[Any], login: str, timeout: float = 60) -> No
     time.sleep(0.5)
 
 
-def _send(runs: int, offset: int) -> list[uuid.UUID]:
-    """``runs`` events, one ``send_event`` (one transaction) each, messages not published."""
-    from motir_celery.core.producer.events import send_event
-
-    ids: list[uuid.UUID] = []
-    for n in range(offset, offset + runs):
-        ids.extend(send_event(JOB, {"n": n, "workspace_id": f"ws-{n % 8}"}, publish=None).run_ids)
-    return ids
-
-
-def _publish(ids: list[uuid.UUID]) -> None:
-    from motir_celery.adapter.celery_app import default_app, publisher
-
-    publish = publisher(default_app())
-    for run_id in ids:
-        publish(run_id, JOB, 0.0)
-
-
-def _finished(url: str, ids: list[uuid.UUID]) -> list[float]:
-    with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://", 1), autocommit=True) as conn:
-        rows = conn.execute("SELECT extract(epoch FROM finished_at)::float8, state FROM job_queue"
-                            " WHERE id = ANY(%s)", ([str(i) for i in ids],)).fetchall()
-    bad = [r for r in rows if r[1] != "succeeded"]
-    if bad or len(rows) != len(ids):
-        raise RuntimeError(f"{len(bad)} runs did not succeed, {len(ids) - len(rows)} missing")
-    return [float(r[0]) for r in rows]
-
-
-def measure(pg: Any, admin: psycopg.Connection[Any], worker_url: str, queue: str, procs: int,
+def measure(pg: Any, admin: psycopg.Connection[Any], db: h.Database, producer_url: str, queue: str, procs: int,
             runs: int, timeout: float, *, checkpoint_between: bool = False) -> Point:
-    from bench.stats import drain_rate
-    from motir_celery.adapter.celery_app import default_app
     from motir_celery.store.db import dispose_engines
 
-    postmaster = int((pg.data / "postmaster.pid").read_text().split()[0])
-    truncate(worker_url)
-    purge(default_app(), queue)
+    motir = h.Motir(db, queue=queue, sender_url=producer_url)
+    motir.reset()
     admin.execute("CHECKPOINT")
-    env = child_env(MOTIR_DATABASE_URL=worker_url, PYTHONUNBUFFERED="1")
-    tag = f"pgcost{procs}"
-    monitor = Monitor(pg.port)
-    try:
-        with celery_workers("motir_celery", queue, 1, procs, env, tag=tag) as workers:
-            _publish(_send(WARMUP, 0))
-            wait_for(lambda: succeeded(worker_url) >= WARMUP, workers, timeout=180, tag=tag)
-            dispose_engines()
-            _quiet(IDLE_FLUSH)  # the workers' backends stay: their warm-up statistics must be in s0
-            admin.execute("SELECT pg_stat_statements_reset()")
-            s0 = snapshot(admin, postmaster)
-            ids = _send(runs, WARMUP)
-            dispose_engines()  # the producer's backend exits: its statistics are flushed
-            _gone(admin, PRODUCER)
-            produced = read_statements(admin)
-            if checkpoint_between:  # the backlog's pages were last written before a checkpoint
-                admin.execute("CHECKPOINT")
-            admin.execute("SELECT pg_stat_statements_reset()")
-            s1 = snapshot(admin, postmaster)
-            _publish(ids)
-            wait_for(lambda: monitor.succeeded() >= WARMUP + runs, workers, timeout=timeout, tag=tag, poll=0.2)
-            polls = monitor.polls
-        _gone(admin, "postgres")  # the workers stopped: their backends exited, statistics flushed
-        drained = read_statements(admin)
-        s2 = snapshot(admin, postmaster)
-        mine = (monitor.pid, int(admin.execute("SELECT pg_backend_pid()").fetchone()[0]))  # type: ignore[index]
-        producer = Phase.between(s0, s1, runs, produced, waldump(pg.bindir, pg.data, s0.lsn, s1.lsn), mine, 0)
-        drain = Phase.between(s1, s2, runs, drained, waldump(pg.bindir, pg.data, s1.lsn, s2.lsn), mine, polls)
-    finally:
-        monitor.close()
-    return Point(procs, runs, drain_rate(_finished(worker_url, ids)), producer, drain, checkpoint_between)
+    data = lambda n: {"n": n, "workspace_id": f"ws-{n % 8}"}  # noqa: E731
+    mine = (db.monitor_pid, admin.info.backend_pid)  # the bench's own backends: left out of the CPU
+    with motir.workers(1, procs, f"pgcost{procs}") as workers:
+        h.publish_runs(h.send(WARMUP, JOB, data=data), JOB)
+        h.settle(motir, workers, WARMUP, timeout=180)
+        dispose_engines()
+        time.sleep(IDLE_FLUSH)  # the workers' backends stay: their warm-up statistics must be in s0
+        admin.execute("SELECT pg_stat_statements_reset()")
+        s0 = snapshot(admin, h.postmaster(pg), mine)
+        ids = h.send(runs, JOB, offset=WARMUP, data=data)
+        dispose_engines()  # the producer's backend exits: its statistics are flushed
+        _gone(admin, PRODUCER)
+        produced = read_statements(admin)
+        if checkpoint_between:  # the backlog's pages were last written before a checkpoint
+            admin.execute("CHECKPOINT")
+        admin.execute("SELECT pg_stat_statements_reset()")
+        s1 = snapshot(admin, h.postmaster(pg), mine)
+        polls = db.polls
+        h.publish_runs(ids, JOB)
+        h.settle(motir, workers, WARMUP + runs, timeout=timeout, poll=0.2)
+        polls = db.polls - polls
+    _gone(admin, "postgres")  # the workers stopped: their backends exited, statistics flushed
+    drained = read_statements(admin)
+    s2 = snapshot(admin, h.postmaster(pg), mine)
+    producer = Phase.between(s0, s1, runs, produced, waldump(pg.bindir, pg.data, s0.lsn, s1.lsn), 0)
+    drain = Phase.between(s1, s2, runs, drained, waldump(pg.bindir, pg.data, s1.lsn, s2.lsn), polls)
+    return Point(procs, runs, h.drain_rate(db.finished(ids).values()), producer, drain, checkpoint_between)
 
 
-def start_server() -> tuple[Any, str, str]:
-    """The private server, its bench database migrated, the producer's login; (server, worker URL, producer URL)."""
+def start_server(pg: Any) -> tuple[h.Database, str]:
+    """The bench database on the private server, migrated, and the producer's login; (database, producer URL)."""
+    with h.connect(pg.url()) as c:
+        c.execute(f'CREATE DATABASE "{DB}"')
+        c.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")  # the admin's reads and resets
+        for role in (PRODUCER, MONITOR):
+            c.execute(f'CREATE ROLE "{role}" LOGIN SUPERUSER')
+    worker_url = pg.url(DB)
+    with h.connect(worker_url) as c:
+        c.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
     from motir_celery.store.migrate import upgrade
-    from tests.chaos.harness import PrivatePostgres
 
-    pg = PrivatePostgres(settings=SERVER_SETTINGS)
-    try:
-        pg.init()
-        with psycopg.connect(f"host=127.0.0.1 port={pg.port} user=postgres dbname=postgres", autocommit=True) as c:
-            c.execute(f'CREATE DATABASE "{DB}"')
-            c.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
-            c.execute(f'CREATE ROLE "{PRODUCER}" LOGIN SUPERUSER')
-            c.execute(f'CREATE ROLE "{MONITOR}" LOGIN SUPERUSER')
-        worker_url = pg.url(DB)
-        with psycopg.connect(f"host=127.0.0.1 port={pg.port} user=postgres dbname={DB}", autocommit=True) as c:
-            c.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
-        upgrade(worker_url)
-    except BaseException:
-        pg.close()
-        raise
-    return pg, worker_url, worker_url.replace("//postgres@", f"//{PRODUCER}@", 1)
+    upgrade(worker_url)
+    db = h.Database(worker_url, monitor_url=worker_url.replace("//postgres@", f"//{MONITOR}@", 1))
+    return db, worker_url.replace("//postgres@", f"//{PRODUCER}@", 1)
 
 
 # --- the model ------------------------------------------------------------------------------------
@@ -592,19 +443,8 @@ def render(points: list[Point], a: Assumptions, *, command: str, started: str, m
     return "\n".join(lines)
 
 
-def _machine(pg_version: str) -> str:
-    import platform
-
-    try:
-        load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        load = "?"
-    return (f"{platform.machine()}, {os.cpu_count()} cores shared with other work (load at start {load}), "
-            f"Postgres {pg_version}, Python {platform.python_version()}")
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.pgcost", description=__doc__.split("\n\n")[0])
+    parser = h.parser("bench.pgcost", __doc__)
     parser.add_argument("--runs", type=int, default=2000, help="measured runs per point")
     parser.add_argument("--procs", default="1,2,4", help="worker processes per point (prefork -c)")
     parser.add_argument("--host-procs", type=int, default=Assumptions.host_procs)
@@ -617,61 +457,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-checkpoint-point", action="store_true",
                         help="skip the extra point whose backlog spans a CHECKPOINT")
     parser.add_argument("--timeout", type=float, default=600)
-    parser.add_argument("--no-write", action="store_true", help="print the tables, leave docs/scaling.md")
     args = parser.parse_args(argv)
-    if not os.environ.get("CELERY_BROKER_URL"):
-        parser.error("CELERY_BROKER_URL must be set (Redis)")
+    h.need("CELERY_BROKER_URL")
     assumptions = Assumptions(args.host_procs, tuple(int(v) for v in args.vcpus.split(",")), args.cpu_util,
                               tuple(float(w) for w in args.wal_mbps.split(",")), args.commits_per_vcpu,
                               args.proc_rate)
     procs = [int(p) for p in args.procs.split(",")]
-    started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    machine_load = _machine("?")
-    command = " ".join(["python -m bench.pgcost", *(sys.argv[1:] if argv is None else argv)])
-    t0 = time.monotonic()
+    started, command, t0 = h.now(), h.command("bench.pgcost", argv), time.monotonic()
     queue = f"bench-pgcost-{uuid.uuid4().hex[:8]}"
-    pg, worker_url, producer_url = start_server()
     points: list[Point] = []
-    try:
-        for name in ("MOTIR_APP_DATABASE_URL", "MOTIR_ADMIN_DATABASE_URL", "MOTIR_MIGRATE_DATABASE_URL"):
-            os.environ.pop(name, None)
-        os.environ.update(MOTIR_DATABASE_URL=producer_url, MOTIR_QUEUE=queue, MOTIR_IMPORTS="bench.workload")
-        from motir_celery.settings import reset_settings
-
-        reset_settings()
-        import bench.workload  # noqa: F401  (bench.three's subscribers in this process, for send_event)
-
-        with psycopg.connect(f"host=127.0.0.1 port={pg.port} user=postgres dbname=postgres",
-                             autocommit=True) as admin:
-            version = admin.execute("SHOW server_version").fetchone()[0].split()[0]  # type: ignore[index]
-            plan = [(n, False) for n in procs] + ([] if args.no_checkpoint_point else [(max(procs), True)])
-            for n, between in plan:
+    with h.private_postgres(*SERVER_SETTINGS) as pg, h.connect(pg.url()) as admin:
+        machine = h.machine(pg.url(), load=True)
+        db, producer_url = start_server(pg)
+        h.use_engine(producer_url, queue)  # the producer sends as a login of its own
+        try:
+            for n, between in [(n, False) for n in procs] + ([] if args.no_checkpoint_point else [(max(procs), True)]):
                 print(f"pgcost: {n} worker process(es), {args.runs} runs{' across a checkpoint' * between} ...",
                       file=sys.stderr)
-                point = measure(pg, admin, worker_url, queue, n, args.runs, args.timeout,
+                point = measure(pg, admin, db, producer_url, queue, n, args.runs, args.timeout,
                                 checkpoint_between=between)
                 print(f"pgcost: {n}: {point.rate:.0f} runs/s, {point.per_run('cpu_ms'):.2f} CPU ms/run, "
                       f"{point.wal_per_run('lsn_bytes'):.0f} WAL B/run, {point.per_run('commits'):.2f} commits/run",
                       file=sys.stderr)
                 points.append(point)
-    finally:
-        from motir_celery.store.db import dispose_engines
+        finally:
+            from motir_celery.store.db import dispose_engines
 
-        dispose_engines()
-        pg.close()
-        try:
-            from motir_celery.adapter.celery_app import default_app
-
-            purge(default_app(), queue)
-        except Exception:  # noqa: BLE001 — the queue may not exist
-            pass
-    block = render(points, assumptions, command=command, started=started,
-                   machine=machine_load.replace("Postgres ?", f"Postgres {version}"),
+            db.close()
+            dispose_engines()
+            h.purge_queue(queue)
+    block = render(points, assumptions, command=command, started=started, machine=machine,
                    seconds=time.monotonic() - t0)
     print(block)
     if not args.no_write:
-        write_block("bench.pgcost", block)
-        print("pgcost: wrote docs/scaling.md", file=sys.stderr)
+        h.write_block("bench.pgcost", block)
     return 0
 
 

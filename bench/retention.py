@@ -1,47 +1,24 @@
 """Retention at depth (issue 19): ``motir purge`` on 10M finished runs while workers take new ones.
 
-    python -m bench.retention                          # 10,000,000 runs; writes docs/scaling.md
-    python -m bench.retention --runs 200000 --no-write # a quick pass
+    python -m bench.retention [--runs 10000000] [--no-write]    # --runs 200000: a quick pass
 
-Needs ``CELERY_BROKER_URL`` (Redis; a queue of its own) and Debian's Postgres
-binaries: the bench starts a **private** Postgres (``tests.chaos.harness.PrivatePostgres``)
-on a free port, and stops and deletes it at the end, on error too. The machine's
-shared server is never touched.
-
-1. **Load**, with load-only settings (the harness's ``fsync=off``, ``wal_level=minimal``,
-   autovacuum off): the schema from ``motir_celery.store.migrate.upgrade``; its primary
-   keys, unique constraints, foreign keys and indexes are read from the catalogue
-   and dropped; ``--runs`` finished runs — with their events, steps, attempts and DLQ
-   entries — are written by set-based ``INSERT … SELECT … FROM generate_series`` (two
-   sessions at once; run and event ids are ``md5(i)::uuid``, so every table can be
-   written on its own), ``finished_at`` spread over the last ``--days`` days in
-   arrival order; then every index and constraint is rebuilt from its own catalogue
-   definition (foreign keys ``NOT VALID`` then ``VALIDATE``), the catalogue is compared
-   with the migration's (identical, or the bench stops) and the tables are
-   ``VACUUM (FREEZE, ANALYZE)``-ed: what months-old rows look like.
-2. **Restart** with the measured settings (``MEASURED``: ``fsync=on``,
-   ``full_page_writes=on``, ``shared_buffers=1GB``, ``max_wal_size=4GB``, autovacuum on with
-   its defaults).
-3. **Live**: two ``celery worker`` processes (``-c 1`` each) take ``retention.live`` runs
-   (``bench/retention_jobs.py``: two steps) sent at ``--rate`` runs/s. A window of
-   ``--baseline`` seconds without purge; one batch of purge's events-pass statement timed
-   (rolled back); then ``purge()`` (``motir_celery.ops.purge``, what ``motir purge`` calls,
-   default batch) twice: **A** on the schema before 0007 (its two DLQ indexes dropped), cut at the oldest ``--purge-days``
-   days, stopped after ``--schema-seconds``; then 0007's indexes on the two ``job_run_dlq``
-   columns that reference ``job_queue`` (``replay_run_id``, ``resumed_run_id``) are built
-   again (``DLQ_FK_INDEXES``) and **B** takes the next
-   ``--purge-days`` days, stopped after ``--purge-seconds``. The workers time each claim,
-   step write and settle round trip (``bench.retention_jobs``).
-4. **Sizes** of every table (heap, indexes, total) before, after the purge, and after
-   autovacuum — or, when autovacuum has not visited a table within ``--autovacuum-wait``
-   seconds, an explicit ``VACUUM`` of it (the table says which).
+Needs CELERY_BROKER_URL and Debian's Postgres binaries: a private server
+(``harness.private_postgres``), deleted at the end. 1. **Load** with load-only settings:
+the schema migrated, its keys and indexes dropped, ``--runs`` finished runs (with events,
+steps, attempts, DLQ entries; ``finished_at`` over the last ``--days`` days) written by
+set-based INSERTs two sessions at a time, every key and index rebuilt from its own
+catalogue definition (the catalogue must compare equal to the migration's), then
+``VACUUM (FREEZE, ANALYZE)``. 2. **Restart** with the measured settings (``MEASURED``).
+3. **Live**: two workers (``-c 1``) take ``retention.live`` runs sent at ``--rate``/s;
+a window without purge; one batch of purge's events pass timed (rolled back); ``purge()``
+twice: **A** without migration 0007's two DLQ indexes, **B** with them (``DLQ_FK_INDEXES``).
+The workers time each claim, step write and settle (``bench.retention_jobs``).
+4. **Sizes** of every table before, after the purge and after (auto)vacuum.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -49,14 +26,15 @@ import tempfile
 import threading
 import time
 import uuid
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import psycopg
 
-from bench.common import celery_workers, child_env, wait_for, write_block
+from bench import harness as h
 
 DB = "motir_retention"
 TABLES = ("job_event", "job_queue", "job_step", "job_run", "job_run_dlq")
@@ -153,49 +131,36 @@ _CATALOGUE = """
 """
 
 
-def _dsn(url: str) -> str:
-    return url.replace("postgresql+psycopg://", "postgresql://", 1)
-
-
-def _connect(url: str, **kw: Any) -> psycopg.Connection[Any]:
-    return psycopg.connect(_dsn(url), autocommit=True, application_name="retention-bench", **kw)
-
-
 def _execute(conn: psycopg.Connection[Any], sql: str, params: dict[str, Any]) -> None:
     for statement in sql.split(";\n"):
         if statement.strip():
             conn.execute(statement, params if "%(" in statement else None)  # type: ignore[arg-type]
 
 
-def _parallel(url: str, jobs: list[tuple[str, str, dict[str, Any]]], sessions: int = 2,
-              setup: tuple[str, ...] = (), transaction: bool = True) -> dict[str, float]:
-    """Run (label, sql, params) jobs on ``sessions`` connections at once, each job its own
-    transaction (or none: VACUUM); returns seconds per label."""
-    todo = list(jobs)
-    lock = threading.Lock()
-    took: dict[str, float] = {}
-    errors: list[BaseException] = []
+def parallel(url: str, tasks: list[tuple[str, list[tuple[str, dict[str, Any]]]]], *, setup: tuple[str, ...] = (),
+             transaction: bool = True, sessions: int = 2) -> dict[str, float]:
+    """Each task's statements in order on one of ``sessions`` connections at once, a task in one
+    transaction (or none: VACUUM); seconds per task."""
+    todo, lock, took, errors = list(tasks), threading.Lock(), {}, []
 
     def worker() -> None:
-        with _connect(url) as conn:
-            for s in setup:
-                conn.execute(s)
+        with h.connect(url) as conn:
+            for statement in setup:
+                conn.execute(statement)  # type: ignore[arg-type]
             while True:
                 with lock:
                     if not todo or errors:
                         return
-                    label, sql, params = todo.pop(0)
+                    label, statements = todo.pop(0)
                 t0 = time.monotonic()
                 try:
-                    if transaction:
-                        with conn.transaction():
+                    with conn.transaction() if transaction else nullcontext():
+                        for sql, params in statements:
                             _execute(conn, sql, params)
-                    else:
-                        _execute(conn, sql, params)
-                except BaseException as exc:  # noqa: BLE001 — reported by the caller
+                except BaseException as exc:  # noqa: BLE001 — raised below, in the caller
                     errors.append(exc)
                     return
-                took[label] = took.get(label, 0.0) + time.monotonic() - t0
+                took[label] = time.monotonic() - t0
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(sessions)]
     for t in threads:
@@ -219,7 +184,7 @@ def load(url: str, runs: int, days: int) -> Load:
     """The schema's keys and indexes dropped, the rows written, the keys and indexes rebuilt
     from their catalogue definitions, and the catalogue compared with the migration's."""
     out = Load(runs)
-    with _connect(url) as conn:
+    with h.connect(url) as conn:
         out.anchor = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
         before = conn.execute(_CATALOGUE, {"tables": list(TABLES)}).fetchall()
         t0 = time.monotonic()
@@ -234,38 +199,29 @@ def load(url: str, runs: int, days: int) -> Load:
         out.seconds["drop"] = time.monotonic() - t0
 
     # Rows: each table in slices of 2M runs, all in one transaction that first TRUNCATEs the
-    # table (wal_level=minimal then writes no WAL for it).
-    slice_ = 2_000_000
-    step = days * 86400.0 / runs
-    jobs = []
-    for table in ("job_queue", "job_step", "job_event", "job_run", "job_run_dlq"):
-        for lo in range(1, runs + 1, slice_):
-            params = {"anchor": out.anchor, "days": days, "step": step, "lo": lo, "hi": min(lo + slice_ - 1, runs)}
-            sql = (f"TRUNCATE {table};\n" if lo == 1 else "") + LOAD_SQL[table]
-            jobs.append((table, sql, params))
-    # Slices of one table must follow its TRUNCATE: one queue per table, two tables at a time.
+    # table (wal_level=minimal then writes no WAL for it); two tables at a time.
     t0 = time.monotonic()
-    by_table: dict[str, list[tuple[str, str, dict[str, Any]]]] = {}
-    for job in jobs:
-        by_table.setdefault(job[0], []).append(job)
-    chains = [("rows:" + t, t, js) for t, js in by_table.items()]
-    took = _chains(url, chains)
+    step = days * 86400.0 / runs
+    chains = [(f"rows:{table}", [((f"TRUNCATE {table};\n" if lo == 1 else "") + LOAD_SQL[table],
+                                  {"anchor": out.anchor, "days": days, "step": step, "lo": lo,
+                                   "hi": min(lo + 2_000_000 - 1, runs)}) for lo in range(1, runs + 1, 2_000_000)])
+              for table in ("job_queue", "job_step", "job_event", "job_run", "job_run_dlq")]
+    out.seconds.update(parallel(url, chains, setup=("SET synchronous_commit = off",)))
     out.seconds["rows"] = time.monotonic() - t0
-    out.seconds.update({k: v for k, v in took.items()})
 
     # Indexes (the constraints' own first, by their index definitions), two sessions at once.
     t0 = time.monotonic()
-    index_jobs = [(f"index:{name}", (indexdef if kind == "constraint" else def_), {})
+    index_jobs = [(f"index:{name}", [(indexdef if kind == "constraint" else def_, {})])
                   for kind, tbl, name, type_, def_, _, indexdef in before
                   if kind == "index" or type_ in ("p", "u")]
     # The biggest tables first, so the two sessions finish together.
     weight = {"job_step": 4, "job_queue": 3, "job_run": 2, "job_event": 2, "job_run_dlq": 0}
     table_of = {f"index:{name}": tbl for _, tbl, name, *_ in before}
     index_jobs.sort(key=lambda j: -weight.get(table_of[j[0]], 0))
-    _parallel(url, index_jobs, setup=("SET maintenance_work_mem = '1GB'", "SET max_parallel_maintenance_workers = 0"))
+    parallel(url, index_jobs, setup=("SET maintenance_work_mem = '1GB'", "SET max_parallel_maintenance_workers = 0"))
     out.seconds["indexes"] = time.monotonic() - t0
     t0 = time.monotonic()
-    with _connect(url) as conn:
+    with h.connect(url) as conn:
         for kind, tbl, name, type_, _, _, _ in before:
             if kind == "constraint" and type_ in ("p", "u"):
                 word = "PRIMARY KEY" if type_ == "p" else "UNIQUE"
@@ -273,65 +229,30 @@ def load(url: str, runs: int, days: int) -> Load:
         for kind, tbl, name, type_, def_, _, _ in before:
             if kind == "constraint" and type_ == "f":
                 conn.execute(f'ALTER TABLE {tbl} ADD CONSTRAINT "{name}" {def_} NOT VALID')
-    _parallel(url, [(f"validate:{n}", f'ALTER TABLE {t} VALIDATE CONSTRAINT "{n}"', {})
+    parallel(url, [(f"validate:{n}", [(f'ALTER TABLE {t} VALIDATE CONSTRAINT "{n}"', {})])
                     for k, t, n, ty, *_ in before if k == "constraint" and ty == "f"],
               setup=("SET work_mem = '256MB'",))
     out.seconds["foreign keys"] = time.monotonic() - t0
-    with _connect(url) as conn:
+    with h.connect(url) as conn:
         after = conn.execute(_CATALOGUE, {"tables": list(TABLES)}).fetchall()
     if sorted(after) != sorted(before):
         raise RuntimeError(f"the rebuilt schema differs from the migration's:\n{set(before) ^ set(after)}")
     t0 = time.monotonic()
-    _parallel(url, [(f"vacuum:{t}", f"VACUUM (FREEZE, ANALYZE) {t}", {}) for t in
+    parallel(url, [(f"vacuum:{t}", [(f"VACUUM (FREEZE, ANALYZE) {t}", {})]) for t in
                     ("job_step", "job_queue", "job_run", "job_event", "job_run_dlq")],
               setup=("SET maintenance_work_mem = '1GB'",), transaction=False)
     out.seconds["vacuum freeze"] = time.monotonic() - t0
-    with _connect(url) as conn:
+    with h.connect(url) as conn:
         out.rows = {t: int(conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0])  # type: ignore[index]
                     for t in TABLES}
     return out
-
-
-def _chains(url: str, chains: list[tuple[str, str, list[tuple[str, str, dict[str, Any]]]]]) -> dict[str, float]:
-    """Each chain's jobs in order on one session; two chains at a time."""
-    todo = list(chains)
-    lock = threading.Lock()
-    took: dict[str, float] = {}
-    errors: list[BaseException] = []
-
-    def worker() -> None:
-        with _connect(url) as conn:
-            conn.execute("SET synchronous_commit = off")
-            while True:
-                with lock:
-                    if not todo or errors:
-                        return
-                    label, _, jobs = todo.pop(0)
-                t0 = time.monotonic()
-                try:
-                    with conn.transaction():  # one transaction a table: with its TRUNCATE, no WAL
-                        for _, sql, params in jobs:
-                            _execute(conn, sql, params)
-                except BaseException as exc:  # noqa: BLE001
-                    errors.append(exc)
-                    return
-                took[label] = time.monotonic() - t0
-
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return took
 
 
 # --- sizes ---------------------------------------------------------------------------------
 
 
 def sizes(url: str) -> dict[str, dict[str, int]]:
-    with _connect(url) as conn:
+    with h.connect(url) as conn:
         conn.execute("SELECT pg_stat_clear_snapshot()")
         out = {}
         for t in TABLES:
@@ -347,44 +268,13 @@ def sizes(url: str) -> dict[str, dict[str, int]]:
 
 def free_space(url: str) -> dict[str, float]:
     """Free space in each heap, percent (pgstattuple_approx: reads only pages not all-visible)."""
-    with _connect(url) as conn:
+    with h.connect(url) as conn:
         conn.execute("CREATE EXTENSION IF NOT EXISTS pgstattuple")
         return {t: float(conn.execute("SELECT approx_free_percent FROM pgstattuple_approx(%s::regclass)",  # type: ignore[index]
                                       (t,)).fetchone()[0]) for t in TABLES}
 
 
 # --- the live part -------------------------------------------------------------------------
-
-
-class Feeder(threading.Thread):
-    """``rate`` retention.live events per second, in a batch every 0.1 s (send_events: one
-    statement a batch, published after commit)."""
-
-    def __init__(self, rate: float, settings: Any) -> None:
-        super().__init__(name="retention-feeder", daemon=True)
-        self.rate, self.settings = rate, settings
-        self.sent = 0
-        self.halt = threading.Event()
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            import bench.retention_jobs  # noqa: F401  (the subscription, for the fan-out)
-            from motir_celery.adapter.celery_app import create_app, publisher
-            from motir_celery.core.producer.batch import send_events
-
-            publish = publisher(create_app(self.settings))
-            t0 = time.monotonic()
-            while not self.halt.is_set():
-                due = int((time.monotonic() - t0) * self.rate) - self.sent
-                if due > 0:
-                    items = [("retention.live", {"n": self.sent + k, "workspace_id": f"ws-{(self.sent + k) % 50}"})
-                             for k in range(min(due, 500))]
-                    send_events(items, publish=publish, settings=self.settings)
-                    self.sent += len(items)
-                self.halt.wait(0.1)
-        except BaseException as exc:  # noqa: BLE001 — the main thread reports it
-            self.error = exc
 
 
 @dataclass
@@ -397,15 +287,8 @@ class Window:
 
 
 def _db_now(url: str) -> datetime:
-    with _connect(url) as conn:
+    with h.connect(url) as conn:
         return conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index, no-any-return]
-
-
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 def timings(folder: Path) -> list[tuple[str, float, float]]:
@@ -419,7 +302,7 @@ def timings(folder: Path) -> list[tuple[str, float, float]]:
 
 
 def window_stats(url: str, w: Window, times: list[tuple[str, float, float]]) -> dict[str, Any]:
-    with _connect(url) as conn:
+    with h.connect(url) as conn:
         row = conn.execute(
             """SELECT count(*) FILTER (WHERE created_at >= %(a)s AND created_at < %(b)s),
                       count(*) FILTER (WHERE finished_at >= %(a)s AND finished_at < %(b)s),
@@ -434,7 +317,7 @@ def window_stats(url: str, w: Window, times: list[tuple[str, float, float]]) -> 
                            "e2e_p50": float(row[2] or "nan"), "e2e_p99": float(row[3] or "nan")}
     for name in ("claim", "store_step", "settle_succeeded"):
         vals = [d for n, at, d in times if n == name and w.t0 <= at < w.t1]
-        out[name] = (len(vals), _pct(vals, 0.5), _pct(vals, 0.99), max(vals) if vals else float("nan"))
+        out[name] = (len(vals), h.percentile(vals, 50), h.percentile(vals, 99), max(vals) if vals else float("nan"))
     return out
 
 
@@ -514,7 +397,7 @@ def _sustained(p: PurgeRun) -> float | None:
     return n / secs if n and secs else None
 
 
-def render(*, command: str, started: str, machine: str, ld: Load, args: argparse.Namespace,
+def render(*, command: str, started: str, machine: str, ld: Load, args: Any,
            before: dict[str, dict[str, int]], after: dict[str, dict[str, int]], vacuumed: dict[str, dict[str, int]],
            how_vacuumed: dict[str, str], vacuum_seconds: float, free: dict[str, float],
            base: dict[str, Any], passes: list[Pass], sweep_seconds: float, index_seconds: float) -> str:
@@ -589,15 +472,8 @@ def render(*, command: str, started: str, machine: str, ld: Load, args: argparse
 # --- main ----------------------------------------------------------------------------------
 
 
-def _machine(url: str) -> str:
-    with _connect(url) as conn:
-        pg = conn.execute("SHOW server_version").fetchone()[0].split()[0]  # type: ignore[index]
-    return f"{platform.machine()}, {os.cpu_count()} cores shared with other work, Postgres {pg}, " \
-           f"Python {platform.python_version()}"
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.retention", description=__doc__.split("\n\n")[0])
+    parser = h.parser("bench.retention", __doc__)
     parser.add_argument("--runs", type=int, default=10_000_000)
     parser.add_argument("--days", type=int, default=60, help="finished_at spread over this many days")
     parser.add_argument("--rate", type=float, default=100.0, help="live runs sent per second")
@@ -611,23 +487,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="stop purge B (with the two DLQ indexes) after this long")
     parser.add_argument("--batch-size", type=int, default=1000, help="purge's batch (its default: 1000)")
     parser.add_argument("--autovacuum-wait", type=float, default=90.0)
-    parser.add_argument("--no-write", action="store_true", help="print the block, leave docs/scaling.md")
     args = parser.parse_args(argv)
-    if not os.environ.get("CELERY_BROKER_URL"):
-        parser.error("CELERY_BROKER_URL must be set")
+    h.need("CELERY_BROKER_URL")
     need = args.runs * 1800 * 2  # ~1.2 KB a run on disk (measured at 200k), WAL and rebuilds: twice that
-    free_disk = shutil.disk_usage(tempfile.gettempdir()).free
-    if need > free_disk * 0.6:
+    if need > (free_disk := shutil.disk_usage(tempfile.gettempdir()).free) * 0.6:
         parser.error(f"{args.runs:,} runs need ~{need / 1e9:.0f} GB; {free_disk / 1e9:.0f} GB free")
-    started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    command = " ".join(["python -m bench.retention", *(sys.argv[1:] if argv is None else argv)])
-
-    from tests.chaos.harness import PrivatePostgres
-
-    pg = PrivatePostgres(settings=LOADING)
-    try:
-        pg.init()
-        with _connect(pg.url()) as conn:
+    started, command = h.now(), h.command("bench.retention", argv)
+    with h.private_postgres(*LOADING) as pg:
+        with h.connect(pg.url()) as conn:
             conn.execute(f'CREATE DATABASE "{DB}"')
         url = pg.url(DB)
         from motir_celery.store.migrate import upgrade
@@ -638,13 +505,10 @@ def main(argv: list[str] | None = None) -> int:
         log(f"loaded: {ld.rows} {ld.seconds}")
         pg.settings = MEASURED
         pg.restart(down_for=0.5)
-        block = live(pg, url, ld, args, started=started, command=command)
-    finally:
-        pg.close()
+        block = live(url, ld, args, started=started, command=command)
     print(block)
     if not args.no_write:
-        write_block("bench.retention", block)
-        log("wrote docs/scaling.md")
+        h.write_block("bench.retention", block)
     return 0
 
 
@@ -672,28 +536,29 @@ def _time_events_pass(url: str, older_than: timedelta) -> float:
     """One batch of purge's events-pass statement, rolled back."""
     from motir_celery.store.sql.maintenance import PURGE_EVENTS
 
-    with _connect(url) as conn:
+    with h.connect(url) as conn:
         with conn.transaction(force_rollback=True):
             t0 = time.monotonic()
             conn.execute(PURGE_EVENTS.sql, {"age": older_than.total_seconds(), "batch": 1000})
             return time.monotonic() - t0
 
 
-def live(pg: Any, url: str, ld: Load, args: argparse.Namespace, *, started: str, command: str) -> str:
+def live(url: str, ld: Load, args: Any, *, started: str, command: str) -> str:
     from motir_celery.settings import Settings, reset_settings
     from motir_celery.store.db import dispose_engines
 
-    machine = _machine(url)
+    machine = h.machine(url)
     before = sizes(url)
     queue = f"bench-retention-{uuid.uuid4().hex[:8]}"
     folder = Path(tempfile.mkdtemp(prefix="motir-retention-"))
     os.chmod(folder, 0o777)
-    env = child_env(MOTIR_DATABASE_URL=url, MOTIR_QUEUE=queue, MOTIR_IMPORTS="bench.retention_jobs",
+    env = h.child_env(MOTIR_DATABASE_URL=url, MOTIR_QUEUE=queue, MOTIR_IMPORTS="bench.retention_jobs",
                     RETENTION_TIMINGS=str(folder), PYTHONUNBUFFERED="1")
     for k in ("MOTIR_APP_DATABASE_URL", "MOTIR_ADMIN_DATABASE_URL", "MOTIR_MIGRATE_DATABASE_URL"):
         env.pop(k, None)
     settings = Settings.from_env({k: v for k, v in env.items() if k != "RETENTION_TIMINGS"})
-    feeder = Feeder(args.rate, settings)
+    feeder = h.Feeder(settings, "retention.live", rate=args.rate, batch=500,
+                      data=lambda n: {"n": n, "workspace_id": f"ws-{n % 50}"})
     base = Window("no purge")
     windows: list[tuple[str, PurgeRun, Window]] = []
     assert ld.anchor is not None
@@ -702,7 +567,7 @@ def live(pg: Any, url: str, ld: Load, args: argparse.Namespace, *, started: str,
     def cut(days: float) -> tuple[timedelta, int]:
         now = _db_now(url)
         older_than = now - (oldest + timedelta(days=days))
-        with _connect(url) as conn:
+        with h.connect(url) as conn:
             n = int(conn.execute(  # type: ignore[index]
                 "SELECT count(*) FROM job_queue WHERE finished_at < now() - %s", (older_than,)).fetchone()[0])
         return older_than, n
@@ -723,9 +588,9 @@ def live(pg: Any, url: str, ld: Load, args: argparse.Namespace, *, started: str,
         windows.append((label, p, w))
 
     try:
-        with celery_workers("motir_celery", queue, 2, 1, env, tag="retention") as procs:
+        with h.workers("motir_celery", queue, 2, 1, env=env, tag="retention") as procs:
             feeder.start()
-            wait_for(lambda: _live_finished(url) >= 20, procs, timeout=120, tag="retention", poll=0.5)
+            procs.wait(lambda: _live_finished(url) >= 20, 120, poll=0.5)
             log("workers up; warming up")
             time.sleep(args.warmup)
             base.t0, base.db0 = time.time(), _db_now(url)
@@ -733,22 +598,18 @@ def live(pg: Any, url: str, ld: Load, args: argparse.Namespace, *, started: str,
             base.t1, base.db1 = time.time(), _db_now(url)
             sweep_seconds = _time_events_pass(url, cut(2 * args.purge_days)[0])
             log(f"one batch of the events pass: {sweep_seconds:.1f} s")
-            with _connect(url) as conn:
+            with h.connect(url) as conn:
                 for statement in DLQ_FK_INDEXES_DROP:
                     conn.execute(statement)
             one_pass("A (before 0007: the DLQ's links unindexed)", args.purge_days, args.schema_seconds)
             t0 = time.monotonic()
-            with _connect(url) as conn:
+            with h.connect(url) as conn:
                 for statement in DLQ_FK_INDEXES:
                     conn.execute(statement)
             index_seconds = time.monotonic() - t0
             one_pass("B (0007: with the 2 indexes on job_run_dlq)", 2 * args.purge_days, args.purge_seconds)
-            if feeder.error is not None:
-                raise RuntimeError(f"feeder failed: {feeder.error!r}")
-            feeder.halt.set()
-            feeder.join(timeout=30)
-            sent = feeder.sent
-            wait_for(lambda: _live_finished(url) >= sent, procs, timeout=300, tag="retention", poll=0.5)
+            sent = feeder.stop()
+            procs.wait(lambda: _live_finished(url) >= sent, 300, poll=0.5)
     finally:
         feeder.halt.set()
         dispose_engines()
@@ -770,7 +631,7 @@ def live(pg: Any, url: str, ld: Load, args: argparse.Namespace, *, started: str,
     now_sizes = sizes(url)
     how: dict[str, str] = {}
     vacuum_seconds = 0.0
-    with _connect(url) as conn:
+    with h.connect(url) as conn:
         for t in TABLES:
             if now_sizes[t]["autovacuums"] > after[t]["autovacuums"]:
                 how[t] = "autovacuum"
@@ -790,7 +651,7 @@ def live(pg: Any, url: str, ld: Load, args: argparse.Namespace, *, started: str,
 
 
 def _live_finished(url: str) -> int:
-    with _connect(url) as conn:
+    with h.connect(url) as conn:
         return int(conn.execute(  # type: ignore[index]
             "SELECT count(*) FROM job_queue WHERE job_id = 'retention.live' AND finished_at IS NOT NULL").fetchone()[0])
 

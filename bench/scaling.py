@@ -4,8 +4,9 @@
     python -m bench.scaling --only fleet,sweepers
 
 Each section is its own module, run here as ``python -m bench.<name>`` in a child
-process, and rewrites only its block of docs/scaling.md (``bench.common.write_block``),
-so one section can be re-run alone. They run in sequence, never together: each
+process, and rewrites only its block of docs/scaling.md (``harness.write_block``),
+so one section can be re-run alone; arguments after ``--`` go to every section
+(``-- --no-write``). They run in sequence, never together: each
 measures the machine, and two at once would measure each other. Needs
 ``MOTIR_DATABASE_URL`` (the server the fleet and sweepers benches create their database
 on), ``CELERY_BROKER_URL`` and Debian's ``pgbouncer`` and Postgres 15 server binaries
@@ -14,19 +15,19 @@ on), ``CELERY_BROKER_URL`` and Debian's ``pgbouncer`` and Postgres 15 server bin
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import time
 
-from bench.common import ROOT, child_env
+from bench import harness as h
 
 SECTIONS = ("fleet", "sweepers", "pgcost", "retention")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.scaling", description=__doc__.split("\n\n")[0])
+    parser = h.parser("bench.scaling", __doc__, write=None)
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
+    parser.add_argument("rest", nargs="*", help="arguments for every section, after --")
     args = parser.parse_args(argv)
     chosen = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = sorted(set(chosen) - set(SECTIONS))
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in chosen:
         started = time.monotonic()
         print(f"scaling: python -m bench.{name}", file=sys.stderr, flush=True)
-        rc = subprocess.run([sys.executable, "-m", f"bench.{name}"], cwd=ROOT, env=child_env()).returncode
+        rc = subprocess.run([sys.executable, "-m", f"bench.{name}", *args.rest], cwd=h.ROOT, env=h.child_env()).returncode
         print(f"scaling: bench.{name} exited {rc} after {time.monotonic() - started:.0f} s", file=sys.stderr)
         if rc != 0:
             failed.append(name)

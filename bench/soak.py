@@ -18,6 +18,7 @@ import argparse
 import logging
 import os
 import platform
+import re
 import shutil
 import sys
 import tempfile
@@ -51,29 +52,16 @@ FULL: list[tuple[str, dict[str, Any]]] = [
     ("tenancy", {"runs": 600, "readers": 3, "workers": 3, "rate": 20.0}),
 ]
 
-#: Engine bugs the scenarios found, and where they are fixed (docs/reliability.md lists them).
-FINDINGS = [
-    "**A worker frozen between two steps re-ran a stored step** (scenario 1 with frozen workers: a body "
-    "started 0.4 s after another worker had stored it). The store after a body is fenced, the body was not: a "
-    "worker SIGSTOPped past its lease was reclaimed, the run finished elsewhere, and the thawed worker started "
-    "the next body before its store was refused. Fix: `Step._still_held` (steps.py) renews the lease, fenced, "
-    "before a body whenever more than a heartbeat period (lease/3) passed since the attempt last heard from the "
-    "database; refused means lost and the body does not start. Regression: tests/chaos/test_chaos_zombie.py "
-    "and scenario 1.",
-    "**`send_event` raised after committing when the broker was down** (scenario 3, Redis down 3 s): the "
-    "caller was told the event failed although it and its runs were recorded; a retry without an idempotency "
-    "key would have created them twice. Fix: publishing after a commit is best effort everywhere "
-    "(`publish.publish_or_log`: send_event, dispatch, DLQ replay, retry re-publish, sweeper); a refused "
-    "publish is logged and the sweeper publishes the run after `MOTIR_REPUBLISH_AFTER`. The sweeper and "
-    "send_event stop at the first refused publish instead of waiting out the broker retries once per run.",
-    "**`create_app(settings)` published to `$CELERY_BROKER_URL`, not to `settings.broker_url`** (scenario 3: "
-    "every message of the workload went to the machine's Redis, and only the sweeper's re-publishes reached "
-    "the scenario's broker). Celery reads the variable before its `broker_url` setting; `create_app` now sets "
-    "`broker_read_url`/`broker_write_url`, which Celery consults first. Regression: "
-    "tests/chaos/test_chaos_broker.py.",
-    "**A malformed run id was echoed whole into the worker log and task result** (scenario 9: a 2 MB argument "
-    "became a 2 MB log line). Now at most 100 characters (runner.py). Regression: scenario 9 in the suite.",
-]
+#: Where the engine bugs the scenarios found are listed (kept from one report to the next).
+FOUND = "## What the scenarios found"
+
+
+def findings(doc: Path) -> list[str]:
+    """The numbered findings of the last report: the history stays in the doc, not here."""
+    text = doc.read_text() if doc.exists() else ""
+    part = text.split(FOUND, 1)[1].split("\n## ", 1)[0] if FOUND in text else ""
+    return [m.group(1) for m in re.finditer(r"^\d+\. (.+)$", part, re.M)]
+
 
 _SCALED = {"runs": 20, "slow": 4, "poisons": 2, "seconds": 12.0, "fault_window": 10.0}
 
@@ -147,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         f" --scale {args.scale}" if args.scale != 1 else "")
     machine = f"{os.cpu_count()} CPUs, Python {platform.python_version()}, {platform.system()}"
     report = render_report(results, command=command, started=started.strftime("%Y-%m-%d %H:%M UTC"),
-                           total=total, machine=machine, findings=FINDINGS)
+                           total=total, machine=machine,
+                           findings=findings(ROOT / "docs" / "reliability.md"))
     Path(args.report).parent.mkdir(parents=True, exist_ok=True)
     Path(args.report).write_text(report)
     print(f"\nwrote {args.report} ({total / 60:.1f} min)")

@@ -30,7 +30,7 @@ from typing import Any
 
 from sqlalchemy import event, text
 
-from bench.stats import median
+from bench.harness import median
 
 #: Seconds each body of the "slow" runs sleeps: longer than steps.MAX_LAG (1 ms), so
 #: every step but the last is stored on its own before the next body starts.

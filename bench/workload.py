@@ -10,6 +10,9 @@ set, fails its first attempt after storing them all, so the second attempt is
 ``k`` memo hits: the step-cost section measures both paths on one run. With
 ``data["sleep"]`` each body first sleeps that long (seconds): bodies longer than
 ``steps.MAX_LAG``, whose records are stored one by one.
+
+``fanout_subscribers()`` defines ``FANOUT`` jobs on event ``bench.fanout``: only the
+fan-out section's driver calls it (workers never see these jobs).
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from typing import Any
 
 from bench.functions import charge, notify, reserve
 from motir_celery import define_job
+from motir_celery.core.jobs import find_job
 
-__all__ = ["reserve", "charge", "notify", "three", "steps", "STEP_TIMES"]
+__all__ = ["reserve", "charge", "notify", "three", "steps", "STEP_TIMES", "fanout_subscribers"]
 
 
 @define_job("bench.three", event="bench.three", retry_policy="transient")
@@ -59,3 +63,21 @@ def steps(event: Any, step: Any) -> int:
     if event.data.get("fail_first") and event.attempt == 1:
         raise FirstAttemptFails("first attempt fails on purpose: the next one replays every step")
     return total
+
+
+FANOUT, FANOUT_EVENT = 50, "bench.fanout"
+
+
+def fanout_subscribers() -> None:
+    """``FANOUT`` jobs subscribed to ``FANOUT_EVENT`` (once per process)."""
+    for i in range(FANOUT):
+        if find_job(f"bench.fanout.{i:02d}") is None:
+            define_job(f"bench.fanout.{i:02d}", event=FANOUT_EVENT, retry_policy="transient")(_nothing(i))
+
+
+def _nothing(i: int) -> Any:
+    def handler(event: Any, step: Any) -> None:
+        return None
+
+    handler.__name__ = handler.__qualname__ = f"fanout_{i:02d}"
+    return handler

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import psycopg
 
-from bench.peers.common import arguments, emit, env, processes, python, recreate_database, wait_until
-from bench.stats import drain_rate, percentile
+from bench import harness as h
+from bench.peers import PYTHON, arguments, count, database, emit, processes
 
 DB = "motir_bench_dbos"
+DONE = "SELECT count(*) FROM dbos.workflow_status WHERE status = 'SUCCESS'"
 
 
 def _url(dsn: str) -> str:
@@ -27,46 +29,22 @@ def _url(dsn: str) -> str:
     return f"postgresql://{user}{pw}@{info.get('host', '127.0.0.1')}:{info.get('port', 5432)}/{info['dbname']}"
 
 
-def _workers(n: int, args: argparse.Namespace, url: str) -> tuple[list[list[str]], list[dict[str, str]]]:
-    return [[python(), "-m", "bench.peers.dbos_app"]] * n, [
-        env(BENCH_PEER_URL=url, BENCH_DBOS_EXECUTOR=f"bench-{i}", BENCH_DBOS_CONCURRENCY=str(args.concurrency),
-            BENCH_DBOS_POLL=str(args.poll))
-        for i in range(n)
-    ]
-
-
-def _start(n: int, args: argparse.Namespace, url: str):  # type: ignore[no-untyped-def]
-    cmds, envs = _workers(n, args, url)
-    return processes(cmds, envs, "dbos")
+def _start(n: int, args: argparse.Namespace, url: str) -> h.Procs:
+    """``n`` ``bench.peers.dbos_app`` processes, each with its own executor id."""
+    return processes("dbos", [[PYTHON, "-m", "bench.peers.dbos_app"]] * n, [
+        {"BENCH_PEER_URL": url, "BENCH_DBOS_EXECUTOR": f"bench-{i}", "BENCH_DBOS_CONCURRENCY": str(args.concurrency),
+         "BENCH_DBOS_POLL": str(args.poll)} for i in range(n)])
 
 
 def _setup(args: argparse.Namespace) -> tuple[str, str]:
-    if args.reuse:
-        info = psycopg.conninfo.conninfo_to_dict(args.admin_dsn)
-        info["dbname"] = DB
-        dsn = psycopg.conninfo.make_conninfo(**info)
-        return dsn, _url(dsn)
-    dsn = recreate_database(args.admin_dsn, DB)
-    url = _url(dsn)
-    # One launch creates DBOS's schema and registers the queue; then it exits.
-    with _start(1, args, url) as procs:
-        wait_until(lambda: _ready(), procs, 120, "dbos")
-    return dsn, url
+    dsn = database(args.admin_dsn, DB, reuse=args.reuse)
+    if not args.reuse:  # one launch creates DBOS's schema and registers the queue; then it exits
+        with _start(1, args, _url(dsn)) as procs:
+            procs.wait_logged("ready")
+    return dsn, _url(dsn)
 
 
-def _ready() -> bool:
-    try:
-        return "ready" in open("/tmp/bench-dbos-0.log").read()
-    except FileNotFoundError:
-        return False
-
-
-def _count(dsn: str) -> int:
-    with psycopg.connect(dsn) as conn:
-        return conn.execute("SELECT count(*) FROM dbos.workflow_status WHERE status = 'SUCCESS'").fetchone()[0]
-
-
-def _client(url: str):  # type: ignore[no-untyped-def]
+def _client(url: str) -> Any:
     from dbos import DBOSClient
 
     return DBOSClient(system_database_url=url, application_name="motirbench")
@@ -80,46 +58,40 @@ def _options() -> dict[str, str]:
 
 def throughput(args: argparse.Namespace) -> None:
     dsn, url = _setup(args)
-    client = _client(url)
-    options = _options()
-    rates = []
+    client, options, rates = _client(url), _options(), []
     for _ in range(args.rounds):
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("TRUNCATE dbos.workflow_status CASCADE")
         for n in range(args.runs):
-            client.enqueue(options, n)  # type: ignore[arg-type]
+            client.enqueue(options, n)
         with _start(args.workers, args, url) as procs:
-            wait_until(lambda: _count(dsn) >= args.runs, procs, args.timeout, "dbos")
+            procs.wait(lambda: count(dsn, DONE) >= args.runs, args.timeout)
         with psycopg.connect(dsn) as conn:
-            done = [r[0] / 1000 for r in conn.execute(
-                "SELECT updated_at FROM dbos.workflow_status WHERE status = 'SUCCESS'")]
-        rates.append(drain_rate(done))
+            rates.append(h.drain_rate(r[0] / 1000 for r in conn.execute(
+                "SELECT updated_at FROM dbos.workflow_status WHERE status = 'SUCCESS'")))
     client.destroy()
     emit({"rounds": rates})
 
 
 def latency(args: argparse.Namespace) -> None:
     dsn, url = _setup(args)
-    client = _client(url)
-    options = _options()
-    sent: dict[str, float] = {}
+    client, options, sent = _client(url), _options(), {}
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("TRUNCATE dbos.workflow_status CASCADE")
     with _start(1, args, url) as procs:
-        client.enqueue(options, -1)  # type: ignore[arg-type]
-        wait_until(lambda: _count(dsn) >= 1, procs, 60, "dbos")
+        client.enqueue(options, -1)
+        procs.wait(lambda: count(dsn, DONE) >= 1, 60)
         start = time.perf_counter()
         for i in range(args.events):
             t = time.time()
-            sent[client.enqueue(options, i).get_workflow_id()] = t  # type: ignore[arg-type]
+            sent[client.enqueue(options, i).get_workflow_id()] = t
             time.sleep(max(0.0, start + (i + 1) * args.interval - time.perf_counter()))
-        wait_until(lambda: _count(dsn) >= args.events + 1, procs, 120, "dbos")
+        procs.wait(lambda: count(dsn, DONE) >= args.events + 1, 120)
     with psycopg.connect(dsn) as conn:
         done = {r[0]: r[1] / 1000 for r in conn.execute(
             "SELECT workflow_uuid, updated_at FROM dbos.workflow_status WHERE status = 'SUCCESS'")}
     client.destroy()
-    lat = [done[w] - t for w, t in sent.items()]
-    emit({"p50": percentile(lat, 50), "p99": percentile(lat, 99), "n": len(lat)})
+    emit(h.latencies(done, sent))
 
 
 def main() -> None:
