@@ -21,7 +21,7 @@ import uuid
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from motir_celery.core.jobs import CanvasNotSupported, Job, define_job, use_invoker
-from motir_celery.core.producer.results import JobFailed, JobRevoked, ResultTimeout, RunHandle
+from motir_celery.core.producer.results import JobFailed, JobRevoked, ResultTimeout, RunHandle, RunNotCommitted
 from motir_celery.core.retries import RetryPolicy
 from motir_celery.core.runspec import CancelOn
 from motir_celery.core.worker.invoke import ChildFailed
@@ -60,6 +60,7 @@ __all__ = [
     "JobFailed",
     "JobRevoked",
     "ResultTimeout",
+    "RunNotCommitted",
     "CanvasNotSupported",
     "ChildFailed",
     "replay_dlq",
@@ -159,8 +160,9 @@ def enqueue_scheduled(job_id: str, scheduled_for: Any, *, app: "Celery | None" =
 
 
 def attach(app: "Celery") -> "Celery":
-    """Host the engine on your own Celery app (tasks ``motir.<job_id>``, sweeper,
-    imports); ``send_event`` and ``replay_dlq`` then publish through it."""
+    """Host the engine on your own Celery app (each job a task under its Celery name and
+    ``motir.<job_id>``, the sweeper, imports, the result backend reading the runs table);
+    ``send_event`` and ``replay_dlq`` then publish through it."""
     from motir_celery.adapter.celery_app import attach as _attach
     from motir_celery.adapter.celery_app import use_as_default
 
@@ -212,6 +214,15 @@ class _DirectRuns:
 
         publish_for: "PublishFor" = _publish_for
         return await aio.apply_async_async(job, args, kwargs, options, publish_for=publish_for)
+
+    def apply(self, job: Job, args: Sequence[Any], kwargs: Mapping[str, Any], options: dict[str, Any]) -> RunHandle:
+        """``job.apply()``: the run written as ``apply_async`` writes it, and executed here at
+        once, through the real runner (core/worker/inline.py), before the handle is returned."""
+        from motir_celery.core.producer import direct
+        from motir_celery.core.worker.inline import Inline
+
+        inline = Inline()
+        return direct.apply_async(job, args, kwargs, options, publish_for=lambda queue, priority: inline)
 
 
 use_invoker(_DirectRuns())

@@ -12,6 +12,12 @@ Two pieces:
   ``beat_schedule`` entries run exactly as before, and ``MotirCronMixin`` puts
   the same behaviour on any other scheduler class.
 
+A ``beat_schedule`` entry of the user's whose task is a durable direct job (its
+Celery name, or ``motir.<job_id>``) is sent as Celery sends it, with one change: its
+Celery task id is derived from (entry, task, tick) — the crontab's slot, or the
+interval's multiple of the epoch, ``beat_tick_id`` — so the workers that adopt the
+messages of two beats for one tick make one run of them (the id is the run's key).
+
 Why any number of beats is safe: a slot is a pure function of (expression,
 zone, the database's ``now()``) — ``schedule.latest_slot`` — so every beat
 binds the same ``scheduled_for`` for the same slot, and the unique constraint
@@ -23,14 +29,18 @@ what a slot is or whether it runs. One beat is still the recommended deployment
 
 from __future__ import annotations
 
+import copy
 import logging
+import math
 import time
-from datetime import datetime, timedelta
+import uuid
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from celery.beat import PersistentScheduler
+from celery.beat import PersistentScheduler, ScheduleEntry
+from celery.schedules import crontab, schedule
 
-from motir_celery.core.jobs import Job, all_jobs, get_job
+from motir_celery.core.jobs import Job, all_jobs, get_job, job_for_task
 from motir_celery.core.publish import Publish
 from motir_celery.core.schedule import ScheduleOptions, is_slot, latest_slot, newest_slots, next_slot, schedule_options
 from motir_celery.errors import JobDefinitionError
@@ -39,7 +49,7 @@ from motir_celery.store.db import engine_connection
 from motir_celery.store.records import AlreadyQueued, OverlapSkipped, Queued
 from motir_celery.store.sql import producer as producer_sql
 
-__all__ = ["enqueue_slot", "OverlapSkipped", "MotirCronMixin", "MotirScheduler", "SCHEDULER"]
+__all__ = ["enqueue_slot", "OverlapSkipped", "MotirCronMixin", "MotirScheduler", "SCHEDULER", "beat_tick_id"]
 
 log = logging.getLogger("motir_celery.adapter.beat")
 
@@ -106,6 +116,35 @@ def _instant(value: datetime | str) -> datetime:
     return value
 
 
+# --- beat_schedule entries of durable jobs --------------------------------------------
+
+#: The namespace of the task ids of beat_schedule ticks (uuid5).
+TICK_NAMESPACE = uuid.UUID("5d0f8e2a-3c1b-4e7a-9f26-6b8d2a1c0e4f")
+#: Each crontab field's whole range (a field that has all of it is written ``*``).
+_CRON_RANGES = (range(60), range(24), range(1, 32), range(1, 13), range(7))
+
+
+def beat_tick_id(entry: ScheduleEntry, now: datetime) -> str | None:
+    """The Celery task id of ``entry``'s tick due at ``now``: the same in every beat for one tick
+    (a crontab's latest slot, an interval's latest multiple of the epoch); None for a schedule
+    with no such slot (solar, a custom class): then each beat's message is a run of its own."""
+    sched = entry.schedule
+    if isinstance(sched, crontab):
+        fields = (sched.minute, sched.hour, sched.day_of_month, sched.month_of_year, sched.day_of_week)
+        cron = " ".join("*" if set(f) == set(full) else ",".join(str(v) for v in sorted(f))
+                        for f, full in zip(fields, _CRON_RANGES))
+        zone = getattr(sched.tz, "key", None) or "UTC"
+        slot = latest_slot(cron, zone, now)
+    elif isinstance(sched, schedule) and sched.run_every.total_seconds() >= 1:
+        every = sched.run_every.total_seconds()
+        slot = datetime.fromtimestamp(math.floor(now.timestamp() / every) * every, tz=timezone.utc)
+    else:
+        return None
+    if slot is None:
+        return None
+    return str(uuid.uuid5(TICK_NAMESPACE, f"{entry.name}\x00{entry.task}\x00{slot.isoformat()}"))
+
+
 # --- the beat scheduler -------------------------------------------------------------
 
 
@@ -131,6 +170,20 @@ class MotirCronMixin:
         self._motir_fired: dict[str, datetime] = {}
         self._motir_publish: Any = None
         super().__init__(*args, **kwargs)
+
+    def apply_async(self, entry: ScheduleEntry, producer: Any = None, advance: bool = True, **kwargs: Any) -> Any:
+        """Celery's, but an entry for a durable direct job is sent with the task id of its tick
+        (``beat_tick_id``): two beats' messages for one tick are one run."""
+        job = job_for_task(str(entry.task))
+        tick = (beat_tick_id(entry, self.app.now()) if job is not None and job.direct
+                and "task_id" not in (entry.options or {}) else None)
+        if tick is None:
+            return super().apply_async(entry, producer=producer, advance=advance, **kwargs)  # type: ignore[misc]
+        if advance:
+            entry = self.reserve(entry)  # type: ignore[attr-defined]  # celery.beat.Scheduler's
+        sent = copy.copy(entry)  # the id is this tick's only: the entry kept in the schedule has none
+        sent.options = {**(entry.options or {}), "task_id": tick}
+        return super().apply_async(sent, producer=producer, advance=False, **kwargs)  # type: ignore[misc]
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
         delay = super().tick(*args, **kwargs)  # type: ignore[misc]  # the user's entries, unchanged

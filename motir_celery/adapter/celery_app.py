@@ -1,8 +1,14 @@
 """The Celery adapter: the default app, ``attach(app)``, per-job tasks, publishing.
 
-Each job becomes a task named ``motir.<job_id>``, so Flower lists runs per job
-and ``task_routes`` can send a job to its own queue. A message carries the run
-id only (plus the job id for routing and display); Postgres holds the rest.
+Each job becomes a task under its Celery name (``Job.task_name``: ``name=``, or
+``module.function`` for a direct job, else ``motir.<job_id>``) and under its alias
+``motir.<job_id>``, so Flower lists runs per job, ``task_routes`` and ``beat_schedule``
+written for the Celery task keep meaning it, and messages of earlier releases still
+land. The engine publishes under the task name. A run's message carries the run id
+only (also as its Celery task id); Postgres holds the rest. A message in Celery's
+own protocol for a direct job is adopted as a run before its body runs
+(``protocol.py``). ``attach`` also installs the result backend that reads the runs
+table (``backend.py``), unless the app chose a backend class itself.
 
 The one default this module sets on the apps it hosts:
 ``worker_prefetch_multiplier = 1`` — a worker reserves as few messages as
@@ -68,10 +74,12 @@ from typing import Any
 from celery import Celery, signals
 from celery.exceptions import Retry
 
+from motir_celery.adapter.backend import BACKEND
 from motir_celery.adapter.guard import GUARDED_AMQP_TRANSPORT
 from motir_celery.adapter.messages import GUARDED_TRANSPORT, publisher
+from motir_celery.adapter.protocol import run_to_execute
 from motir_celery.adapter.worker import EngineStep, engine_thread
-from motir_celery.core.jobs import TASK_OPTIONS, Job, on_job_defined
+from motir_celery.core.jobs import TASK_OPTIONS, Job, find_job, on_job_defined
 from motir_celery.core.worker import runner
 from motir_celery.errors import ConfigurationError, RunFailed
 from motir_celery.settings import Settings, get_settings
@@ -164,6 +172,10 @@ def attach(app: Celery, *, settings: Settings | None = None) -> Celery:
         if key not in app.conf.changes:
             app.conf[key] = value
     app.steps["worker"].add(EngineStep)
+    # AsyncResult(<run id>) reads the runs table (backend.py): alone on an app with no result
+    # backend, before the app's own backend otherwise. Not over a backend class the app chose.
+    if app.backend_cls is None:
+        app.backend_cls = BACKEND
     # `celery beat` fires the cron jobs through our scheduler (beat.py), unless the
     # user chose a scheduler of their own (then: beat.MotirCronMixin).
     if "beat_scheduler" not in app.conf.changes and app.conf.beat_scheduler == "celery.beat:PersistentScheduler":
@@ -205,10 +217,11 @@ def _on_import_modules(sender: Celery, **_: Any) -> None:
 _registered: "weakref.WeakKeyDictionary[Celery, set[str]]" = weakref.WeakKeyDictionary()
 
 
-def run_job(task: Any, job_id: str, run_id: str) -> dict[str, str]:
+def run_job(task: Any, job_id: str, run_id: str) -> Any:
     """The entry of every run: the body of each job's Celery task (``task`` is the bound task).
     Claims the run its message names, runs the handler, settles; raises only to show the ending
-    in Celery's own terms (FAILURE, RETRY), the settle being committed already."""
+    in Celery's own terms (FAILURE, RETRY), the settle being committed already. Returns what the
+    handler returned when the run succeeded (Flower's result column), else how it ended."""
     worker = f"{task.request.hostname or 'worker'}/{os.getpid()}"
     engine_thread().ensure()  # this process's heartbeats (a prefork child's first run starts them)
     outcome = runner.execute(run_id, job_id=job_id, worker=worker, publish=publisher(task.app))
@@ -224,24 +237,39 @@ def run_job(task: Any, job_id: str, run_id: str) -> dict[str, str]:
         # signal): Celery sends a new message in Task.retry(), never for a Retry raised
         # by the task itself, and acknowledges this one as for any ending.
         raise Retry(f"run {outcome.run_id} of {job_id}: attempt failed, next attempt {outcome.detail}")
-    return asdict(outcome)
+    if outcome.state == "succeeded":
+        return outcome.result
+    ending = asdict(outcome)
+    del ending["result"]
+    return ending
 
 
 def _register(app: Celery, job: Job) -> None:
     # Our own record, not `name in app.tasks`: that would finalize the app early,
     # and a job re-defined before finalization would be queued twice.
     names = _registered.setdefault(app, set())
-    if job.task_name in names:
-        return
-    names.add(job.task_name)
     # (priority= is ours, 0-9 higher first; messages.publisher maps it per broker.)
     options = {k: job.options[k] for k in TASK_OPTIONS if k in job.options}
+    for name in job.task_names:  # its Celery name, then its alias motir.<job_id>
+        if name in names:
+            continue
+        names.add(name)
+        app.task(name=name, bind=True, shared=False, **options)(_task_of(job))
 
-    def task(self: Any, run_id: str, *_: Any) -> dict[str, str]:
+
+def _task_of(defined: Job) -> Any:
+    def task(self: Any, *args: Any, **kwargs: Any) -> Any:
+        job = find_job(defined.id) or defined  # the current definition (a module imported again)
+        if self.request.called_directly:  # app.tasks[name](...): no message, the body inline
+            return job(*args, **kwargs)
+        run_id = run_to_execute(self.request, job, args, kwargs)
+        if run_id is None:
+            return {"run_id": None, "state": "skipped", "detail": "nothing to run (see the log line above)"}
         return run_job(self, job.id, run_id)
 
-    task.__name__ = task.__qualname__ = "run_" + re.sub(r"\W", "_", job.id)
-    task.__doc__ = f"Run of motir job {job.id!r}: claim, steps, settle (celery_app.run_job)."
+    task.__name__ = task.__qualname__ = "run_" + re.sub(r"\W", "_", defined.id)
+    task.__doc__ = (f"Run of motir job {defined.id!r}: claim, steps, settle (celery_app.run_job); a message in "
+                    "Celery's protocol is adopted as a run first (protocol.py).")
     # shared=False: every app registers its own jobs here; a shared task would be
     # registered again by every later app of the process (DuplicateTaskNameWarning).
-    app.task(name=job.task_name, bind=True, shared=False, **options)(task)
+    return task

@@ -1,8 +1,11 @@
 """A run's message: the ``publish`` callable the core is handed, and its short way onto Redis.
 
-A run's message is a Celery task message (protocol 2) for task ``motir.<job_id>``
-with one argument, the run id. ``app.send_task`` builds and sends it; on Redis
-it also, on every call, merges the task's options, asks the router, fires the
+A run's message is a Celery task message (protocol 2) for the job's task
+(``Job.task_name``: its Celery name, else ``motir.<job_id>``) with one argument, the
+run id, which is also the message's Celery task id: every message of one run (its
+retries, a re-publish) has the run's id, so Flower shows one task per run and
+``AsyncResult(<that id>)`` is the run's (the result backend of ``backend.py``).
+``app.send_task`` builds and sends it; on Redis it also, on every call, merges the task's options, asks the router, fires the
 publish signals, acquires a pooled producer, builds a fresh ``redis.Redis``
 client inside kombu and wraps the write in kombu's retry machinery. At one
 event every 20 ms that is ~1.3 ms between the commit and the message being in
@@ -84,7 +87,7 @@ def publisher(app: Celery) -> Publish:
         priority = _message_priority(app, job_id)
         if priority is not None:
             options["priority"] = priority
-        app.send_task(task_name(job_id), args=[str(run_id)], countdown=countdown or None,
+        app.send_task(task_name(job_id), args=[str(run_id)], countdown=countdown or None, task_id=str(run_id),
                       argsrepr=argsrepr(job_id, run_id), **options)
 
     return publish
@@ -171,7 +174,7 @@ class _Plan:
         does: at low load that Python alone is ~0.2 ms between commit and LPUSH."""
         run = str(run_id)
         body = base64.b64encode(self.body.replace(_RUN_ID, run).encode()).decode()
-        return (self.envelope.replace(_TASK_ID, _unique_id()).replace(_RUN_ID, run)
+        return (self.envelope.replace(_TASK_ID, run).replace(_RUN_ID, run)
                 .replace(_REPLY_TO, reply_to).replace(_TAG, _unique_id()).replace(_BODY, body))
 
 
@@ -255,7 +258,7 @@ class _RedisLane:
         root_id = parent_id = None
         if parent is not None:
             root_id, parent_id = parent.request.root_id or parent.request.id, parent.request.id
-        return json.dumps(self._message(plan, str(run_id), task_id=str(uuid.uuid4()), reply_to=self.app.thread_oid,
+        return json.dumps(self._message(plan, str(run_id), task_id=str(run_id), reply_to=self.app.thread_oid,
                                         tag=str(uuid.uuid4()), countdown=countdown, root_id=root_id,
                                         parent_id=parent_id))
 

@@ -32,7 +32,7 @@ def publisher_for(app: Celery, queue: str | None = None, priority: int | None = 
         if priority:
             scheme = str(app.conf.broker_url or "").split("://", 1)[0]
             options["priority"] = 9 - priority if scheme.startswith(("redis", "rediss")) else priority
-        app.send_task(task_name(job_id), args=[str(run_id)], countdown=countdown or None,
+        app.send_task(task_name(job_id), args=[str(run_id)], countdown=countdown or None, task_id=str(run_id),
                       argsrepr=argsrepr(job_id, run_id), **options)
 
     return publish

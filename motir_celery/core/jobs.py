@@ -1,26 +1,41 @@
-"""``define_job`` and the job registry.
+"""``define_job``, the job registry, and the names a job's Celery task answers to.
 
 Like Celery's ``shared_task``, ``define_job`` works at import time without an
 app: it records the job in a process-wide registry, and whichever Celery app
 hosts the engine (ours, or the user's through ``attach``) turns every
-registered job into a task named ``motir.<job_id>`` — now, or as soon as the
-app is attached. Mistakes (a duplicate id, both triggers, an unknown retry
-policy) are errors here, at definition time.
+registered job into a Celery task — now, or as soon as the app is attached.
+Mistakes (a duplicate id, a task name two jobs claim, both triggers, an unknown
+retry policy) are errors here, at definition time.
+
+**Task names.** A job's task is named ``name=`` when given; else a *direct* job
+(the kind that replaces a Celery task) takes the name Celery gives the same
+function, ``module.function`` (``demoapp.tasks.add``), so routes,
+``beat_schedule`` entries, ``send_task`` calls and Flower filters written for the
+Celery task keep meaning it; an event or cron job (never a Celery task) keeps
+``motir.<job_id>``, as does a direct job whose function Celery could not name
+stably (a lambda, a nested function, ``__main__``). Every job also answers to
+``motir.<job_id>`` (an alias: messages of earlier releases, and the names users
+wrote before). The engine publishes under ``Job.task_name``. The job id stays the
+key in Postgres.
 
 A job with neither ``event=`` nor ``cron=`` is a *direct* job: started the way
 a Celery task is, ``job.delay(*args, **kwargs)`` / ``job.apply_async(...)``, and
-called as ``handler(step, *args, **kwargs)``. Those calls are written by
-``core/direct.py`` (and ``core/aio.py``), which sit above this module: the
+called as ``handler(step, *args, **kwargs)`` (``bind=False``: ``handler(*args,
+**kwargs)``, a Celery task body unchanged). Those calls are written by
+``core/producer/direct.py`` (and ``aio.py``), which sit above this module: the
 package's face wires them in (``use_invoker``), as the adapter hands the core
-its ``Publish`` callable, so no import points up.
+its ``Publish`` callable, so no import points up. Calling the job object runs the
+body here, at once, as calling a Celery task does (``Job.__call__``, ``CallStep``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, NoReturn, Protocol, Sequence
+from typing import Any, Callable, Iterable, Mapping, NoReturn, Protocol, Sequence, runtime_checkable
 
 from motir_celery.core.producer.results import RunHandle
 from motir_celery.core.retries import RetryPolicy, resolve_policy
@@ -29,9 +44,13 @@ from motir_celery.errors import JobDefinitionError, MotirError, UnknownJobError
 from motir_celery.store.records import RunSpec
 
 __all__ = ["Job", "define_job", "get_job", "find_job", "all_jobs", "subscribers", "cancelled_by", "on_job_defined", "task_name",
-           "CanvasNotSupported", "Invoker", "use_invoker"]
+           "alias_name", "celery_name", "job_for_task", "CanvasNotSupported", "Invoker", "use_invoker", "CallStep", "DirectCallUnsupported"]
 
 JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,199}$")
+#: A Celery task name given as ``name=``: printable, no blank, at most 200 characters.
+TASK_NAME = re.compile(r"^[^\s]{1,200}$")
+#: The prefix of every job's alias, ``motir.<job_id>`` (the only name before the cut-over release).
+ALIAS_PREFIX = "motir."
 
 
 class Handler(Protocol):
@@ -50,14 +69,32 @@ class Job:
     options: dict[str, Any] = field(default_factory=dict)
     #: priority, singleton_key, concurrency and cancel_on, validated (runspec.py).
     run_options: RunOptions = field(default_factory=RunOptions)
+    #: The Celery task name (``name=``, or Celery's ``module.function`` for a direct job); None: ``motir.<id>``.
+    name: str | None = None
+    #: A direct job's handler takes the step first (``handler(step, *args)``, where a bound task had
+    #: ``self``); False: the call's own arguments only, as an unbound Celery task's body.
+    bind: bool = True
 
     @property
     def task_name(self) -> str:
-        return task_name(self.id)
+        """The name of this job's Celery task: what the engine publishes under."""
+        return self.name or alias_name(self.id)
+
+    @property
+    def task_names(self) -> tuple[str, ...]:
+        """Every name this job's task answers to: its task name, then its alias ``motir.<job_id>``."""
+        alias = alias_name(self.id)
+        return (self.task_name,) if self.task_name == alias else (self.task_name, alias)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # handler(event, step), or a direct job's handler(step, *args, **kwargs), called inline.
-        return self.handler(*args, **kwargs)
+        """Run the body here and now, as calling a Celery task does (``Task.__call__``): a direct
+        job's ``add(1, 2)`` is ``handler(CallStep(), 1, 2)`` — nothing is stored, nothing is
+        retried, each ``step.run`` just calls its function — what a unit test of the body wants.
+        ``job.apply(...)`` runs it through the engine instead (a stored run). An event job is
+        called as its handler is, ``job(event, step)``; so is a direct job given a step first."""
+        if not self.direct or not self.bind or (args and isinstance(args[0], StepLike)):
+            return self.handler(*args, **kwargs)
+        return self.handler(CallStep(), *args, **kwargs)
 
     def spec(self, data: Any, workspace_id: str | None, priority: int | None = None) -> RunSpec:
         """What a new run of this job carries, computed from its triggering event's data."""
@@ -89,6 +126,28 @@ class Job:
         """``apply_async`` for asyncio code; ``session=`` takes an ``AsyncSession``."""
         return await _invoker_for(self).apply_async_async(self, args or (), kwargs or {}, options)
 
+    def apply(self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None,
+              **options: Any) -> RunHandle:
+        """Run one durable run of this job now, in this process, through the engine — a stored run,
+        its claim, stored steps, its settle (core/worker/inline.py) — before returning its handle,
+        whose ``.get()`` then answers at once. Celery's ``Task.apply``; the options are
+        ``apply_async``'s. A retry's backoff is waited out as for any run: the attempt after it
+        is left queued for a worker."""
+        return _invoker_for(self).apply(self, args or (), kwargs or {}, options)
+
+    def delay_on_commit(self, *args: Any, **kwargs: Any) -> RunHandle:
+        """Celery's Django helper (5.4+): here ``delay``, which inside ``transaction.atomic()``
+        (contrib.django) already writes the run in Django's transaction and publishes it on
+        commit — an outbox: a rollback leaves nothing, a crash after the commit loses nothing
+        (Celery's version publishes from ``on_commit`` and loses the task if the process dies
+        between the two). Returns the run's handle (Celery's returns None)."""
+        return self.delay(*args, **kwargs)
+
+    def apply_async_on_commit(self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None,
+                              **options: Any) -> RunHandle:
+        """``apply_async`` for the same reason ``delay_on_commit`` is ``delay``."""
+        return self.apply_async(args, kwargs, **options)
+
     def s(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise CanvasNotSupported(_CANVAS.format(job=self.id, what="s"))
 
@@ -106,8 +165,87 @@ class Job:
     starmap = chunks = map
 
 
+def alias_name(job_id: str) -> str:
+    """``motir.<job_id>``: the name every job's task answers to (the only one before the cut-over)."""
+    return f"{ALIAS_PREFIX}{job_id}"
+
+
 def task_name(job_id: str) -> str:
-    return f"motir.{job_id}"
+    """The task name the engine publishes a run of ``job_id`` under: the job's own
+    (``Job.task_name``) when it is defined in this process, else its alias."""
+    job = _registry.get(job_id)
+    return job.task_name if job is not None else alias_name(job_id)
+
+
+def celery_name(fn: Callable[..., Any]) -> str | None:
+    """The name Celery's default ``gen_task_name`` gives ``fn`` — ``module.function`` — when that
+    name is stable across processes: a module-level function of an importable module (not a
+    lambda, a nested function or ``__main__``, which Celery names after the app instead)."""
+    module, name, qualname = (getattr(fn, attr, None) for attr in ("__module__", "__name__", "__qualname__"))
+    if not isinstance(module, str) or not isinstance(name, str) or module == "__main__" or qualname != name:
+        return None
+    return f"{module}.{name}" if name.isidentifier() else None
+
+
+@runtime_checkable
+class StepLike(Protocol):
+    """What a handler's step offers every caller: a worker's ``Step``, a ``CallStep``."""
+
+    @property
+    def run_id(self) -> str | None: ...
+
+    @property
+    def attempt(self) -> int: ...
+
+    def run(self, step_id: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any: ...
+
+
+class DirectCallUnsupported(MotirError, TypeError):
+    """A step operation that needs a stored run, inside a direct call (``job(...)``)."""
+
+
+class CallStep:
+    """The step of a direct call (``job(1, 2)``): ``run`` just calls its function; nothing is
+    stored, so nothing is memoized or retried. ``run_id`` is None (Celery's ``request.id`` in
+    a direct call), ``attempt`` 1. What needs a stored run — ``sleep``, ``send_event``,
+    ``wait_for_event``, ``invoke``, ``gather`` — raises ``DirectCallUnsupported``: use
+    ``job.apply(...)``, which runs the body through the engine."""
+
+    run_id: str | None = None
+    attempt: int = 1
+
+    def run(self, step_id: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        result = fn(*args, **kwargs)
+        if inspect.iscoroutine(result):
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:  # no loop: run it to its end, as a worker's step does
+                return asyncio.run(result)
+            return result  # inside an async handler: awaited there
+        return result
+
+    def _needs_a_run(self, what: str) -> NoReturn:
+        raise DirectCallUnsupported(
+            f"step.{what}() in a direct call of a job (job(...)): the body runs inline with nothing stored, "
+            "and this needs a stored run; run it through the engine with job.apply(...) (or .delay())")
+
+    def sleep(self, *args: Any, **kwargs: Any) -> NoReturn:
+        self._needs_a_run("sleep")
+
+    def sleep_until(self, *args: Any, **kwargs: Any) -> NoReturn:
+        self._needs_a_run("sleep_until")
+
+    def send_event(self, *args: Any, **kwargs: Any) -> NoReturn:
+        self._needs_a_run("send_event")
+
+    def wait_for_event(self, *args: Any, **kwargs: Any) -> NoReturn:
+        self._needs_a_run("wait_for_event")
+
+    def invoke(self, *args: Any, **kwargs: Any) -> NoReturn:
+        self._needs_a_run("invoke")
+
+    def gather(self, *args: Any, **kwargs: Any) -> NoReturn:
+        self._needs_a_run("gather")
 
 
 class CanvasNotSupported(MotirError, TypeError):
@@ -132,6 +270,10 @@ class Invoker(Protocol):
 
     async def apply_async_async(self, job: Job, args: Sequence[Any], kwargs: Mapping[str, Any],
                                 options: dict[str, Any]) -> RunHandle: ...
+
+    def apply(self, job: Job, args: Sequence[Any], kwargs: Mapping[str, Any], options: dict[str, Any]) -> RunHandle:
+        """One run written and executed in this process (``Job.apply``)."""
+        ...
 
 
 _invoker: Invoker | None = None
@@ -160,6 +302,8 @@ TASK_OPTIONS = ("queue", "time_limit", "soft_time_limit")
 
 
 _registry: dict[str, Job] = {}
+#: Task name -> job id, for every job's task name (a name two jobs claim is refused).
+_names: dict[str, str] = {}
 _listeners: list[Callable[[Job], None]] = []
 _lock = threading.RLock()
 
@@ -182,7 +326,10 @@ def define_job(
     ``"transient"`` (default), ``"idempotent"``, ``"none"`` or a ``RetryPolicy``.
     Durable-flow options (docs/jobs.md): ``priority=0..9``, ``singleton_key=``,
     ``concurrency=(limit, key)``, ``cancel_on=[CancelOn(...)]``; cron jobs also
-    take ``catchup=`` and ``overlap=``.
+    take ``catchup=`` and ``overlap=``. Celery's own: ``name=`` (the task name; see the
+    module docstring for its default), ``bind=`` (a direct job's handler takes the step
+    first, the default; ``bind=False``: only the call's arguments), ``queue=``,
+    ``time_limit=``, ``soft_time_limit=``.
     """
     if not isinstance(id, str) or not JOB_ID.fullmatch(id):  # fullmatch: `$` also matches before a final newline
         raise JobDefinitionError(
@@ -195,6 +342,18 @@ def define_job(
     if events and cron is not None:
         raise JobDefinitionError(f"job {id!r}: pass event=... or cron=..., not both")
     policy = resolve_policy(retry_policy)
+    name, bind = options.pop("name", None), options.pop("bind", True)
+    if name is not None and (not isinstance(name, str) or not TASK_NAME.fullmatch(name) or not name.isprintable()):
+        raise JobDefinitionError(f"job {id!r}: name= (the Celery task name) must be 1-200 printable characters "
+                                 f"without blanks, got {name!r:.80}")
+    if name is not None and name.startswith(ALIAS_PREFIX) and name != alias_name(id):
+        raise JobDefinitionError(f"job {id!r}: task names starting {ALIAS_PREFIX!r} are the jobs' aliases "
+                                 f"(motir.<job_id>); {name!r} would be job {name[len(ALIAS_PREFIX):]!r}'s")
+    if not isinstance(bind, bool):
+        raise JobDefinitionError(f"job {id!r}: bind= must be True or False, got {bind!r}")
+    if not bind and (events or cron is not None):
+        raise JobDefinitionError(f"job {id!r}: bind=False is for direct jobs; an event or cron job's handler "
+                                 "is handler(event, step)")
     zone = "UTC"
     from motir_celery.core.schedule import parse_cron, schedule_options
 
@@ -207,17 +366,28 @@ def define_job(
     def decorate(handler: Callable[..., Any]) -> Job:
         if not callable(handler):
             raise JobDefinitionError(f"job {id!r}: the handler must be callable")
+        direct = not events and cron is None
         job = Job(id=id, handler=handler, events=events, cron=cron, timezone=zone,
-                  retry_policy=policy, options=options, run_options=shaped)
+                  retry_policy=policy, options=options, run_options=shaped,
+                  name=name if name is not None else (celery_name(handler) if direct else None), bind=bind)
         with _lock:
             existing = _registry.get(id)
             if existing is not None and _origin(existing.handler) != _origin(handler):
                 raise JobDefinitionError(
                     f"job id {id!r} is already defined by {_origin(existing.handler)}"
                 )
+            owner = _names.get(job.task_name)
+            if owner is not None and owner != id:
+                raise JobDefinitionError(
+                    f"job {id!r}: its task name {job.task_name!r} is already job {owner!r}'s "
+                    f"({'given as name=' if name is not None else 'the name Celery gives its function'}); "
+                    "give one of them a name= of its own")
             # Same function re-imported (e.g. a module imported under two names
             # by a test runner): keep one definition, not an error.
+            if existing is not None:
+                _names.pop(existing.task_name, None)
             _registry[id] = job
+            _names[job.task_name] = id
             listeners = list(_listeners)
         for listener in listeners:
             listener(job)
@@ -233,6 +403,14 @@ def _origin(fn: Callable[..., Any]) -> str:
 def find_job(job_id: str) -> Job | None:
     """The job registered as ``job_id`` in this process, or None."""
     return _registry.get(job_id)
+
+
+def job_for_task(name: str) -> Job | None:
+    """The job whose Celery task answers to ``name`` (its task name or its alias), or None."""
+    job_id = _names.get(name)
+    if job_id is None and name.startswith(ALIAS_PREFIX):
+        job_id = name[len(ALIAS_PREFIX):]
+    return _registry.get(job_id) if job_id is not None else None
 
 
 def get_job(job_id: str) -> Job:

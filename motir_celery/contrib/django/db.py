@@ -124,8 +124,9 @@ def join(workspace_id: str | None) -> ContextManager[Joined] | None:
         return _joined(db_alias, workspace_id)
     if wrapper.connection is not None and not wrapper.get_autocommit():
         raise ConfigurationError(
-            "send_event under Django's manual transaction management (set_autocommit(False)): "
-            "use transaction.atomic(), whose on_commit publishes the runs after the commit")
+            "a motir write (job.delay(), .apply_async(), .delay_on_commit(), send_event(), ...) under Django's "
+            "manual transaction management (set_autocommit(False)): motir cannot publish after a commit it "
+            "is not told of; use transaction.atomic(), whose on_commit publishes the runs after the commit")
     return None
 
 

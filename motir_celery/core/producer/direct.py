@@ -33,13 +33,25 @@ what an event job reads from ``event``.
 * **Publishing** happens after the commit that created the run; with
   ``session=`` (SQLAlchemy), or inside a framework transaction that
   ``events.join_transactions`` hands in (Django's ``atomic()``), when that
-  transaction commits, and never if it rolls back.
+  transaction commits, and never if it rolls back. The handle of such a run
+  refuses ``get()`` until then (``RunNotCommitted``).
+* **Run ids.** A ``task_id=`` that is a UUID becomes the run's id (migration 0010),
+  so ``AsyncResult(task_id)`` answers for it; any other key leaves the id random.
+* **Adoption** (``adopt``): a message in Celery's own protocol for a direct job — an
+  old producer, ``send_task``, ``celery call``, a ``beat_schedule`` entry — is turned
+  by the worker that receives it into the run ``.delay()`` would have written, keyed
+  on its Celery task id (a redelivered or duplicated copy is the same run), through
+  the same checks and the same statement; the worker then executes it. Arguments the
+  checks refuse become a run failed at once with its DLQ row (``adapter_sql.ADOPT_REFUSED``): the
+  refusal is kept where operators look, with its reason.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import re
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -49,8 +61,13 @@ from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
 from motir_celery.core.jobs import Job
-from motir_celery.core.producer.events import joined_transaction, publish_after_commit, validate_event
-from motir_celery.core.producer.results import RunHandle
+from motir_celery.core.producer.events import (
+    MAX_IDEMPOTENCY_KEY,
+    joined_transaction,
+    publish_after_commit,
+    validate_event,
+)
+from motir_celery.core.producer.results import CommitGate, RunHandle
 from motir_celery.core.publish import Publish, publish_or_log
 from motir_celery.core.tracing import current_traceparent
 from motir_celery.errors import PayloadError, checked_delay
@@ -59,10 +76,11 @@ from motir_celery.store import records, schema
 from motir_celery.store.db import get_engine
 from motir_celery.store.driver import first
 from motir_celery.store.records import RunSpec
+from motir_celery.store.sql import adapter as adapter_sql
 from motir_celery.store.sql import producer as producer_sql
 
 __all__ = ["DIRECT_PREFIX", "event_name", "DirectCall", "prepare", "apply_async", "arguments", "PublishFor",
-           "APPLY_ASYNC_OPTIONS"]
+           "APPLY_ASYNC_OPTIONS", "Adopted", "adopt", "refuse", "MAX_SHOWN"]
 
 log = logging.getLogger("motir_celery.core.producer.direct")
 
@@ -214,13 +232,30 @@ def should_publish(written: Written, settings: Settings) -> bool:
     return written.run_id is not None and not written.deduplicated and written.due_in <= settings.republish_after
 
 
-def _publish_one(publish: Publish, run: records.Queued) -> None:
-    publish_or_log(publish, run.run_id, run.job_id)
+def _committed(gate: CommitGate, publish: Publish | None, run: records.Queued) -> None:
+    """The framework's transaction committed: the handle may wait now, the message goes out."""
+    gate.set()
+    if publish is not None:
+        publish_or_log(publish, run.run_id, run.job_id)
 
 
-def handle(call: DirectCall, written: Written, settings: Settings | None) -> RunHandle:
+def handle(call: DirectCall, written: Written, settings: Settings | None,
+           committed: CommitGate | None = None) -> RunHandle:
     return RunHandle(written.run_id, call.job.id, deduplicated=written.deduplicated, workspace_id=call.workspace_id,
-                     settings=settings)
+                     settings=settings, committed=committed)
+
+
+def _gate_on(session: Session, written: Written, job_id: str) -> CommitGate | None:
+    """A gate set when ``session``'s transaction commits (None: nothing new was written)."""
+    if written.run_id is None or written.deduplicated:
+        return None
+    gate = CommitGate()
+
+    def opened(run_id: uuid.UUID, job: str, countdown: float = 0.0) -> None:
+        gate.set()
+
+    publish_after_commit(session, [records.Queued(written.run_id, job_id)], opened)
+    return gate
 
 
 def apply_async(job: Job, args: Sequence[Any], kwargs: Mapping[str, Any], options: Mapping[str, Any], *,
@@ -232,21 +267,78 @@ def apply_async(job: Job, args: Sequence[Any], kwargs: Mapping[str, Any], option
     publish = publish_for(call.queue, call.priority) if publish_for is not None else None
     if session is not None:
         written = write(session.connection(), call, settings)
+        gate = _gate_on(session, written, job.id)
         if publish is not None and should_publish(written, settings):
             run = records.Queued(written.run_id, job.id)  # type: ignore[arg-type]
             publish_after_commit(session, [run], delayed(publish, written.due_in))
-        return handle(call, written, settings)
+        return handle(call, written, settings, gate)
     joined = joined_transaction(call.workspace_id)  # a framework's transaction (contrib/django), if any
     if joined is not None:
         with joined as (conn, on_commit):
             written = write(conn, call, settings)
-            if publish is not None and should_publish(written, settings):
+            gate = CommitGate() if written.run_id is not None and not written.deduplicated else None
+            late = delayed(publish, written.due_in) if publish is not None and should_publish(written, settings) else None
+            if gate is not None:
                 run = records.Queued(written.run_id, job.id)  # type: ignore[arg-type]
-                late = delayed(publish, written.due_in)
-                on_commit(lambda: _publish_one(late, run))
-        return handle(call, written, settings)
+                on_commit(lambda: _committed(gate, late, run))  # one callback: the handle, then the message
+        return handle(call, written, settings, gate)
     with get_engine(settings=settings).connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         written = write(conn, call, settings)
     if publish is not None and should_publish(written, settings):
         publish_or_log(publish, written.run_id, job.id, max(written.due_in, 0.0))  # type: ignore[arg-type]
     return handle(call, written, settings)
+
+
+# --- adoption: a message in Celery's own protocol, turned into a run by the worker -------
+
+#: Characters of a refused message's arguments kept (as text) in its DLQ entry.
+MAX_SHOWN = 1000
+_UUID_TEXT = re.compile(r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")
+
+
+@dataclass(frozen=True)
+class Adopted:
+    """What a worker made of one message in Celery's protocol: the run to execute (new, or the
+    one an earlier copy of the message made), or the DLQ entry of a refusal and its reason."""
+
+    run_id: uuid.UUID | None
+    deduplicated: bool = False
+    dlq_id: uuid.UUID | None = None
+    reason: str | None = None
+
+
+def adopt(job: Job, args: Any, kwargs: Any, task_id: str, *, task_name: str, shown: Mapping[str, str],
+          settings: Settings | None = None) -> Adopted:
+    """Store the message ``task_id`` (``args``, ``kwargs``) of direct job ``job`` as its run, as
+    ``job.apply_async(args, kwargs, task_id=task_id)`` would, committed before this returns; a
+    copy of a message adopted already is that run (``deduplicated``). Arguments ``.delay()``
+    would refuse are refused here too (``refuse``); ``shown`` (``argsrepr``/``kwargsrepr`` text)
+    is what its DLQ entry keeps of them."""
+    settings = settings or get_settings()
+    try:
+        call = prepare(job, args, kwargs, {"task_id": task_id}, settings)
+    except Exception as exc:  # noqa: BLE001 — whatever the checks (or a key function) refuse: not adoptable
+        return refuse(job, task_id, task_name, shown, exc, settings)
+    with get_engine(settings=settings).connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        written = write(conn, call, settings)
+    return Adopted(written.run_id, written.deduplicated)
+
+
+def refuse(job: Job, task_id: str, task_name: str, shown: Mapping[str, str], exc: BaseException,
+           settings: Settings) -> Adopted:
+    """A message that cannot be adopted, kept as a run failed at once with its DLQ row
+    (``adapter_sql.ADOPT_REFUSED``); a copy of one refused already writes nothing."""
+    reason = str(exc)[:MAX_SHOWN]
+    good_key = isinstance(task_id, str) and 0 < len(task_id) <= MAX_IDEMPOTENCY_KEY and task_id.isprintable()
+    key = task_id if good_key else None
+    data = {"refused": reason, "task": task_name, "task_id": str(task_id)[:MAX_SHOWN],
+            **{k: str(v)[:MAX_SHOWN] for k, v in shown.items()}}
+    failure = {"type": f"{type(exc).__module__}.{type(exc).__qualname__}", "message": reason, "traceback": ""}
+    params = {"name": event_name(job.id), "data": json.dumps(data), "key": key, "job_id": job.id,
+              "run_id": task_id if key is not None and _UUID_TEXT.fullmatch(task_id) else None,
+              "policy": job.retry_policy.name, "failure": json.dumps(failure)}
+    with get_engine(settings=settings).connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        row = first(conn, adapter_sql.ADOPT_REFUSED, params)
+    if row is None:  # this message's key was refused (or used) before: nothing more to keep
+        return Adopted(None, deduplicated=True, reason=reason)
+    return Adopted(row["run_id"], dlq_id=row["dlq_id"], reason=reason)

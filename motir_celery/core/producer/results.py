@@ -25,6 +25,17 @@ through the engine login, and the statement itself names the workspace too. A ru
 id of another workspace is not found: ``PENDING``, as Celery says of an unknown id,
 never its result or its error.
 
+The handle is usable where Celery's ``AsyncResult`` is: ``.id`` (the run id; the Celery
+task id when the call gave a UUID ``task_id=``), ``.state`` / ``.status``, ``.ready()``,
+``.successful()``, ``.failed()``, ``.get(timeout=, propagate=)``, ``.result`` / ``.info``,
+``.traceback``, ``.date_done``, ``.forget()`` (a no-op: the run's row is the record, and
+``motir purge`` its retention). ``app.AsyncResult(id)`` reads the same row through the
+Celery result backend of ``adapter/backend.py``.
+
+A handle of a run written in a transaction that has not committed yet (``session=``,
+Django's ``atomic()``) knows it: ``get()`` there raises ``RunNotCommitted`` at once —
+no worker can see the run before the commit, so waiting could only time out.
+
 ``get`` polls: one indexed read (``producer_sql.RUN_RESULT``), then sleeps 20 ms,
 ×1.5 per poll, at most 500 ms between two — a run done in 50 ms is seen ~25 ms
 later, a wait of a minute costs ~130 reads. REJECTED: LISTEN/NOTIFY, which needs
@@ -37,9 +48,11 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import threading
 import time
 import uuid
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Engine
@@ -50,7 +63,8 @@ from motir_celery.store.db import get_engine, validate_workspace_id, workspace_s
 from motir_celery.store.driver import first
 from motir_celery.store.sql import producer as producer_sql
 
-__all__ = ["RunHandle", "JobFailed", "JobRevoked", "ResultTimeout", "READY_STATES", "celery_state"]
+__all__ = ["RunHandle", "JobFailed", "JobRevoked", "ResultTimeout", "RunNotCommitted", "READY_STATES", "celery_state",
+           "CommitGate"]
 
 READY_STATES = frozenset({"SUCCESS", "FAILURE", "REVOKED"})
 
@@ -60,6 +74,14 @@ FIRST_POLL, POLL_GROWTH, MAX_POLL = 0.02, 1.5, 0.5
 
 class ResultTimeout(MotirError, TimeoutError):
     """``get(timeout=)`` ran out before the run finished (Celery raises its own TimeoutError)."""
+
+
+class RunNotCommitted(MotirError):
+    """``get()`` of a run whose transaction has not committed (yet): it would wait for ever."""
+
+
+#: Set once the transaction that wrote a run has committed (a handle made outside one has none).
+CommitGate = threading.Event
 
 
 class JobFailed(MotirError):
@@ -96,6 +118,7 @@ class _Snapshot:
     state: str
     result: Any
     error: dict[str, Any] | None
+    finished_at: datetime | None = None
 
 
 def _failure(run_id: uuid.UUID | None, error: dict[str, Any] | None) -> JobFailed:
@@ -114,7 +137,8 @@ class RunHandle:
     """A run, Celery-``AsyncResult``-shaped. ``id`` is the run id (``motir runs show <id>``)."""
 
     def __init__(self, run_id: uuid.UUID | None, job_id: str, *, deduplicated: bool = False,
-                 workspace_id: str | None = None, settings: Settings | None = None) -> None:
+                 workspace_id: str | None = None, settings: Settings | None = None,
+                 committed: CommitGate | None = None) -> None:
         self.id = run_id
         self.job_id = job_id
         #: The workspace this handle reads in (None: system runs only).
@@ -123,6 +147,8 @@ class RunHandle:
         #: already, or a singleton run was active; ``id`` is that existing run.
         self.deduplicated = deduplicated
         self._settings = settings
+        #: Set when the transaction that wrote the run commits; None: committed when made.
+        self._committed = committed
 
     def __repr__(self) -> str:
         flag = " deduplicated" if self.deduplicated else ""
@@ -153,7 +179,16 @@ class RunHandle:
                 row = first(conn, producer_sql.RUN_RESULT, params)
         if row is None:
             return _Snapshot("PENDING", None, None)
-        return _Snapshot(celery_state(row["state"], row["last_outcome"]), row["result"], row["last_error"])
+        return _Snapshot(celery_state(row["state"], row["last_outcome"]), row["result"], row["last_error"],
+                         row["finished_at"])
+
+    def _check_committed(self) -> None:
+        if self._committed is not None and not self._committed.is_set():
+            raise RunNotCommitted(
+                f"run {self.id} of {self.job_id} was written in a transaction that has not committed (yet): "
+                "no worker can see it before the commit, so get() would only wait out its timeout. Call get() "
+                "after the transaction commits (after the `with transaction.atomic():` block, or "
+                "session.commit()); a rolled-back run never existed.")
 
     @property
     def state(self) -> str:
@@ -181,7 +216,9 @@ class RunHandle:
         """Wait for the run to finish; its result, or its final error raised (``JobFailed``).
 
         ``timeout`` in seconds (None: wait as long as it takes) → ``ResultTimeout``.
-        ``propagate=False`` returns the stored error dict instead of raising."""
+        ``propagate=False`` returns the stored error dict instead of raising. Inside the
+        uncommitted transaction that wrote the run: ``RunNotCommitted``, at once."""
+        self._check_committed()
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = FIRST_POLL
         while True:
@@ -198,6 +235,7 @@ class RunHandle:
     async def get_async(self, timeout: float | None = None, *, propagate: bool = True) -> Any:
         """``get`` for asyncio code: each read runs in a thread, the pauses are
         ``asyncio.sleep``: the event loop is never blocked."""
+        self._check_committed()
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = FIRST_POLL
         while True:
@@ -216,3 +254,21 @@ class RunHandle:
         """The result if it succeeded, the stored error dict if it failed, else None (no wait)."""
         snap = self._read()
         return self._outcome(snap, propagate=False) if snap.state in READY_STATES else None
+
+    info = result
+
+    @property
+    def traceback(self) -> str | None:
+        """The traceback of a failed run's last attempt (the worker's text), else None."""
+        snap = self._read()
+        return str((snap.error or {}).get("traceback") or "") or None if snap.state == "FAILURE" else None
+
+    @property
+    def date_done(self) -> datetime | None:
+        """When the run finished (the database's clock), else None."""
+        snap = self._read()
+        return snap.finished_at if snap.state in READY_STATES else None
+
+    def forget(self) -> None:
+        """Celery frees a result backend's entry; here a no-op: the run's row is the record
+        (``motir purge`` removes finished runs after their retention)."""

@@ -1,8 +1,9 @@
 """Execute one run: claim, call the handler with its memoized steps, settle.
 
 What a Celery task calls with the run id from its message; the only place an
-attempt starts or ends. One pooled connection, in autocommit, for the attempt:
-the claim, each step record and the settle are one statement and one commit.
+attempt starts or ends. One connection, in autocommit, for the attempt (this
+thread's, kept between its attempts: ``db.attempt_connection``): the claim, each
+step record and the settle are one statement and one commit.
 
 How an attempt ends: ``LostClaim`` / ``RunCancelled`` (a fenced write was
 refused: write nothing more); ``NonRetriableError``, ``StepOutputError`` or an
@@ -19,7 +20,7 @@ import asyncio
 import inspect
 import logging
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
@@ -45,7 +46,7 @@ from motir_celery.errors import (
 )
 from motir_celery.settings import Settings, get_settings
 from motir_celery.store import records
-from motir_celery.store.db import get_engine
+from motir_celery.store.db import attempt_connection, get_engine
 from motir_celery.store.sql import worker as worker_sql
 
 __all__ = ["Event", "Outcome", "execute"]
@@ -71,6 +72,8 @@ class Outcome:
     run_id: str
     state: str  # succeeded | retrying | deferred | suspended | failed | cancelled | lost | skipped
     detail: str = ""
+    #: What the handler returned (succeeded only): the task's return value, so Flower shows it.
+    result: Any = None
 
 
 def execute(run_id: uuid.UUID | str, *, job_id: str, worker: str, publish: Publish | None = None,
@@ -98,7 +101,7 @@ def execute(run_id: uuid.UUID | str, *, job_id: str, worker: str, publish: Publi
 
 def _execute(engine: Engine, run_uuid: uuid.UUID, job_id: str, worker: str, publish: Publish | None,
              settings: Settings) -> Outcome:
-    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+    with attempt_connection(engine) as conn:
         limit = concurrency.limit_of(job_id)
         # Held from before the claim, under the token the claim then stores: the lease is
         # renewed from the claim's commit on, whatever else holds this process's GIL.
@@ -153,15 +156,17 @@ def _attempt(claim: records.Claim, conn: Connection, engine: Engine, publish: Pu
         return _settle(claim, conn, publish, settings, exc, exc.delay)
     except Exception as exc:  # noqa: BLE001 — any handler error is a failed attempt
         return _settle(claim, conn, publish, settings, exc, _backoff(claim))
-    return _settle_success(claim, conn, publish, settings, encoded)
+    outcome = _settle_success(claim, conn, publish, settings, encoded)
+    return replace(outcome, result=result) if outcome.state == "succeeded" else outcome
 
 
 def call_handler(job: Job, event: Any, step: Any) -> Any:
-    """``handler(event, step)``; a direct job's ``handler(step, *args, **kwargs)``; an
+    """``handler(event, step)``; a direct job's ``handler(step, *args, **kwargs)`` (``bind=False``:
+    ``handler(*args, **kwargs)``); an
     ``async def`` handler's coroutine run to its end on a loop of its own."""
     if job.direct:
         args, kwargs = arguments(event.data)
-        result = job.handler(step, *args, **kwargs)
+        result = job.handler(step, *args, **kwargs) if job.bind else job.handler(*args, **kwargs)
     else:
         result = job.handler(event, step)
     if inspect.iscoroutine(result):

@@ -353,18 +353,26 @@ DIRECT_RUN_EXISTING = Statement(
     """,
 )
 
-RUN_RESULT = Statement(
-    "run_result",
-    "A run's state, result and how its latest attempt ended, in the caller's workspace (the result handle's .state and .get).",
-    """
-    SELECT q.state, q.result, q.attempts, r.outcome AS last_outcome, r.error AS last_error
+#: What RUN_RESULT (and adapter.RUN_META) read about one run ``q``: its latest attempt's outcome
+#: and error, and for a run that failed without any attempt (a message refused at adoption,
+#: adapter.ADOPT_REFUSED) the failure its DLQ row holds.
+RESULT_OF_RUN = """
+    SELECT q.id, q.job_id, q.state, q.result, q.attempts, q.finished_at, q.workspace_id,
+           r.outcome AS last_outcome,
+           coalesce(r.error, CASE WHEN q.state = 'failed' THEN
+             (SELECT d.failure FROM job_run_dlq d WHERE d.run_id = q.id) END) AS last_error   -- uq (run_id)
     FROM job_queue q
     LEFT JOIN LATERAL (
       SELECT outcome, error FROM job_run
       WHERE run_id = q.id                      -- this run's ledger (ix_job_run_ledger)
       ORDER BY started_at DESC LIMIT 1         -- its latest attempt: retrying, failed, lost...
     ) r ON true
-    WHERE q.id = %(run_id)s
+    WHERE q.id = %(run_id)s"""
+
+RUN_RESULT = Statement(
+    "run_result",
+    "A run's state, result and how its latest attempt ended, in the caller's workspace (the result handle's .state and .get).",
+    RESULT_OF_RUN + """
       AND q.workspace_id IS NOT DISTINCT FROM %(workspace_id)s   -- another workspace's run is not found
     """,
 )

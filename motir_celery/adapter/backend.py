@@ -1,0 +1,250 @@
+"""A Celery result backend that reads the runs table: ``AsyncResult(<run id>)`` answers from Postgres.
+
+A durable run's state, result and error live in its row (``job_queue``, its attempt
+ledger, its DLQ entry); this backend reads them there (``adapter_sql.RUN_META``, one
+read by primary key through the engine's login), so ``app.AsyncResult(id)``,
+``celery.result.AsyncResult(id, app=app)``, Flower's task result and any code that
+kept task ids answer for a run with no second store to keep in step. A run's id is
+the Celery task id of its messages, and the task id a call gave when it was a UUID
+(``apply_async(task_id=...)``, an adopted message's id).
+
+* ``result_backend = "motir_celery.adapter.backend:MotirBackend"`` points an app at it.
+* ``attach(app)`` installs it (``app.backend_cls``) unless the app chose a backend
+  class itself: an app with no result backend gets ``MotirBackend``; an app with its
+  own (``redis://…``, ``db+…``) keeps it, wrapped by ``RunsFirst``: a task id that is
+  a run's is answered from the runs table, any other from the app's backend as
+  before, which still stores the results of the app's other tasks.
+* What a worker would store for a durable task (started, retry, success, failure) is
+  not stored: the run's row already says it. ``forget`` of a run does nothing (``motir
+  purge`` keeps the retention). Any other task on ``MotirBackend`` alone is as on
+  Celery's disabled backend: nothing stored, ``PENDING``.
+
+States are Celery's, from ``results.celery_state``: PENDING, STARTED, RETRY, SUCCESS,
+FAILURE (the result is the last attempt's exception, rebuilt as Celery rebuilds one;
+the traceback its text), REVOKED. Reads go through the engine login, not a tenant's:
+like Celery's own backends this answers for any id it is given (ids are random UUIDs).
+``RunHandle(id, job_id, workspace_id=…)`` reads under a workspace's row-level security.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+from celery import states
+from celery.app.backends import by_url
+from celery.backends.base import BaseBackend
+from celery.backends.rpc import RPCBackend
+from celery.exceptions import TimeoutError as CeleryTimeout
+from sqlalchemy.exc import DBAPIError
+
+from motir_celery.core.jobs import job_for_task
+from motir_celery.core.producer.results import FIRST_POLL, MAX_POLL, POLL_GROWTH, celery_state
+from motir_celery.store.db import get_engine
+from motir_celery.store.driver import first
+from motir_celery.store.sql import adapter as adapter_sql
+
+__all__ = ["MotirBackend", "RunsFirst", "BACKEND", "runs_first"]
+
+log = logging.getLogger("motir_celery.adapter.backend")
+
+#: The import path for ``result_backend`` (and what ``attach`` sets as ``app.backend_cls``).
+BACKEND = f"{__name__}:MotirBackend"
+_DISABLED = ("", "disabled", "disabled://")
+
+
+def run_meta(task_id: Any) -> dict[str, Any] | None:
+    """Celery's task meta for the run whose id is ``task_id``; None when no run has that id."""
+    try:
+        run_id = task_id if isinstance(task_id, uuid.UUID) else uuid.UUID(str(task_id))
+    except ValueError:
+        return None  # not a UUID: never a run id
+    with get_engine().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        row = first(conn, adapter_sql.RUN_META, {"run_id": run_id})
+    if row is None:
+        return None
+    state = celery_state(row["state"], row["last_outcome"])
+    error = row["last_error"] or {}
+    result: Any = None
+    traceback = None
+    if state == states.SUCCESS:
+        result = row["result"]
+    elif state in (states.FAILURE, states.RETRY):
+        module, _, name = str(error.get("type") or "builtins.Exception").rpartition(".")
+        result = {"exc_type": name or "Exception", "exc_module": module or None,
+                  "exc_message": [str(error.get("message") or "")]}
+        traceback = str(error.get("traceback") or "") or None
+    elif state == states.REVOKED:
+        result = {"exc_type": "TaskRevokedError", "exc_module": "celery.exceptions",
+                  "exc_message": [f"run {row['id']} was cancelled"]}
+    done = row["finished_at"] if state in states.READY_STATES else None
+    return {"task_id": str(task_id), "status": state, "result": result, "traceback": traceback,
+            "children": [], "date_done": done.isoformat() if done is not None else None,
+            "name": row["job_id"], "retries": max(int(row["attempts"] or 0) - 1, 0)}
+
+
+def _durable(request: Any) -> bool:
+    """Whether the worker is storing the state of a durable run (its row is the record)."""
+    return request is not None and job_for_task(str(getattr(request, "task", "") or "")) is not None
+
+
+class RunsTable:
+    """What both backends share: runs are read from Postgres, never stored here."""
+
+    app: Any
+    #: The meta of a task id that is no run's (``MotirBackend``: PENDING; ``RunsFirst``: the app's backend).
+    not_a_run: Callable[..., dict[str, Any]]
+
+    def get_task_meta(self, task_id: Any, cache: bool = True) -> dict[str, Any]:
+        meta = self.run_meta(task_id)
+        return meta if meta is not None else self.not_a_run(task_id, cache)
+
+    def run_meta(self, task_id: Any) -> dict[str, Any] | None:
+        return run_meta(task_id)
+
+    def wait_for(self, task_id: Any, timeout: float | None = None, interval: float = 0.5, no_ack: bool = True,
+                 on_interval: Callable[[], Any] | None = None) -> dict[str, Any]:
+        """Poll until the run is ready (20 ms first, ×1.5, at most ``interval``), as ``RunHandle.get``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause, ceiling = FIRST_POLL, max(min(interval or MAX_POLL, MAX_POLL), FIRST_POLL)
+        while True:
+            meta = self.get_task_meta(task_id, cache=False)
+            if meta["status"] in states.READY_STATES:
+                return meta
+            if on_interval:
+                on_interval()
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise CeleryTimeout("The operation timed out.")
+            time.sleep(pause if left is None else min(pause, left))
+            pause = min(pause * POLL_GROWTH, ceiling)
+
+    def wait_for_pending(self, result: Any, timeout: float | None = None, interval: float = 0.5,
+                         no_ack: bool = True, on_message: Any = None, on_interval: Any = None,
+                         callback: Any = None, propagate: bool = True) -> Any:
+        if not self.is_run(result.id):
+            return self.other_wait_for_pending(result, timeout=timeout, interval=interval, no_ack=no_ack,
+                                               on_message=on_message, on_interval=on_interval,
+                                               callback=callback, propagate=propagate)
+        self.wait_for(result.id, timeout=timeout, interval=interval, on_interval=on_interval)
+        return result.maybe_throw(propagate=propagate, callback=callback)  # reads the ready meta, caches it
+
+    def is_run(self, task_id: Any) -> bool:
+        return self.run_meta(task_id) is not None
+
+    def other_wait_for_pending(self, result: Any, **options: Any) -> Any:
+        raise NotImplementedError
+
+    def store_result(self, task_id: Any, result: Any, state: str, traceback: Any = None, request: Any = None,
+                     **kwargs: Any) -> Any:
+        if _durable(request):
+            return result  # the run's row is the record: nothing to keep in step
+        return self.store_other(task_id, result, state, traceback, request, **kwargs)
+
+    def store_other(self, task_id: Any, result: Any, state: str, traceback: Any, request: Any,
+                    **kwargs: Any) -> Any:
+        return result
+
+    def forget(self, task_id: Any) -> None:
+        if self.is_run(task_id):
+            return  # a run is forgotten by `motir purge`, after its retention
+        self.forget_other(task_id)
+
+    def forget_other(self, task_id: Any) -> None:
+        return None
+
+
+class MotirBackend(RunsTable, BaseBackend):
+    """The backend of an app with no other: runs from Postgres, anything else PENDING.
+
+    Constructed by Celery as ``MotirBackend(app=app, url=url)``. When the app names a
+    backend of its own in ``result_backend`` (``attach`` set this class as ``backend_cls``
+    over it), the object made is a ``RunsFirst`` over that backend instead."""
+
+    def __new__(cls, app: Any = None, *args: Any, url: str | None = None, **kwargs: Any) -> Any:
+        own = str(app.conf.result_backend or "") if app is not None and cls is MotirBackend else ""
+        if own.strip() in _DISABLED or own.startswith(("disabled", BACKEND)):
+            return super().__new__(cls)
+        backend, their_url = by_url(own, app.loader)
+        if isinstance(backend, type) and issubclass(backend, RunsTable):
+            return super().__new__(cls)
+        return runs_first(backend)(*args, app=app, url=their_url, **kwargs)
+
+    def not_a_run(self, task_id: Any, cache: bool = True) -> dict[str, Any]:
+        return {"task_id": str(task_id), "status": states.PENDING, "result": None, "traceback": None,
+                "children": [], "date_done": None}
+
+    def other_wait_for_pending(self, result: Any, **options: Any) -> Any:
+        options.pop("no_ack", None)
+        self.wait_for(result.id, timeout=options.get("timeout"), interval=options.get("interval") or 0.5,
+                      on_interval=options.get("on_interval"))  # PENDING until the timeout, as Celery's own
+        return None
+
+    def _forget(self, task_id: Any) -> None:
+        return None
+
+
+class RunsFirst(RunsTable):
+    """Mixed before an app's own backend class (``runs_first``): a run's id is answered from the
+    runs table, any other id by the app's backend, which keeps storing its other tasks. (The
+    app's backend is reached past ``RunsTable`` in the class's order: ``super(RunsTable, self)``.)
+
+    Waiting on an id that is no run's *yet* (``send_task`` to a durable job, then ``get()``
+    before a worker adopted the message) polls both: the runs table, and the app's backend
+    (its ``get_task_meta``), until either answers; on ``rpc://``, whose results are messages
+    to the caller, the wait is the app's backend's own."""
+
+    _motir_warned = False
+
+    def run_meta(self, task_id: Any) -> dict[str, Any] | None:
+        try:
+            return run_meta(task_id)
+        except DBAPIError as exc:  # motir's database away: the app's own tasks still answer
+            if not RunsFirst._motir_warned:
+                RunsFirst._motir_warned = True
+                log.warning("the runs table could not be read for a result (%s); answering from the app's "
+                            "own result backend until it can", exc.orig or exc)
+            return None
+
+    def not_a_run(self, task_id: Any, cache: bool = True) -> dict[str, Any]:
+        meta: dict[str, Any] = super(RunsTable, self).get_task_meta(task_id, cache)  # type: ignore[misc]
+        return meta
+
+    def other_wait_for_pending(self, result: Any, **options: Any) -> Any:
+        if isinstance(self, RPCBackend):
+            return super(RunsTable, self).wait_for_pending(result, **options)  # type: ignore[misc]
+        RunsFirst.wait_for(self, result.id, timeout=options.get("timeout"), interval=options.get("interval") or 0.5,
+                           on_interval=options.get("on_interval"))
+        return result.maybe_throw(propagate=options.get("propagate", True), callback=options.get("callback"))
+
+    def wait_for(self, task_id: Any, timeout: float | None = None, interval: float = 0.5, no_ack: bool = True,
+                 on_interval: Callable[[], Any] | None = None) -> dict[str, Any]:
+        # RunsTable.wait_for polls get_task_meta: the runs table first, then the app's backend.
+        return RunsTable.wait_for(self, task_id, timeout=timeout, interval=interval, on_interval=on_interval)
+
+    def store_other(self, task_id: Any, result: Any, state: str, traceback: Any, request: Any,
+                    **kwargs: Any) -> Any:
+        return super(RunsTable, self).store_result(task_id, result, state,  # type: ignore[misc]
+                                                   traceback=traceback, request=request, **kwargs)
+
+    def forget_other(self, task_id: Any) -> None:
+        super(RunsTable, self).forget(task_id)  # type: ignore[misc]
+
+
+_mixed: dict[type, type] = {}
+_mixed_lock = threading.Lock()
+
+
+def runs_first(backend: type) -> type:
+    """``RunsFirst`` mixed before ``backend`` (one class per backend class, importable from
+    this module by its name, so a pickled AsyncResult that carries it unpickles)."""
+    with _mixed_lock:
+        mixed = _mixed.get(backend)
+        if mixed is None:
+            name = f"RunsFirst_{backend.__module__.replace('.', '_')}_{backend.__name__}"
+            mixed = type(name, (RunsFirst, backend), {"__module__": __name__, "__qualname__": name})
+            globals()[name] = _mixed[backend] = mixed
+        return mixed
