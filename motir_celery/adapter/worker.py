@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import logging
 import random
+import socket
 import threading
 import time
 from typing import Any, Callable
@@ -124,6 +125,9 @@ class EngineStep(bootsteps.StartStopStep):
             # the engine thread imports it (its first sweep) inherits that import's lock, held
             # by a thread the child does not have, and hangs at its first run for ever.
             side_engine()
+        self.renewer: Supervisor | None = None
+        if not hasattr(socket, "AF_UNIX"):  # no Unix sockets (Windows): each process renews its own leases
+            return
         # Here, before any pool child is forked (they inherit the socket's path), and
         # started now: it gets ready while the rest of the worker boots.
         logfile = getattr(worker, "logfile", None)  # the worker's --logfile, unless per process (%n, %i...)
@@ -134,8 +138,9 @@ class EngineStep(bootsteps.StartStopStep):
         self.renewer.spawn()
 
     def start(self, worker: Any) -> None:
-        self.renewer.wait()  # before the consumer starts: no run is held before it listens
-        engine_thread().ensure(publisher(worker.app), supervise=self.renewer.check)
+        if self.renewer is not None:
+            self.renewer.wait()  # before the consumer starts: no run is held before it listens
+        engine_thread().ensure(publisher(worker.app), supervise=self.renewer.check if self.renewer else None)
 
     def stop(self, worker: Any) -> None:
         # Not engine_thread().stop(): this runs before the pool drains (see the module docstring).

@@ -209,8 +209,9 @@ class _Holds:
         if self.sock is None:
             return
         try:
-            readable, _, _ = select.select([self.sock], [], [], 0)
-            if readable and not self.sock.recv(64, socket.MSG_DONTWAIT):
+            poller = select.poll()  # not select(): no limit on the descriptor's number
+            poller.register(self.sock, select.POLLIN)
+            if poller.poll(0) and not self.sock.recv(64, socket.MSG_DONTWAIT):
                 self._lost("it closed the connection")
         except OSError as exc:
             self._lost(str(exc))
