@@ -175,6 +175,14 @@ class JobQueue(Base):
         # step.wait_for_event: send_event wakes the runs waiting for its event
         # name; only waiting runs are indexed.
         Index("ix_job_queue_waiting", "wait_event", postgresql_where=text("wait_event IS NOT NULL")),
+        # "Is any child of this parent still unfinished?" — asked by every child's settle (the
+        # trigger motir_run_settled, under the parent's lock) and by a canvas run before it
+        # suspends (core/worker/invoke.py): only unfinished children are indexed, so the answer
+        # is one lookup however many siblings finished (through the unique index below it read
+        # every finished sibling first: quadratic over a chord of 10,000). Column list
+        # (parent_run_id) of its own. Migration 0011.
+        Index("ix_job_queue_unfinished_children", "parent_run_id",
+              postgresql_where=text("parent_run_id IS NOT NULL AND state IN ('queued', 'running')")),
         CheckConstraint("priority BETWEEN 0 AND 9", name="priority"),
         # step.invoke / step.gather: one child per (parent run, step), decided by this
         # constraint inside the INSERT that starts it (core/invoke.py), across retries,

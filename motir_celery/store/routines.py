@@ -14,7 +14,9 @@ it reports a dropped index. The kinds:
 * **dispatchers** (``motir_record_event``, ``motir_record_events``,
   ``motir_direct_run``): what the code calls; the caller's rights; the engine role
   goes to the writer, anyone else to the checked function;
-* the trigger ``motir_run_settled`` and its function (wakes a parent, cancels children).
+* the trigger ``motir_run_settled`` and its function (wakes a parent, cancels children): the
+  trigger's table and function, a digest of when it fires (timing, events, its WHEN clause)
+  and whether it is enabled.
 
 A digest is ``md5(prosrc)``: a new revision that changes a body changes its digest
 here too (``alembic check`` fails until it does).
@@ -57,6 +59,8 @@ class Trigger:
     name: str
     table: str
     function: str
+    #: md5 of when it fires (timing, events, UPDATE OF columns, WHEN clause: catalog.LIVE_TRIGGERS).
+    digest: str
 
 
 _BOTH = frozenset({APP_ROLE, ENGINE_ROLE})
@@ -71,16 +75,19 @@ ROUTINES: tuple[Routine, ...] = (
     Routine("motir_record_event", _EVENT, "bf735b3b58ca6deff16ff5df44724687", False, _BOTH),
     Routine("motir_record_events", _EVENTS, "fca985c94bc4ce22acfdf3e76b2e40be", False, _BOTH),
     Routine("motir_direct_run", _DIRECT, "a76790aa09645a99063f4f846ce34ca7", False, _BOTH),
-    Routine("motir_on_run_settled", "", "cb7c3b8d917bd6913d0ce310ad46bd5e", False, frozenset({"PUBLIC"})),
+    Routine("motir_on_run_settled", "", "6b2346fbd867386ca250ea9553055a05", False, frozenset({"PUBLIC"})),
 )
 
-TRIGGERS: tuple[Trigger, ...] = (Trigger("motir_run_settled", "job_queue", "motir_on_run_settled"),)
+TRIGGERS: tuple[Trigger, ...] = (
+    Trigger("motir_run_settled", "job_queue", "motir_on_run_settled", "3474a87ba9a3707830fbe492d53d4878"),
+)
 
 def compare_routines(conn: Connection) -> list[tuple[str, Any]]:
     """Differences between the declared and the live functions and triggers, as
     ``(kind, subject)``: ``add_function``, ``remove_function``, ``change_function``
     (body, owner's rights or search_path), ``grant_execute`` / ``revoke_execute``
-    (a role, PUBLIC included), ``add_trigger``, ``remove_trigger``."""
+    (a role, PUBLIC included), ``add_trigger``, ``remove_trigger``, ``change_trigger``
+    (when it fires, its WHEN clause, or disabled)."""
     live = {(r["name"], r["args"]): r for r in rows(conn, catalog.LIVE_ROUTINES, {})}
     diffs: list[tuple[str, Any]] = []
     for routine in ROUTINES:
@@ -99,13 +106,14 @@ def compare_routines(conn: Connection) -> list[tuple[str, Any]]:
             diffs.append(("revoke_execute", (signature, role)))
     for name, args in sorted(live):
         diffs.append(("remove_function", f"{name}({args})"))
-    triggers = {(r["name"], r["table"], r["function"]) for r in rows(conn, catalog.LIVE_TRIGGERS, {})}
+    live_triggers = {(r["name"], r["table"], r["function"]): r for r in rows(conn, catalog.LIVE_TRIGGERS, {})}
     for trigger in TRIGGERS:
-        key = (trigger.name, trigger.table, trigger.function)
-        if key in triggers:
-            triggers.discard(key)
-        else:
+        found = live_triggers.pop((trigger.name, trigger.table, trigger.function), None)
+        if found is None:
             diffs.append(("add_trigger", trigger.name))
-    for name, table, _function in sorted(triggers):
+        elif found["digest"] != trigger.digest or not found["enabled"]:
+            # Fires at other moments, for other rows (its WHEN clause), or not at all (disabled).
+            diffs.append(("change_trigger", trigger.name))
+    for name, table, _function in sorted(live_triggers):
         diffs.append(("remove_trigger", f"{name} ON {table}"))
     return diffs

@@ -95,9 +95,14 @@ LIVE_ROUTINES = Statement(
 )
 LIVE_TRIGGERS = Statement(
     "live_triggers",
-    "The schema's motir_* triggers: name, table, function.",
+    "The schema's motir_* triggers: name, table, function, a digest of when they fire, whether enabled.",
     """
-    SELECT t.tgname AS name, c.relname AS table, p.proname AS function
+    SELECT t.tgname AS name, c.relname AS table, p.proname AS function,
+           -- when it fires: timing, events and row/statement (tgtype), UPDATE OF's columns (tgattr),
+           -- and its WHEN clause as Postgres prints it (between FOR EACH and EXECUTE; no schema name)
+           md5(t.tgtype::text || ':' || t.tgattr::text || ':'
+               || coalesce(substring(pg_get_triggerdef(t.oid) from ' FOR EACH (.*) EXECUTE '), '')) AS digest,
+           t.tgenabled <> 'D' AS enabled                       -- ALTER TABLE ... DISABLE TRIGGER is drift too
     FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid JOIN pg_proc p ON p.oid = t.tgfoid
     WHERE NOT t.tgisinternal                                -- not a constraint's own trigger
       AND c.relnamespace = current_schema()::regnamespace AND t.tgname LIKE 'motir\\_%%'
