@@ -70,9 +70,13 @@ lint: setup
 system-packages:
 	bash .ci/system-packages
 
-# The one set-up the targets share: the pinned uv, then .venv exactly as uv.lock says.
+# The one set-up the targets share: the pinned uv, then .venv exactly as uv.lock says. Then the
+# bytecode of our own sources (uv compiles the installed packages only): every worker, beat and
+# CLI process a test starts would otherwise compile them again (~0.3 s CPU each) whenever
+# PYTHONDONTWRITEBYTECODE is set, as on CI. A stale .pyc is never used (Python checks the mtime).
 setup: $(UV)
 	$(UV) sync --locked
+	$(PYTHON) -m compileall -q -j 0 motir_celery tests examples
 
 $(UV):
 	python3 -m venv .tools

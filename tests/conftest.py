@@ -124,11 +124,18 @@ def amqp_url() -> str:
 
 @pytest.fixture(autouse=True)
 def _clean_tables(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Tests that use the database start from empty tables."""
+    """Tests that use the database start from empty tables, with the session's URL in the environment."""
     if "database_url" in request.fixturenames or "engine" in request.fixturenames:
         from motir_celery.store.db import get_engine
 
-        with get_engine(os.environ["MOTIR_DATABASE_URL"]).begin() as conn:
+        url = request.getfixturevalue("database_url")
+        if os.environ.get("MOTIR_DATABASE_URL") != url:
+            # Another session fixture left its own database there (the motir_celery.testing plugin's
+            # motir_database_url names its database for the rest of its session): this session's
+            # tests, and the workers they start from os.environ, use this session's database.
+            os.environ["MOTIR_DATABASE_URL"] = url
+            motir_settings.reset_settings()
+        with get_engine(url).begin() as conn:
             conn.execute(text(
                 "TRUNCATE job_run_dlq, job_step, job_run, job_queue, job_event, test.side_effect CASCADE;"
                 " UPDATE job_sweep SET swept_at = '-infinity', swept_by = NULL"  # the next sweep may run
