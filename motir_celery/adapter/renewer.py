@@ -24,6 +24,7 @@ thread has started it again, and then tell it of their claims again.
 from __future__ import annotations
 
 import argparse
+import glob
 import logging
 import os
 import selectors
@@ -50,6 +51,9 @@ log = logging.getLogger("motir_celery.renewer")
 READY_TIMEOUT = 15.0
 #: A line longer than this is no holder's: the connection is closed (its holder then tells again).
 MAX_LINE = 1024
+#: The renewers' socket directories, under the temporary directory; one nobody has listened in
+#: for this long (its worker killed with its renewer) is removed by the next worker to start.
+PREFIX, STALE_AFTER = "motir-renewer-", 60.0
 
 
 @dataclass
@@ -69,6 +73,8 @@ class Renewer:
         self.ledger = leases.Ledger()
         self.selector = selectors.DefaultSelector()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # Made again if gone (removed as stale by another worker while no renewer listened here).
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         try:
             os.unlink(path)  # a renewer before this one that died
         except FileNotFoundError:
@@ -180,7 +186,8 @@ class Supervisor:
     """Starts the worker's renewer, and starts it again when it has died."""
 
     def __init__(self, log_file: str | None = None) -> None:
-        self.directory = tempfile.mkdtemp(prefix="motir-renewer-")  # 0700: the worker's user only
+        _remove_stale()
+        self.directory = tempfile.mkdtemp(prefix=PREFIX)  # 0700: the worker's user only
         self.path = os.path.join(self.directory, "socket")
         self.log_file = log_file
         self._owner = os.getpid()
@@ -239,6 +246,20 @@ class Supervisor:
         """At the worker's exit (never in a forked child, which inherits the ``atexit`` hook)."""
         if os.getpid() == self._owner:
             shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _remove_stale() -> None:
+    """The directories of this user's renewers that died with their whole worker (SIGKILL of
+    its process group: nobody was left to remove them), once nothing has listened there for a minute."""
+    for directory in glob.glob(os.path.join(tempfile.gettempdir(), PREFIX + "*")):
+        try:
+            info = os.stat(directory)
+            if info.st_uid != os.getuid() or time.time() - info.st_mtime < STALE_AFTER:
+                continue
+            if not _listening(os.path.join(directory, "socket")):
+                shutil.rmtree(directory, ignore_errors=True)
+        except OSError:
+            continue
 
 
 def _listening(path: str) -> bool:
