@@ -33,6 +33,7 @@ from typing import Any, Callable
 from urllib.parse import urlsplit
 
 from bench import harness as h
+from bench import peersenv
 
 DB = "motir_bench"
 SECTIONS = ("throughput", "latency", "steps", "cpu", "depth", "fanout", "beat", "memory")
@@ -78,14 +79,8 @@ def side(name: str, db: h.Database, args: argparse.Namespace) -> h.Side:
 def peer(module: str, section: str, *args: Any) -> Callable[[], Any]:
     """A peer's measurement, in its virtualenv; its first call sets its database up."""
     calls = itertools.count()
-    return lambda: peersenv().run(module, section, "--admin-dsn", h.dsn(h.server_url()), *args,
+    return lambda: peersenv.run(module, section, "--admin-dsn", h.dsn(h.server_url()), *args,
                                   *(["--reuse"] if next(calls) else []))
-
-
-def peersenv() -> Any:
-    from bench import peersenv as module
-
-    return module
 
 
 # --- sections ---------------------------------------------------------------------
@@ -294,7 +289,7 @@ def environment(db: h.Database, peers: bool) -> dict[str, str]:
         "pgbench": _out(["pgbench", "--version"]) or "not installed (apt-get install postgresql-contrib)",
     }
     if peers:
-        env["peers (bench/.peers-venv)"] = ", ".join(f"{k} {v}" for k, v in peersenv().versions().items())
+        env["peers (bench/.peers-venv)"] = ", ".join(f"{k} {v}" for k, v in peersenv.versions().items())
     return env
 
 
@@ -513,7 +508,7 @@ def main() -> None:
 
     peers = args.peers and bool({"throughput", "latency"} & set(sections))
     if peers:
-        peersenv().ensure()
+        peersenv.ensure()
     db = h.Database.create(DB)
     h.use_engine(db.url, h.MOTIR_QUEUE)
     env = environment(db, peers)

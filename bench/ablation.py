@@ -4,26 +4,16 @@
     python -m bench.ablation --only direct_publish --rounds 2 --output -
     python -m bench.ablation --engine /path/to/checkout --output -   # another checkout's motir_celery
 
-Issue 16's rule: a mechanism that buys under 5 % throughput and under 0.3 ms
-p50 is removed. Each mechanism is switched by one environment variable that the
-engine reads (``MECHANISMS``; its ON value is the engine's default), given to
-the sender and to the workers alike: every measurement (``measure``) runs in a
-fresh process with that environment, so nothing cached leaks from one setting
-into the next. A measurement is one throughput drain (``--runs`` queued first,
-then 1 worker x 2 started: runs/s over the 5%..95% span, as
-``throughput.motir_round``; the sender is not timed there) and then, on the same
-workers, one latency run (one event every 20 ms, p50 of enqueue -> completion
-including the sender, as ``throughput.motir_latency``), on a database and a
-queue of its own; beside them, CPU per run during the drain (not in the rule).
-
-Drift on this shared 2-core machine is larger than the effects measured, so every
-OFF measurement sits between two ON measurements (the defaults, all on): ON, off A,
-ON, off B, ..., ON, in an order rotated each round. A mechanism's ratio and delta
-are the medians over the rounds of its OFF against the mean of the two ON beside
-it; the control row switches nothing off, so its figures are drift alone, and a
-verdict within them is marked. ``--budget`` (minutes) stops after a round, from
-the second on, when the next would end past it. Not part of pytest, nor of
-``python -m bench``, which keeps this section (it lies below its notes marker).
+Issue 16's rule: a mechanism that buys under 5 % throughput and under 0.3 ms p50 is
+removed. Each is switched by one environment variable the engine reads (``MECHANISMS``;
+ON is the engine's default), given to sender and workers alike; every measurement runs
+in a fresh process with it (``measure``): a drain of ``--runs`` queued runs on 1 worker x 2
+(runs/s, and CPU per run: not in the rule), then on the same workers one event every 20 ms
+(p50 enqueue -> completion, the sender included). Drift here is larger than the effects, so
+every OFF measurement sits between two ON ones (ON, off A, ON, off B, ..., ON, rotated each
+round); a ratio or delta is the median over the rounds of OFF against the mean of its two
+ONs, and the control row (nothing off) is the drift alone. ``--budget`` (minutes) stops
+after a round, from the second on, when the next would end past it.
 """
 
 from __future__ import annotations

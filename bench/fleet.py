@@ -248,9 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"fleet: log error: {line}", file=sys.stderr)
             results.append(result)
     block = render(results, command=command, started=started, machine=machine)
-    print(block)
-    if not args.no_write:
-        h.write_block("bench.fleet", block)
+    h.write_block("bench.fleet", block, write=not args.no_write)
     return 0 if all(r.ok for r in results) else 1
 
 

@@ -488,9 +488,7 @@ def main(argv: list[str] | None = None) -> int:
             h.purge_queue(queue)
     block = render(points, assumptions, command=command, started=started, machine=machine,
                    seconds=time.monotonic() - t0)
-    print(block)
-    if not args.no_write:
-        h.write_block("bench.pgcost", block)
+    h.write_block("bench.pgcost", block, write=not args.no_write)
     return 0
 
 

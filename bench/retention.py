@@ -506,9 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         pg.settings = MEASURED
         pg.restart(down_for=0.5)
         block = live(url, ld, args, started=started, command=command)
-    print(block)
-    if not args.no_write:
-        h.write_block("bench.retention", block)
+    h.write_block("bench.retention", block, write=not args.no_write)
     return 0
 
 

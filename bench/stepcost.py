@@ -30,7 +30,11 @@ from typing import Any
 
 from sqlalchemy import event, text
 
+from bench import workload
 from bench.harness import median
+from motir_celery.core.producer import events
+from motir_celery.core.worker import runner
+from motir_celery.store.db import dispose_engines, get_engine
 
 #: Seconds each body of the "slow" runs sleeps: longer than steps.MAX_LAG (1 ms), so
 #: every step but the last is stored on its own before the next body starts.
@@ -133,15 +137,16 @@ def _messages(lines: list[str]) -> list[str]:
 
 
 class Tracer:
-    """Trace every new connection of ``engine`` into one file; ``window()`` returns what a block sent."""
+    """Trace every connection this process's engine makes from now on into one file; ``since``
+    returns what was sent after a ``mark``."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self) -> None:
         from psycopg import pq
 
         self._fh = tempfile.NamedTemporaryFile("w+", prefix="bench-trace-", suffix=".txt", delete=False)
         self._conns: list[Any] = []
-        self._engine = engine
-        engine.dispose()  # connections made from now on are traced
+        dispose_engines()  # every connection (the runner's kept ones too) is made again, traced
+        self._engine = engine = get_engine()
 
         @event.listens_for(engine, "connect")
         def _trace(dbapi_conn: Any, _record: Any) -> None:
@@ -178,65 +183,57 @@ class Tracer:
             if not c.closed:
                 c.pgconn.untrace()
         event.remove(self._engine, "connect", self._listener)
-        self._engine.dispose()
+        dispose_engines()
         os.unlink(self._fh.name)
 
 
-def _new_run(engine: Any, data: dict[str, Any]) -> uuid.UUID:
-    from motir_celery.core.producer import events
-
+def _new_run(data: dict[str, Any]) -> uuid.UUID:
     return events.send_event("bench.steps", data, publish=None).run_ids[0]
 
 
-def _make_due(engine: Any, run_id: uuid.UUID) -> None:
-    with engine.begin() as conn:
+def _make_due(run_id: uuid.UUID) -> None:
+    with get_engine().begin() as conn:
         conn.execute(text("UPDATE job_queue SET run_at = now() WHERE id = :id"), {"id": run_id})
 
 
 def measure(k_values: tuple[int, ...] = (0, 1, 3, 10), hits_k: int = 100, rounds: int = 5) -> dict[str, Any]:
-    from bench import workload
-    from motir_celery.core.worker import runner
-    from motir_celery.store.db import get_engine
-
-    engine = get_engine()
-
     def execute(run_id: uuid.UUID) -> str:
         return runner.execute(run_id, job_id="bench.steps", worker="bench/stepcost", publish=None).state
 
     # Warm the pool and psycopg's prepared statements (a worker that has run a few jobs).
     for _ in range(6):
-        execute(_new_run(engine, {"k": 3}))
+        execute(_new_run({"k": 3}))
 
     # 1. time per step: misses on attempt 1, hits on attempt 2, `rounds` runs.
     miss, hit = [], []
     for _ in range(rounds):
-        run_id = _new_run(engine, {"k": hits_k, "fail_first": True})
+        run_id = _new_run({"k": hits_k, "fail_first": True})
         workload.STEP_TIMES.clear()
         assert execute(run_id) == "retrying"
-        _make_due(engine, run_id)
+        _make_due(run_id)
         assert execute(run_id) == "succeeded"
         miss.append(median(workload.STEP_TIMES[0]))
         hit.append(median(workload.STEP_TIMES[1]))
 
     # 2. protocol: a fresh run of k new steps; then a replay of k memo hits.
-    tracer = Tracer(engine)
+    tracer = Tracer()
     try:
         for _ in range(6):  # the traced pool warms up again (new connections, prepared statements)
-            execute(_new_run(engine, {"k": 3}))
+            execute(_new_run({"k": 3}))
         fresh: dict[int, Protocol] = {}
         slow: dict[int, Protocol] = {}
         replay: dict[int, Protocol] = {}
         for k in k_values:
             for protocols, data in ((fresh, {"k": k}), (slow, {"k": k, "sleep": SLOW_BODY})):
-                run_id = _new_run(engine, data)
+                run_id = _new_run(data)
                 mark = tracer.mark()
                 assert execute(run_id) == "succeeded"
                 before, window = tracer.since(mark)
                 protocols[k] = analyse_trace(window, before)
             # A run whose first attempt stores its k steps and fails: its second attempt is k memo hits.
-            run_id = _new_run(engine, {"k": k, "fail_first": True})
+            run_id = _new_run({"k": k, "fail_first": True})
             assert execute(run_id) == "retrying"
-            _make_due(engine, run_id)
+            _make_due(run_id)
             mark = tracer.mark()
             assert execute(run_id) == "succeeded"
             before, window = tracer.since(mark)
@@ -263,8 +260,6 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--hits-k", type=int, default=100)
     args = p.parse_args()
-    import bench.workload  # noqa: F401 — defines bench.steps
-
     print(json.dumps(measure(hits_k=args.hits_k, rounds=args.rounds)))
 
 

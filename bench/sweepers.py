@@ -113,9 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [measure(db, state, int(n), args.interval, slotted)
                 for state in STATES for slotted in (False, True) for n in args.sweeps.split(",")]
     block = render(rows, command=command, started=started)
-    print(block)
-    if not args.no_write:
-        h.write_block("bench.sweepers", block)
+    h.write_block("bench.sweepers", block, write=not args.no_write)
     return 0
 
 

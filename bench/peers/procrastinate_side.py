@@ -1,17 +1,15 @@
-"""Procrastinate side: ``throughput`` and ``latency``; prints one JSON object.
+"""Procrastinate side: ``throughput`` and ``latency`` (``harness.drain``, ``harness.latency``); prints one JSON object.
 
     python -m bench.peers.procrastinate_side throughput --admin-dsn DSN --runs 5000 --workers 1 --concurrency 2 --rounds 3
     python -m bench.peers.procrastinate_side latency --admin-dsn DSN --events 250 --interval 0.02
 
-Workers: ``procrastinate worker`` processes (asyncio; the sync task runs in a
-thread), ``--concurrency`` jobs at once each, LISTEN/NOTIFY on (its default).
+Workers: ``procrastinate worker`` processes (asyncio; the sync task runs in a thread),
+``--concurrency`` jobs at once each, LISTEN/NOTIFY on (its default).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import time
 
 import psycopg
 
@@ -19,68 +17,55 @@ from bench import harness as h
 from bench.peers import PYTHON, arguments, count, database, emit, processes
 
 DB = "motir_bench_procrastinate"
-DONE = "SELECT count(*) FROM procrastinate_jobs WHERE status = 'succeeded'"
-FINISHED = "SELECT job_id, extract(epoch FROM at)::float8 FROM procrastinate_events WHERE type = 'succeeded'"
 
 
-def _setup(args: argparse.Namespace, reuse: bool) -> str:
-    """A database with Procrastinate's schema (``reuse``: the one a previous call made)."""
-    os.environ["BENCH_PEER_DSN"] = dsn = database(args.admin_dsn, DB, reuse=reuse)
-    if not reuse:
-        from bench.peers.procrastinate_app import app
+class Procrastinate:
+    """A ``harness.Side``: the three functions as one Procrastinate task."""
 
-        with app.open():
+    def __init__(self, admin_dsn: str, reuse: bool) -> None:
+        os.environ["BENCH_PEER_DSN"] = self.dsn = database(admin_dsn, DB, reuse=reuse)
+        from bench.peers.procrastinate_app import app, three
+
+        self.app, self.three = app.open(), three  # open for the driver's lifetime
+        if not reuse:
             app.schema_manager.apply_schema()
-    return dsn
 
-
-def _start(n: int, concurrency: int, dsn: str) -> h.Procs:
-    return processes("procrastinate", [
-        [PYTHON, "-m", "procrastinate", "--app", "bench.peers.procrastinate_app.app", "--log-level", "warning",
-         "worker", "-q", "bench", "-c", str(concurrency), "-n", f"bench-{i}"] for i in range(n)],
-        [{"BENCH_PEER_DSN": dsn}] * n)
-
-
-def throughput(args: argparse.Namespace) -> None:
-    dsn = _setup(args, args.reuse)
-    from bench.peers.procrastinate_app import app, three
-
-    rates = []
-    for _ in range(args.rounds):
-        with psycopg.connect(dsn, autocommit=True) as conn:
+    def reset(self) -> None:
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
             conn.execute("TRUNCATE procrastinate_jobs CASCADE")
-        with app.open():
-            for i in range(0, args.runs, 1000):
-                three.batch_defer(*({"n": n} for n in range(i, min(args.runs, i + 1000))))
-        with _start(args.workers, args.concurrency, dsn) as procs:
-            procs.wait(lambda: count(dsn, DONE) >= args.runs, args.timeout)
-        with psycopg.connect(dsn) as conn:
-            rates.append(h.drain_rate(r[1] for r in conn.execute(FINISHED)))
-    emit({"rounds": rates})
 
+    def prequeue(self, n: int, offset: int = 0) -> None:
+        for i in range(offset, offset + n, 1000):
+            self.three.batch_defer(*({"n": k} for k in range(i, min(offset + n, i + 1000))))
 
-def latency(args: argparse.Namespace) -> None:
-    dsn = _setup(args, False)
-    from bench.peers.procrastinate_app import app, three
+    def send(self, i: int) -> str:
+        return str(self.three.defer(n=i))
 
-    sent: dict[int, float] = {}
-    with _start(1, args.concurrency, dsn) as procs, app.open():
-        three.defer(n=-1)
-        procs.wait(lambda: count(dsn, DONE) >= 1, 60)  # the worker is up
-        start = time.perf_counter()
-        for i in range(args.events):
-            t = time.time()
-            sent[three.defer(n=i)] = t
-            time.sleep(max(0.0, start + (i + 1) * args.interval - time.perf_counter()))
-        procs.wait(lambda: count(dsn, DONE) >= args.events + 1, 120)
-    with psycopg.connect(dsn) as conn:
-        done = dict(conn.execute(FINISHED).fetchall())
-    emit(h.latencies(done, sent))
+    def settled(self) -> int:
+        return count(self.dsn, "SELECT count(*) FROM procrastinate_jobs WHERE status = 'succeeded'")
+
+    def finished(self) -> dict[str, float]:
+        with psycopg.connect(self.dsn) as conn:
+            return {str(r[0]): r[1] for r in conn.execute(
+                "SELECT job_id, extract(epoch FROM at)::float8 FROM procrastinate_events WHERE type = 'succeeded'")}
+
+    def workers(self, n: int, concurrency: int, tag: str = "procrastinate") -> h.Procs:
+        return processes(tag, [[PYTHON, "-m", "procrastinate", "--app", "bench.peers.procrastinate_app.app",
+                                "--log-level", "warning", "worker", "-q", "bench", "-c", str(concurrency),
+                                "-n", f"bench-{i}"] for i in range(n)], [{"BENCH_PEER_DSN": self.dsn}] * n)
+
+    def backends(self) -> list[int]:
+        return []
 
 
 def main() -> None:
     args = arguments(timeout=600).parse_args()
-    {"throughput": throughput, "latency": latency}[args.section](args)
+    side = Procrastinate(args.admin_dsn, reuse=args.reuse and args.section == "throughput")
+    if args.section == "throughput":
+        emit({"rounds": [h.drain(side, args.runs, args.workers, args.concurrency, timeout=args.timeout).rate
+                         for _ in range(args.rounds)]})
+    else:
+        emit(h.latency(side, args.events, args.interval, args.concurrency))
 
 
 if __name__ == "__main__":
