@@ -137,7 +137,7 @@ def _clean_tables(request: pytest.FixtureRequest) -> Iterator[None]:
             motir_settings.reset_settings()
         with get_engine(url).begin() as conn:
             conn.execute(text(
-                "TRUNCATE job_run_dlq, job_step, job_run, job_queue, job_event, test.side_effect CASCADE;"
+                "TRUNCATE job_run_dlq, job_step, job_run, job_queue, job_event, job_stats_rollup, test.side_effect CASCADE;"
                 " UPDATE job_sweep SET swept_at = '-infinity', swept_by = NULL"  # the next sweep may run
             ))
     yield

@@ -22,7 +22,7 @@ from motir_celery.store import rls
 from motir_celery.store.migrate import _rls_statements, alembic_config, check, upgrade
 from motir_celery.store.models import Base
 
-RLS_TABLES = ("job_event", "job_queue", "job_step", "job_run", "job_run_dlq")
+RLS_TABLES = ("job_event", "job_queue", "job_step", "job_run", "job_run_dlq", "job_batch_item", "job_stats_rollup")
 
 
 @pytest.fixture

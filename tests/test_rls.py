@@ -29,7 +29,7 @@ from motir_celery.settings import Settings, get_settings
 from motir_celery.store.db import set_workspace_context, workspace_session
 from motir_celery.store.rls import ADMIN_ROLE, APP_ROLE, ENGINE_ROLE
 
-RLS_TABLES = ("job_event", "job_queue", "job_step", "job_run", "job_run_dlq")
+RLS_TABLES = ("job_event", "job_queue", "job_step", "job_run", "job_run_dlq", "job_batch_item", "job_stats_rollup")
 #: What the app role writes, it writes through the checked functions (migration 0008), never by INSERT.
 CHECKED_WRITES = ("job_event", "job_queue")
 A, B = "ws-a", "ws-b"
@@ -100,6 +100,10 @@ def _seed_workspace(conn: Connection, ws: str | None) -> uuid.UUID:
     conn.execute(text("INSERT INTO job_run_dlq (run_id, workspace_id, function_id, event_name, event_data, "
                       "failure, attempts, first_failed_at) "
                       "VALUES (:r, :ws, 'job.a', 'test.event', '{}'::jsonb, '{}'::jsonb, 3, now())"), params)
+    conn.execute(text("INSERT INTO job_batch_item (run_id, position, event_id, workspace_id) VALUES (:r, 1, :ev, :ws)"),
+                 {**params, "ev": event_id})
+    conn.execute(text("INSERT INTO job_stats_rollup (job_id, workspace_id, succeeded_count, duration_buckets) "
+                      "VALUES ('job.a', :ws, 1, ARRAY[1]::bigint[])"), params)
     return run_id
 
 
@@ -189,6 +193,10 @@ def _insert_one(s: object, table: str, ws: str | None, run_id: uuid.UUID) -> Non
         "job_run_dlq": "INSERT INTO job_run_dlq (workspace_id, function_id, event_name, event_data, failure, "
                        "attempts, first_failed_at) "
                        "VALUES (:ws, 'job.a', 'test.event', '{}'::jsonb, '{}'::jsonb, 3, now())",
+        "job_batch_item": "INSERT INTO job_batch_item (run_id, position, event_id, workspace_id) "
+                          "SELECT :r, 99, event_id, :ws FROM job_queue WHERE id = :r",
+        "job_stats_rollup": "INSERT INTO job_stats_rollup (job_id, workspace_id, bucket, duration_buckets) "
+                            "VALUES ('job.write', :ws, now(), ARRAY[0]::bigint[])",
     }[table]
     s.execute(text(sql), params)  # type: ignore[attr-defined]
 
@@ -356,7 +364,8 @@ def test_owners_rights_functions_are_executable_by_their_one_role_only(prefix: s
             "FROM pg_proc p CROSS JOIN LATERAL aclexplode(p.proacl) a LEFT JOIN pg_roles r ON r.oid = a.grantee "
             "WHERE p.proname LIKE :prefix AND a.privilege_type = 'EXECUTE' AND a.grantee <> p.proowner "
             "GROUP BY 1, 2"), {"prefix": prefix + "%"}).all()
-    assert len(found) == 3 and all(definer and grantees == [role] for _, definer, grantees in found), found
+    # event, events, direct (0008) and gather (0012: debounce= / batch=)
+    assert len(found) == 4 and all(definer and grantees == [role] for _, definer, grantees in found), found
 
 
 @pytest.mark.parametrize("end", ["commit", "rollback"])

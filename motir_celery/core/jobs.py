@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable, Mapping, NoReturn, Protocol, Sequenc
 
 from motir_celery.core.producer.results import RunHandle
 from motir_celery.core.retries import RetryPolicy, resolve_policy
-from motir_celery.core.runspec import RunOptions, run_options, run_spec
+from motir_celery.core.runspec import RunOptions, check_trigger, run_options, run_spec
 from motir_celery.errors import JobDefinitionError, MotirError, UnknownJobError
 from motir_celery.store.records import RunSpec
 
@@ -325,7 +325,9 @@ def define_job(
     ``handler(step, *args, **kwargs)`` (docs/migrating.md). ``retry_policy`` is
     ``"transient"`` (default), ``"idempotent"``, ``"none"`` or a ``RetryPolicy``.
     Durable-flow options (docs/jobs.md): ``priority=0..9``, ``singleton_key=``,
-    ``concurrency=(limit, key)``, ``cancel_on=[CancelOn(...)]``; cron jobs also
+    ``concurrency=(limit, key)``, ``cancel_on=[CancelOn(...)]``, ``throttle=(limit, period[, key])``,
+    ``debounce=(period[, key[, max_wait]])`` and ``batch=(max_size, timeout[, key])`` (event jobs:
+    the handler gets the list of events); cron jobs also
     take ``catchup=`` and ``overlap=``. Celery's own: ``name=`` (the task name; see the
     module docstring for its default), ``bind=`` (a direct job's handler takes the step
     first, the default; ``bind=False``: only the call's arguments), ``queue=``,
@@ -360,6 +362,7 @@ def define_job(
     # catchup= / overlap= are validated here, at definition time, like the cron itself.
     schedule_options(id, options, cron=cron is not None)
     shaped = run_options(id, options)
+    check_trigger(id, shaped, event_job=bool(events))  # debounce= / batch= gather events
     if cron is not None:
         cron, zone = parse_cron(cron, timezone, job_id=id)
 

@@ -40,10 +40,11 @@ from sqlalchemy import (
     UniqueConstraint,
     text,
 )
-from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
+from sqlalchemy.dialects.postgresql import ARRAY, DOUBLE_PRECISION, JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-__all__ = ["Base", "JobEvent", "JobQueue", "JobStep", "JobRun", "JobRunDlq", "RUN_STATES", "ATTEMPT_OUTCOMES"]
+__all__ = ["Base", "JobEvent", "JobQueue", "JobStep", "JobRun", "JobRunDlq", "JobStatsRollup", "JobBatchItem",
+           "RUN_STATES", "ATTEMPT_OUTCOMES", "FLOW_WAITS"]
 
 #: A run's life: queued → running → (succeeded | failed | cancelled), or back to
 #: queued for a retry. Only ``queued`` is claimable.
@@ -52,6 +53,9 @@ RUN_STATES = ("queued", "running", "succeeded", "failed", "cancelled")
 #: ``suspended``: step.sleep / wait_for_event gave the worker back; ``deferred``:
 #: RateLimited put it back. The last two charge no attempt.
 ATTEMPT_OUTCOMES = ("running", "succeeded", "retrying", "failed", "cancelled", "lost", "suspended", "deferred")
+#: Why a queued run waits on flow control (job_queue.flow_wait): for a start slot of its
+#: throttle key, or still gathering events (debounce=, batch=).
+FLOW_WAITS = ("throttle", "debounce", "batch")
 
 NAMING = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -103,6 +107,7 @@ class JobEvent(Base):
     received_at: Mapped[datetime] = mapped_column(TZ, server_default=NOW)
 
     runs: Mapped[list[JobQueue]] = relationship(back_populates="event", passive_deletes=True)
+    batch_items: Mapped[list[JobBatchItem]] = relationship(back_populates="event", passive_deletes=True)
 
 
 class JobQueue(Base):
@@ -184,6 +189,48 @@ class JobQueue(Base):
         Index("ix_job_queue_unfinished_children", "parent_run_id",
               postgresql_where=text("parent_run_id IS NOT NULL AND state IN ('queued', 'running')")),
         CheckConstraint("priority BETWEEN 0 AND 9", name="priority"),
+        # --- flow control (core/worker/flow.py) and insights (core/worker/rollup.py); migration 0012 ---
+        CheckConstraint(_in("flow_wait", FLOW_WAITS), name="flow_wait"),
+        # debounce= / batch=: at most one gathering run per (job, workspace, key), found by the
+        # sender that adds an event to it (motir_gather, under the key's advisory lock) and closed
+        # by the claim; this index is that lookup and the database's own guarantee of "one". NULLS
+        # NOT DISTINCT: system runs share one key space, relied upon. Column list of its own.
+        Index(
+            "uq_job_queue_gathering",
+            "job_id",
+            "workspace_id",
+            "flow_key",
+            unique=True,
+            postgresql_nulls_not_distinct=True,
+            postgresql_where=text("flow_wait IN ('debounce', 'batch') AND state = 'queued'"),
+        ),
+        # throttle=: the runs of a key waiting for a start slot, oldest first — the claim's "is
+        # anyone ahead of me?" and the estimate of a newcomer's turn. Only waiting runs are indexed.
+        Index(
+            "ix_job_queue_throttle_waiting",
+            "job_id",
+            "throttle_key",
+            "created_at",
+            postgresql_where=text("flow_wait = 'throttle' AND state = 'queued'"),
+        ),
+        # throttle=: the starts of a key, by instant — the claim counts those within the period
+        # (newest first, at most the limit) under the key's advisory lock. Only admitted runs of
+        # throttled jobs have throttle_at, so no other job's runs are in it.
+        Index(
+            "ix_job_queue_throttle_starts",
+            "job_id",
+            "throttle_key",
+            "throttle_at",
+            postgresql_where=text("throttle_at IS NOT NULL"),
+        ),
+        # Insights, "show me flaky runs" (store/sql/reads.py FLAKY_RUNS): the newest runs that
+        # needed more than one attempt. Sized to the minority ever retried, not to every run.
+        # Column list (created_at) of its own.
+        Index("ix_job_queue_flaky", "created_at", postgresql_where=text("attempts > 1")),
+        # Insights, "the slowest successful runs of a job in a window" (reads.py SLOWEST_RUNS):
+        # a job's succeeded runs by finish, never the failed, cancelled or unfinished ones.
+        # Column list (job_id, finished_at) of its own.
+        Index("ix_job_queue_succeeded", "job_id", "finished_at", postgresql_where=text("state = 'succeeded'")),
         # step.invoke / step.gather: one child per (parent run, step), decided by this
         # constraint inside the INSERT that starts it (core/invoke.py), across retries,
         # crashes and redeliveries of the parent. NULLs are distinct: top-level runs
@@ -253,6 +300,20 @@ class JobQueue(Base):
     # step.invoke(..., detach=True): a child that is not cancelled with its parent (nor
     # when its parent's wait times out). False for every other run.
     detached: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    # Flow control, NULL unless the job has throttle= / debounce= / batch= (docs/jobs.md):
+    # why the queued run waits, while it does (FLOW_WAITS; shown by the dashboard);
+    flow_wait: Mapped[str | None] = mapped_column(Text)
+    # debounce= / batch=: the key it gathers events under (within its workspace), kept once closed;
+    # when its gathering began (max_wait and the batch timeout run from it); how many events it took.
+    flow_key: Mapped[str | None] = mapped_column(Text)
+    flow_since: Mapped[datetime | None] = mapped_column(TZ)
+    gathered: Mapped[int | None] = mapped_column(Integer)
+    # throttle=: the run's key, and the database's instant the run was admitted (its start).
+    throttle_key: Mapped[str | None] = mapped_column(Text)
+    throttle_at: Mapped[datetime | None] = mapped_column(TZ)
+    # The finish the stats rollup has counted: finished_at once folded. A run resumed and
+    # finished again differs again, and is counted again (it ended twice).
+    folded_at: Mapped[datetime | None] = mapped_column(TZ)
 
     event: Mapped[JobEvent | None] = relationship(back_populates="runs")
     parent: Mapped[JobQueue | None] = relationship(
@@ -272,6 +333,7 @@ class JobQueue(Base):
     replays: Mapped[list[JobRunDlq]] = relationship(
         back_populates="replay_run", passive_deletes=True, foreign_keys="JobRunDlq.replay_run_id"
     )
+    batch_items: Mapped[list[JobBatchItem]] = relationship(back_populates="run", passive_deletes=True)
 
 
 class JobStep(Base):
@@ -389,7 +451,74 @@ class JobSweep(Base):
     swept_by: Mapped[str | None] = mapped_column(Text)
 
 
+class JobBatchItem(Base):
+    """batch=: the events one run gathered, in order (the handler gets them as a list)."""
+
+    __tablename__ = "job_batch_item"
+    __table_args__ = (
+        # An event's delete checks this (ON DELETE RESTRICT), and purge asks whether a batch still
+        # needs an event: both by event_id.
+        Index("ix_job_batch_item_event", "event_id"),
+    )
+
+    # CASCADE: the items go with their run (purge deletes it, finished, with its steps).
+    run_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("job_queue.id", ondelete="CASCADE"), primary_key=True)
+    #: 1-based order of arrival; the first is also the run's own event_id.
+    position: Mapped[int] = mapped_column(Integer, primary_key=True)
+    # RESTRICT: an event is deleted only once no batch needs it (as job_queue.event_id).
+    event_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("job_event.id", ondelete="RESTRICT"))
+    workspace_id: Mapped[str | None] = mapped_column(Text)
+
+    run: Mapped[JobQueue] = relationship(back_populates="batch_items")
+    event: Mapped[JobEvent] = relationship(back_populates="batch_items")
+
+
+class JobStatsRollup(Base):
+    """Per-job outcome counts and durations, folded from finished runs off the hot path
+    (core/worker/rollup.py), so they survive purge and worker restarts.
+
+    One row per (job, workspace, 5-minute bucket of ``finished_at``) for the insights' windows
+    (kept ``rollup.DETAIL_DAYS``), and one per (job, workspace) with ``bucket`` NULL: the
+    all-time totals — the seed's one row per job type, per workspace here so that row-level
+    security shows each tenant its own, and what /metrics' counters read. Counts only grow; a
+    fold adds a batch of finished runs to them (never a per-settle UPDATE of a hot row).
+    """
+
+    __tablename__ = "job_stats_rollup"
+    __table_args__ = (
+        # The fold's ON CONFLICT arbiter. NULLS NOT DISTINCT: system runs (no workspace) share
+        # one row per bucket, and the totals row (bucket NULL) is one per (job, workspace).
+        Index("uq_job_stats_rollup", "job_id", "workspace_id", "bucket", unique=True,
+              postgresql_nulls_not_distinct=True),
+        # The insights' windows (buckets since an instant), /metrics' totals (bucket IS NULL) and
+        # the prune of old buckets, all by bucket first. Column list of its own.
+        Index("ix_job_stats_rollup_bucket", "bucket"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(always=True), primary_key=True)
+    job_id: Mapped[str] = mapped_column(Text)
+    workspace_id: Mapped[str | None] = mapped_column(Text)
+    # The 5-minute bucket of the runs' finished_at; NULL: every run ever (the totals).
+    bucket: Mapped[datetime | None] = mapped_column(TZ)
+    succeeded_count: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    failed_count: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    cancelled_count: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    # Runs that needed more than one attempt (flaky), and the attempts charged to all runs.
+    retried_count: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    attempts_count: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    # Succeeded runs' durations (first attempt's start to finish). Double precision, never an
+    # integer type: a JSON reader takes any double, and a running sum of milliseconds is exact
+    # far beyond what any job accumulates (seed 003: JSON.stringify refuses a BigInt).
+    sum_duration_ms: Mapped[float] = mapped_column(DOUBLE_PRECISION, server_default="0")
+    duration_samples: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    # The same durations as a histogram over rollup.DURATION_BOUNDS_MS (one count per bucket, the
+    # last for everything longer): p50 / p95 without the runs, and /metrics' _bucket series.
+    duration_buckets: Mapped[list[int]] = mapped_column(ARRAY(BigInteger))
+    updated_at: Mapped[datetime] = mapped_column(TZ, server_default=NOW)
+
+
 from motir_celery.store import rls as _rls  # noqa: E402  (policies sit beside the tables they guard)
 
-_rls.declare_workspace_policies(Base.metadata, ["job_event", "job_queue", "job_step", "job_run", "job_run_dlq"])
+_rls.declare_workspace_policies(Base.metadata, ["job_event", "job_queue", "job_step", "job_run", "job_run_dlq",
+                                                "job_batch_item", "job_stats_rollup"])
 _rls.declare_engine_only(Base.metadata, "job_sweep", ("SELECT", "UPDATE"))

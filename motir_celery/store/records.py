@@ -11,7 +11,13 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-__all__ = ["RunSpec", "Queued", "AlreadyQueued", "OverlapSkipped", "Claim"]
+__all__ = ["RunSpec", "Queued", "AlreadyQueued", "OverlapSkipped", "Gathered", "Claim", "DURATION_BOUNDS_MS"]
+
+#: The upper bounds (milliseconds) of the stats rollup's duration histogram (job_stats_rollup.
+#: duration_buckets holds one count per bound, then one for everything longer). Fixed: the counts
+#: stored are read against these, so changing them needs a migration that re-buckets the rows.
+DURATION_BOUNDS_MS: tuple[float, ...] = (1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10_000, 30_000,
+                                         60_000, 120_000, 300_000, 600_000, 1_800_000, 3_600_000)
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,14 @@ class OverlapSkipped(AlreadyQueued):
 
     run_id: uuid.UUID
     blocking_run_id: uuid.UUID | None
+
+
+@dataclass(frozen=True)
+class Gathered(AlreadyQueued):
+    """debounce= / batch=: the event joined the open run of its key (``run_id``) instead of
+    making one; that run carries it (debounce: as its latest event; batch: in its list)."""
+
+    run_id: uuid.UUID
 
 
 @dataclass(frozen=True)

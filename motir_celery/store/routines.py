@@ -7,7 +7,8 @@ then with a fixed ``search_path``) and who may execute it — so that ``motir mi
 --check`` reports a function replaced, dropped, added or granted by hand exactly as
 it reports a dropped index. The kinds:
 
-* **writers** (``motir_write_*``): the one INSERT of an event, a batch, a direct run;
+* **writers** (``motir_write_*``): the one INSERT of an event, a batch, a direct run (and
+  ``motir_write_gather``: debounce= / batch= folding a new run into its key's open one);
   owner's rights, executed by the engine role only;
 * **checked** (``motir_enqueue_*``): the app role's only way to write (migration
   0008 lists their guards); owner's rights, executed by the app role only;
@@ -63,6 +64,8 @@ class Trigger:
     digest: str
 
 
+_GATHER = "uuid[], text[], text[], double precision[], double precision[]"
+
 _BOTH = frozenset({APP_ROLE, ENGINE_ROLE})
 
 ROUTINES: tuple[Routine, ...] = (
@@ -76,6 +79,10 @@ ROUTINES: tuple[Routine, ...] = (
     Routine("motir_record_events", _EVENTS, "fca985c94bc4ce22acfdf3e76b2e40be", False, _BOTH),
     Routine("motir_direct_run", _DIRECT, "a76790aa09645a99063f4f846ce34ca7", False, _BOTH),
     Routine("motir_on_run_settled", "", "6b2346fbd867386ca250ea9553055a05", False, frozenset({"PUBLIC"})),
+    # debounce= / batch= at send (migration 0012): writer, checked function, dispatcher.
+    Routine("motir_write_gather", _GATHER, "e94238c12d82571282367e17ec3e4f6a", True, frozenset({ENGINE_ROLE})),
+    Routine("motir_enqueue_gather", _GATHER, "9b07f6915ca928d7338d31f5ccbc84df", True, frozenset({APP_ROLE})),
+    Routine("motir_gather", _GATHER, "f7ddb1ef70302f187edd7678009ad75f", False, _BOTH),
 )
 
 TRIGGERS: tuple[Trigger, ...] = (

@@ -7,7 +7,10 @@ naming the migration to run, instead of failing every call:
 
 * ``sweep_slot`` (0007, ``job_sweep``): without it every worker sweeps on its own;
 * ``checked_enqueue`` (0008, ``motir_direct_run``): without it a direct run is
-  written by one statement of its own (``DIRECT_RUN_BEFORE_0008``), as before.
+  written by one statement of its own (``DIRECT_RUN_BEFORE_0008``), as before;
+* ``flow_control`` (0012, ``motir_gather``, ``job_stats_rollup``): without it the sweep
+  folds no stats, purge deletes without folding, and throttle= / debounce= / batch= are
+  not applied (each run runs as a plain one).
 
 The answer is cached per process and database URL for ``TTL`` seconds, so a schema
 migrated while workers run is picked up within that time. Supported: schemas from
@@ -35,13 +38,15 @@ log = logging.getLogger("motir_celery.store.schema")
 TTL = 30.0
 
 _MIGRATION = {"sweep_slot": ("0007", "every worker sweeps on its own"),
-              "checked_enqueue": ("0008", "direct runs are written as before 0008")}
+              "checked_enqueue": ("0008", "direct runs are written as before 0008"),
+              "flow_control": ("0012", "no stats are folded and throttle=, debounce= and batch= are not applied")}
 
 
 @dataclass(frozen=True)
 class Features:
     sweep_slot: bool = True
     checked_enqueue: bool = True
+    flow_control: bool = True
 
 
 class _Cache:

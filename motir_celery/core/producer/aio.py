@@ -32,6 +32,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, c
 from motir_celery.core.jobs import Job, cancelled_by, subscribers
 from motir_celery.core.producer import direct
 from motir_celery.core.producer.events import SendResult, cancel_on, deduplicated, publish_after_commit, validate_event
+from motir_celery.core.producer.gather import gather_runs, gathers
 from motir_celery.core.producer.results import RunHandle
 from motir_celery.core.publish import Publish, publish_or_log
 from motir_celery.core.tracing import current_traceparent
@@ -105,9 +106,11 @@ async def _write_event(conn: AsyncConnection, name: str, data: Any, encoded: str
     if not recorded:
         return await conn.run_sync(deduplicated, name, encoded, workspace_id, key)
     woken = [records.Queued(r["run_id"], r["job_id"]) for r in found if r["woken"]]
+    runs = producer_sql.runs_of(specs, recorded)
+    if gathers(jobs):  # debounce= / batch=: into the key's open run
+        runs = await conn.run_sync(gather_runs, runs, data, workspace_id)
     cancelled = await conn.run_sync(cancel_on, name, data, workspace_id) if cancelled_by(name) else []
-    return SendResult(recorded[0]["event_id"], producer_sql.runs_of(specs, recorded), woken=woken, cancelled=cancelled,
-                      workspace_id=workspace_id)
+    return SendResult(recorded[0]["event_id"], runs, woken=woken, cancelled=cancelled, workspace_id=workspace_id)
 
 
 async def send_event_async(
@@ -134,7 +137,7 @@ async def send_event_async(
             publish_after_commit(session.sync_session, [*result.runs, *result.woken], _offloaded(publish, loop))
         return result
     engine = async_engine(settings)
-    if cancelled_by(name):  # the event and its cancellations in one transaction
+    if cancelled_by(name) or gathers(subscribers(name)):  # the event and what it does, in one transaction
         async with engine.execution_options(isolation_level="READ COMMITTED").begin() as conn:
             result = await _write_event(conn, *args)
     else:

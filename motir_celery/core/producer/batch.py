@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session
 
 from motir_celery.core.jobs import cancelled_by, subscribers
 from motir_celery.core.producer import events as _events
+from motir_celery.core.producer.gather import gather_runs, gathers
 from motir_celery.core.publish import Publish
 from motir_celery.core.tracing import current_traceparent
 from motir_celery.errors import PayloadError, WorkspaceError
@@ -89,6 +90,7 @@ def send_events(
         raw.append(data)
     traceparent = current_traceparent()
     cancelling = {name for name in {r[0] for r in rows_in} if cancelled_by(name)}  # cancel_on rules listen
+    gathering = any(gathers(subscribers(name)) for name in {r[0] for r in rows_in})  # debounce= / batch=
 
     def write(conn: Connection) -> list[_events.SendResult]:
         return _write(conn, rows_in, specs, raw, traceparent, cancelling)
@@ -105,7 +107,7 @@ def send_events(
             on_commit(lambda: _events.publish_runs(pending, publish))
         return results
     engine = get_engine(settings=settings)
-    if cancelling:
+    if cancelling or gathering:
         with engine.begin() as conn:
             results = write(conn)
     else:
@@ -161,6 +163,7 @@ def _write(conn: Connection, rows_in: list[tuple[str, str, str | None, str | Non
         runs: list[records.Queued | records.AlreadyQueued] = [
             records.Queued(created[s.job_id], s.job_id) if s.job_id in created else records.AlreadyQueued(s.job_id)
             for s in specs[i]]
+        runs = gather_runs(conn, runs, raw[i], ws)  # debounce= / batch=: into the key's open run
         cancelled = _events.cancel_on(conn, name, raw[i], ws) if name in cancelling else []
         results.append(_events.SendResult(made[0]["event_id"], runs, cancelled=cancelled, workspace_id=ws))
     # Waiters woken by the batch go with the first event's result (one run may match several events).

@@ -37,6 +37,7 @@ from sqlalchemy import event as sa_event
 from sqlalchemy.orm import Session
 
 from motir_celery.core.jobs import Job, cancelled_by, subscribers
+from motir_celery.core.producer.gather import gather_runs, gathers
 from motir_celery.core.producer.results import RunHandle
 from motir_celery.core.publish import Publish, publish_or_log
 from motir_celery.core.runspec import path_of, value_at
@@ -106,9 +107,10 @@ class SendResult:
 
     @property
     def results(self) -> list[RunHandle]:
-        """A result handle per run created: ``.state``, ``.get(timeout=)`` (core/results.py)."""
+        """A result handle per run created, or joined (debounce= / batch=: ``Gathered``):
+        ``.state``, ``.get(timeout=)`` (core/results.py)."""
         return [RunHandle(r.run_id, r.job_id, workspace_id=self.workspace_id)
-                for r in self.runs if isinstance(r, records.Queued)]
+                for r in self.runs if isinstance(r, (records.Queued, records.Gathered))]
 
 
 def validate_event(name: Any, data: Any, workspace_id: Any, idempotency_key: Any, limit: int) -> tuple[str, str | None]:
@@ -157,6 +159,7 @@ def write_event(conn: Connection, name: str, data: Any, encoded: str, workspace_
                                                traceparent=traceparent)
     if event_id is None:
         return deduplicated(conn, name, encoded, workspace_id, idempotency_key)
+    runs = gather_runs(conn, runs, data, workspace_id)  # debounce= / batch=: into the key's open run
     cancelled = cancel_on(conn, name, data, workspace_id)
     return SendResult(event_id, runs, woken=woken, cancelled=cancelled, workspace_id=workspace_id)
 
@@ -223,7 +226,7 @@ def send_event(
             on_commit(lambda: publish_runs(pending, publish))
         return result
     engine = get_engine(settings=settings)
-    if cancelled_by(name):
+    if cancelled_by(name) or gathers(targets):  # statements of their own: one transaction
         with engine.begin() as conn:
             result = write_event(conn, *args, **extra)
         publish_runs([*result.runs, *result.woken], publish)

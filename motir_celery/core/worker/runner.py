@@ -1,8 +1,9 @@
 """Execute one run: claim, call the handler with its memoized steps, settle.
 
 What a Celery task calls with the run id from its message; the only place an
-attempt starts or ends. One pooled connection, in autocommit, for the attempt:
-the claim, each step record and the settle are one statement and one commit.
+attempt starts or ends. One connection, in autocommit, for the attempt (this
+thread's, kept between its attempts: ``db.attempt_connection``): the claim, each
+step record and the settle are one statement and one commit.
 
 How an attempt ends: ``LostClaim`` / ``RunCancelled`` (a fenced write was
 refused: write nothing more); ``NonRetriableError``, ``StepOutputError`` or an
@@ -30,7 +31,7 @@ from motir_celery.core.jobs import Job, get_job
 from motir_celery.core.producer.direct import arguments
 from motir_celery.core.publish import Publish, publish_or_log
 from motir_celery.core.tracing import run_span
-from motir_celery.core.worker import concurrency, invoke, leases
+from motir_celery.core.worker import concurrency, flow, invoke, leases
 from motir_celery.core.worker.failures import describe, storable_error
 from motir_celery.core.worker.steps import Step, encode_json
 from motir_celery.errors import (
@@ -45,7 +46,7 @@ from motir_celery.errors import (
 )
 from motir_celery.settings import Settings, get_settings
 from motir_celery.store import records
-from motir_celery.store.db import get_engine
+from motir_celery.store.db import attempt_connection, get_engine
 from motir_celery.store.sql import worker as worker_sql
 
 __all__ = ["Event", "Outcome", "execute"]
@@ -100,14 +101,21 @@ def execute(run_id: uuid.UUID | str, *, job_id: str, worker: str, publish: Publi
 
 def _execute(engine: Engine, run_uuid: uuid.UUID, job_id: str, worker: str, publish: Publish | None,
              settings: Settings) -> Outcome:
-    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+    with attempt_connection(engine) as conn:
         limit = concurrency.limit_of(job_id)
+        flow_options = flow.options_of(job_id)  # throttle= / debounce= / batch=: decided at the claim
         # Held from before the claim, under the token the claim then stores: the lease is
         # renewed from the claim's commit on, whatever else holds this process's GIL.
         with leases.hold(run_uuid, job_id, settings) as token:
-            claim = (worker_sql.claim(conn, run_uuid, job_id=job_id, worker=worker,
-                                      lease_seconds=settings.lease_seconds, token=token) if limit is None else
-                     concurrency.claim_limited(engine, run_uuid, job_id, worker, settings.lease_seconds, limit, token))
+            if flow_options is not None:
+                claim = flow.claim(engine, run_uuid, job_id, flow_options, worker=worker,
+                                   lease_seconds=settings.lease_seconds, limit=limit, token=token, publish=publish,
+                                   settings=settings)
+            else:
+                claim = (worker_sql.claim(conn, run_uuid, job_id=job_id, worker=worker,
+                                          lease_seconds=settings.lease_seconds, token=token) if limit is None else
+                         concurrency.claim_limited(engine, run_uuid, job_id, worker, settings.lease_seconds, limit,
+                                                   token))
             if claim is None:
                 # Duplicate or stale delivery, a run not due yet, or a forged id: ack and do nothing.
                 log.debug("run %s of %s not claimable (duplicate, stale, not due or unknown)", run_uuid, job_id)
@@ -135,7 +143,8 @@ def _attempt(claim: records.Claim, conn: Connection, engine: Engine, publish: Pu
         event = Event(name=claim.event_name, data=event_data, id=str(claim.event_id) if claim.event_id else None,
                       workspace_id=claim.workspace_id, run_id=run, attempt=claim.attempt,
                       scheduled_for=claim.scheduled_for)
-        result = call_handler(job, event, step)
+        # batch=: the handler gets the list of the events the run gathered
+        result = call_handler(job, _batch_of(conn, claim, event) if job.run_options.batch else event, step)
         encoded = encode_json(result, what=f"the handler of {claim.job_id!r} returned a value that",
                               limit=settings.max_payload_bytes)
     except Suspended as exc:
@@ -157,6 +166,12 @@ def _attempt(claim: records.Claim, conn: Connection, engine: Engine, publish: Pu
         return _settle(claim, conn, publish, settings, exc, _backoff(claim))
     outcome = _settle_success(claim, conn, publish, settings, encoded)
     return replace(outcome, result=result) if outcome.state == "succeeded" else outcome
+
+
+def _batch_of(conn: Connection, claim: records.Claim, event: Event) -> list[Event]:
+    """A batch run's events, in order of arrival (a run no producer gathered: its own one)."""
+    return [replace(event, name=e["name"], data=e["data"], id=str(e["id"]))
+            for e in flow.batch_events(conn, claim.run_id)] or [event]
 
 
 def call_handler(job: Job, event: Any, step: Any) -> Any:
