@@ -21,9 +21,11 @@ import uuid
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from motir_celery.core.jobs import CanvasNotSupported, Job, define_job, use_invoker
+from motir_celery.core.producer.canvas import CanvasHandle, Signature, chain, chord, group, signature
 from motir_celery.core.producer.results import JobFailed, JobRevoked, ResultTimeout, RunHandle, RunNotCommitted
 from motir_celery.core.retries import RetryPolicy
 from motir_celery.core.runspec import CancelOn
+from motir_celery.core.worker import canvas as canvas_worker
 from motir_celery.core.worker.invoke import ChildFailed
 from motir_celery.errors import (
     ConfigurationError,
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
     from motir_celery.core.operator.resume import ResumeResult
     from motir_celery.core.producer.direct import PublishFor
     from motir_celery.core.producer.events import SendResult
+    from motir_celery.core.publish import Publish
     from motir_celery.store.records import AlreadyQueued, Queued
 
 __all__ = [
@@ -62,6 +65,12 @@ __all__ = [
     "ResultTimeout",
     "RunNotCommitted",
     "CanvasNotSupported",
+    "chain",
+    "group",
+    "chord",
+    "signature",
+    "Signature",
+    "CanvasHandle",
     "ChildFailed",
     "replay_dlq",
     "resume_dlq",
@@ -143,13 +152,17 @@ def resume_dlq(dlq_id: "uuid.UUID | str", *, actor: str, app: "Celery | None" = 
     return resume.resume_dlq(dlq_id, actor=actor, publish=_publish(app))
 
 
-def cancel_run(run_id: "uuid.UUID | str") -> bool:
-    """Cancel a queued or running run; a running one stops at its next step boundary."""
-    from motir_celery.store.db import engine_connection
-    from motir_celery.store.sql import operator as operator_sql
+def cancel_run(run_id: "uuid.UUID | str", *, app: "Celery | None" = None) -> bool:
+    """Cancel a queued or running run; a running one stops at its next step boundary, its
+    unfinished children (a canvas's members) are cancelled with it, and a parent waiting
+    for it is woken and published at once (through ``app``, default: the engine's app)."""
+    from motir_celery.core.operator import dlq
 
-    with engine_connection() as conn:
-        return operator_sql.cancel(conn, uuid.UUID(str(run_id)))
+    try:
+        publish = _publish(app)
+    except ConfigurationError:  # no broker configured here: the parent's message comes from the sweeper
+        publish = None
+    return dlq.cancel_run(run_id, publish=publish)
 
 
 def enqueue_scheduled(job_id: str, scheduled_for: Any, *, app: "Celery | None" = None) -> "Queued | AlreadyQueued":
@@ -226,6 +239,14 @@ class _DirectRuns:
 
 
 use_invoker(_DirectRuns())
+
+
+def _member_route(publish: "Publish", queue: str | None, priority: int | None) -> "Publish":
+    """A canvas member with its own queue= / priority=: its message through the default app's router."""
+    return _publish_for(queue, priority)  # type: ignore[no-any-return]
+
+
+canvas_worker.use_route(_member_route)
 
 
 def __getattr__(name: str) -> Any:

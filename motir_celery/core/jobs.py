@@ -44,7 +44,7 @@ from motir_celery.errors import JobDefinitionError, MotirError, UnknownJobError
 from motir_celery.store.records import RunSpec
 
 __all__ = ["Job", "define_job", "get_job", "find_job", "all_jobs", "subscribers", "cancelled_by", "on_job_defined", "task_name",
-           "alias_name", "celery_name", "job_for_task", "CanvasNotSupported", "Invoker", "use_invoker", "CallStep", "DirectCallUnsupported"]
+           "alias_name", "celery_name", "job_for_task", "CanvasNotSupported", "CanvasMaker", "use_canvas", "Invoker", "use_invoker", "CallStep", "DirectCallUnsupported"]
 
 JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,199}$")
 #: A Celery task name given as ``name=``: printable, no blank, at most 200 characters.
@@ -114,8 +114,13 @@ class Job:
     def apply_async(self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None,
                     **options: Any) -> RunHandle:
         """``delay`` with options: ``countdown=``, ``eta=``, ``queue=``, ``priority=``,
-        ``task_id=`` / ``idempotency_key=``, ``workspace_id=``, ``session=``."""
-        return _invoker_for(self).apply_async(self, args or (), kwargs or {}, options)
+        ``task_id=`` / ``idempotency_key=``, ``workspace_id=``, ``session=``; ``link=`` /
+        ``link_error=`` make it a canvas (core/producer/canvas.py)."""
+        if _callbacks(options):
+            canvas: RunHandle = _canvas_for(self).signature(self, args or (), kwargs or {}, {}, False).apply_async(
+                **options)
+            return canvas
+        return _invoker_for(self).apply_async(self, args or (), kwargs or {}, _without_callbacks(options))
 
     async def delay_async(self, *args: Any, **kwargs: Any) -> RunHandle:
         """``delay`` for asyncio code (psycopg's async connection; never blocks the loop)."""
@@ -133,7 +138,10 @@ class Job:
         whose ``.get()`` then answers at once. Celery's ``Task.apply``; the options are
         ``apply_async``'s. A retry's backoff is waited out as for any run: the attempt after it
         is left queued for a worker."""
-        return _invoker_for(self).apply(self, args or (), kwargs or {}, options)
+        if _callbacks(options):
+            ran: RunHandle = _canvas_for(self).signature(self, args or (), kwargs or {}, {}, False).apply(**options)
+            return ran
+        return _invoker_for(self).apply(self, args or (), kwargs or {}, _without_callbacks(options))
 
     def delay_on_commit(self, *args: Any, **kwargs: Any) -> RunHandle:
         """Celery's Django helper (5.4+): here ``delay``, which inside ``transaction.atomic()``
@@ -148,21 +156,35 @@ class Job:
         """``apply_async`` for the same reason ``delay_on_commit`` is ``delay``."""
         return self.apply_async(args, kwargs, **options)
 
-    def s(self, *args: Any, **kwargs: Any) -> NoReturn:
-        raise CanvasNotSupported(_CANVAS.format(job=self.id, what="s"))
+    # --- Celery's canvas (core/producer/canvas.py; docs/jobs.md "Canvas") -------------
 
-    def si(self, *args: Any, **kwargs: Any) -> NoReturn:
-        raise CanvasNotSupported(_CANVAS.format(job=self.id, what="si"))
+    def s(self, *args: Any, **kwargs: Any) -> Any:
+        """A signature of this direct job with (partial) arguments: a canvas member."""
+        return _canvas_for(self).signature(self, args, kwargs, {}, False)
 
-    def signature(self, *args: Any, **kwargs: Any) -> NoReturn:
-        raise CanvasNotSupported(_CANVAS.format(job=self.id, what="signature"))
+    def si(self, *args: Any, **kwargs: Any) -> Any:
+        """An immutable signature: in a chain it ignores the previous result."""
+        return _canvas_for(self).signature(self, args, kwargs, {}, True)
+
+    def signature(self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None,
+                  **options: Any) -> Any:
+        """Celery's ``Task.signature(args, kwargs, **options)`` (``immutable=`` too)."""
+        immutable = bool(options.pop("immutable", False))
+        return _canvas_for(self).signature(self, args or (), kwargs or {}, options, immutable)
 
     subtask = signature
 
-    def map(self, *args: Any, **kwargs: Any) -> NoReturn:
-        raise CanvasNotSupported(_CANVAS.format(job=self.id, what="map"))
+    def map(self, items: Iterable[Any]) -> Any:
+        """``[job(item) for item in items]`` as a group: one member run per item."""
+        return _canvas_for(self).xmap(self, items)
 
-    starmap = chunks = map
+    def starmap(self, items: Iterable[Sequence[Any]]) -> Any:
+        """``[job(*item) for item in items]`` as a group: one member run per item."""
+        return _canvas_for(self).xstarmap(self, items)
+
+    def chunks(self, items: Iterable[Sequence[Any]], n: int) -> Any:
+        """The starmap in chunks of ``n``: a group of groups, its result a list per chunk."""
+        return _canvas_for(self).chunks(self, items, n)
 
 
 def alias_name(job_id: str) -> str:
@@ -249,17 +271,50 @@ class CallStep:
 
 
 class CanvasNotSupported(MotirError, TypeError):
-    """``job.s()`` & co.: durable jobs are not Celery canvas members (docs/migrating.md)."""
+    """A canvas this engine cannot make durable: an event or cron job in it, a plain Celery task
+    mixed with durable jobs, Celery's own group()/chord() holding durable signatures (the message
+    names which, and what to do instead: docs/jobs.md "Canvas")."""
 
 
-_CANVAS = (
-    "job {job!r}.{what}(): durable jobs do not take part in Celery's canvas (chain, group, chord): "
-    "the links between them would live in Celery's result backend, outside Postgres, and a crash "
-    "between two links would lose the rest. Compose durably instead: call the pieces as steps of one "
-    "job (step.run('a', a) then step.run('b', b, a_result) is a chain; several steps then one that "
-    "uses their results is a group + chord), or start the next job from a step "
-    "(step.send_event(step_id, name, data), or step.run(step_id, lambda: other.delay(...).task_id))."
-)
+class CanvasMaker(Protocol):
+    """What builds signatures (core/producer/canvas.py), wired in at import by that module."""
+
+    def signature(self, job: Job, args: Sequence[Any], kwargs: Mapping[str, Any], options: Mapping[str, Any],
+                  immutable: bool) -> Any: ...
+
+    def xmap(self, job: Job, items: Iterable[Any]) -> Any: ...
+
+    def xstarmap(self, job: Job, items: Iterable[Sequence[Any]]) -> Any: ...
+
+    def chunks(self, job: Job, items: Iterable[Sequence[Any]], n: int) -> Any: ...
+
+
+_canvas: CanvasMaker | None = None
+
+
+def use_canvas(maker: CanvasMaker) -> None:
+    """Build signatures through ``maker`` (core/producer/canvas.py calls this when imported)."""
+    global _canvas
+    _canvas = maker
+
+
+def _canvas_for(job: Job) -> CanvasMaker:
+    if not job.direct:
+        trigger = "an event job" if job.events else "a cron job"
+        raise CanvasNotSupported(f"job {job.id!r} is {trigger}: only direct jobs (started by .delay(), "
+                                 "defined with neither event= nor cron=) take part in a canvas")
+    if _canvas is None:  # only if motir_celery/__init__.py was never imported, which Python does not allow
+        raise JobDefinitionError("the canvas is not wired in: import motir_celery")
+    return _canvas
+
+
+def _callbacks(options: Mapping[str, Any]) -> bool:
+    return options.get("link") is not None or options.get("link_error") is not None
+
+
+def _without_callbacks(options: dict[str, Any]) -> dict[str, Any]:
+    """``link=None`` / ``link_error=None`` (Celery's defaults, passed through by wrappers) mean none."""
+    return {k: v for k, v in options.items() if not (k in ("link", "link_error") and v is None)}
 
 
 class Invoker(Protocol):

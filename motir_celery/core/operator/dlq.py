@@ -19,6 +19,12 @@ the one role with UPDATE, with the caller's name recorded (``replayed_by``,
 ``dismissed_by``; a cancel is logged with its actor, as the run row has no
 column for it).
 
+A canvas (a run of ``system.canvas``: core/worker/canvas.py) is replayed from its failed
+link: the new run starts with the records of the links the failed run completed
+(``copy_completed_links``), so they do not run again; the failed link runs again as new
+member runs (all of a failed group's members). ``resume_dlq`` instead resumes the same
+canvas run, only the failed members, each from its own failed step.
+
 An event sent with an idempotency key stays deduplicated after replay: the
 re-emitted event carries the same key, conflicts, and nothing runs. The
 result says ``deduplicated`` and nothing is stamped; replay again with a new
@@ -36,13 +42,16 @@ from typing import Literal
 from motir_celery.core.jobs import get_job
 from motir_celery.core.producer.events import write_event
 from motir_celery.core.publish import Publish, publish_or_log
+from motir_celery.core.worker.canvas import CANVAS_JOB_ID
+from motir_celery.core.worker.invoke import publish_woken
 from motir_celery.settings import Settings, get_settings
 from motir_celery.store import records
-from motir_celery.store.db import engine_connection, get_engine, workspace_session
+from motir_celery.store.db import get_engine, workspace_session
 from motir_celery.store.driver import Statement
 from motir_celery.store.sql import operator as operator_sql
 
-__all__ = ["ReplayResult", "Caller", "replay_dlq", "dismiss_dlq", "replay_as", "dismiss_as", "cancel_as", "visible",
+__all__ = ["ReplayResult", "Caller", "replay_dlq", "dismiss_dlq", "replay_as", "dismiss_as", "cancel_as", "cancel_run",
+           "visible",
            "parse_id", "check_actor"]
 
 log = logging.getLogger("motir_celery.core.operator.dlq")
@@ -100,6 +109,10 @@ def replay_dlq(
             (run,) = result.runs
             assert isinstance(run, records.Queued)
             operator_sql.replay_link(conn, dlq_uuid, run.run_id)
+            if job.id == CANVAS_JOB_ID and row["run_id"] is not None:
+                # A canvas is replayed from its failed link: the links its failed run completed
+                # are the new run's records too, so only the failed link runs again (as a new member).
+                operator_sql.copy_completed_links(conn, row["run_id"], run.run_id)
     if publish is not None:
         publish_or_log(publish, run.run_id, run.job_id)
     return ReplayResult("replayed", run.run_id, result.event_id)
@@ -171,15 +184,27 @@ def dismiss_as(caller: Caller, dlq_id: uuid.UUID | str, *,
     return "dismissed" if done else "closed"
 
 
-def cancel_as(caller: Caller, run_id: uuid.UUID | str, *,
+def cancel_run(run_id: uuid.UUID | str, *, publish: Publish | None = None, settings: Settings | None = None) -> bool:
+    """Cancel a queued or running run (a running one stops at its next step boundary; its
+    unfinished children are cancelled with it). If it was a child, the parent its settle woke
+    is published after the commit (``invoke.publish_woken``), not a sweep later."""
+    rid = uuid.UUID(str(run_id))
+    with get_engine(settings=settings).connect() as conn:
+        with conn.begin():
+            done = operator_sql.cancel(conn, rid)
+        if done:
+            publish_woken(conn, [rid], publish)
+    return done
+
+
+def cancel_as(caller: Caller, run_id: uuid.UUID | str, *, publish: Publish | None = None,
               settings: Settings | None = None) -> Literal["cancelled", "finished", "not_found"]:
     """Cancel a run ``caller`` can see (queued or running); logged with the actor."""
     check_actor(caller.actor)
     rid = parse_id(run_id)
     if rid is None or not visible(caller, operator_sql.RUN_VISIBLE, rid, settings):
         return "not_found"
-    with engine_connection(settings) as conn:
-        done = operator_sql.cancel(conn, rid)
+    done = cancel_run(rid, publish=publish, settings=settings)
     log.info("run %s cancel by %s (workspace %s%s): %s", rid, caller.actor, caller.workspace,
              ", admin" if caller.admin else "", "cancelled" if done else "already finished")
     return "cancelled" if done else "finished"

@@ -60,7 +60,7 @@ from typing import Any, Callable, Mapping, Sequence
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
-from motir_celery.core.jobs import Job
+from motir_celery.core.jobs import CanvasNotSupported, Job
 from motir_celery.core.producer.events import (
     MAX_IDEMPOTENCY_KEY,
     joined_transaction,
@@ -92,7 +92,7 @@ PublishFor = Callable[[str | None, int | None], Publish]
 #: What apply_async accepts besides args and kwargs (anything else is refused by name).
 APPLY_ASYNC_OPTIONS = ("countdown", "eta", "queue", "priority", "task_id", "idempotency_key", "workspace_id",
                        "session")
-#: Celery canvas options: refused with the same advice as job.s().
+#: Celery's canvas internals (what its chain/chord put on a message): refused, pointing at the canvas.
 _CANVAS_OPTIONS = ("link", "link_error", "chain", "chord", "group_id")
 
 
@@ -140,7 +140,10 @@ def prepare(job: Job, args: Sequence[Any], kwargs: Mapping[str, Any], options: M
     """Check one call before anything is written: its options, its arguments, its timing."""
     from_canvas = [k for k in options if k in _CANVAS_OPTIONS]
     if from_canvas:
-        job.s()  # raises CanvasNotSupported, with the durable alternatives
+        raise CanvasNotSupported(
+            f"apply_async() of job {job.id!r}: {', '.join(from_canvas)} belong to a canvas; build it with "
+            "job.s() and chain / group / chord (from motir_celery), or pass link= / link_error= to "
+            "job.apply_async, which makes the canvas")
     unknown = sorted(set(options) - set(APPLY_ASYNC_OPTIONS))
     if unknown:
         raise TypeError(f"apply_async() of job {job.id!r}: unsupported option(s) {', '.join(unknown)}; "

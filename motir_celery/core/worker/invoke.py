@@ -20,9 +20,11 @@ in order. How:
    settle's own transaction, under the same lock) makes the parent due once *no*
    child of it is unfinished — so a gather of 50 resumes its parent once, and a
    parent that checked just before its last child settled is already suspended when
-   the trigger looks. The settling worker publishes the parent after its commit
-   (``after_settle``); a settle made elsewhere (the sweeper, a cancel) leaves the
-   parent to the sweeper's re-publish.
+   the trigger looks. Whoever settled the child publishes the parent after that
+   commit (``publish_woken``: the settling worker, the sweeper that failed an expired
+   child, an operator's cancel), claimed by one conditional UPDATE so only one of them
+   does; a settle made anywhere else is published by the next sweep (the trigger marks
+   the woken parent as never sent, migration 0011).
 4. **The outcome is memoized** as the step's record: the child's result, or its
    final failure, which is raised into the parent as ``ChildFailed`` (a
    ``NonRetriableError``: retrying the parent would read the same stored failure),
@@ -50,8 +52,9 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from sqlalchemy import Connection
 
@@ -60,9 +63,11 @@ from motir_celery.core.publish import Publish, publish_or_log
 from motir_celery.core.tracing import current_traceparent
 from motir_celery.errors import NonRetriableError, PayloadError, Suspended, checked_delay
 from motir_celery.store import records
+from motir_celery.store.records import RunSpec
 from motir_celery.store.sql import worker as worker_sql
 
-__all__ = ["ChildFailed", "invoke", "gather", "after_settle", "CHILD_EVENT_PREFIX", "MAX_CHILDREN"]
+__all__ = ["ChildFailed", "invoke", "gather", "after_settle", "publish_woken", "Member", "await_members", "Route",
+           "CHILD_EVENT_PREFIX", "MAX_CHILDREN", "MEMBER_BATCH"]
 
 log = logging.getLogger("motir_celery.core.worker.invoke")
 
@@ -88,6 +93,15 @@ class ChildFailed(NonRetriableError):
         self.results: list[Any] = []
         super().__init__(f"child run {run_id} ({job_id}) of step {step_id!r} {state}: "
                          f"{self.error.get('type', '')}: {self.error.get('message', '')}")
+
+    def __motir_error__(self) -> dict[str, Any]:
+        """What the parent's failure stores besides its type and message (failures.storable_error):
+        which child failed (``child``) and the run whose own failure it was (``origin``: the child,
+        or the run the child's failure came from) — what ``resume_dlq`` resumes."""
+        return {"type": f"{type(self).__module__}.{type(self).__qualname__}", "message": str(self),
+                "child": {"run_id": None if self.run_id is None else str(self.run_id), "job_id": self.job_id,
+                          "step": self.step_id, "state": self.state},
+                "origin": str(self.error.get("origin") or self.run_id or "") or None}
 
 
 def invoke(step: Any, step_id: str, job: Job | str, data: Any, *,
@@ -196,6 +210,120 @@ def _await(step: Any, key: str, children: Sequence[tuple[str, Job | str, Any]],
     return step.record(key, json.dumps(outcomes, separators=(",", ":")), 0.0)  # type: ignore[no-any-return]
 
 
+# --- members of a canvas (core/worker/canvas.py) ----------------------------------------
+
+
+@dataclass(frozen=True)
+class Member:
+    """One run a canvas step starts: its key (its ``parent_step_id``), its job and event data,
+    its id (chosen by the canvas: ``member_id``), and how it starts (signature options)."""
+
+    key: str
+    job: Job
+    #: The run's event data: ``{"args": [...], "kwargs": {...}}`` for a direct job.
+    data: Any
+    run_id: uuid.UUID
+    delay: float | None = None
+    eta: datetime | None = None
+    priority: int | None = None
+    queue: str | None = None
+
+
+#: Members started per statement (each batch its own fenced transaction): a group of 10,000
+#: is ten statements, and the memory of one batch's parameters, not of the whole group.
+MEMBER_BATCH = 1000
+
+#: route(publish, queue, priority) -> the Publish for a member with its own queue= / priority=.
+Route = Callable[[Publish, "str | None", "int | None"], Publish]
+
+
+def await_members(step: Any, key: str, members: Sequence[Member], *, route: Route | None = None) -> list[dict[str, Any]]:
+    """One canvas step: start ``members`` (once per (canvas run, member key), batched), give the
+    worker back until every one has settled, then their outcomes in order — ``{"ok": result}``
+    for a success (compact: a chord of 10,000 stores 10,000 results, not 10,000 records), the
+    ``_outcome`` of a failure — memoized as the step's record."""
+    if key in step._memo:
+        return step._memo[key]  # type: ignore[no-any-return]
+    claim = step._claim
+    started = f"{key}.started"  # a marker: every batch of a large step is committed (skip the INSERTs)
+    if started not in step._memo:
+        step._still_held(key)
+        for i in range(0, len(members), MEMBER_BATCH):
+            batch = members[i:i + MEMBER_BATCH]
+            rows = [_member_row(claim, m) for m in batch]
+            with step._transaction() as tx:
+                held, created = worker_sql.start_members(
+                    tx, claim, rows, traceparent=current_traceparent() or claim.traceparent,
+                    republish_after=step._republish_after)
+                reason = "" if held else worker_sql.why_fenced(tx, claim)
+            if not held:
+                step._refused(key, reason)
+            _publish_members(step._publish, batch, created, route, step._republish_after)
+        if len(members) > MEMBER_BATCH:
+            step.record(started, "true", 0.0)
+    run_at, reason, kids = None, "", {}
+    with step._transaction() as tx:
+        # The trigger's lock: every member settle committed so far is visible below, and a
+        # later one sees this suspension and wakes it.
+        worker_sql.lock_parent(tx, claim.run_id)
+        if worker_sql.members_waiting(tx, claim.run_id):
+            run_at = worker_sql.suspend(tx, claim, outcome="suspended", delay=_FOREVER,
+                                        wait=(worker_sql.CHILD_WAIT, [], None),
+                                        republish_after=step._republish_after)
+            reason = "" if run_at is not None else worker_sql.why_fenced(tx, claim)
+        else:
+            kids = worker_sql.step_members(tx, claim.run_id, key)
+    if reason:
+        step._refused(key, reason)
+    if run_at is not None:
+        raise Suspended(run_at)  # committed: the canvas run waits in the queue, not in this process
+    outcomes = [_member_outcome(m.key, kids.get(m.key)) for m in members]
+    return step.record(key, json.dumps(outcomes, separators=(",", ":"), ensure_ascii=False),  # type: ignore[no-any-return]
+                       0.0)
+
+
+def _member_row(claim: records.Claim, m: Member) -> tuple[str, str, str, str, RunSpec, uuid.UUID, float | None,
+                                                          datetime | None]:
+    try:
+        encoded = json.dumps(m.data, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise PayloadError(f"arguments of member {m.key!r} ({m.job.id}) are not JSON: {exc}") from None
+    if "\\u0000" in encoded:
+        raise PayloadError(f"arguments of member {m.key!r} ({m.job.id}) contain a NUL character")
+    return (m.key, f"{CHILD_EVENT_PREFIX}{m.job.id}", encoded, f"motir.invoke:{claim.run_id}:{m.key}",
+            m.job.spec(m.data, claim.workspace_id, m.priority), m.run_id, m.delay, m.eta)
+
+
+def _publish_members(publish: Publish | None, batch: Sequence[Member], created: Sequence[tuple[uuid.UUID, str, float]],
+                     route: Route | None, republish_after: float) -> None:
+    """After the commit that created them: each new member's message (its own queue= /
+    priority= through ``route``; a countdown as the database computed it). A member due
+    later than republish_after gets none now: the sweeper publishes it once due."""
+    if publish is None:
+        return
+    by_id = {m.run_id: m for m in batch}
+    for run_id, job_id, due_in in created:
+        if due_in > republish_after:
+            continue
+        m = by_id.get(run_id)
+        target = publish
+        if m is not None and route is not None and (m.queue is not None or m.priority is not None):
+            target = route(publish, m.queue, m.priority)
+        if not publish_or_log(target, run_id, job_id, due_in):
+            return  # the broker is away: the sweeper publishes the rest
+
+
+def _member_outcome(key: str, kid: dict[str, Any] | None) -> dict[str, Any]:
+    if kid is not None and kid["state"] == "succeeded":
+        return {"ok": kid["result"]}
+    if kid is None:  # refused at its INSERT: a singleton key held, or its task_id another run's
+        return {"step": key, "state": "not_started",
+                "error": {"type": "ChildNotStarted",
+                          "message": "the member run was not created (its singleton key was held by an active "
+                                     "run, or its task_id is another run's id)"}}
+    return _outcome(key, kid, False, None)
+
+
 def _outcome(key: str, kid: dict[str, Any] | None, timed_out: bool, timeout: Any) -> dict[str, Any]:
     if kid is None:  # refused at its INSERT: its job's singleton key was taken by an active run
         return {"step": key, "state": "not_started",
@@ -219,9 +347,31 @@ def after_settle(conn: Connection, claim: records.Claim, state: str, publish: Pu
     One string test for every other run."""
     if publish is None or state not in ("succeeded", "failed") or not claim.event_name.startswith(CHILD_EVENT_PREFIX):
         return
+    publish_woken(conn, [claim.run_id], publish)
+
+
+def publish_woken(conn: Connection, settled: Sequence[uuid.UUID], publish: Publish | None) -> int:
+    """After the commit that settled ``settled`` (a worker's settle, the sweeper's reclaim, a
+    cancel): publish the parents those settles woke, each claimed first (``claim_wakes``) so
+    that of several callers one publishes. Never raises: the settle is committed, and a parent
+    not published here is published by the sweeper. Returns how many were published."""
+    if publish is None or not settled:
+        return 0
     try:
-        parent = worker_sql.woken_parent(conn, claim.run_id)
-        if parent is not None:
-            publish_or_log(publish, parent[0], parent[1])
+        if conn.get_isolation_level() == "AUTOCOMMIT":
+            woken = worker_sql.claim_wakes(conn, settled)  # one statement, committed
+        else:
+            # The settle must be committed before its parent is published: a caller inside a
+            # transaction has not committed it yet (a programming error; the sweeper covers it).
+            if conn.in_transaction():
+                log.error("publish_woken called inside a transaction; the sweeper publishes the parents")
+                return 0
+            with conn.begin():
+                woken = worker_sql.claim_wakes(conn, settled)
     except Exception:  # noqa: BLE001 — the settle is committed; the sweeper publishes the parent
-        log.warning("run %s: could not publish its woken parent; the sweeper will", claim.run_id, exc_info=True)
+        log.warning("could not publish the parents woken by %d settled run(s); the sweeper will", len(settled),
+                    exc_info=True)
+        return 0
+    for run_id, job_id in woken:
+        publish_or_log(publish, run_id, job_id)
+    return len(woken)

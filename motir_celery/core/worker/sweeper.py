@@ -5,7 +5,8 @@ Each sweep, in one transaction per half:
 1. **Expired leases** — a worker died, hung or was partitioned. Its run goes
    back to ``queued`` (the attempt was charged at claim, so a run that keeps
    killing its worker spends its attempts) or, with none left, to ``failed``
-   with its DLQ row.
+   with its DLQ row — and a parent that failure woke (the trigger) is published
+   in the same pass (``invoke.publish_woken``), not a republish period later.
 2. **Lost messages** — a due ``queued`` run whose last message is older than
    ``republish_after`` (broker restarted without persistence, or a crash
    between commit and publish) is published again, oldest first, in bounded
@@ -32,6 +33,7 @@ import uuid
 from dataclasses import dataclass
 
 from motir_celery.core.publish import Publish, publish_or_log
+from motir_celery.core.worker.invoke import publish_woken
 from motir_celery.settings import Settings, get_settings
 from motir_celery.store import schema
 from motir_celery.store.db import get_engine
@@ -89,6 +91,10 @@ def sweep(publish: Publish | None, *, settings: Settings | None = None, batch: i
         if len(stale) < batch:
             break
     requeued = [(run_id, job_id) for run_id, job_id, state in reclaimed if state == "queued"]
+    failed = [run_id for run_id, _, state in reclaimed if state == "failed"]
+    if failed and publish is not None:
+        with engine.connect() as conn:  # a failed child may have woken its parent: send it now
+            publish_woken(conn, failed, publish)
     if publish is not None:
         pending = requeued + lost
         for i, (run_id, job_id) in enumerate(pending):

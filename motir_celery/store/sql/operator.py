@@ -50,7 +50,7 @@ REPLAY_STAMP = Statement(
       AND replayed_at IS NULL      -- a second replay (concurrent or later) stamps nothing
       AND dismissed_at IS NULL     -- a dismissed entry is closed
       AND resumed_at IS NULL       -- so is a resumed one (its run was queued again)
-    RETURNING function_id, event_name, event_data, workspace_id, idempotency_key
+    RETURNING function_id, event_name, event_data, workspace_id, idempotency_key, run_id
     """,
 )
 
@@ -167,6 +167,100 @@ def resume(conn: Connection, dlq_id: uuid.UUID, actor: str) -> dict[str, Any]:
     row = first(conn, RESUME, {"id": dlq_id, "actor": actor})
     assert row is not None
     return row
+
+
+ENTRY_RUN = Statement(
+    "entry_run",
+    "A DLQ entry's run and whether the entry is open (resume reads it before planning what to resume).",
+    """
+    SELECT d.run_id, d.function_id,
+           d.resumed_at IS NULL AND d.replayed_at IS NULL AND d.dismissed_at IS NULL AS open
+    FROM job_run_dlq d WHERE d.id = %(id)s
+    """,
+)
+
+
+def entry_run(conn: Connection, dlq_id: uuid.UUID) -> dict[str, Any] | None:
+    return first(conn, ENTRY_RUN, {"id": dlq_id})
+
+
+RUN_FAILURE = Statement(
+    "run_failure",
+    "A run's state, parent and step, and the DLQ entry that holds it now (open or answered), with its failure.",
+    """
+    SELECT q.id AS run_id, q.job_id, q.state, q.parent_run_id, q.parent_step_id,
+           d.id AS dlq_id, d.failure,
+           d.id IS NOT NULL AND d.replayed_at IS NULL AND d.dismissed_at IS NULL AND d.resumed_at IS NULL AS open,
+           d.replayed_at IS NOT NULL AS replayed, d.dismissed_at IS NOT NULL AS dismissed
+    FROM job_queue q
+    LEFT JOIN job_run_dlq d ON d.run_id = q.id     -- uq (run_id): a resumed entry moved to resumed_run_id
+    WHERE q.id = %(id)s
+    """,
+)
+
+
+def run_failure(conn: Connection, run_id: uuid.UUID) -> dict[str, Any] | None:
+    return first(conn, RUN_FAILURE, {"id": run_id})
+
+
+STEP_CHILDREN = Statement(
+    "step_children",
+    "The children one step of a parent started (invoke, gather, a canvas link): state and the DLQ entry each holds.",
+    """
+    SELECT c.id AS run_id, c.job_id, c.state, c.parent_step_id,
+           d.id AS dlq_id,
+           d.id IS NOT NULL AND d.replayed_at IS NULL AND d.dismissed_at IS NULL AND d.resumed_at IS NULL AS open,
+           d.replayed_at IS NOT NULL AS replayed, d.dismissed_at IS NOT NULL AS dismissed
+    FROM job_queue c
+    LEFT JOIN job_run_dlq d ON d.run_id = c.id
+    WHERE c.parent_run_id = %(run_id)s                   -- uq_job_queue_parent_run_id_parent_step_id
+      AND (c.parent_step_id = %(step)s OR starts_with(c.parent_step_id, %(step)s || '['))   -- step, step[i]
+    """,
+)
+
+
+def step_children(conn: Connection, run_id: uuid.UUID, step: str) -> list[dict[str, Any]]:
+    return rows(conn, STEP_CHILDREN, {"run_id": run_id, "step": step})
+
+
+SUPERSEDE_STEP = Statement(
+    "supersede_step",
+    "Resume of a parent: its failed composition step's record (and its wait window) kept under a new name, so it awaits its child again.",
+    """
+    UPDATE job_step SET step_id = step_id || ':resumed:' || %(tag)s   -- ':' is reserved: no step id takes it
+    WHERE run_id = %(run_id)s
+      AND step_id IN (%(step)s, %(step)s || ':invoke')   -- the step's record, and a timeout's window of it
+    RETURNING step_id
+    """,
+)
+
+
+def supersede_step(conn: Connection, run_id: uuid.UUID, step: str, tag: str) -> int:
+    return len(rows(conn, SUPERSEDE_STEP, {"run_id": run_id, "step": step, "tag": tag}))
+
+
+COPY_COMPLETED_LINKS = Statement(
+    "copy_completed_links",
+    "Replay of a canvas: the links its failed run completed, stored on the replay's run (they do not run again).",
+    """
+    INSERT INTO job_step (run_id, step_id, workspace_id, output, attempt, started_at, completed_at)
+    SELECT %(new)s, s.step_id, s.workspace_id, s.output,
+           0,                                             -- stored by no attempt of this run: copied
+           s.started_at, s.completed_at
+    FROM job_step s
+    WHERE s.run_id = %(old)s
+      AND position(':' in s.step_id) = 0                  -- not a superseded record, not a wait's window
+      AND jsonb_typeof(s.output) = 'array' AND jsonb_array_length(s.output) > 0   -- a link's outcomes...
+      AND NOT EXISTS (SELECT 1 FROM jsonb_array_elements(s.output) o              -- ...every one a success
+                      WHERE NOT (jsonb_typeof(o) = 'object' AND o ? 'ok'))
+    ON CONFLICT DO NOTHING                                -- (run_id, step_id): once
+    RETURNING step_id
+    """,
+)
+
+
+def copy_completed_links(conn: Connection, old: uuid.UUID, new: uuid.UUID) -> int:
+    return len(rows(conn, COPY_COMPLETED_LINKS, {"old": old, "new": new}))
 
 
 # --- bulk -------------------------------------------------------------------------------

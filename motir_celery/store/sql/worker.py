@@ -460,21 +460,143 @@ def cancel_children(conn: Connection, run_id: uuid.UUID, steps: Sequence[str]) -
     return [r["run_id"] for r in rows(conn, CANCEL_CHILDREN, {"run_id": run_id, "steps": list(steps)})]
 
 
-WAKE_PARENT = Statement(
-    "woken_parent",
-    "The parent a child's settle just made due (the trigger did it, in the settle's transaction): publish it.",
+CLAIM_WAKES = Statement(
+    "claim_wakes",
+    "The parents these runs' settles made due, not yet handed to the broker: marked sent, to publish after commit.",
     """
-    SELECT p.id AS run_id, p.job_id FROM job_queue c JOIN job_queue p ON p.id = c.parent_run_id
-    WHERE c.id = %(run_id)s
+    UPDATE job_queue p SET dispatched_at = now()     -- this caller publishes it; the sweeper need not
+    FROM job_queue c
+    WHERE c.id = ANY(CAST(%(run_ids)s AS uuid[]))    -- the children that settled (primary key)
+      AND p.id = c.parent_run_id
       AND p.state = 'queued' AND p.wait_event = 'motir.children'   -- suspended for its children
-      AND p.run_at <= now()                                         -- and due: the last child settled
+      AND p.run_at <= now()                                         -- and due: its last child settled
+      -- woken and not yet published: the trigger leaves dispatched_at at or before run_at
+      -- ('-infinity' since 0011, now() before); the first caller to get here stamps it
+      -- later than run_at, so of a settling worker, a sweeper and a cancel one publishes
+      AND p.dispatched_at <= p.run_at
+    RETURNING p.id AS run_id, p.job_id
     """,
 )
 
 
-def woken_parent(conn: Connection, run_id: uuid.UUID) -> tuple[uuid.UUID, str] | None:
-    row = first(conn, WAKE_PARENT, {"run_id": run_id})
-    return None if row is None else (row["run_id"], row["job_id"])
+def claim_wakes(conn: Connection, run_ids: Sequence[uuid.UUID]) -> list[tuple[uuid.UUID, str]]:
+    """The parents the settles of ``run_ids`` woke, claimed for publishing (publish them after commit)."""
+    if not run_ids:
+        return []
+    return [(r["run_id"], r["job_id"]) for r in rows(conn, CLAIM_WAKES, {"run_ids": list(run_ids)})]
+
+
+# --- canvas members (core/worker/canvas.py) -------------------------------------------
+
+START_MEMBERS = Statement(
+    "start_members",
+    "Start one batch of a canvas's member runs (each once per (parent, step); id, delay and priority given), fenced.",
+    """
+    WITH parent AS (
+      SELECT id, workspace_id FROM job_queue
+      WHERE id = %(run_id)s
+        AND claim_token = %(token)s            -- fence: only the canvas run's current holder starts members
+        AND state = 'running'
+      FOR SHARE                                -- a concurrent cancel of the canvas waits, then cancels them
+    ), spec AS (
+      SELECT * FROM unnest(CAST(%(steps)s AS text[]), CAST(%(names)s AS text[]), CAST(%(datas)s AS jsonb[]),
+                           CAST(%(keys)s AS text[]), CAST(%(job_ids)s AS text[]), CAST(%(max_attempts)s AS int[]),
+                           CAST(%(policies)s AS text[]), CAST(%(priorities)s AS smallint[]),
+                           CAST(%(singletons)s AS text[]), CAST(%(concurrency)s AS text[]),
+                           CAST(%(cancel_keys)s AS text[]), CAST(%(ids)s AS uuid[]), CAST(%(delays)s AS float8[]),
+                           CAST(%(etas)s AS timestamptz[]))
+             AS s(step_id, name, data, key, job_id, max_attempts, retry_policy, priority, singleton_key,
+                  concurrency_key, cancel_key, id, delay, eta)
+    ), e AS (
+      INSERT INTO job_event (name, data, workspace_id, idempotency_key)
+      SELECT s.name, s.data, p.workspace_id, s.key        -- a member carries the canvas run's workspace
+      FROM parent p, spec s
+      -- the key is derived from (canvas run, step): a canvas run that reaches this step again
+      -- (retry, crash, redelivery, resume) writes no second event
+      ON CONFLICT DO NOTHING
+      RETURNING id, name, workspace_id, idempotency_key
+    ), due AS (
+      -- countdown= is a duration on the database's clock, eta= an absolute instant: never this process's clock
+      SELECT s.*, coalesce(s.eta, now() + make_interval(secs => coalesce(s.delay, 0))) AS run_at FROM spec s
+    ), runs AS (
+      INSERT INTO job_queue (id, event_id, job_id, event_name, workspace_id, max_attempts, retry_policy, priority,
+                             singleton_key, concurrency_key, cancel_key, traceparent, parent_run_id, parent_step_id,
+                             run_at, dispatched_at)
+      SELECT d.id, e.id, d.job_id, e.name, e.workspace_id, d.max_attempts, d.retry_policy, d.priority,
+             d.singleton_key, d.concurrency_key, d.cancel_key, %(traceparent)s, p.id, d.step_id, d.run_at,
+             -- due later than republish_after: no message now, the sweeper publishes it once due
+             greatest(now(), d.run_at - make_interval(secs => %(after)s))
+      FROM e JOIN due d ON d.key = e.idempotency_key, parent p
+      -- No conflict target: UNIQUE (parent_run_id, parent_step_id) is the arbiter of one member per
+      -- (canvas run, step); the id (derived from them, or the signature's task_id) and the singleton
+      -- index refuse as for any run.
+      ON CONFLICT DO NOTHING
+      RETURNING id, job_id, run_at
+    )
+    SELECT id AS run_id, job_id, greatest(extract(epoch FROM run_at - now()), 0) AS due_in,
+           (SELECT count(*) FROM parent) AS held FROM runs
+    UNION ALL SELECT NULL, NULL, NULL, (SELECT count(*) FROM parent)    -- always one row: is the run still ours?
+    """,
+)
+
+
+def start_members(conn: Connection, claim_: Claim, members: Sequence[tuple[str, str, str, str, RunSpec,
+                                                                          uuid.UUID, float | None, datetime | None]],
+                  *, traceparent: str | None, republish_after: float) -> tuple[bool, list[tuple[uuid.UUID, str, float]]]:
+    """``members``: (step key, event name, data as JSON, idempotency key, spec, run id, delay, eta).
+    Returns (canvas run still held, [(run_id, job_id, due in seconds) created now]) — publish after commit."""
+    params = {
+        "run_id": claim_.run_id, "token": claim_.token, "traceparent": traceparent, "after": republish_after,
+        "steps": [m[0] for m in members], "names": [m[1] for m in members], "datas": [m[2] for m in members],
+        "keys": [m[3] for m in members], "job_ids": [m[4].job_id for m in members],
+        "max_attempts": [m[4].max_attempts for m in members], "policies": [m[4].policy for m in members],
+        "priorities": [m[4].priority for m in members], "singletons": [m[4].singleton_key for m in members],
+        "concurrency": [m[4].concurrency_key for m in members], "cancel_keys": [m[4].cancel_key for m in members],
+        "ids": [m[5] for m in members], "delays": [m[6] for m in members], "etas": [m[7] for m in members],
+    }
+    found = rows(conn, START_MEMBERS, params)
+    held = bool(found and found[-1]["held"])
+    return held, [(r["run_id"], r["job_id"], float(r["due_in"] or 0.0)) for r in found if r["run_id"] is not None]
+
+
+MEMBERS_WAITING = Statement(
+    "members_waiting",
+    "Whether any member of a canvas run is unfinished (taken under lock_parent, before it suspends).",
+    """
+    SELECT EXISTS (
+      SELECT 1 FROM job_queue c
+      WHERE c.parent_run_id = %(run_id)s                -- ix_job_queue_unfinished_children (0011)
+        -- any step's: a canvas run awaits one step at a time and every member it starts, so an
+        -- unfinished member is one of the current step's
+        AND c.state IN ('queued', 'running')
+    ) AS waiting
+    """,
+)
+
+
+def members_waiting(conn: Connection, run_id: uuid.UUID) -> bool:
+    row = first(conn, MEMBERS_WAITING, {"run_id": run_id})
+    return bool(row and row["waiting"])
+
+
+STEP_MEMBERS = Statement(
+    "step_members",
+    "The members one step of a canvas run started (the step itself, or its [i] members): state, result, last error.",
+    """
+    SELECT c.parent_step_id AS step_id, c.id AS run_id, c.job_id, c.state, c.result,
+           CASE WHEN c.state <> 'succeeded' THEN          -- a success needs no error: one lookup per failure only
+             (SELECT r.error FROM job_run r WHERE r.run_id = c.id   -- its ledger (ix_job_run_ledger)
+              ORDER BY r.started_at DESC LIMIT 1) END AS error
+    FROM job_queue c
+    WHERE c.parent_run_id = %(run_id)s                   -- uq_job_queue_parent_run_id_parent_step_id
+      AND (c.parent_step_id = %(step)s                   -- the step's one member
+           OR starts_with(c.parent_step_id, %(step)s || '['))   -- or its group's members, step[0], step[1]...
+    """,
+)
+
+
+def step_members(conn: Connection, run_id: uuid.UUID, step: str) -> dict[str, dict[str, Any]]:
+    return {r["step_id"]: r for r in rows(conn, STEP_MEMBERS, {"run_id": run_id, "step": step})}
 
 
 # --- settle ---------------------------------------------------------------------
