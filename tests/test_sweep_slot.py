@@ -111,7 +111,8 @@ def test_two_worker_processes_take_the_slot_in_turn_and_never_twice_in_one_perio
             " CREATE OR REPLACE FUNCTION test.log_sweep() RETURNS trigger LANGUAGE plpgsql AS"
             " $$ BEGIN INSERT INTO test.sweeps VALUES (NEW.swept_at, NEW.swept_by); RETURN NEW; END $$;"
             " CREATE OR REPLACE TRIGGER log_sweep AFTER UPDATE ON job_sweep"
-            " FOR EACH ROW EXECUTE FUNCTION test.log_sweep();"
+            " FOR EACH ROW WHEN (NEW.name = 'fleet')"  # the slot's row ('stats' is the rollup's watermark)
+            " EXECUTE FUNCTION test.log_sweep();"
             " GRANT USAGE ON SCHEMA test TO motir_engine; GRANT INSERT ON test.sweeps TO motir_engine"))
     try:
         with celery_worker(tmp_path, broker=broker_url, name="a", sweep_interval=1.0), \

@@ -12,7 +12,9 @@ interrupted purge has deleted whole batches only — run it again to go on):
    by age has no index to use). A run whose DLQ entry is still
    open is **kept**, with its attempts and errors: they are what the operator
    deciding about the entry needs to read. Queued and running runs are never
-   touched, however old.
+   touched, however old. The same statement first adds the runs it deletes to the stats
+   rollup (``job_stats_rollup``) unless the sweep's fold counted them already: the counts
+   outlive the rows, each run counted once (core/worker/rollup.py).
 2. **Closed DLQ entries** — replayed or dismissed before the cutoff. An open
    entry (neither replayed nor dismissed) is never deleted, whatever its age.
 3. **Events no run needs** that step 1 did not take — received before the
@@ -45,6 +47,7 @@ from sqlalchemy.exc import IntegrityError
 
 from motir_celery.ops.timefmt import MAX_DURATION
 from motir_celery.settings import Settings, get_settings
+from motir_celery.store import schema
 from motir_celery.store.db import get_engine
 from motir_celery.store.sql import maintenance
 
@@ -68,6 +71,8 @@ class PurgeReport:
     batches: int = 0
     #: Finished runs past the cutoff kept because their DLQ entry is still open.
     kept_for_open_dlq: int = 0
+    #: Runs deleted that the sweep had not folded into the stats rollup yet: folded by the delete.
+    folded: int = 0
     notes: list[str] = field(default_factory=list)
 
 
@@ -128,12 +133,16 @@ def purge(
             if n < batch_size:
                 return
 
+    with engine.connect() as conn:
+        fold = schema.features(conn).flow_control  # before 0012 there is no rollup to fold into
+
     def runs(conn: Connection) -> int:
-        row = maintenance.purge_runs(conn, age=age, batch=batch_size)
+        row = maintenance.purge_runs(conn, age=age, batch=batch_size, fold=fold)
         report.runs += row["runs"]
         report.steps += row["steps"]
         report.attempts += row["attempts"]
         report.events += row["events"]
+        report.folded += row["folded"]
         return row["runs"]
 
     def dlq(conn: Connection) -> int:
@@ -142,7 +151,7 @@ def purge(
         return n
 
     def events(conn: Connection) -> int:
-        n = maintenance.purge_events(conn, age=age, batch=batch_size)
+        n = maintenance.purge_events(conn, age=age, batch=batch_size, batches=fold)
         report.events += n
         return n
 

@@ -13,6 +13,8 @@ Each sweep, in one transaction per half:
    batches. Each re-publish stamps ``dispatched_at``, so a deep but healthy
    backlog is re-sent at most once per ``republish_after``; the duplicates a
    re-publish may create are harmless, because the claim admits one.
+3. **The stats rollup** — runs finished since the last fold are added to
+   ``job_stats_rollup`` (``rollup.py``), in set-based batches, in the fleet's slot.
 
 Any number of sweepers may run: ``FOR UPDATE SKIP LOCKED`` splits the rows.
 Workers run one in a background thread (``MOTIR_SWEEP_INTERVAL``; see
@@ -33,6 +35,7 @@ import uuid
 from dataclasses import dataclass
 
 from motir_celery.core.publish import Publish, publish_or_log
+from motir_celery.core.worker import rollup
 from motir_celery.core.worker.invoke import publish_woken
 from motir_celery.settings import Settings, get_settings
 from motir_celery.store import schema
@@ -59,6 +62,8 @@ class SweepReport:
     republished: int = 0
     #: False: another sweeper took this period (``once_per_period``); nothing was done.
     swept: bool = True
+    #: Finished runs folded into the stats rollup (rollup.py) by this sweep.
+    folded: int = 0
 
 
 def sweep(publish: Publish | None, *, settings: Settings | None = None, batch: int = 500,
@@ -103,7 +108,12 @@ def sweep(publish: Publish | None, *, settings: Settings | None = None, batch: i
                 # run. Every row was stamped, so the next re-publish pass takes them.
                 log.warning("sweep: broker unavailable; %d runs left for the next pass", len(pending) - i)
                 break
-    report = SweepReport(len(requeued), len(reclaimed) - len(requeued), len(lost))
+    try:  # third, once nothing is lost: the period's fold of finished runs into the stats rollup
+        folded = rollup.fold(engine, batches=batches)
+    except Exception:  # noqa: BLE001 — the next period folds them (nothing is marked until counted)
+        log.warning("sweep: the stats rollup's fold failed; the next sweep folds those runs", exc_info=True)
+        folded = 0
+    report = SweepReport(len(requeued), len(reclaimed) - len(requeued), len(lost), folded=folded)
     if reclaimed or lost:
         log.info("sweep: %s", report)
     return report

@@ -1,4 +1,4 @@
-"""Maintenance: the sweeper's statements (expired leases, lost messages, the fleet's sweep slot) and retention's.
+"""Maintenance: the sweeper's statements (expired leases, lost messages, the fleet's sweep slot, the stats rollup's fold) and retention's.
 
 What makes "nothing is lost" true when processes and brokers fail (core/worker/sweeper.py),
 and what ``motir purge`` deletes (ops/purge.py). Any number of sweepers or purges may run:
@@ -12,6 +12,7 @@ import uuid
 from sqlalchemy import Connection
 
 from motir_celery.store.driver import Statement, first, rows
+from motir_celery.store.records import DURATION_BOUNDS_MS
 from motir_celery.store.sql.worker import DLQ_ROW
 
 AUDIENCE = "maintenance"
@@ -101,6 +102,127 @@ def take_sweep_slot(conn: Connection, *, worker: str, period_seconds: float) -> 
     return first(conn, TAKE_SWEEP_SLOT, {"worker": worker, "period": period_seconds}) is not None
 
 
+# --- the stats rollup (core/worker/rollup.py) -------------------------------------------------
+#
+# A fold adds a set of finished runs to job_stats_rollup: one row per (job, workspace, 5-minute
+# bucket of finished_at) for the insights' windows, one per (job, workspace) with bucket NULL for
+# all time. ``_FOLD`` is the shared part: it reads a CTE ``finished`` (id, job_id, workspace_id,
+# state, attempts, finished_at) — the runs the sweep's fold just marked, or those purge is about
+# to delete — and upserts their sums. Rows are upserted in key order, so two folds at once (the
+# sweep's and a purge's) wait for each other, never in a cycle. A run's duration (succeeded runs
+# only) is its first attempt's start to its finish; it also lands in one histogram bucket
+# (width_bucket over DURATION_BOUNDS_MS: bucket i holds [bound i-1, bound i), the last all longer).
+
+#: Days a bucket is kept: "the last week" and a day to spare. The totals are kept for ever.
+DETAIL_DAYS = 8
+_BOUNDS = "ARRAY[" + ", ".join(str(int(b)) if b == int(b) else str(b) for b in DURATION_BOUNDS_MS) + "]::float8[]"
+
+_FOLD = f"""
+    facts AS (
+      SELECT f.job_id, f.workspace_id, f.state, f.attempts,
+             date_bin('5 minutes', f.finished_at, TIMESTAMPTZ '2000-01-01 00:00:00+00') AS bucket,
+             CASE WHEN f.state = 'succeeded' THEN
+               CAST(1000 * extract(epoch FROM f.finished_at - (SELECT min(r.started_at) FROM job_run r
+                                                               WHERE r.run_id = f.id)) AS float8)   -- ix_job_run_ledger
+             END AS ms
+      FROM finished f
+    ), keyed AS (
+      SELECT job_id, workspace_id, bucket, state, attempts, ms FROM facts
+      WHERE bucket >= now() - make_interval(days => {DETAIL_DAYS})     -- a run finished long ago: the totals only
+      UNION ALL
+      SELECT job_id, workspace_id, NULL, state, attempts, ms FROM facts   -- every run: the all-time totals
+    ), grouped AS (
+      SELECT job_id, workspace_id, bucket,
+             count(*) FILTER (WHERE state = 'succeeded') AS succeeded,
+             count(*) FILTER (WHERE state = 'failed') AS failed,
+             count(*) FILTER (WHERE state = 'cancelled') AS cancelled,
+             count(*) FILTER (WHERE attempts > 1) AS retried,
+             coalesce(sum(attempts), 0) AS attempts,
+             coalesce(sum(ms), 0) AS sum_ms, count(ms) AS samples,
+             coalesce(array_agg(width_bucket(ms, {_BOUNDS})) FILTER (WHERE ms IS NOT NULL), '{{}}') AS slots
+      FROM keyed GROUP BY job_id, workspace_id, bucket
+    ), upserted AS (
+      INSERT INTO job_stats_rollup AS t (job_id, workspace_id, bucket, succeeded_count, failed_count,
+                                         cancelled_count, retried_count, attempts_count, sum_duration_ms,
+                                         duration_samples, duration_buckets)
+      SELECT g.job_id, g.workspace_id, g.bucket, g.succeeded, g.failed, g.cancelled, g.retried, g.attempts,
+             g.sum_ms, g.samples,
+             ARRAY(SELECT count(*) FILTER (WHERE s = i) FROM generate_series(0, {len(DURATION_BOUNDS_MS)}) AS i
+                   LEFT JOIN unnest(g.slots) AS s ON true GROUP BY i ORDER BY i)
+      FROM grouped g
+      ORDER BY g.job_id, g.workspace_id, g.bucket NULLS FIRST       -- one lock order for every fold
+      -- uq_job_stats_rollup (NULLS NOT DISTINCT: system runs, and the totals' NULL bucket)
+      ON CONFLICT (job_id, workspace_id, bucket) DO UPDATE
+      SET succeeded_count = t.succeeded_count + excluded.succeeded_count,
+          failed_count = t.failed_count + excluded.failed_count,
+          cancelled_count = t.cancelled_count + excluded.cancelled_count,
+          retried_count = t.retried_count + excluded.retried_count,
+          attempts_count = t.attempts_count + excluded.attempts_count,
+          sum_duration_ms = t.sum_duration_ms + excluded.sum_duration_ms,
+          duration_samples = t.duration_samples + excluded.duration_samples,
+          duration_buckets = ARRAY(SELECT coalesce(a, 0) + coalesce(b, 0)
+                                   FROM unnest(t.duration_buckets, excluded.duration_buckets) AS u(a, b)),
+          updated_at = now()
+      RETURNING 1
+    )"""
+
+FOLD_FINISHED = Statement(
+    "fold_finished",
+    "The stats rollup: fold a batch of finished runs not counted yet, from the watermark, and move the watermark.",
+    f"""
+    WITH mark AS (SELECT swept_at AS since FROM job_sweep WHERE name = 'stats'),
+    batch AS (
+      SELECT q.id FROM job_queue q, mark
+      -- from the watermark, less a margin: finished_at is its transaction's start, and a run whose
+      -- settle committed after a later one was folded is still found (ix_job_queue_finished)
+      WHERE q.finished_at >= mark.since - make_interval(secs => %(margin)s)
+        AND q.state IN ('succeeded', 'failed', 'cancelled')     -- finished (a resumed run is queued again)
+        AND q.folded_at IS DISTINCT FROM q.finished_at          -- not counted yet (this finish)
+      ORDER BY q.finished_at
+      LIMIT %(batch)s
+      FOR UPDATE OF q SKIP LOCKED                               -- a purge deleting it folds it itself
+    ), finished AS (
+      UPDATE job_queue q SET folded_at = q.finished_at          -- counted: by this statement's upsert
+      FROM batch WHERE q.id = batch.id
+      RETURNING q.id, q.job_id, q.workspace_id, q.state, q.attempts, q.finished_at
+    ),{_FOLD}, moved AS (
+      UPDATE job_sweep
+      -- a short batch took everything due: up to now; a full one up to its last finish
+      SET swept_at = greatest(swept_at, CASE WHEN (SELECT count(*) FROM finished) < %(batch)s THEN now()
+                                             ELSE (SELECT max(finished_at) FROM finished) END)
+      WHERE name = 'stats'
+      RETURNING swept_at
+    )
+    SELECT (SELECT count(*) FROM finished) AS folded, (SELECT count(*) FROM moved) AS marked
+    """,
+)
+
+
+def fold_finished(conn: Connection, *, batch: int, margin_seconds: float) -> int:
+    """Fold one batch of finished runs into the rollup; how many (fewer than ``batch``: caught up)."""
+    row = first(conn, FOLD_FINISHED, {"batch": batch, "margin": margin_seconds})
+    assert row is not None
+    return int(row["folded"])
+
+
+PRUNE_ROLLUP = Statement(
+    "prune_rollup",
+    "The stats rollup: delete a batch of buckets older than the insights' longest window (the totals stay).",
+    f"""
+    DELETE FROM job_stats_rollup WHERE id IN (
+      SELECT id FROM job_stats_rollup
+      WHERE bucket < now() - make_interval(days => {DETAIL_DAYS})   -- ix_job_stats_rollup_bucket; NULL (totals) never
+      LIMIT %(batch)s
+    )
+    RETURNING 1 AS pruned
+    """,
+)
+
+
+def prune_rollup(conn: Connection, *, batch: int) -> int:
+    return len(rows(conn, PRUNE_ROLLUP, {"batch": batch}))
+
+
 # --- retention (motir purge: ops/purge.py) ---------------------------------------------------
 #
 # Each delete takes one batch (``LIMIT %(batch)s``) in the caller's transaction; the caller
@@ -116,17 +238,30 @@ _PURGEABLE_RUN = """
                     WHERE d.run_id = q.id AND d.replayed_at IS NULL AND d.dismissed_at IS NULL)
 """
 
-PURGE_RUNS = Statement(
-    "purge_runs",
-    "Delete one batch of finished runs past the cutoff (steps and attempts cascade) and the events only they needed.",
-    f"""
+def _purge_runs(*, fold: bool) -> str:
+    """PURGE_RUNS, and (``fold=False``) the same delete for a schema before 0012 (no rollup, no batches)."""
+    columns = ", q.job_id, q.workspace_id, q.state, q.attempts, q.finished_at, q.folded_at" if fold else ""
+    counted = f"""
+    ), finished AS (
+      -- The stats rollup counts what this statement deletes and the sweep has not folded yet
+      -- (FOR UPDATE above read the latest folded_at): nothing deleted uncounted, nothing twice.
+      SELECT id, job_id, workspace_id, state, attempts, finished_at FROM doomed
+      WHERE folded_at IS DISTINCT FROM finished_at
+    ),{_FOLD}""" if fold else """
+    )"""
+    batches = """
+        AND NOT EXISTS (SELECT 1 FROM job_batch_item b        -- nor a batch= run (ix_job_batch_item_event)
+                        WHERE b.event_id = e.id AND b.run_id NOT IN (SELECT id FROM doomed))""" if fold else ""
+    return f"""
     WITH doomed AS (
-      SELECT q.id, q.event_id FROM job_queue q
+      SELECT q.id, q.event_id{columns}
+      FROM job_queue q
       WHERE {_PURGEABLE_RUN}
       ORDER BY q.finished_at           -- oldest first (ix_job_queue_finished)
       LIMIT %(batch)s
-      FOR UPDATE SKIP LOCKED          -- a second purge (or a cancel in flight) takes other rows
-    ), steps AS (
+      -- a second purge (or a cancel in flight) takes other rows; so does the sweep's fold: a run it
+      -- holds is folded and marked by it, and deleted by a later batch of this purge
+      FOR UPDATE SKIP LOCKED{counted}, steps AS (
       SELECT count(*) AS n FROM job_step WHERE run_id IN (SELECT id FROM doomed)
     ), attempts AS (
       SELECT count(*) AS n FROM job_run WHERE run_id IN (SELECT id FROM doomed)
@@ -142,7 +277,7 @@ PURGE_RUNS = Statement(
       WHERE e.id IN (SELECT event_id FROM doomed)            -- pk_job_event, one probe each
         AND e.received_at < now() - make_interval(secs => %(age)s)
         AND NOT EXISTS (SELECT 1 FROM job_queue q             -- uq (event_id, job_id), event_id leading
-                        WHERE q.event_id = e.id AND q.id NOT IN (SELECT id FROM doomed))
+                        WHERE q.event_id = e.id AND q.id NOT IN (SELECT id FROM doomed)){batches}
       -- A fan-out inserting a run for this event holds a KEY SHARE lock on it: skip it (the
       -- sweep of the events pass takes it later). One that commits after our snapshot makes
       -- ON DELETE RESTRICT, checked at the end of this statement, refuse the whole batch.
@@ -152,14 +287,29 @@ PURGE_RUNS = Statement(
     )
     -- The counts read the snapshot taken before the delete: what went with the runs.
     SELECT (SELECT count(*) FROM deleted) AS runs, (SELECT n FROM steps) AS steps,
-           (SELECT n FROM attempts) AS attempts, (SELECT count(*) FROM events) AS events
-    """,
+           (SELECT n FROM attempts) AS attempts, (SELECT count(*) FROM events) AS events,
+           {"(SELECT count(*) FROM finished)" if fold else "0"} AS folded
+    """
+
+
+PURGE_RUNS = Statement(
+    "purge_runs",
+    "Delete one batch of finished runs past the cutoff (steps and attempts cascade) and the events only they needed, "
+    "folding the runs the stats rollup has not counted yet first.",
+    _purge_runs(fold=True),
+)
+
+PURGE_RUNS_BEFORE_0012 = Statement(
+    "purge_runs_before_0012",
+    "PURGE_RUNS on a schema before migration 0012 (code deployed before it): no stats rollup to fold into.",
+    _purge_runs(fold=False),
 )
 
 
-def purge_runs(conn: Connection, *, age: float, batch: int) -> dict[str, int]:
-    """One batch of ``PURGE_RUNS``: how many runs, steps, attempts and events it deleted."""
-    row = first(conn, PURGE_RUNS, {"age": age, "batch": batch})
+def purge_runs(conn: Connection, *, age: float, batch: int, fold: bool = True) -> dict[str, int]:
+    """One batch of ``PURGE_RUNS``: how many runs, steps, attempts and events it deleted, and how many
+    of those runs it folded into the stats rollup (``fold=False``: the schema has no rollup yet)."""
+    row = first(conn, PURGE_RUNS if fold else PURGE_RUNS_BEFORE_0012, {"age": age, "batch": batch})
     assert row is not None
     return {k: int(v) for k, v in row.items()}
 
@@ -187,28 +337,37 @@ def purge_dlq(conn: Connection, *, age: float, batch: int) -> int:
     return len(rows(conn, PURGE_DLQ, {"age": age, "batch": batch}))
 
 
-PURGE_EVENTS = Statement(
-    "purge_events",
-    "Delete one batch of events received before the cutoff that no run points at.",
-    """
+_PURGE_EVENTS = """
     DELETE FROM job_event WHERE id IN (
       SELECT e.id FROM job_event e
       WHERE e.received_at < now() - make_interval(secs => %(age)s)
         -- served by the unique (event_id, job_id) index, event_id leading
-        AND NOT EXISTS (SELECT 1 FROM job_queue q WHERE q.event_id = e.id)
+        AND NOT EXISTS (SELECT 1 FROM job_queue q WHERE q.event_id = e.id){batches}
       ORDER BY e.received_at
       LIMIT %(batch)s
       -- An event a fan-out is inserting a run for holds a KEY SHARE lock: skip it.
       FOR UPDATE SKIP LOCKED
     )
     RETURNING 1 AS deleted
-    """,
+    """
+
+PURGE_EVENTS = Statement(
+    "purge_events",
+    "Delete one batch of events received before the cutoff that no run (nor batch) points at.",
+    _PURGE_EVENTS.format(batches="""
+        AND NOT EXISTS (SELECT 1 FROM job_batch_item b WHERE b.event_id = e.id)   -- nor a batch's (by event_id)"""),
+)
+
+PURGE_EVENTS_BEFORE_0012 = Statement(
+    "purge_events_before_0012",
+    "PURGE_EVENTS on a schema before migration 0012 (code deployed before it): no batches to look at.",
+    _PURGE_EVENTS.format(batches=""),
 )
 
 
-def purge_events(conn: Connection, *, age: float, batch: int) -> int:
-    """One batch of ``PURGE_EVENTS``: how many events it deleted."""
-    return len(rows(conn, PURGE_EVENTS, {"age": age, "batch": batch}))
+def purge_events(conn: Connection, *, age: float, batch: int, batches: bool = True) -> int:
+    """One batch of ``PURGE_EVENTS``: how many events it deleted (``batches=False``: before 0012)."""
+    return len(rows(conn, PURGE_EVENTS if batches else PURGE_EVENTS_BEFORE_0012, {"age": age, "batch": batch}))
 
 
 PURGE_COUNTS = Statement(
