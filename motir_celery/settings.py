@@ -60,6 +60,10 @@ class Settings:
     #: On a plain Redis broker, push run messages onto kombu's lists directly
     #: (adapter/messages.py) instead of through ``send_task``; ``0`` always uses ``send_task``.
     direct_publish: bool = True
+    #: Publish run messages under the alias ``motir.<job_id>`` instead of the job's Celery name
+    #: (core/jobs.py), routed as the Celery name is: for a rolling cut-over, while workers of the
+    #: code before it (plain Celery tasks of those names) still consume (docs/migrating.md).
+    publish_alias: bool = False
     #: kombu's Redis acknowledgement emulation in the default app (adapter/celery_app.py):
     #: off by default; ``1`` gives kombu's own default back.
     redis_ack_emulation: bool = False
@@ -94,6 +98,7 @@ class Settings:
             prepared_statements=_flag(env, "MOTIR_PREPARED_STATEMENTS", True),
             claim_async_commit=_flag(env, "MOTIR_CLAIM_ASYNC_COMMIT", True),
             direct_publish=_flag(env, "MOTIR_DIRECT_PUBLISH", True),
+            publish_alias=_flag(env, "MOTIR_PUBLISH_ALIAS", False),
             redis_ack_emulation=_flag(env, "MOTIR_REDIS_ACK_EMULATION", False),
         )
 

@@ -202,6 +202,32 @@ def test_an_app_with_its_own_result_backend_keeps_it_and_still_answers_for_runs(
     redis.Redis.from_url(own).delete(backend.get_key_for_task(other))
 
 
+def test_under_motir_publish_alias_a_runs_message_carries_the_alias_routed_as_the_celery_name(
+        broker_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rolling cut-over's switch: a worker of the code before still has a plain task under the
+    Celery name, and must not get a run id as its argument; the alias is unknown to it."""
+    from motir_celery.adapter.messages import publisher
+    from motir_celery.settings import reset_settings
+
+    queue = f"{_queue()}-routed"
+    client = redis.Redis.from_url(broker_url)
+    monkeypatch.setenv("MOTIR_PUBLISH_ALIAS", "1")
+    reset_settings()
+    try:
+        app = create_app(Settings.from_env())
+        app.conf.task_routes = {plain_sum.task_name: {"queue": queue}}
+        runs = [uuid.uuid4(), uuid.uuid4()]
+        for run in runs:  # the first through send_task, the next the short way (messages.py)
+            publisher(app)(run, plain_sum.id, 0.0)
+        sent = [json.loads(m) for m in reversed(client.lrange(queue, 0, -1))]
+        assert [(m["headers"]["task"], m["headers"]["id"]) for m in sent] == [
+            ("motir.test.cutover.sum", str(r)) for r in runs]
+    finally:
+        client.delete(queue)
+        monkeypatch.delenv("MOTIR_PUBLISH_ALIAS")
+        reset_settings()
+
+
 # --- the switch, with real workers ---------------------------------------------------------
 
 def test_every_message_from_a_producer_without_motir_becomes_exactly_one_run_across_the_switch(

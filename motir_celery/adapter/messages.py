@@ -58,13 +58,14 @@ from typing import Any
 from celery import Celery, signals
 
 from motir_celery.adapter.guard import GUARDED_REDIS_TRANSPORT, MALFORMED_SUFFIX, GuardedRedisTransport
-from motir_celery.core.jobs import TASK_OPTIONS, find_job, task_name
+from motir_celery.core.jobs import TASK_OPTIONS, find_job, publish_name, task_name
 from motir_celery.core.publish import Publish
 from motir_celery.core.worker.inline import Inline
 from motir_celery.forks import per_process
 from motir_celery.settings import get_settings
 
-__all__ = ["publisher", "GuardedRedisTransport", "MALFORMED_SUFFIX", "GUARDED_TRANSPORT", "task_options", "argsrepr", "redis_lane"]
+__all__ = ["publisher", "GuardedRedisTransport", "MALFORMED_SUFFIX", "GUARDED_TRANSPORT", "task_options", "argsrepr", "redis_lane",
+           "routed_options"]
 
 log = logging.getLogger("motir_celery.adapter.messages")
 
@@ -83,11 +84,11 @@ def publisher(app: Celery) -> Publish:
         lane = redis_lane(app)
         if lane is not None and lane.push(run_id, job_id, countdown):
             return
-        options = task_options(job_id)
+        options = routed_options(app, job_id)
         priority = _message_priority(app, job_id)
         if priority is not None:
             options["priority"] = priority
-        app.send_task(task_name(job_id), args=[str(run_id)], countdown=countdown or None, task_id=str(run_id),
+        app.send_task(publish_name(job_id), args=[str(run_id)], countdown=countdown or None, task_id=str(run_id),
                       argsrepr=argsrepr(job_id, run_id), **options)
 
     return publish
@@ -101,6 +102,18 @@ def task_options(job_id: str) -> dict[str, Any]:
     if job is None:
         return {}
     return {k: job.options[k] for k in TASK_OPTIONS if k in job.options}
+
+
+def routed_options(app: Celery, job_id: str) -> dict[str, Any]:
+    """``task_options``, and under ``MOTIR_PUBLISH_ALIAS`` the queue the job's Celery name is
+    routed to (``task_routes`` name it, not the alias the message carries)."""
+    options = task_options(job_id)
+    name = task_name(job_id)
+    if "queue" not in options and publish_name(job_id) != name:
+        queue = app.amqp.router.route({}, name, (), {}, None).get("queue")
+        if queue is not None:
+            options["queue"] = queue.name
+    return options
 
 
 def argsrepr(job_id: str, run_id: uuid.UUID | str) -> str:
@@ -234,9 +247,11 @@ class _RedisLane:
 
     def _plan(self, job_id: str) -> _Plan | None:
         """The job's plan, kept once its queue has been declared; ``None`` (kept): send_task always."""
-        app, name, options = self.app, task_name(job_id), task_options(job_id)
-        # As send_task routes: the job's own queue if it has one, else task_routes, else the default.
-        route = app.amqp.router.route({"queue": options["queue"]} if "queue" in options else {}, name, (), {}, None)
+        app, name, options = self.app, publish_name(job_id), task_options(job_id)
+        # As send_task routes: the job's own queue if it has one, else task_routes (for the job's
+        # Celery name, also when the message carries the alias), else the default.
+        route = app.amqp.router.route({"queue": options["queue"]} if "queue" in options else {}, task_name(job_id),
+                                      (), {}, None)
         queue = route.get("queue")
         if queue is None or queue.exchange.type != "direct" or queue.expires is not None or set(route) - {"queue"}:
             self.plans[job_id] = None

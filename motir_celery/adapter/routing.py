@@ -14,8 +14,8 @@ import uuid
 
 from celery import Celery
 
-from motir_celery.adapter.messages import argsrepr, publisher, task_options
-from motir_celery.core.jobs import task_name
+from motir_celery.adapter.messages import argsrepr, publisher, routed_options
+from motir_celery.core.jobs import publish_name
 from motir_celery.core.publish import Publish
 
 __all__ = ["publisher_for"]
@@ -26,13 +26,13 @@ def publisher_for(app: Celery, queue: str | None = None, priority: int | None = 
         return publisher(app)  # the job's own route, or Celery's eager mode (runs in this process)
 
     def publish(run_id: uuid.UUID, job_id: str, countdown: float = 0.0) -> None:
-        options = task_options(job_id)
+        options = routed_options(app, job_id)
         if queue is not None:
             options["queue"] = queue
         if priority:
             scheme = str(app.conf.broker_url or "").split("://", 1)[0]
             options["priority"] = 9 - priority if scheme.startswith(("redis", "rediss")) else priority
-        app.send_task(task_name(job_id), args=[str(run_id)], countdown=countdown or None, task_id=str(run_id),
+        app.send_task(publish_name(job_id), args=[str(run_id)], countdown=countdown or None, task_id=str(run_id),
                       argsrepr=argsrepr(job_id, run_id), **options)
 
     return publish

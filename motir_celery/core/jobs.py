@@ -41,10 +41,11 @@ from motir_celery.core.producer.results import RunHandle
 from motir_celery.core.retries import RetryPolicy, resolve_policy
 from motir_celery.core.runspec import RunOptions, check_trigger, run_options, run_spec
 from motir_celery.errors import JobDefinitionError, MotirError, UnknownJobError
+from motir_celery.settings import get_settings
 from motir_celery.store.records import RunSpec
 
 __all__ = ["Job", "define_job", "get_job", "find_job", "all_jobs", "subscribers", "cancelled_by", "on_job_defined", "task_name",
-           "alias_name", "celery_name", "job_for_task", "CanvasNotSupported", "CanvasMaker", "use_canvas", "Invoker", "use_invoker", "CallStep", "DirectCallUnsupported"]
+           "alias_name", "publish_name", "celery_name", "job_for_task", "CanvasNotSupported", "CanvasMaker", "use_canvas", "Invoker", "use_invoker", "CallStep", "DirectCallUnsupported"]
 
 JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,199}$")
 #: A Celery task name given as ``name=``: printable, no blank, at most 200 characters.
@@ -197,6 +198,13 @@ def task_name(job_id: str) -> str:
     (``Job.task_name``) when it is defined in this process, else its alias."""
     job = _registry.get(job_id)
     return job.task_name if job is not None else alias_name(job_id)
+
+
+def publish_name(job_id: str) -> str:
+    """The name the engine's messages for ``job_id`` carry: ``task_name``, or the alias with
+    ``MOTIR_PUBLISH_ALIAS=1`` (a rolling cut-over: workers of the code before it have a plain
+    Celery task under the Celery name, and would run it with a run id for its argument)."""
+    return alias_name(job_id) if get_settings().publish_alias else task_name(job_id)
 
 
 def celery_name(fn: Callable[..., Any]) -> str | None:
