@@ -16,10 +16,11 @@ turns off psycopg's automatic preparation of every other statement (db.py).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, NamedTuple
 
 import psycopg
-from psycopg.rows import dict_row
+from psycopg import pq
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -55,10 +56,18 @@ def rows(conn: Connection, statement: Statement, params: dict[str, Any]) -> list
     # A connection made with prepare_threshold=None prepares nothing, whatever this process's
     # settings say: MOTIR_PREPARED_STATEMENTS=0 (db.py) and doctor's one-shot connections.
     prepare = statement.prepare and get_settings().prepared_statements and raw.prepare_threshold is not None
+    cursor = _cursors.get(raw)
+    if cursor is None or cursor.closed:
+        cursor = _cursors[raw] = raw.cursor()
     try:
-        with raw.cursor(row_factory=dict_row) as cursor:
-            cursor.execute(statement.sql, params, prepare=prepare)
-            return cursor.fetchall() if cursor.description is not None else []
+        cursor.execute(statement.sql, params, prepare=prepare)
+        answer = cursor.pgresult
+        if answer is None or answer.status != pq.ExecStatus.TUPLES_OK:
+            return []
+        names = _columns.get(statement.sql)
+        if names is None or len(names) != answer.nfields:
+            names = _columns[statement.sql] = tuple(column.name for column in cursor.description or ())
+        return [dict(zip(names, values)) for values in cursor.fetchall()]
     except psycopg.Error as exc:
         broken = raw.closed or raw.broken
         if broken:
@@ -69,6 +78,15 @@ def rows(conn: Connection, statement: Statement, params: dict[str, Any]) -> list
             conn.invalidate(exc)
         raise DBAPIError.instance(statement.sql, params, exc, psycopg.Error,
                                   connection_invalidated=broken) from exc
+
+
+#: One cursor per psycopg connection, kept with it: making one per statement (its adapters,
+#: its row maker) was a tenth of a pool child's CPU (docs/performance.md, "Where a run's CPU
+#: goes"). A pooled connection serves one caller at a time, so its cursor does too; it holds
+#: its last result until the next statement.
+_cursors: "weakref.WeakKeyDictionary[psycopg.Connection[Any], psycopg.Cursor[Any]]" = weakref.WeakKeyDictionary()
+#: Each statement's column names, read from its first result (a statement's columns are fixed).
+_columns: dict[str, tuple[str, ...]] = {}
 
 
 def first(conn: Connection, statement: Statement, params: dict[str, Any]) -> dict[str, Any] | None:
