@@ -48,25 +48,24 @@ LOGINS = f"motir_i{uuid.uuid4().hex[:8]}"
 # --- logins ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def app_login(engine: Engine) -> Iterator[str]:
-    """A real login that is only a member of motir_app."""
-    name = f"{LOGINS}_app"
+def _login_of(engine: Engine, role: str) -> Iterator[str]:
+    """A real login of this module's own that is only a member of ``role``; dropped at the end."""
+    name = f"{LOGINS}_{role}"
     with engine.begin() as conn:
-        conn.execute(text(f'CREATE ROLE "{name}" LOGIN IN ROLE {APP_ROLE}'))
+        conn.execute(text(f'CREATE ROLE "{name}" LOGIN IN ROLE {role}'))
     yield name
     with engine.begin() as conn:
         conn.execute(text(f'DROP ROLE IF EXISTS "{name}"'))
+
+
+@pytest.fixture(scope="module")
+def app_login(engine: Engine) -> Iterator[str]:
+    yield from _login_of(engine, APP_ROLE)
 
 
 @pytest.fixture(scope="module")
 def admin_login(engine: Engine) -> Iterator[str]:
-    name = f"{LOGINS}_admin"
-    with engine.begin() as conn:
-        conn.execute(text(f'CREATE ROLE "{name}" LOGIN IN ROLE {ADMIN_ROLE}'))
-    yield name
-    with engine.begin() as conn:
-        conn.execute(text(f'DROP ROLE IF EXISTS "{name}"'))
+    yield from _login_of(engine, ADMIN_ROLE)
 
 
 def _url_of(login: str) -> str:
