@@ -242,9 +242,7 @@ def load(url: str, runs: int, days: int) -> Load:
                     ("job_step", "job_queue", "job_run", "job_event", "job_run_dlq")],
               setup=("SET maintenance_work_mem = '1GB'",), transaction=False)
     out.seconds["vacuum freeze"] = time.monotonic() - t0
-    with h.connect(url) as conn:
-        out.rows = {t: int(conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0])  # type: ignore[index]
-                    for t in TABLES}
+    out.rows = {t: int(h.Database(url).value(f"SELECT count(*) FROM {t}")) for t in TABLES}
     return out
 
 
@@ -287,8 +285,7 @@ class Window:
 
 
 def _db_now(url: str) -> datetime:
-    with h.connect(url) as conn:
-        return conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index, no-any-return]
+    return h.Database(url).value("SELECT now()")  # type: ignore[no-any-return]
 
 
 def timings(folder: Path) -> list[tuple[str, float, float]]:
@@ -563,12 +560,9 @@ def live(url: str, ld: Load, args: Any, *, started: str, command: str) -> str:
     oldest = ld.anchor - timedelta(days=args.days)
 
     def cut(days: float) -> tuple[timedelta, int]:
-        now = _db_now(url)
-        older_than = now - (oldest + timedelta(days=days))
-        with h.connect(url) as conn:
-            n = int(conn.execute(  # type: ignore[index]
-                "SELECT count(*) FROM job_queue WHERE finished_at < now() - %s", (older_than,)).fetchone()[0])
-        return older_than, n
+        older_than = _db_now(url) - (oldest + timedelta(days=days))
+        return older_than, int(h.Database(url).value(
+            "SELECT count(*) FROM job_queue WHERE finished_at < now() - %s", (older_than,)))
 
     def one_pass(label: str, days: float, cap: float) -> None:
         older_than, selected = cut(days)
@@ -649,9 +643,8 @@ def live(url: str, ld: Load, args: Any, *, started: str, command: str) -> str:
 
 
 def _live_finished(url: str) -> int:
-    with h.connect(url) as conn:
-        return int(conn.execute(  # type: ignore[index]
-            "SELECT count(*) FROM job_queue WHERE job_id = 'retention.live' AND finished_at IS NOT NULL").fetchone()[0])
+    return int(h.Database(url).value(
+        "SELECT count(*) FROM job_queue WHERE job_id = 'retention.live' AND finished_at IS NOT NULL"))
 
 
 if __name__ == "__main__":
