@@ -121,7 +121,9 @@ _CATALOGUE = """
     SELECT 'constraint' AS kind, c.conrelid::regclass::text AS tbl, c.conname AS name, c.contype::text AS type,
            pg_get_constraintdef(c.oid) AS def, c.convalidated AS valid,
            CASE WHEN c.contype IN ('p', 'u') THEN pg_get_indexdef(c.conindid) END AS indexdef
-    FROM pg_constraint c WHERE c.conrelid::regclass::text = ANY(%(tables)s) AND c.contype IN ('p', 'u', 'f')
+    FROM pg_constraint c
+    WHERE (c.conrelid::regclass::text = ANY(%(tables)s) AND c.contype IN ('p', 'u', 'f'))
+       OR (c.confrelid::regclass::text = ANY(%(tables)s) AND c.contype = 'f')  -- other tables' keys into ours
     UNION ALL
     SELECT 'index', i.indrelid::regclass::text, x.relname, NULL, pg_get_indexdef(i.indexrelid), true, NULL
     FROM pg_index i JOIN pg_class x ON x.oid = i.indexrelid
