@@ -12,7 +12,7 @@ from typing import Any
 
 from sqlalchemy import text
 
-from motir_celery import define_job
+from motir_celery import RetryPolicy, define_job
 from motir_celery.store.db import get_engine
 
 #: The throttle the concurrent tests drive: 3 starts per 2 s per key.
@@ -38,7 +38,11 @@ def throttled_whole(event: Any, step: Any) -> Any:
     return event.data
 
 
-@define_job("flow.throttled_flaky", event="flow.throttle_flaky", throttle=(1, 60.0), retry_policy="transient")
+#: Retries come quickly (the tests wait them out with the kit's advance, or for real).
+QUICK = RetryPolicy(max_attempts=3, backoff=0.2, factor=1.0, jitter=0.0, name="quick")
+
+
+@define_job("flow.throttled_flaky", event="flow.throttle_flaky", throttle=(1, 60.0), retry_policy=QUICK)
 def throttled_flaky(event: Any, step: Any) -> Any:
     if event.attempt == 1:
         raise RuntimeError("the first attempt fails")
@@ -72,3 +76,18 @@ def batched_fast(events: list[Any], step: Any) -> Any:
 @define_job("flow.plain", event="flow.plain", retry_policy="none")
 def plain(event: Any, step: Any) -> Any:
     return event.data
+
+
+# --- for the insights: outcomes, retries, durations ------------------------------------------
+
+
+@define_job("flow.fails", event="flow.fail", retry_policy="none")
+def fails(event: Any, step: Any) -> Any:
+    raise RuntimeError(f"flow.fails always fails ({event.data.get('n')})")
+
+
+@define_job("flow.flaky", event="flow.flaky", retry_policy=QUICK)
+def flaky(event: Any, step: Any) -> Any:
+    if event.attempt == 1:
+        raise RuntimeError("the first attempt fails, the second succeeds")
+    return event.attempt

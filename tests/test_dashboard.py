@@ -262,7 +262,7 @@ def test_metrics_expose_depth_oldest_due_run_attempts_durations_and_dlq_without_
     assert 89 < m[("motir_oldest_due_run_age_seconds", (("job", "test.slow"),))] < 200
     assert m[("motir_dlq_open", (("job", "test.mixed-fail"),))] == 1
     assert m[("motir_attempts_recent", (("job", "test.fail-after-two"), ("outcome", "retrying")))] == 1
-    assert ("motir_run_duration_seconds", (("job", "test.fail-after-two"), ("quantile", "0.95"), ("state", "succeeded"))) in m
+    assert ("motir_run_duration_recent_seconds", (("job", "test.fail-after-two"), ("quantile", "0.95"), ("state", "succeeded"))) in m
     assert ("motir_step_duration_seconds", (("job", "test.fail-after-two"), ("quantile", "0.5"))) in m
     assert not any("ws-a" in str(labels) or "workspace" in str(labels) for _, labels in m)  # no tenant ids
 

@@ -732,6 +732,53 @@ def jobs(slots: int, as_json: bool) -> None:
                       [(e["id"], e["task"], trigger(e), retry(e), upcoming(e)) for e in out], max_width=90))
 
 
+# --- stats -------------------------------------------------------------------------
+
+
+@main.command()
+@click.argument("job", required=False)
+@click.option("--since", default="1d", show_default=True,
+              help="Runs finished since: a duration back (30m, 2h, 7d) or an ISO date/time (8 days at most).")
+@click.option("--workspace", help="Only this workspace.")
+@json_option
+def stats(job: str | None, since: str, workspace: str | None, as_json: bool) -> None:
+    """Per job: runs, failure rate, p50/p95 duration, retries and DLQ entries, from the stats rollup.
+
+    The rollup is folded from finished runs by the workers' sweep (every MOTIR_SWEEP_INTERVAL),
+    so it outlives `motir purge`; its 5-minute buckets are kept 8 days."""
+    from motir_celery.ops import insights
+
+    settings = _settings()
+    job = _text_option(job, "JOB")
+    workspace = _text_option(workspace, "--workspace")
+    with _operator_session(settings) as s:
+        read = reads.freshness(s)
+        try:
+            start = parse_since(since, read.now)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--since") from None
+        found = insights.job_stats(s, since=start, job=job, workspace=workspace)
+    _read_note(read)
+    if as_json:
+        _print_json({"since": start.isoformat(), "now": read.now.isoformat(), "jobs": [j.as_json() for j in found]})
+        return
+    if not found:
+        click.echo(f"no run finished since {format_instant(start)}{f' for {job}' if job else ''} "
+                   "(the sweep folds finished runs every MOTIR_SWEEP_INTERVAL)")
+        return
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{x * 100:.1f}%"
+
+    def ms(x: float | None) -> str:
+        return "-" if x is None else format_duration(x / 1000)
+
+    click.echo(f"runs finished since {format_instant(start)} ({format_ago(start, read.now)})")
+    click.echo(text_table(["job", "runs", "failed", "failure rate", "p50", "p95", "retried", "DLQ", "DLQ open"],
+                          [(j.job_id, j.runs, j.failed, pct(j.failure_rate), ms(j.p50_ms), ms(j.p95_ms), j.retried,
+                            j.dlq_entries, j.dlq_open) for j in found]))
+
+
 def _attempt_label(order: int, attempt: int) -> str:
     """An attempt's place in the ledger, with its number in its budget when a resume reset it."""
     return str(order) if order == attempt else f"{order} ({attempt} after a resume)"

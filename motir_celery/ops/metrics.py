@@ -13,9 +13,15 @@ Two kinds of series:
   run's wait, expired leases, open DLQ entries. Alert on these.
 * **recent** gauges — what happened in the last ``window`` seconds (default
   300): runs finished, attempts by outcome, DLQ replays, run and step duration
-  quantiles. They are gauges over a sliding window, not counters, because a
-  purge deletes the rows a counter would be derived from; graph them as they
-  are, without ``rate()``.
+  quantiles. They are gauges over a sliding window read from the runs table;
+  graph them as they are, without ``rate()``.
+* **counters** from the stats rollup (``job_stats_rollup``, folded by the sweep:
+  core/worker/rollup.py) — ``motir_runs_total{job,outcome}``,
+  ``motir_runs_retried_total{job}``, ``motir_run_attempts_total{job}`` and the
+  histogram ``motir_run_duration_seconds{job}`` (succeeded runs, first attempt's
+  start to finish). They only grow, survive purge and worker restarts (the rows
+  they come from are never deleted), and lag the runs by at most a sweep period:
+  use ``rate()`` / ``histogram_quantile()`` on them.
 
 * **consumer** gauges — whether anyone is there to run them: the workers that
   answered Celery's broadcast (``inspect().active_queues()``, which Redis carries
@@ -25,8 +31,9 @@ Two kinds of series:
   than that timeout. The answer comes from the workers themselves, never from
   anything in the request.
 
-No workspace label anywhere: tenant ids stay out of the monitoring system, and
-the series count stays bounded by jobs × states. Reads go through the app role
+No workspace label unless asked (``MOTIR_METRICS_BY_WORKSPACE=1`` adds one to the
+counters only): tenant ids stay out of the monitoring system, and the series count
+stays bounded by jobs × states (× histogram buckets). Reads go through the app role
 with the admin context (``workspace_session(None, admin=True)``).
 """
 
@@ -37,14 +44,23 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from prometheus_client.core import CollectorRegistry, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CollectorRegistry,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from motir_celery.adapter.celery_app import create_app
 from motir_celery.core.jobs import all_jobs
+from motir_celery.ops import insights
 from motir_celery.settings import Settings, get_settings
+from motir_celery.store import schema
 from motir_celery.store.db import workspace_session
 from motir_celery.store.models import RUN_STATES
+from motir_celery.store.records import DURATION_BOUNDS_MS
 from motir_celery.store.sql import reads as sql
 
 __all__ = ["MotirCollector", "ConsumerProbe", "build_registry", "QUANTILES"]
@@ -111,9 +127,11 @@ class ConsumerProbe:
 
 class MotirCollector(Collector):
     def __init__(self, *, window: float = 300.0, settings: Settings | None = None,
-                 probe: ConsumerProbe | None = None) -> None:
+                 probe: ConsumerProbe | None = None, by_workspace: bool = False) -> None:
         self.window = window
         self.settings = settings
+        #: Label the rollup's counters with the workspace too (MOTIR_METRICS_BY_WORKSPACE=1).
+        self.by_workspace = by_workspace
         has_broker = bool((settings or get_settings()).broker_url)
         self.probe = probe if probe is not None else (ConsumerProbe(settings) if has_broker else None)
 
@@ -170,6 +188,7 @@ class MotirCollector(Collector):
             runs_recent = sql.runs_recent(conn, window=self.window, quantiles=QUANTILES)
             attempts_recent = sql.attempts_recent(conn, window=self.window)
             steps_recent = sql.steps_recent(conn, window=self.window, quantiles=QUANTILES)
+            totals = insights.totals(session, by_workspace=self.by_workspace) if _has_rollup(conn) else []
 
         jobs = sorted({r["job_id"] for r in depth})
         runs = GaugeMetricFamily("motir_runs", "Runs by job and state (rows in job_queue)", labels=["job", "state"])
@@ -211,7 +230,7 @@ class MotirCollector(Collector):
             labels=["job", "state"],
         )
         run_duration = GaugeMetricFamily(
-            "motir_run_duration_seconds",
+            "motir_run_duration_recent_seconds",
             f"Created-to-finished time of runs finished in the last {self.window:g}s, by quantile",
             labels=["job", "state", "quantile"],
         )
@@ -243,10 +262,51 @@ class MotirCollector(Collector):
         window = GaugeMetricFamily("motir_metrics_window_seconds", "The window of the *_recent series")
         window.add_metric([], self.window)
         yield window
+        yield from self._counters(totals)
+
+    def _counters(self, totals: list[tuple[str | None, insights.JobStats]]) -> Iterator[Metric]:
+        """The rollup's all-time totals: counters and a histogram that survive purge and restarts."""
+        labels = ["job", "workspace"] if self.by_workspace else ["job"]
+
+        def key(workspace: str | None, stats: insights.JobStats) -> list[str]:
+            return [stats.job_id, workspace or ""] if self.by_workspace else [stats.job_id]
+
+        outcomes = CounterMetricFamily("motir_runs", "Runs that finished, by outcome (the stats rollup; survives purge)",
+                                       labels=[*labels, "outcome"])
+        retried = CounterMetricFamily("motir_runs_retried", "Finished runs that needed more than one attempt",
+                                      labels=labels)
+        attempts = CounterMetricFamily("motir_run_attempts", "Attempts charged to finished runs", labels=labels)
+        duration = HistogramMetricFamily(
+            "motir_run_duration_seconds",
+            "Duration of succeeded runs, their first attempt's start to their finish (the stats rollup)",
+            labels=labels)
+        bounds = [f"{b / 1000:g}" for b in DURATION_BOUNDS_MS] + ["+Inf"]
+        for workspace, stats in totals:
+            k = key(workspace, stats)
+            for outcome, n in (("succeeded", stats.succeeded), ("failed", stats.failed),
+                               ("cancelled", stats.cancelled)):
+                outcomes.add_metric([*k, outcome], n)
+            retried.add_metric(k, stats.retried)
+            attempts.add_metric(k, stats.attempts)
+            cumulative, running = [], 0
+            counts = list(stats.histogram) + [0] * (len(bounds) - len(stats.histogram))
+            for bound, n in zip(bounds, counts):
+                running += n
+                cumulative.append((bound, running))
+            duration.add_metric(k, cumulative, sum_value=stats.sum_ms / 1000)
+        yield outcomes
+        yield retried
+        yield attempts
+        yield duration
 
 
-def build_registry(*, window: float = 300.0, settings: Settings | None = None) -> CollectorRegistry:
+def build_registry(*, window: float = 300.0, settings: Settings | None = None,
+                   by_workspace: bool = False) -> CollectorRegistry:
     """A registry of its own (not the global one): two dashboards in one process never collide."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(MotirCollector(window=window, settings=settings))
+    registry.register(MotirCollector(window=window, settings=settings, by_workspace=by_workspace))
     return registry
+
+
+def _has_rollup(conn: Any) -> bool:
+    return schema.features(conn).flow_control  # before migration 0012 there is no rollup to read

@@ -61,7 +61,8 @@ from motir_celery.core.operator import dlq as dlq_ops
 from motir_celery.core.operator import resume as resume_ops
 from motir_celery.core.publish import Publish
 from motir_celery.errors import ConfigurationError, MotirError
-from motir_celery.ops import reads
+from motir_celery.ops import insights, reads
+from motir_celery.ops.dashboard import charts
 from motir_celery.ops.dashboard.auth import AuthConfig, Authenticator, AuthError, CsrfTokens, Identity, is_loopback
 from motir_celery.ops.metrics import build_registry
 from motir_celery.ops.timefmt import format_ago, format_duration, format_instant, parse_since
@@ -90,6 +91,9 @@ class DashboardConfig:
     metrics_window: float = 300.0
     #: Optional link to Flower in the navigation bar.
     flower_url: str | None = None
+    #: A workspace label on the stats rollup's counters (MOTIR_METRICS_BY_WORKSPACE=1): bounded by
+    #: jobs × workspaces, so off unless asked.
+    metrics_by_workspace: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "DashboardConfig":
@@ -102,11 +106,15 @@ class DashboardConfig:
         flower = env.get("MOTIR_FLOWER_URL", "").strip() or None
         if flower and urlsplit(flower).scheme not in ("http", "https"):
             raise ConfigurationError(f"MOTIR_FLOWER_URL={flower!r} must be an http(s) URL")
+        by_workspace = env.get("MOTIR_METRICS_BY_WORKSPACE", "").strip().lower()
+        if by_workspace not in ("", "0", "1", "true", "false", "yes", "no"):
+            raise ConfigurationError(f"MOTIR_METRICS_BY_WORKSPACE={by_workspace!r} is not a boolean (1 or 0)")
         return cls(
             auth=AuthConfig.from_env(env),
             secret=env.get("MOTIR_DASHBOARD_SECRET", "").strip() or None,
             metrics_window=window,
             flower_url=flower,
+            metrics_by_workspace=by_workspace in ("1", "true", "yes"),
         )
 
 
@@ -123,7 +131,9 @@ class _Dashboard:
         self.auth = Authenticator(config.auth)
         self.csrf = CsrfTokens(config.secret)
         self._publish = publish
-        self.registry = build_registry(window=config.metrics_window, settings=settings)
+        self.registry = build_registry(window=config.metrics_window, settings=settings,
+                                       by_workspace=config.metrics_by_workspace)
+        self.sweep_interval = (settings or get_settings()).sweep_interval  # how often the rollup is folded
         self.templates = Jinja2Templates(directory=str(HERE / "templates"))
         env = self.templates.env
         env.filters["instant"] = format_instant
@@ -308,6 +318,30 @@ class _Dashboard:
         rows, read = await run_in_threadpool(load)
         return self.render(request, who, "events.html", events=rows, now=read.now, filters=filters, limit=limit,
                            read=read)
+
+    async def insights(self, request: Request, who: Identity) -> Response:
+        """Per job over the last hour / day / week: runs, failure rate, p50/p95, retries, DLQ entries, the
+        flakiest jobs and what waits on flow control — from the stats rollup, under RLS like every page."""
+        q = _params(request, "window", "job", "workspace")
+        window = q.get("window") or "1d"
+        if window not in insights.WINDOWS:
+            raise BadParameter("window", f"one of {', '.join(insights.WINDOWS)}")
+        job = q.get("job") or None
+        workspace = (q.get("workspace") or None) if who.admin else None
+
+        def load() -> tuple[insights.Insights, reads.Freshness]:
+            with self.session(who) as s:
+                return insights.insights(s, window, job=job, workspace=workspace), reads.freshness(s)
+
+        found, read = await run_in_threadpool(load)
+        focus = next((j for j in found.jobs if j.job_id == job), None) if job else found.totals
+        return self.render(request, who, "insights.html", i=found, now=found.now, job=job or "",
+                           windows=list(insights.WINDOWS), read=read, focus=focus,
+                           chart=charts.runs_chart(found.series, found.since, found.now, found.step),
+                           sparks={j.job_id: charts.sparkline(found.series.get(j.job_id, []), found.since,
+                                                              found.now, found.step) for j in found.jobs},
+                           durations=charts.histogram_chart(focus) if focus is not None else None,
+                           flakiest=charts.rate_bars(found.flakiest), sweep_interval=self.sweep_interval)
 
     async def health(self, request: Request, who: Identity) -> Response:
         def load() -> tuple[reads.QueueHealth, reads.Freshness]:
@@ -598,6 +632,7 @@ def create_app(
         Route("/dlq/{dlq_id}/resume", d.page(d.resume), methods=["POST"]),
         Route("/events", d.page(d.events)),
         Route("/health", d.page(d.health)),
+        Route("/insights", d.page(d.insights)),
         Route("/metrics", d.metrics),
         Route("/healthz", d.healthz),
         Route("/static/style.css", d.stylesheet),

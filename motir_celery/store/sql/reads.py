@@ -495,3 +495,176 @@ def login_escapes(conn: Connection, *, engine_role: str, admin_role: str) -> tup
     row = first(conn, LOGIN_ESCAPES, {"engine": engine_role, "admin": admin_role})
     assert row is not None
     return row["login"], list(row["exits"])
+
+
+# --- insights: the stats rollup, flaky and slow runs, flow control's waits (ops/insights.py) -----
+#
+# The rollup (job_stats_rollup, core/worker/rollup.py) has one row per (job, workspace, 5-minute
+# bucket) and one per (job, workspace) with bucket NULL (all time); the policies show a caller the
+# rows of its workspace(s), and these sum them per job. A histogram (duration_buckets) is summed
+# element by element (unnest WITH ORDINALITY).
+
+INSIGHTS_WINDOW = Statement(
+    "insights_window",
+    "Per job, the rollup's counts, duration sums and histogram over the buckets since an instant (job, workspace optional).",
+    """
+    WITH b AS (
+      SELECT * FROM job_stats_rollup
+      WHERE bucket >= %(since)s                                              -- ix_job_stats_rollup_bucket
+        AND (CAST(%(job)s AS text) IS NULL OR job_id = %(job)s)
+        AND (CAST(%(workspace)s AS text) IS NULL OR workspace_id = %(workspace)s)   -- an admin's narrowing
+    ), h AS (
+      SELECT b.job_id, u.i, sum(u.n) AS n FROM b, unnest(b.duration_buckets) WITH ORDINALITY AS u(n, i)
+      GROUP BY b.job_id, u.i
+    )
+    SELECT s.*, (SELECT array_agg(h.n ORDER BY h.i) FROM h WHERE h.job_id = s.job_id) AS histogram
+    FROM (SELECT job_id, sum(succeeded_count) AS succeeded, sum(failed_count) AS failed,
+                 sum(cancelled_count) AS cancelled, sum(retried_count) AS retried, sum(attempts_count) AS attempts,
+                 sum(sum_duration_ms) AS sum_ms, sum(duration_samples) AS samples, max(updated_at) AS updated_at
+          FROM b GROUP BY job_id) s
+    ORDER BY s.job_id
+    """,
+    prepare=False,
+)
+
+
+def insights_window(conn: Connection, *, since: datetime, job: str | None = None,
+                    workspace: str | None = None) -> list[dict[str, Any]]:
+    return rows(conn, INSIGHTS_WINDOW, {"since": since, "job": job, "workspace": workspace})
+
+
+INSIGHTS_SERIES = Statement(
+    "insights_series",
+    "Per job and step of time since an instant, the rollup's runs by outcome and retried runs (the insights' charts).",
+    """
+    SELECT job_id, date_bin(make_interval(secs => %(step)s), bucket, TIMESTAMPTZ '2000-01-01 00:00:00+00') AS at,
+           sum(succeeded_count) AS succeeded, sum(failed_count) AS failed, sum(cancelled_count) AS cancelled,
+           sum(retried_count) AS retried
+    FROM job_stats_rollup
+    WHERE bucket >= %(since)s                                                -- ix_job_stats_rollup_bucket
+      AND (CAST(%(job)s AS text) IS NULL OR job_id = %(job)s)
+      AND (CAST(%(workspace)s AS text) IS NULL OR workspace_id = %(workspace)s)
+    GROUP BY job_id, at
+    ORDER BY job_id, at
+    """,
+    prepare=False,
+)
+
+
+def insights_series(conn: Connection, *, since: datetime, step: float, job: str | None = None,
+                    workspace: str | None = None) -> list[dict[str, Any]]:
+    return rows(conn, INSIGHTS_SERIES, {"since": since, "step": step, "job": job, "workspace": workspace})
+
+
+STATS_TOTALS = Statement(
+    "stats_totals",
+    "Per job (and workspace, when asked), every run ever folded: counts, duration sums, histogram (/metrics' counters).",
+    """
+    WITH b AS (
+      SELECT *, CASE WHEN %(by_workspace)s THEN workspace_id END AS ws
+      FROM job_stats_rollup
+      WHERE bucket IS NULL                                                  -- the totals rows (ix_job_stats_rollup_bucket)
+    ), h AS (
+      SELECT b.job_id, b.ws, u.i, sum(u.n) AS n FROM b, unnest(b.duration_buckets) WITH ORDINALITY AS u(n, i)
+      GROUP BY b.job_id, b.ws, u.i
+    )
+    SELECT s.*, (SELECT array_agg(h.n ORDER BY h.i) FROM h
+                 WHERE h.job_id = s.job_id AND h.ws IS NOT DISTINCT FROM s.workspace_id) AS histogram
+    FROM (SELECT job_id, ws AS workspace_id, sum(succeeded_count) AS succeeded, sum(failed_count) AS failed,
+                 sum(cancelled_count) AS cancelled, sum(retried_count) AS retried, sum(attempts_count) AS attempts,
+                 sum(sum_duration_ms) AS sum_ms, sum(duration_samples) AS samples
+          FROM b GROUP BY job_id, ws) s
+    ORDER BY s.job_id, s.workspace_id
+    """,
+)
+
+
+def stats_totals(conn: Connection, *, by_workspace: bool = False) -> list[dict[str, Any]]:
+    return rows(conn, STATS_TOTALS, {"by_workspace": by_workspace})
+
+
+FLAKY_RUNS = Statement(
+    "flaky_runs",
+    "The newest runs since an instant that needed more than one attempt (job optional): show me flaky runs.",
+    """
+    SELECT q.id, q.job_id, q.workspace_id, q.state, q.attempts, q.max_attempts, q.created_at, q.finished_at
+    FROM job_queue q
+    WHERE q.attempts > 1                                    -- ix_job_queue_flaky: only retried runs are in it
+      AND q.created_at >= %(since)s                         -- the window, newest first along the index
+      AND (CAST(%(job)s AS text) IS NULL OR q.job_id = %(job)s)
+    ORDER BY q.created_at DESC
+    LIMIT %(limit)s
+    """,
+    prepare=False,
+)
+
+
+def flaky_runs(conn: Connection, *, since: datetime, job: str | None = None, limit: int = 20) -> list[dict[str, Any]]:
+    return rows(conn, FLAKY_RUNS, {"since": since, "job": job, "limit": limit})
+
+
+SLOWEST_RUNS = Statement(
+    "slowest_runs",
+    "A job's slowest successful runs that finished since an instant: first attempt's start to finish.",
+    """
+    SELECT q.id, q.workspace_id, q.attempts, q.finished_at,
+           extract(epoch FROM q.finished_at - s.started_at) AS seconds
+    FROM job_queue q
+    CROSS JOIN LATERAL (SELECT min(r.started_at) AS started_at FROM job_run r
+                        WHERE r.run_id = q.id) AS s                 -- its ledger (ix_job_run_ledger)
+    WHERE q.state = 'succeeded'                                     -- ix_job_queue_succeeded: succeeded runs only,
+      AND q.job_id = %(job)s                                        -- of this job,
+      AND q.finished_at >= %(since)s                                -- by finish
+    ORDER BY seconds DESC NULLS LAST
+    LIMIT %(limit)s
+    """,
+)
+
+
+def slowest_runs(conn: Connection, *, job: str, since: datetime, limit: int = 10) -> list[dict[str, Any]]:
+    return rows(conn, SLOWEST_RUNS, {"job": job, "since": since, "limit": limit})
+
+
+FLOW_WAITING = Statement(
+    "flow_waiting",
+    "Per job and reason (throttle, debounce, batch), the queued runs waiting on flow control and the soonest due.",
+    """
+    SELECT job_id, flow_wait, count(*) AS n, min(run_at) AS next_at, sum(coalesce(gathered, 0)) AS gathered
+    FROM job_queue
+    WHERE flow_wait = 'throttle' AND state = 'queued'               -- ix_job_queue_throttle_waiting
+    GROUP BY job_id, flow_wait
+    UNION ALL
+    SELECT job_id, flow_wait, count(*), min(run_at), sum(coalesce(gathered, 0))
+    FROM job_queue
+    WHERE flow_wait IN ('debounce', 'batch') AND state = 'queued'   -- uq_job_queue_gathering
+    GROUP BY job_id, flow_wait
+    ORDER BY job_id, flow_wait
+    """,
+)
+
+
+def flow_waiting(conn: Connection) -> list[dict[str, Any]]:
+    return rows(conn, FLOW_WAITING, {})
+
+
+RUN_FLOW = Statement(
+    "run_flow",
+    "Why one run waits on flow control: its reason, key, gathering, throttle start, and the runs of its key ahead of it.",
+    """
+    SELECT q.flow_wait, q.flow_key, q.flow_since, q.gathered, q.throttle_key, q.throttle_at, q.run_at,
+           (SELECT count(*) FROM job_queue w                        -- ix_job_queue_throttle_waiting
+            WHERE q.flow_wait = 'throttle'
+              AND w.job_id = q.job_id AND w.throttle_key = q.throttle_key
+              AND w.flow_wait = 'throttle' AND w.state = 'queued' AND w.id <> q.id
+              AND (q.throttle_key = '' OR w.workspace_id IS NOT DISTINCT FROM q.workspace_id)
+              AND (w.priority > q.priority
+                   OR (w.priority = q.priority AND (w.created_at, w.id) < (q.created_at, q.id)))) AS ahead
+    FROM job_queue q
+    WHERE q.id = %(run_id)s
+      AND (q.flow_wait IS NOT NULL OR q.flow_key IS NOT NULL OR q.throttle_key IS NOT NULL)   -- a flow job's run
+    """,
+)
+
+
+def run_flow(conn: Connection, run_id: uuid.UUID) -> dict[str, Any] | None:
+    return first(conn, RUN_FLOW, {"run_id": run_id})
