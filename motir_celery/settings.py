@@ -52,9 +52,13 @@ class Settings:
     pool_size: int = 5
     #: The performance switches (docs/performance.md, "Ablation", measures each on
     #: and off; their hazards are stated where each is implemented).
-    #: Server-side prepared statements for the hot statements (store/statements.py).
-    #: Off behind a transaction pooler such as PgBouncer (they do not survive it).
+    #: Server-side prepared statements for the hot statements (store/driver.py). They do not
+    #: survive a transaction pooler such as PgBouncer: with MOTIR_PREPARED_STATEMENTS unset
+    #: (``detect_pooler``) each engine probes for one at its first connection and prepares
+    #: nothing if it finds one (store/pooler.py); ``0`` never prepares, ``1`` always does.
     prepared_statements: bool = True
+    #: MOTIR_PREPARED_STATEMENTS is unset: find a transaction pooler rather than be told.
+    detect_pooler: bool = True
     #: The claim's commit does not wait for the WAL flush (store/statements.py, CLAIM).
     claim_async_commit: bool = True
     #: On a plain Redis broker, push run messages onto kombu's lists directly
@@ -96,6 +100,7 @@ class Settings:
             max_payload_bytes=_count(env, "MOTIR_MAX_PAYLOAD_BYTES", 1_000_000),
             pool_size=_count(env, "MOTIR_POOL_SIZE", 5),
             prepared_statements=_flag(env, "MOTIR_PREPARED_STATEMENTS", True),
+            detect_pooler=not env.get("MOTIR_PREPARED_STATEMENTS", "").strip(),
             claim_async_commit=_flag(env, "MOTIR_CLAIM_ASYNC_COMMIT", True),
             direct_publish=_flag(env, "MOTIR_DIRECT_PUBLISH", True),
             publish_alias=_flag(env, "MOTIR_PUBLISH_ALIAS", False),

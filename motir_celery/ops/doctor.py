@@ -53,6 +53,7 @@ from sqlalchemy.pool import NullPool
 
 from motir_celery.core.jobs import Job, all_jobs
 from motir_celery.settings import Settings, get_settings
+from motir_celery.store import pooler
 from motir_celery.store.db import set_workspace_context
 from motir_celery.store.models import Base
 from motir_celery.store.rls import ADMIN_ROLE, compare_grants, policies_of
@@ -123,7 +124,10 @@ def run_checks(settings: Settings | None = None, *, timeout: float = 3.0, max_wa
         try:
             with engine.connect() as conn:
                 version = catalog.server_version(conn)
-            yield _ok("database", f"PostgreSQL {version} at {_where(settings.database_url)}")
+            # Which statement mode the engine is in (store/pooler.py: its probe, as a worker runs it).
+            pooled = pooler.probe_url(settings.database_url, timeout=timeout) if settings.detect_pooler else None
+            yield _ok("database", f"PostgreSQL {version} at {_where(settings.database_url)}; "
+                                  f"{pooler.describe(settings, pooled)}")
             db_ok = True
         except Exception as exc:  # noqa: BLE001 — whatever it is, it is the answer
             yield _fail("database", f"cannot connect to {_where(settings.database_url)}: {_first_line(exc)}",
@@ -299,9 +303,12 @@ def _pooler(conn: Any, settings: Settings) -> Check | None:
              "a pooler or proxy sits in between")
     if not settings.prepared_statements:
         return _ok("pooler", where + "; prepared statements are off, as transaction pooling needs")
+    if settings.detect_pooler:  # MOTIR_PREPARED_STATEMENTS unset: the engine probes for itself
+        return _ok("pooler", where + "; " + pooler.describe(settings, pooler.probe_url(settings.database_url or "")))
     return Check("pooler", "WARN", where + " and MOTIR_PREPARED_STATEMENTS is on",
-                 "behind PgBouncer in transaction mode set MOTIR_PREPARED_STATEMENTS=0 "
-                 "(docs/operations.md, Behind PgBouncer)")
+                 "behind PgBouncer in transaction mode leave MOTIR_PREPARED_STATEMENTS unset (the engine finds "
+                 "the pooler and prepares nothing) or set MOTIR_PREPARED_STATEMENTS=0; =1 is for a pooler that keeps "
+                 "each client's statements apart (docs/operations.md, Behind PgBouncer)")
 
 
 def _sweeper(conn: Any, settings: Settings) -> Check:

@@ -36,6 +36,7 @@ from sqlalchemy.orm import Session
 from motir_celery.errors import ConfigurationError, WorkspaceError
 from motir_celery.forks import per_process
 from motir_celery.settings import Settings, get_settings
+from motir_celery.store import pooler
 from motir_celery.store.rls import ADMIN_ROLE
 from motir_celery.store.sql import session
 
@@ -90,6 +91,7 @@ def get_engine(url: str | None = None, *, settings: Settings | None = None) -> E
                     # compared with now(); the session TimeZone only changes how values print.
                     connect_args=_connect_args(settings),
                 )
+                pooler.install(engine, settings)  # behind a transaction pooler: nothing prepared
                 engines.by_url[url] = engine
     return engine
 
@@ -126,6 +128,7 @@ def side_engine(settings: Settings | None = None) -> Engine:
             if engine is None:
                 engine = create_engine(url, pool_size=1, max_overflow=0, pool_pre_ping=True,
                                        connect_args=_connect_args(settings))
+                pooler.install(engine, settings)
                 engines.by_url["side:" + url] = engine
     return engine
 

@@ -10,8 +10,11 @@ the pool replaces it and ``exc.connection_invalidated`` says so.
 
 Hazard of ``MOTIR_PREPARED_STATEMENTS`` (on by default): a server-side prepared
 statement lives in the server session, so a transaction pooler (PgBouncer in
-transaction mode) hands it to the wrong client. Turn it off there; it then also
-turns off psycopg's automatic preparation of every other statement (db.py).
+transaction mode) hands it to the wrong client. Unset, each engine finds such a
+pooler itself and prepares nothing there (store/pooler.py: a probe at its first
+connection; a statement refused for a prepared name is sent again unprepared);
+``0`` turns preparing off everywhere, psycopg's automatic preparation of every
+other statement with it (db.py).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from motir_celery.settings import get_settings
+from motir_celery.store import pooler
 
 __all__ = ["Statement", "rows", "first", "rows_async", "plan"]
 
@@ -56,6 +60,9 @@ def rows(conn: Connection, statement: Statement, params: dict[str, Any]) -> list
     # A connection made with prepare_threshold=None prepares nothing, whatever this process's
     # settings say: MOTIR_PREPARED_STATEMENTS=0 (db.py) and doctor's one-shot connections.
     prepare = statement.prepare and get_settings().prepared_statements and raw.prepare_threshold is not None
+    if prepare and pooler.found(conn.engine):  # a connection made before the pooler was found
+        pooler.unprepared(raw)
+        prepare = False
     cursor = _cursors.get(raw)
     if cursor is None or cursor.closed:
         cursor = _cursors[raw] = raw.cursor()
@@ -69,6 +76,10 @@ def rows(conn: Connection, statement: Statement, params: dict[str, Any]) -> list
             names = _columns[statement.sql] = tuple(column.name for column in cursor.description or ())
         return [dict(zip(names, values)) for values in cursor.fetchall()]
     except psycopg.Error as exc:
+        if prepare and pooler.refused(conn, raw, exc):
+            # A transaction pooler the engine's probe missed (store/pooler.py): nothing of the
+            # statement ran, and this connection prepares nothing any more. Once more, unprepared.
+            return rows(conn, statement, params)
         broken = raw.closed or raw.broken
         if broken:
             # As SQLAlchemy does for a disconnect on its own path: every connection of the

@@ -39,7 +39,7 @@ from motir_celery.core.tracing import current_traceparent
 from motir_celery.errors import PayloadError
 from motir_celery.forks import per_process
 from motir_celery.settings import Settings, get_settings
-from motir_celery.store import records, schema
+from motir_celery.store import pooler, records, schema
 from motir_celery.store.driver import rows_async
 from motir_celery.store.sql import producer as producer_sql
 
@@ -71,6 +71,7 @@ def async_engine(settings: Settings | None = None) -> AsyncEngine:
         engine = per_loop[url] = create_async_engine(
             url, pool_size=settings.pool_size, max_overflow=settings.pool_size, connect_args=connect_args,
         ).execution_options(isolation_level="AUTOCOMMIT")
+        pooler.install(engine.sync_engine, settings)  # behind a transaction pooler: nothing prepared
     return engine
 
 

@@ -1,0 +1,209 @@
+"""Behind a transaction pooler with no setting: found at an engine's first connection, and nothing prepared there.
+
+Server-side prepared statements (``driver.rows`` prepares the catalogued statements; psycopg
+prepares any other one it sees five times) live in the server session. A transaction pooler
+(PgBouncer in ``transaction`` or ``statement`` mode, and the like) hands that session to
+another client after each transaction, so one client's ``_pg3_0`` is missing, clashes by name,
+or — names and parameters matching — is run with another client's parameters.
+
+With ``MOTIR_PREPARED_STATEMENTS`` unset, ``install`` makes each engine **probe** its URL when
+its pool opens its first connection, before anything is sent on it (``probe``): two
+connections of ours ask for their server process's pid in turn, three times each. Directly or
+through a session pooler each keeps its own session: two pids, one each. Through a
+transaction pooler one of them sees two pids, or both see the same one. Found, every
+connection of that engine prepares nothing (``prepare_threshold = None``), and one WARNING
+says so. A probe that could not connect leaves preparing on and is tried again at the engine's
+next new connection; one still waiting for a server session after ``PROBE_SECONDS`` is taken
+for a session pooler (its clients hold every session; a transaction pooler frees one at
+each commit). Cost: two short-lived connections per engine and process, once.
+
+The backstop (``refused``): a statement refused for one of psycopg's statement names (the
+pooler missed by the probe, as can happen while other clients keep every server session busy)
+turns the engine's preparing off the same way, with the same one WARNING, and — when it was a
+statement of its own in autocommit, as every statement of a run is, so that nothing of it ran
+and no attempt is charged — ``driver.rows`` sends it again unprepared. What no detector can
+see: a statement sent under another client's name with the same parameter types runs that
+client's statement. That is why the probe runs before the first statement, not after an error.
+
+``MOTIR_PREPARED_STATEMENTS=0``: nothing prepared, no probe. ``=1``: prepared, no probe — for a
+pooler that keeps each client's statements apart (PgBouncer 1.21+ with
+``max_prepared_statements``), which the probe cannot tell from one that does not.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from psycopg import errors, pq
+from sqlalchemy import Connection, Engine, event
+
+from motir_celery.settings import Settings
+
+__all__ = ["install", "probe", "probe_url", "describe", "found", "refused", "unprepared", "mode", "PROBE_SECONDS"]
+
+log = logging.getLogger("motir_celery.pooler")
+
+#: How long the probe waits for its answers (a pooler whose every server session is busy queues it).
+PROBE_SECONDS = 5.0
+#: Refusals of a prepared name: its Parse (42P05), its Bind (26000), or a Bind whose
+#: parameters fit another client's statement of that name (08P01).
+_REFUSALS = (errors.DuplicatePreparedStatement, errors.InvalidSqlStatementName, errors.ProtocolViolation)
+
+
+@dataclass
+class _State:
+    """What an engine knows of its URL: ``pooled`` None until a probe decided."""
+
+    detect: bool
+    pooled: bool | None = None
+    warned: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_states: "weakref.WeakKeyDictionary[Engine, _State]" = weakref.WeakKeyDictionary()
+
+
+def install(engine: Engine, settings: Settings) -> None:
+    """Decide, at ``engine``'s first connection, whether its connections prepare statements."""
+    if not settings.prepared_statements:
+        return  # db.py's connect_args: prepare_threshold=None on every connection already
+    state = _states[engine] = _State(detect=settings.detect_pooler)
+    if not state.detect:
+        return  # MOTIR_PREPARED_STATEMENTS=1: prepared, whatever sits in between
+    args, kwargs = engine.dialect.create_connect_args(engine.url)
+    kwargs.pop("context", None)
+    where = engine.url.render_as_string(hide_password=True)
+
+    def on_connect(dbapi_connection: Any, _record: Any) -> None:
+        if state.pooled is None:
+            with state.lock:
+                if state.pooled is None:
+                    state.pooled = probe(*args, **kwargs)
+                    if state.pooled:
+                        _warn(state, where, "two of its connections shared one server session")
+        if state.pooled:
+            unprepared(dbapi_connection)
+
+    def on_checkout(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
+        if state.pooled:  # found after this connection was made (the backstop)
+            unprepared(dbapi_connection)
+
+    event.listen(engine, "connect", on_connect)
+    event.listen(engine, "checkout", on_checkout)
+
+
+def found(engine: Engine) -> bool:
+    """A transaction pooler was found in front of ``engine``'s URL (probe or backstop)."""
+    state = _states.get(engine)
+    return state is not None and state.pooled is True
+
+
+def probe(*args: Any, timeout: float = PROBE_SECONDS, **kwargs: Any) -> bool | None:
+    """Whether the server at these psycopg connect arguments is reached through a pooler that
+    hands one server session to several clients; None when the probe could not connect."""
+    found: list[bool] = []
+
+    def ask() -> None:
+        options = {**kwargs, "autocommit": True, "prepare_threshold": None,
+                   "connect_timeout": kwargs.get("connect_timeout") or max(1, int(timeout))}
+        with psycopg.connect(*args, **options) as one, psycopg.connect(*args, **options) as two:
+            seen: tuple[set[int], set[int]] = (set(), set())
+            for _ in range(3):
+                for conn, pids in zip((one, two), seen):
+                    row = conn.execute("SELECT pg_backend_pid()").fetchone()
+                    pids.add(int(row[0]) if row else 0)
+        # Directly or in session pooling, a connection has one server process of its own.
+        found.append(len(seen[0]) > 1 or len(seen[1]) > 1 or bool(seen[0] & seen[1]))
+
+    def guarded() -> None:
+        try:
+            ask()
+        except Exception as exc:  # noqa: BLE001 — undecided: prepared as before, probed again later
+            log.debug("pooler probe failed: %s", exc)
+
+    thread = threading.Thread(target=guarded, name="motir-pooler-probe", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        # Still waiting for a server session: clients hold them all, as in session pooling (a
+        # transaction pooler frees one at each commit). Prepared; the backstop stays armed.
+        log.debug("pooler probe: no answer within %.0fs; taken for no transaction pooler", timeout)
+        return False
+    return found[0] if found else None
+
+
+def probe_url(url: str, *, timeout: float = PROBE_SECONDS) -> bool | None:
+    """``probe`` for a SQLAlchemy URL (``motir doctor``)."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.pool import NullPool
+
+    engine = create_engine(url, poolclass=NullPool)
+    args, kwargs = engine.dialect.create_connect_args(engine.url)
+    kwargs.pop("context", None)
+    engine.dispose()
+    return probe(*args, timeout=timeout, **kwargs)
+
+
+def describe(settings: Settings, pooled: bool | None) -> str:
+    """The statement mode ``settings`` give a URL that ``probe`` found ``pooled``, in words."""
+    if not settings.prepared_statements:
+        return "statements sent unprepared (MOTIR_PREPARED_STATEMENTS=0)"
+    if not settings.detect_pooler:
+        return "statements prepared (MOTIR_PREPARED_STATEMENTS=1)"
+    if pooled:
+        return "statements sent unprepared: a transaction pooler was found (no setting needed)"
+    if pooled is False:
+        return "statements prepared: no transaction pooler found"
+    return "statements prepared unless a transaction pooler is found (the probe could not connect)"
+
+
+def refused(conn: Connection, raw: psycopg.Connection[Any], exc: psycopg.Error) -> bool:
+    """After ``exc`` refused a prepared statement on ``raw``: if it is a pooler's doing (one of
+    psycopg's names), prepare nothing more on this engine; True when the statement may be
+    sent again unprepared (it was a transaction of its own: nothing of it ran)."""
+    if not isinstance(exc, _REFUSALS) or "_pg3_" not in str(exc):
+        return False
+    state = _states.get(conn.engine)
+    if state is None or not state.detect:
+        return False  # not ours to decide: MOTIR_PREPARED_STATEMENTS=1 said prepare
+    with state.lock:
+        state.pooled = True
+        _warn(state, conn.engine.url.render_as_string(hide_password=True),
+              f"a statement was refused for a name the pooler gave another client ({type(exc).__name__})")
+    unprepared(raw)
+    return raw.info.transaction_status == pq.TransactionStatus.IDLE
+
+
+def mode(engine: Engine) -> str:
+    """What ``engine``'s connections do now, for ``motir doctor`` and logs."""
+    state = _states.get(engine)
+    if state is None:
+        return "unprepared (MOTIR_PREPARED_STATEMENTS=0)"
+    if not state.detect:
+        return "prepared (MOTIR_PREPARED_STATEMENTS=1)"
+    if state.pooled:
+        return "unprepared (a transaction pooler was found)"
+    return "prepared (no transaction pooler found)" if state.pooled is False else "prepared (not probed yet)"
+
+
+def _warn(state: _State, where: str, why: str) -> None:
+    if state.warned:
+        return
+    state.warned = True
+    log.warning("%s reaches Postgres through a transaction pooler (%s): this process's connections to it "
+                "send every statement unprepared from now on, as a transaction pooler needs. "
+                "MOTIR_PREPARED_STATEMENTS=0 says so and skips this check; =1 prepares anyway, for a pooler "
+                "that keeps each client's statements apart (PgBouncer 1.21+ with max_prepared_statements)",
+                where, why)
+
+
+def unprepared(dbapi_connection: Any) -> None:
+    """Nothing prepared on this connection from now on (psycopg's own preparing too)."""
+    raw = getattr(dbapi_connection, "driver_connection", None) or dbapi_connection
+    if isinstance(raw, (psycopg.Connection, psycopg.AsyncConnection)):
+        raw.prepare_threshold = None
