@@ -177,6 +177,9 @@ class MotirBackend(RunsTable, BaseBackend):
         return {"task_id": str(task_id), "status": states.PENDING, "result": None, "traceback": None,
                 "children": [], "date_done": None}
 
+    def as_uri(self, include_password: bool = False) -> str:
+        return "motir://runs-table"  # what a worker's banner and `celery report` show
+
     def other_wait_for_pending(self, result: Any, **options: Any) -> Any:
         options.pop("no_ack", None)
         self.wait_for(result.id, timeout=options.get("timeout"), interval=options.get("interval") or 0.5,
