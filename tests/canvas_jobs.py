@@ -88,10 +88,7 @@ def slow(step: Any, x: Any, marker: str = "", seconds: float = 0.0) -> Any:
     (the test waits for it and then kills the worker), then sleeps, then records its effect.
     The record runs once the kill is over (the file is removed by the test)."""
     if marker:
-        Path(marker).with_suffix(f".{os.getpid()}.running").write_text(str(step.run_id))
-        deadline = time.monotonic() + 60
-        while Path(marker).exists() and time.monotonic() < deadline:
-            time.sleep(0.05)  # held here until the test has killed this worker and removed the file
+        _hold(step, marker)  # held here until the test has killed this worker and removed the file
     if seconds:
         time.sleep(seconds)
     return step.run("slow", _effect, step, "slow", x + 1 if isinstance(x, int) else x)
@@ -106,3 +103,24 @@ def big_add(step: Any, x: int, y: int) -> int:
 @define_job("canvas.big_sum", retry_policy=KILLABLE)
 def big_sum(step: Any, xs: list[int]) -> dict[str, int]:
     return step.run("sum", _effect, step, "big_sum", {"n": len(xs), "sum": sum(xs)})  # type: ignore[no-any-return]
+
+
+@define_job("canvas.nap", retry_policy=FAST)
+def nap(step: Any, x: Any) -> Any:
+    step.sleep("nap", 3600)
+    return x
+
+
+def _hold(step: Any, marker: str) -> None:
+    """While the file ``marker`` exists, wait (the test kills this worker meanwhile); say so in ``<marker>.<pid>.running``."""
+    Path(marker).with_suffix(f".{os.getpid()}.running").write_text(str(step.run_id))
+    deadline = time.monotonic() + 60
+    while Path(marker).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+@define_job("canvas.fragile", retry_policy=RetryPolicy(max_attempts=1, name="once"))
+def fragile(step: Any, x: Any, marker: str) -> Any:
+    """One attempt only: a worker killed in it leaves it to the sweeper, which fails it into the DLQ."""
+    _hold(step, marker)
+    return x

@@ -13,6 +13,10 @@ Every message to a job's task goes through ``run_to_execute`` before anything ru
   id (``direct.adopt``; a redelivered or duplicated copy finds the same run), committed,
   and then executed here like any run — claim, steps, retries, DLQ. Arguments that
   cannot be stored become a DLQ entry with the reason, and an ERROR line.
+* **A call that carries a canvas** (Celery's ``chain``, ``link=`` / ``link_error=`` on the
+  message) is adopted whole, as one canvas run (core/producer/canvas.py ``adopt_canvas``): the
+  links after it are never dropped. A member of Celery's own chord, or a canvas naming a plain
+  task, is refused into the DLQ with the reason.
 * **An event or cron job** was never a Celery task: a message for it names a run or is
   malformed, which the runner logs and drops as before.
 
@@ -28,6 +32,7 @@ from typing import Any
 
 from motir_celery.adapter.messages import argsrepr
 from motir_celery.core.jobs import Job
+from motir_celery.core.producer.canvas import adopt_canvas, embedded
 from motir_celery.core.producer.direct import MAX_SHOWN, adopt
 
 __all__ = ["is_run_message", "run_to_execute"]
@@ -59,6 +64,15 @@ def run_to_execute(request: Any, job: Job, args: tuple[Any, ...], kwargs: dict[s
     task_id, name = str(getattr(request, "id", "") or ""), str(getattr(request, "task", "") or job.task_name)
     shown = {"argsrepr": str(getattr(request, "argsrepr", None) or _shown.repr(args))[:MAX_SHOWN],
              "kwargsrepr": str(getattr(request, "kwargsrepr", None) or _shown.repr(kwargs))[:MAX_SHOWN]}
+    parts = embedded(request)
+    if parts:  # Celery's chain / link= / link_error= / chord on the message: the canvas is adopted whole
+        _adopt_canvas(job, args, kwargs, task_id, parts, name, shown)
+        # Celery's tracer would send the chain's next link and the callbacks itself once this task
+        # returns (with its return value as their argument), call the errbacks on a failure, and
+        # count a chord member in its result backend: the canvas run does all of that, once.
+        for name_ in parts:
+            setattr(request, name_, None)
+        return None  # published as a canvas run: nothing to execute under this message
     adopted = adopt(job, args, kwargs, task_id, task_name=name, shown=shown)
     if adopted.reason is not None:
         where = (f"kept as DLQ entry {adopted.dlq_id} (motir dlq list; AsyncResult({task_id!r}) is FAILURE)"
@@ -73,3 +87,19 @@ def run_to_execute(request: Any, job: Job, args: tuple[Any, ...], kwargs: dict[s
     log.info("adopted message %.100s of task %s as run %s%s", task_id, name, adopted.run_id,
              " (a copy: the run exists already)" if adopted.deduplicated else "")
     return str(adopted.run_id)
+
+
+def _adopt_canvas(job: Job, args: tuple[Any, ...], kwargs: dict[str, Any], task_id: str, parts: dict[str, Any],
+                  name: str, shown: dict[str, str]) -> None:
+    """A call that carries the rest of a Celery canvas: stored and published as one canvas run
+    (core/producer/canvas.py ``adopt_canvas``), whose first link is a member run of its own —
+    nothing to execute under this message."""
+    adopted = adopt_canvas(job, args, kwargs, task_id, parts, task_name=name, shown=shown)
+    if adopted.reason is not None:
+        log.error("a message in Celery's protocol for job %s (task %s, id %.100s) carries a canvas (%s) that cannot "
+                  "be made durable: %s; kept as DLQ entry %s", job.id, name, task_id, ", ".join(sorted(parts)),
+                  adopted.reason[:500], adopted.dlq_id)
+        return
+    log.info("adopted message %.100s of task %s with the canvas it carries (%s) as canvas run %s%s", task_id, name,
+             ", ".join(sorted(parts)), adopted.run_id, " (a copy: the canvas exists already)" if adopted.deduplicated
+             else "")

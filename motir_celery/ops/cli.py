@@ -431,6 +431,35 @@ def runs_show(run_id: str, tracebacks: bool, as_json: bool) -> None:
         click.echo(f"\nresult  {json.dumps(d.result, default=str)}")
 
 
+@runs.command("tree")
+@click.argument("run_id")
+@click.option("--depth", default=reads.TREE_DEPTH, show_default=True, type=click.IntRange(1, 32),
+              help="Levels below the run.")
+@click.option("--limit", default=reads.TREE_LIMIT, show_default=True, type=click.IntRange(1, reads.MAX_LIMIT),
+              help="Runs listed at most.")
+@json_option
+def runs_tree(run_id: str, depth: int, limit: int, as_json: bool) -> None:
+    """A run and the runs it started, as a tree: a canvas's links and members, a gather's children."""
+    rid = _uuid_arg(run_id, "run")
+    with _operator_session(_settings()) as s:
+        tree, read = reads.get_tree(s, rid, depth=depth, limit=limit), reads.freshness(s)
+    _read_note(read)
+    if tree is None:
+        raise click.ClickException(f"no run {rid}")
+    if as_json:
+        _print_json(tree)
+        return
+    click.echo(f"{tree.run_id}  {tree.job_id}  {tree.state}" + (f"\n{tree.outline}" if tree.outline else ""))
+    counts = ", ".join(f"{n} {state}" for state, n in sorted(tree.counts.items()))
+    click.echo(f"{tree.children} run(s) started by it" + (f": {counts}" if counts else ""))
+    if tree.nodes:
+        click.echo(text_table(["step", "run", "job", "state", "result"],
+                              [("· " * (n.depth - 1) + (n.step_id or ""),  # one dot per level below the run
+                                n.run_id, n.job_id, n.state, n.result or "") for n in tree.nodes], max_width=70))
+    if tree.truncated:
+        click.echo(f"(the first {len(tree.nodes)} shown: --limit for more)")
+
+
 def _error_line(error: Any) -> str:
     if not isinstance(error, dict):
         return ""

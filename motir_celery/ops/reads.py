@@ -31,6 +31,8 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from motir_celery.core.producer.canvas import outline as canvas_outline
+from motir_celery.core.worker.canvas import CANVAS_JOB_ID
 from motir_celery.store.models import RUN_STATES
 from motir_celery.store.sql import producer
 from motir_celery.store.sql import reads as sql
@@ -393,6 +395,76 @@ def _step_order(step_id: str | None) -> tuple[str, int]:
         if index.isdigit():
             return head, int(index)
     return step_id or "", -1
+
+
+@dataclass(frozen=True)
+class TreeNode:
+    """One run under another in a run's tree (a canvas's members, a gather's children, theirs)."""
+
+    run_id: uuid.UUID
+    parent_id: uuid.UUID
+    step_id: str | None
+    job_id: str
+    state: str
+    #: 1 for the run's own children.
+    depth: int
+    #: The start of its result's JSON (at most 120 characters), if it succeeded.
+    result: str | None
+
+
+@dataclass(frozen=True)
+class RunTree:
+    """A run's descendants, depth first in step order, at most ``limit`` of them and ``depth`` deep."""
+
+    run_id: uuid.UUID
+    job_id: str
+    state: str
+    nodes: list[TreeNode]
+    #: The run's own children by state (all of them, not only those shown).
+    counts: dict[str, int]
+    #: Some descendants were left out (past the limit or the depth).
+    truncated: bool
+    #: A canvas's shape in one line (``chord([50 x canvas.add], canvas.tsum)``); None for another run.
+    outline: str | None = None
+
+    @property
+    def children(self) -> int:
+        return sum(self.counts.values())
+
+
+#: How many descendants a tree shows at most, and how deep (deeper ones are not read).
+TREE_LIMIT = 500
+TREE_DEPTH = 8
+
+
+def get_tree(session: Session, run_id: uuid.UUID | str, *, depth: int = TREE_DEPTH,
+             limit: int = TREE_LIMIT) -> RunTree | None:
+    """The run's tree (``None`` if absent or not visible; RLS applies to every row)."""
+    rid = as_uuid(run_id)
+    if rid is None:
+        return None
+    conn = session.connection()
+    row = sql.run(conn, rid)
+    if row is None:
+        return None
+    found = sql.run_tree(conn, rid, depth=max(1, min(depth, 32)), limit=max(1, min(limit, MAX_LIMIT)) + 1)
+    truncated = len(found) > limit
+    below: dict[uuid.UUID, list[dict[str, Any]]] = {}
+    for r in found[:limit]:
+        below.setdefault(r["parent_run_id"], []).append(r)
+    nodes: list[TreeNode] = []
+
+    def walk(parent: uuid.UUID) -> None:
+        for r in sorted(below.get(parent, []), key=lambda r: _step_order(r["step_id"])):
+            nodes.append(TreeNode(r["id"], parent, r["step_id"], r["job_id"], r["state"], r["depth"], r["result"]))
+            walk(r["id"])
+
+    walk(rid)
+    outline = None
+    if row["job_id"] == CANVAS_JOB_ID and isinstance(row["event_data"], dict):
+        args = row["event_data"].get("args") or []
+        outline = canvas_outline(args[0]) if args else None
+    return RunTree(rid, row["job_id"], row["state"], nodes, sql.child_states(conn, rid), truncated, outline)
 
 
 #: The payload path the events page searches: dotted names, e.g. ``order.id``.

@@ -40,6 +40,7 @@ from datetime import datetime, timezone
 from typing import Any, Iterable, Iterator, Mapping, NoReturn, Sequence
 
 from motir_celery.core.jobs import CanvasNotSupported, Job, find_job, job_for_task, use_canvas
+from motir_celery.core.producer.direct import Adopted, adopt, refuse
 from motir_celery.core.producer.results import READY_STATES, RunHandle
 from motir_celery.core.worker.canvas import (
     CANVAS_JOB_ID,
@@ -50,12 +51,12 @@ from motir_celery.core.worker.canvas import (
     is_leaf,
     member_id,
 )
-from motir_celery.settings import Settings
+from motir_celery.settings import Settings, get_settings
 from motir_celery.store.db import engine_connection
 from motir_celery.store.sql import operator as operator_sql
 
 __all__ = ["Signature", "chain", "group", "chord", "signature", "xmap", "xstarmap", "chunks", "CanvasHandle",
-           "GroupHandle", "maybe_signature", "outline", "CanvasNotSupported"]
+           "GroupHandle", "maybe_signature", "outline", "embedded", "adopt_canvas", "CanvasNotSupported"]
 
 #: The options of a canvas's ``apply_async`` (those of a direct call, and its callbacks).
 CANVAS_OPTIONS = ("countdown", "eta", "queue", "priority", "task_id", "idempotency_key", "workspace_id", "session",
@@ -634,6 +635,48 @@ def _outlines(members: list[Any], depth: int) -> str:
         else:
             runs.append((text, 1))
     return ", ".join(text if n == 1 else f"{n} x {text}" for text, n in runs)
+
+
+# --- a Celery-protocol message carrying a canvas (an old producer's chain, link=) --------------
+
+
+def embedded(request: Any) -> dict[str, Any]:
+    """What of a canvas a Celery message carries (its request's ``chain``, ``callbacks``,
+    ``errbacks``, ``chord``), by name; empty for a plain call."""
+    found = {name: getattr(request, name, None) for name in ("chain", "callbacks", "errbacks", "chord")}
+    return {k: v for k, v in found.items() if v}
+
+
+def adopt_canvas(job: Job, args: Sequence[Any], kwargs: Mapping[str, Any], task_id: str, parts: Mapping[str, Any],
+                 *, task_name: str, shown: Mapping[str, str]) -> Adopted:
+    """A message in Celery's protocol for direct job ``job`` that carries the rest of a canvas
+    (Celery's own ``chain``, ``link=``, ``link_error=``, sent by a producer of the release before
+    the cut-over or by ``send_task(..., link=...)``): stored as **one canvas run** — this call, then
+    its chain, its callbacks and errbacks — keyed on the message's task id (a redelivered copy is
+    the same canvas; ``AsyncResult(task_id)`` is the canvas's result, the chain's last), and
+    published. Nothing of it is dropped: a message that is a member of Celery's own *chord* (its
+    siblings and body live in Celery's result backend), or whose canvas names a plain Celery task,
+    is refused into the DLQ with the reason (``direct.refuse``)."""
+    settings = get_settings()
+    try:
+        if parts.get("chord"):
+            raise CanvasNotSupported(
+                f"message {task_id} is a member of a chord built by Celery's chord(): its siblings and its body "
+                "are counted in Celery's result backend, which no durable run settles; rebuild the chord with "
+                "motir_celery.chord (docs/migrating.md, Canvas)")
+        head: Canvas = Signature(job, tuple(args), dict(kwargs))
+        rest = [maybe_signature(s) for s in reversed(list(parts.get("chain") or []))]  # Celery keeps it reversed
+        made = chain(head, *rest) if rest else head
+        for callback in _listed(parts.get("callbacks")):
+            made.link(maybe_signature(callback))
+        for errback in _listed(parts.get("errbacks")):
+            made.link_error(maybe_signature(errback))
+        if not isinstance(made, chain) and not made._links and not made._errbacks:
+            return adopt(job, args, kwargs, task_id, task_name=task_name, shown=shown, settings=settings)
+        written = made.apply_async(task_id=task_id)
+    except Exception as exc:  # noqa: BLE001 — a canvas this engine cannot make durable: kept, with the reason
+        return refuse(job, task_id, task_name, shown, exc, settings)
+    return Adopted(written.id, written.deduplicated)
 
 
 class _Maker:

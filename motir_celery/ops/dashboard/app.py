@@ -1,4 +1,4 @@
-"""The dashboard: runs, a run's timeline and family, events, the DLQ with Replay and Resume, queue health, /metrics.
+"""The dashboard: runs, a run's timeline and tree, events, the DLQ with Replay and Resume (one or many), health, /metrics.
 
 Starlette with server-rendered Jinja2 templates: no JavaScript, no front-end
 build, one stylesheet. Pages refresh themselves (a meta refresh) while a run
@@ -57,6 +57,7 @@ from starlette.routing import Route
 from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from motir_celery.core.operator import bulk as bulk_ops
 from motir_celery.core.operator import dlq as dlq_ops
 from motir_celery.core.operator import resume as resume_ops
 from motir_celery.core.publish import Publish
@@ -270,18 +271,23 @@ class _Dashboard:
     async def run(self, request: Request, who: Identity) -> Response:
         run_id = request.path_params["run_id"]
 
-        def load() -> tuple[reads.RunDetail | None, reads.Freshness]:
+        def load() -> tuple[reads.RunDetail | None, reads.RunTree | None, reads.Freshness]:
             with self.session(who) as s:
-                return reads.get_run(s, run_id), reads.freshness(s)
+                detail = reads.get_run(s, run_id)
+                # A canvas (or any parent) is shown as its tree, bounded (reads.TREE_LIMIT rows).
+                tree = reads.get_tree(s, run_id) if detail is not None and detail.children else None
+                flows[run_id] = insights.run_flow(s, detail.run.id) if detail is not None else None
+                return detail, tree, reads.freshness(s)
 
-        detail, read = await run_in_threadpool(load)
+        flows: dict[str, insights.RunFlow | None] = {}  # flow control's say on the run: why it waits
+        detail, tree, read = await run_in_threadpool(load)
         if detail is None:
             # A standby behind the primary may not have a run that exists (one just replayed).
             return self.problem(request, 404, f"no run {run_id} in your workspace" + (
                 "; or not yet: these pages read a standby that is behind the primary, reload in a moment"
                 if not read.caught_up else ""), who, read=read)
         return self.render(request, who, "run.html", d=detail, r=detail.run, now=detail.now,
-                           timeline=_timeline(detail),
+                           timeline=_timeline(detail), tree=tree, tree_depth=reads.TREE_DEPTH, flow=flows.get(run_id),
                            live=detail.run.state in ("queued", "running"), read=read)
 
     async def dlq(self, request: Request, who: Identity) -> Response:
@@ -429,11 +435,92 @@ class _Dashboard:
 
         return await run_in_threadpool(act)
 
+    # --- bulk DLQ actions (core/operator/bulk.py): filter, count, confirm, act --------------------
+
+    def bulk_filter(self, values: Mapping[str, str], who: Identity, now: datetime) -> tuple[bulk_ops.DlqFilter, dict[str, str]]:
+        """The filter of a bulk action from its parameters (a bad one is a 400 that names it)."""
+        f = {k: values.get(k) or "" for k in ("job", "error", "since", "until", "workspace")}
+        if not who.admin:
+            f["workspace"] = ""  # row-level security scopes a user to their workspace already
+        instants: dict[str, datetime | None] = {}
+        for name in ("since", "until"):
+            try:
+                instants[name] = parse_since(f[name], now) if f[name] else None
+            except ValueError as exc:
+                raise BadParameter(name, str(exc)) from None
+        flt = bulk_ops.DlqFilter(job=f["job"] or None, error=f["error"] or None, since=instants["since"],
+                                 until=instants["until"], workspace=f["workspace"] or None)
+        return flt, f
+
+    async def bulk_form(self, request: Request, who: Identity) -> Response:
+        q = _params(request, "job", "error", "since", "until", "workspace", "action")
+        action = q.get("action") or "resume"
+        if action not in bulk_ops.ACTIONS:
+            raise BadParameter("action", f"one of {', '.join(bulk_ops.ACTIONS)}")
+
+        def load() -> tuple[bulk_ops.BulkResult | None, dict[str, str], reads.Freshness]:
+            with self.session(who) as s:
+                read = reads.freshness(s)
+            flt, f = self.bulk_filter(q, who, read.now)
+            if flt.empty:
+                return None, f, read
+            preview = bulk_ops.bulk_dlq(action, flt, caller=self.caller(who), dry_run=True, limit=BULK_LIMIT,
+                                        sample=10, settings=self.settings)
+            return preview, f, read
+
+        preview, f, read = await run_in_threadpool(load)
+        return self.render(request, who, "dlq_bulk.html", f=f, action=action, actions=bulk_ops.ACTIONS,
+                           preview=preview, outcome=None, limit=BULK_LIMIT, rate=BULK_RATE, now=read.now, read=read)
+
+    async def bulk_act(self, request: Request, who: Identity) -> Response:
+        form = await request.form()
+        values: dict[str, str] = {}
+        for name in ("job", "error", "since", "until", "workspace", "action", "expect", "confirm"):
+            raw = form.get(name)
+            value = raw.strip() if isinstance(raw, str) else ""
+            if len(value) > MAX_PARAM or not value.isprintable():
+                raise BadParameter(name, f"at most {MAX_PARAM} printable characters")
+            values[name] = value
+        action = values["action"]
+        if action not in bulk_ops.ACTIONS:
+            raise BadParameter("action", f"one of {', '.join(bulk_ops.ACTIONS)}")
+        expect = _int_param(values["expect"], "expect", 1, BULK_LIMIT, default=0)
+        if values["confirm"] != "1" or not expect:
+            return self.problem(request, 400, "a bulk action needs its count confirmed: count what matches first, "
+                                "then tick the box", who)
+
+        def act() -> Response:
+            with self.session(who) as s:
+                read = reads.freshness(s)
+            flt, f = self.bulk_filter(values, who, read.now)
+            if flt.empty:
+                raise BadParameter("job", "a bulk action needs at least one filter")
+            publish = None
+            if action != "dismiss":
+                try:
+                    publish = _tolerant(self.publisher())
+                except ConfigurationError:
+                    log.exception("bulk %s by %s: no broker", action, who.user)
+                    return _back("/dlq", error="no-broker")
+            outcome = bulk_ops.bulk_dlq(action, flt, caller=self.caller(who), rate=BULK_RATE, limit=expect,
+                                        publish=publish, settings=self.settings)
+            log.info("bulk %s by %s (%s): %s", action, who.user, f, outcome.counts)
+            return self.render(request, who, "dlq_bulk.html", f=f, action=action, actions=bulk_ops.ACTIONS,
+                               preview=None, outcome=outcome, expected=expect, changed=outcome.matched != expect,
+                               limit=BULK_LIMIT, rate=BULK_RATE, now=read.now, read=read)
+
+        return await run_in_threadpool(act)
+
     async def cancel(self, request: Request, who: Identity) -> Response:
         run_id = _path_id(request, "run_id")
 
         def act() -> Response:
-            status = dlq_ops.cancel_as(self.caller(who), run_id, settings=self.settings) if run_id else "not_found"
+            try:
+                publish: Publish | None = _tolerant(self.publisher())  # a parent waiting for it is sent at once
+            except ConfigurationError:
+                publish = None  # no broker here: the sweeper sends the parent
+            status = (dlq_ops.cancel_as(self.caller(who), run_id, publish=publish, settings=self.settings)
+                      if run_id else "not_found")
             if status == "not_found":
                 return self.problem(request, 404, f"no run {run_id or ''} in your workspace", who)
             return self.back(who, f"/runs/{run_id}", **({"notice": "cancelled"} if status == "cancelled"
@@ -481,6 +568,12 @@ ERRORS = {
     "resume-dismissed": "this entry was dismissed; it cannot be resumed",
     "resume-purged": "the failed run was purged; replay the entry instead",
 }
+
+#: A bulk action from the dashboard acts on at most this many entries per request, this many a
+#: second (the CLI's ``motir dlq … --limit/--rate`` take more, more slowly): one request stays
+#: under ten seconds.
+BULK_LIMIT = 500
+BULK_RATE = 50.0
 
 #: How long the redirect after an action waits for a standby to replay the primary's write.
 CATCH_UP_WAIT = 2.0
@@ -627,6 +720,8 @@ def create_app(
         Route("/runs/{run_id}", d.page(d.run)),
         Route("/runs/{run_id}/cancel", d.page(d.cancel), methods=["POST"]),
         Route("/dlq", d.page(d.dlq)),
+        Route("/dlq/bulk", d.page(d.bulk_form), methods=["GET"]),
+        Route("/dlq/bulk", d.page(d.bulk_act), methods=["POST"]),
         Route("/dlq/{dlq_id}/replay", d.page(d.replay), methods=["POST"]),
         Route("/dlq/{dlq_id}/dismiss", d.page(d.dismiss), methods=["POST"]),
         Route("/dlq/{dlq_id}/resume", d.page(d.resume), methods=["POST"]),

@@ -184,6 +184,44 @@ def run_family(conn: Connection, run_id: uuid.UUID) -> list[dict[str, Any]]:
     return rows(conn, RUN_FAMILY, {"id": run_id})
 
 
+RUN_TREE = Statement(
+    "run_tree",
+    "A run's descendants (a canvas's tree: the run page, motir runs tree), breadth first, to a bounded depth and count.",
+    """
+    WITH RECURSIVE tree AS (
+      SELECT c.id, c.parent_run_id, c.parent_step_id, c.job_id, c.state, 1 AS depth,
+             left(c.result::text, 120) AS result        -- a glimpse: a chord's body may hold 10,000 values
+      FROM job_queue c
+      WHERE c.parent_run_id = %(id)s                    -- its children (uq_job_queue_parent_run_id_parent_step_id)
+      UNION ALL
+      SELECT c.id, c.parent_run_id, c.parent_step_id, c.job_id, c.state, t.depth + 1, left(c.result::text, 120)
+      FROM tree t JOIN job_queue c ON c.parent_run_id = t.id
+      WHERE t.depth < %(depth)s                         -- no deeper than asked
+    )
+    -- evaluated as it is read: the LIMIT stops the walk, however large the canvas
+    SELECT id, parent_run_id, parent_step_id AS step_id, job_id, state, depth, result FROM tree LIMIT %(limit)s
+    """,
+)
+
+CHILD_STATES = Statement(
+    "child_states",
+    "How many runs a run started, by state (a canvas's progress: 9,500 of 10,000 members succeeded).",
+    """
+    SELECT state, count(*) AS n FROM job_queue
+    WHERE parent_run_id = %(id)s                        -- its children (uq_job_queue_parent_run_id_parent_step_id)
+    GROUP BY state
+    """,
+)
+
+
+def run_tree(conn: Connection, run_id: uuid.UUID, *, depth: int, limit: int) -> list[dict[str, Any]]:
+    return rows(conn, RUN_TREE, {"id": run_id, "depth": depth, "limit": limit})
+
+
+def child_states(conn: Connection, run_id: uuid.UUID) -> dict[str, int]:
+    return {r["state"]: int(r["n"]) for r in rows(conn, CHILD_STATES, {"id": run_id})}
+
+
 RUN_RESUMES = Statement(
     "run_resumes",
     "The DLQ entries closed by resuming a run, newest first.",
