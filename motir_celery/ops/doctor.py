@@ -26,7 +26,9 @@ Checks, in order (later ones are skipped when the database is unreachable):
 5. broker reachable;
 6. workers alive — answer a Celery ping, consume this engine's queue, and know
    the jobs this process knows; a queue that has queued runs and no live
-   consumer is named, with its count (a fleet whose workers all died);
+   consumer is named, with its count (a fleet whose workers all died); each
+   inspection waits for every worker that answered the ping; a consumer whose
+   task list came too late makes "knows none of these jobs" a WARN saying so;
 7. sweeper recent — judged by its effect, since it keeps no heartbeat: no lease
    expired, and no due run left unpublished, for longer than the sweeper's
    period allows (the sweeper runs inside every worker);
@@ -43,7 +45,6 @@ lists every statement of the engine.
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -374,7 +375,6 @@ def _workers(settings: Settings, timeout: float, given: Any = None, waiting: dic
 
     app = given if given is not None else create_app(settings)
     try:
-        started = time.monotonic()
         # A ping reaches every worker on the broker, other apps' too: only those that
         # consume this engine's queue count, and only their task registries.
         replies = app.control.ping(timeout=timeout) or []
@@ -386,17 +386,26 @@ def _workers(settings: Settings, timeout: float, given: Any = None, waiting: dic
         if not names:
             return _fail("workers", f"no worker answered a ping within {timeout:g}s: no live consumer on queue(s) "
                          f"{_unconsumed(waiting, {}, settings.queue)}", start_one)
-        inspect = app.control.inspect(destination=names, limit=len(names),
-                                      timeout=max(0.5, timeout - (time.monotonic() - started)))
+        # Each inspection returns once every worker that answered the ping has replied (limit),
+        # else after the whole timeout: a loaded worker's late reply must not read as "consumes
+        # nothing" or "knows no job".
+        inspect = app.control.inspect(destination=names, limit=len(names), timeout=timeout)
         consuming = {w: {q["name"] for q in qs} for w, qs in (inspect.active_queues() or {}).items()}
         registered = {w: set(ts) for w, ts in (inspect.registered() or {}).items()}
+        # A worker that answered the ping but not `active_queues` in time may be another app's,
+        # or ours and busy: a queue nobody is seen to consume stays a FAIL (an outage must not pass
+        # a health check), and the detail names the silent ones.
+        silent = [w for w in names if w not in consuming]
+        late = (f" ({', '.join(silent[:4])}{'…' if len(silent) > 4 else ''} answered the ping, not `inspect` "
+                f"within {timeout:g}s: if one is yours, run doctor again with a longer --timeout)") if silent else ""
         serving = sorted(w for w, queues in consuming.items() if settings.queue in queues)
         if not serving:
             return _fail("workers", f"{len(names)} worker(s) answered, none consumes queue {settings.queue!r}: "
-                         f"no live consumer on queue(s) {_unconsumed(waiting, consuming, settings.queue)}", start_one)
+                         f"no live consumer on queue(s) {_unconsumed(waiting, consuming, settings.queue)}{late}",
+                         start_one)
         stranded = _unconsumed({q: n for q, n in waiting.items() if n}, consuming, settings.queue)
         if stranded:
-            return _fail("workers", f"no live consumer on queue(s) {stranded}",
+            return _fail("workers", f"no live consumer on queue(s) {stranded}{late}",
                          "start a worker with -Q naming each of these queues")
 
         def known(job: Job) -> bool:
@@ -409,6 +418,15 @@ def _workers(settings: Settings, timeout: float, given: Any = None, waiting: dic
         tasks = {t for w in serving for t in registered.get(w, set()) if t.startswith("motir.")}
         detail = (f"{len(serving)} on queue {settings.queue!r} ({', '.join(serving[:4])}"
                   f"{'…' if len(serving) > 4 else ''}); {len(tasks)} motir job(s) registered")
+        # A consumer whose `registered` reply did not come in time may know them: say so, a WARN,
+        # rather than cry wolf about a busy worker.
+        unsure = sorted(w for w in consuming if w not in registered)
+        if unknown and unsure:
+            return Check("workers", "WARN", detail + f"; none is seen to know {', '.join(unknown)}, but "
+                         f"{', '.join(unsure[:4])}{'…' if len(unsure) > 4 else ''} did not answer `inspect registered` "
+                         f"within {timeout:g}s, so this may be wrong",
+                         f"motir doctor --timeout {max(10.0, 3 * timeout):g} (a busy worker answers late); if it "
+                         "stays, set MOTIR_IMPORTS on the workers to the modules that define these jobs")
         if unknown:
             return _fail("workers", detail + f"; none knows {', '.join(unknown)}",
                          "set MOTIR_IMPORTS on the workers to the modules that define these jobs")
