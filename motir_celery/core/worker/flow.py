@@ -6,7 +6,8 @@ A flow claim is one transaction, in this order, each lock taken in a statement o
 before the statements that depend on it (store/sql/flow.py):
 
 1. **gathering** (debounce= / batch=): a run no producer gathered (a fan-out path that does
-   not, a previous release's producer) is gathered now. A gathering run whose run_at has
+   not, a previous release's producer) is gathered now — but not a ``step.invoke`` child,
+   whose parent waits for that very run: it runs as a plain one (a batch of one event). A gathering run whose run_at has
    come is closed under its key's lock — the lock its senders take — so an event either
    joined it before or opens the next one; one whose message came early schedules one
    message for its run_at (``schedule_early``) and is not claimed.
@@ -102,7 +103,7 @@ def _decide(tx: Connection, run_id: uuid.UUID, job_id: str, opts: RunOptions, wo
     if row is None or row["state"] != "queued":
         return None  # running, finished, or no such run: a stale or duplicate message
     data, workspace = event_data(row), row["workspace_id"]
-    if opts.gathers and row["flow_key"] is None and not row["started"]:
+    if opts.gathers and row["flow_key"] is None and not row["started"] and not row["child"]:
         gathered = _gather_now(tx, run_id, job_id, opts, data, workspace, later)
         if gathered is None:
             return None

@@ -33,6 +33,7 @@ FLOW_RUN = Statement(
     SELECT q.state, q.workspace_id, q.priority, q.flow_wait, q.flow_key, q.throttle_key,
            q.run_at <= now() AS due,                                        -- the claim's own test
            EXISTS (SELECT 1 FROM job_run r WHERE r.run_id = q.id) AS started,   -- ever claimed (ledger)
+           q.parent_run_id IS NOT NULL AS child,                            -- step.invoke's: never gathered
            q.event_id, e.data AS event_data, q.scheduled_for
     FROM job_queue q LEFT JOIN job_event e ON e.id = q.event_id
     WHERE q.id = %(run_id)s
