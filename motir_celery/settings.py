@@ -61,6 +61,8 @@ class Settings:
     detect_pooler: bool = True
     #: The claim's commit does not wait for the WAL flush (store/statements.py, CLAIM).
     claim_async_commit: bool = True
+    #: A succeeded run's settle does not wait for the WAL flush (store/sql/worker.py, SETTLE_SUCCEEDED).
+    settle_async_commit: bool = True
     #: On a plain Redis broker, push run messages onto kombu's lists directly
     #: (adapter/messages.py) instead of through ``send_task``; ``0`` always uses ``send_task``.
     direct_publish: bool = True
@@ -102,6 +104,7 @@ class Settings:
             prepared_statements=_flag(env, "MOTIR_PREPARED_STATEMENTS", True),
             detect_pooler=not env.get("MOTIR_PREPARED_STATEMENTS", "").strip(),
             claim_async_commit=_flag(env, "MOTIR_CLAIM_ASYNC_COMMIT", True),
+            settle_async_commit=_flag(env, "MOTIR_SETTLE_ASYNC_COMMIT", True),
             direct_publish=_flag(env, "MOTIR_DIRECT_PUBLISH", True),
             publish_alias=_flag(env, "MOTIR_PUBLISH_ALIAS", False),
             redis_ack_emulation=_flag(env, "MOTIR_REDIS_ACK_EMULATION", False),

@@ -618,14 +618,27 @@ SETTLE_SUCCEEDED = Statement(
       FROM settled s WHERE r.run_id = s.id
         AND r.outcome = 'running'              -- the open attempt, not an earlier one
     )
-    SELECT count(*) AS settled FROM settled
+    SELECT count(*) AS settled,
+           -- MOTIR_SETTLE_ASYNC_COMMIT (on by default): this commit does not wait for the WAL
+           -- flush (one flush of a run's four; the reply, and the run's end, a flush sooner).
+           -- Every step record before it is a flushed commit, so nothing a step stored can be
+           -- lost. Hazard: a crash of Postgres itself within about three wal_writer_delay of the
+           -- settle (and before any later flushed commit on the server) undoes it: the run is
+           -- 'running' again, is reclaimed when its lease runs out, and replays from its stored
+           -- steps (no body runs again; code outside the steps does, and its result is stored
+           -- anew) -- on its last attempt the reclaim fails it into the DLQ as LeaseExpired,
+           -- where `motir dlq resume` settles it from its steps. A reader (RunHandle.get, the
+           -- result backend, Flower) may have seen it succeeded before the crash.
+           CASE WHEN %(async_commit)s THEN set_config('synchronous_commit', 'off', true) END AS async_commit
+    FROM settled
     """,
 )
 
 
 def settle_succeeded(conn: Connection, claim_: Claim, result_json: str) -> bool:
     """Settle a run that succeeded; ``False`` when fenced (cancelled or reclaimed)."""
-    row = first(conn, SETTLE_SUCCEEDED, {"run_id": claim_.run_id, "token": claim_.token, "result": result_json})
+    row = first(conn, SETTLE_SUCCEEDED, {"run_id": claim_.run_id, "token": claim_.token, "result": result_json,
+                                         "async_commit": get_settings().settle_async_commit})
     return row is not None and row["settled"] == 1
 
 
