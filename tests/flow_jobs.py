@@ -91,3 +91,9 @@ def flaky(event: Any, step: Any) -> Any:
     if event.attempt == 1:
         raise RuntimeError("the first attempt fails, the second succeeds")
     return event.attempt
+
+
+@define_job("flow.invokes_batch", event="flow.invoke_batch", retry_policy="none")
+def invokes_batch(event: Any, step: Any) -> Any:
+    # a child of a batch job: run as it is, a batch of one (its parent waits for that very run)
+    return step.invoke("child", "flow.batched", {"key": "k", "n": event.data["n"]})

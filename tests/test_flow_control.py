@@ -250,6 +250,17 @@ def test_a_run_no_producer_gathered_is_gathered_at_its_claim(motir: Motir) -> No
     assert [[e["n"] for e in o.result] for o in done] == [[0, 1, 2]]
 
 
+def test_a_step_invoke_of_a_batch_job_runs_its_child_as_a_batch_of_one(motir: Motir) -> None:
+    motir.send_event("flow.batch", {"key": "k", "n": 0})  # an open batch of the same key is there
+    parent = motir.send_event("flow.invoke_batch", {"n": 7}).run_ids[0]
+    motir.drain()
+    assert motir.state(motir.handles(SendResult(None, [Queued(parent, "flow.invokes_batch")]))[0]) == "succeeded"
+    (result,) = _rows(motir.engine, "SELECT result FROM job_queue WHERE id = :r", r=parent)
+    assert result[0] == [{"key": "k", "n": 7}]  # not folded into the open batch: the parent got its child
+    assert _rows(motir.engine, "SELECT gathered, flow_wait FROM job_queue WHERE job_id = 'flow.batched' "
+                               "AND parent_run_id IS NULL") == [(1, "batch")]
+
+
 # --- costing nothing to the jobs that do not use them -----------------------------------------
 
 
