@@ -294,8 +294,7 @@ def _purge_runs(*, fold: bool) -> str:
 
 PURGE_RUNS = Statement(
     "purge_runs",
-    "Delete one batch of finished runs past the cutoff (steps and attempts cascade) and the events only they needed, "
-    "folding the runs the stats rollup has not counted yet first.",
+    "Delete a batch of finished runs past the cutoff (steps, attempts cascade), the events only they needed; fold the uncounted first.",
     _purge_runs(fold=True),
 )
 
