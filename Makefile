@@ -49,7 +49,7 @@ test: system-packages setup
 # most, through PgBouncer (pool_mode = transaction, default_pool_size 4) in front of the same
 # server. The session creates, migrates and drops its database through it too. (Not
 # test_beat.py: its warm_pool helper holds 5 transactions open at once, one more than the pool.)
-PGBOUNCER_TESTS := tests/test_worker_e2e.py tests/test_hot_path.py tests/test_pgbouncer.py tests/chaos \
+PGBOUNCER_TESTS := tests/test_worker_e2e.py tests/test_hot_path.py tests/test_pgbouncer.py tests/test_pooler_detection.py tests/chaos \
 	tests/test_primitives.py tests/test_compose_runs.py tests/test_resume.py tests/test_direct.py \
 	tests/test_batch.py tests/test_django.py
 
