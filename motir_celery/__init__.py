@@ -24,7 +24,7 @@ from motir_celery.core.jobs import CanvasNotSupported, Job, define_job, use_invo
 from motir_celery.core.producer.canvas import CanvasHandle, Signature, chain, chord, group, signature
 from motir_celery.core.producer.results import JobFailed, JobRevoked, ResultTimeout, RunHandle, RunNotCommitted
 from motir_celery.core.retries import RetryPolicy
-from motir_celery.core.runspec import CancelOn
+from motir_celery.core.runspec import Batch, CancelOn, Debounce, Throttle
 from motir_celery.core.worker import canvas as canvas_worker
 from motir_celery.core.worker.invoke import ChildFailed
 from motir_celery.errors import (
@@ -79,6 +79,9 @@ __all__ = [
     "attach",
     "RetryPolicy",
     "CancelOn",
+    "Throttle",
+    "Debounce",
+    "Batch",
     "RateLimited",
     "MotirError",
     "ConfigurationError",

@@ -1,4 +1,5 @@
-"""The dashboard: runs, a run's timeline and tree, events, the DLQ with Replay and Resume (one or many), health, /metrics.
+"""The dashboard: runs, a run's timeline and tree, events, the DLQ with Replay and Resume (one or many), health,
+insights (ops/insights.py, charts.py), /metrics.
 
 Starlette with server-rendered Jinja2 templates: no JavaScript, no front-end
 build, one stylesheet. Pages refresh themselves (a meta refresh) while a run
