@@ -10,6 +10,7 @@ workers: tests/test_canvas_workers.py.
 
 from __future__ import annotations
 
+import asyncio
 import tracemalloc
 import uuid
 from pathlib import Path
@@ -146,6 +147,13 @@ def test_member_options_are_checked_where_built() -> None:
         deep = group(chain(deep, cj.add.s(1)), cj.add.s(0))
     with pytest.raises(canvas_worker.CanvasError, match=f"nested more than {MAX_DEPTH} deep"):
         deep.delay()
+
+
+def test_a_canvas_queue_and_priority_go_to_every_member_that_names_none() -> None:
+    node = chain(cj.add.s(1, 1), cj.add.s(2).set(queue="fast", priority=9)).node({"queue": "slow", "priority": 3})
+    assert [t["options"] for t in node["tasks"]] == [{"priority": 3, "queue": "slow"}, {"priority": 9, "queue": "fast"}]
+    with pytest.raises(TypeError, match="unsupported option.*expires"):
+        chain(cj.add.s(1, 1), cj.add.s(2)).apply_async(expires=60)  # refused by name, never dropped
 
 
 def test_a_canvas_lives_in_one_workspace(motir: Motir) -> None:
@@ -319,6 +327,12 @@ def test_a_canvas_written_in_a_rolled_back_transaction_never_runs(motir: Motir) 
     with motir.engine.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM job_queue WHERE job_id = :j"),
                             {"j": CANVAS_JOB_ID}).scalar() == 1
+
+
+def test_a_canvas_is_started_from_asyncio_code_too(motir: Motir) -> None:
+    handle = asyncio.run((cj.add.s(1, 1) | cj.add.s(1)).delay_async())
+    motir.drain()
+    assert handle.get(timeout=0) == 3
 
 
 def test_apply_runs_the_whole_canvas_here(motir: Motir) -> None:

@@ -61,10 +61,6 @@ __all__ = ["Signature", "chain", "group", "chord", "signature", "xmap", "xstarma
 #: The options of a canvas's ``apply_async`` (those of a direct call, and its callbacks).
 CANVAS_OPTIONS = ("countdown", "eta", "queue", "priority", "task_id", "idempotency_key", "workspace_id", "session",
                   "link", "link_error")
-#: Options Celery's own canvas machinery passes that mean nothing here (accepted, ignored).
-_IGNORED = ("add_to_parent", "producer", "connection", "router", "serializer", "compression", "retry",
-            "retry_policy", "expires", "headers", "shadow", "ignore_result", "time_limit", "soft_time_limit")
-
 _CELERY_PRIMITIVES = (
     "Celery's own {what} cannot hold durable signatures (it would run them with its result backend "
     "and chord counter, outside Postgres): use motir_celery.chain / group / chord — `from motir_celery "
@@ -149,9 +145,27 @@ class Canvas:
         every member a stored run, executed here; the handle answers at once."""
         return self._start(args, kwargs, options, eager=True)
 
+    async def delay_async(self, *args: Any, **kwargs: Any) -> RunHandle:
+        """``delay`` for asyncio code (the canvas run written over psycopg's async connection)."""
+        return await self.apply_async_async(args, kwargs)
+
+    async def apply_async_async(self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None,
+                                **options: Any) -> RunHandle:
+        """``apply_async`` for asyncio code; ``session=`` takes an ``AsyncSession``."""
+        job, node, call_args, opts = self._prepared(args, kwargs, options)
+        return CanvasHandle.of(await job.apply_async_async(call_args, {}, **opts), node)
+
     def _start(self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, options: Mapping[str, Any],
                *, eager: bool) -> RunHandle:
-        opts = {k: v for k, v in {**self.options, **options}.items() if k not in _IGNORED}
+        job, node, call_args, opts = self._prepared(args, kwargs, options)
+        call = (job.apply if eager else job.apply_async)(call_args, {}, **opts)
+        return CanvasHandle.of(call, node)
+
+    def _prepared(self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None,
+                  options: Mapping[str, Any]) -> tuple[Job, dict[str, Any], list[Any], dict[str, Any]]:
+        """The canvas job, this canvas's node, the run's arguments and the direct call's options."""
+        # Any option this engine does not take (expires=, headers=, serializer=...) is refused by name.
+        opts = {**self.options, **options}
         unknown = sorted(set(opts) - set(CANVAS_OPTIONS))
         if unknown:
             raise TypeError(f"apply_async() of a canvas: unsupported option(s) {', '.join(unknown)}; "
@@ -168,9 +182,7 @@ class Canvas:
         workspace = _workspace_of(node, opts.get("workspace_id"))
         if workspace is not None:
             opts["workspace_id"] = workspace
-        job = canvas_job()
-        call = (job.apply if eager else job.apply_async)([node, list(args or ()), dict(kwargs or {})], {}, **opts)
-        return CanvasHandle.of(call, node)
+        return canvas_job(), node, [node, list(args or ()), dict(kwargs or {})], opts
 
     # --- what core/worker/canvas.py runs ---------------------------------------------------------
 
@@ -260,8 +272,7 @@ class Signature(Canvas):
         if self._links or self._errbacks or options.get("link") or options.get("link_error"):
             return super().apply_async(args, kwargs, **options)
         call_args, call_kwargs = self._arguments(args, kwargs)
-        opts = {k: v for k, v in {**self.options, **options}.items() if k not in _IGNORED and k not in
-                ("link", "link_error")}
+        opts = {k: v for k, v in {**self.options, **options}.items() if k not in ("link", "link_error")}
         return self.type.apply_async(call_args, call_kwargs, **opts)
 
     def apply(self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None,
@@ -269,7 +280,7 @@ class Signature(Canvas):
         if self._links or self._errbacks or options.get("link") or options.get("link_error"):
             return super().apply(args, kwargs, **options)
         call_args, call_kwargs = self._arguments(args, kwargs)
-        opts = {k: v for k, v in {**self.options, **options}.items() if k not in _IGNORED}
+        opts = {k: v for k, v in {**self.options, **options}.items() if k not in ("link", "link_error")}
         return self.type.apply(call_args, call_kwargs, **opts)
 
     def _arguments(self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None) -> tuple[list[Any], dict[str, Any]]:
@@ -513,7 +524,7 @@ def _listed(value: Any) -> list[Any]:
 
 
 def _member_options(sig: Signature, options: dict[str, Any]) -> dict[str, Any]:
-    refused = sorted(k for k in options if k not in MEMBER_OPTIONS and k not in _IGNORED)
+    refused = sorted(k for k in options if k not in MEMBER_OPTIONS)
     if refused:
         why = ("; idempotency_key is the canvas's own (apply_async of the canvas): a member already runs once "
                "per canvas" if "idempotency_key" in refused else "")

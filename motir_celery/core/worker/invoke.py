@@ -357,17 +357,14 @@ def publish_woken(conn: Connection, settled: Sequence[uuid.UUID], publish: Publi
     not published here is published by the sweeper. Returns how many were published."""
     if publish is None or not settled:
         return 0
+    if conn.in_transaction():
+        # The settle must be committed before its parent is published: a caller inside a
+        # transaction has not committed it yet (a programming error; the sweeper covers it).
+        log.error("publish_woken called inside a transaction; the sweeper publishes the parents")
+        return 0
     try:
-        if conn.get_isolation_level() == "AUTOCOMMIT":
-            woken = worker_sql.claim_wakes(conn, settled)  # one statement, committed
-        else:
-            # The settle must be committed before its parent is published: a caller inside a
-            # transaction has not committed it yet (a programming error; the sweeper covers it).
-            if conn.in_transaction():
-                log.error("publish_woken called inside a transaction; the sweeper publishes the parents")
-                return 0
-            with conn.begin():
-                woken = worker_sql.claim_wakes(conn, settled)
+        with conn.begin():  # its own transaction (on the runner's autocommit connection: one statement)
+            woken = worker_sql.claim_wakes(conn, settled)
     except Exception:  # noqa: BLE001 — the settle is committed; the sweeper publishes the parent
         log.warning("could not publish the parents woken by %d settled run(s); the sweeper will", len(settled),
                     exc_info=True)
