@@ -19,8 +19,10 @@ other statement with it (db.py).
 
 from __future__ import annotations
 
+import re
+import uuid
 import weakref
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import psycopg
 from psycopg import pq
@@ -48,6 +50,9 @@ class Statement(NamedTuple):
     doc: str
     sql: str
     prepare: bool = True
+    #: Sent through libpq itself when prepared (``_through_libpq``): for the statements a run
+    #: sends per step, whose answer is a count or a flag.
+    libpq: bool = False
 
 
 def rows(conn: Connection, statement: Statement, params: dict[str, Any]) -> list[dict[str, Any]]:
@@ -67,6 +72,10 @@ def rows(conn: Connection, statement: Statement, params: dict[str, Any]) -> list
     if cursor is None or cursor.closed:
         cursor = _cursors[raw] = raw.cursor()
     try:
+        if prepare and statement.libpq:
+            found = _through_libpq(raw, statement, params)
+            if found is not None:
+                return found
         cursor.execute(statement.sql, params, prepare=prepare)
         answer = cursor.pgresult
         if answer is None or answer.status != pq.ExecStatus.TUPLES_OK:
@@ -80,7 +89,7 @@ def rows(conn: Connection, statement: Statement, params: dict[str, Any]) -> list
             # A transaction pooler the engine's probe missed (store/pooler.py): nothing of the
             # statement ran, and this connection prepares nothing any more. Once more, unprepared.
             return rows(conn, statement, params)
-        broken = raw.closed or raw.broken
+        broken = raw.closed or raw.broken or raw.pgconn.status == pq.ConnStatus.BAD
         if broken:
             # As SQLAlchemy does for a disconnect on its own path: every connection of the
             # pool older than this one is replaced on its next checkout (a restart killed
@@ -98,6 +107,103 @@ def rows(conn: Connection, statement: Statement, params: dict[str, Any]) -> list
 _cursors: "weakref.WeakKeyDictionary[psycopg.Connection[Any], psycopg.Cursor[Any]]" = weakref.WeakKeyDictionary()
 #: Each statement's column names, read from its first result (a statement's columns are fixed).
 _columns: dict[str, tuple[str, ...]] = {}
+
+
+# --- the per-step statements, through libpq ------------------------------------------------
+#
+# psycopg's cursor spends ~30 us of Python on each statement around libpq's own work (its
+# query conversion, parameter dumpers, result loaders and generators); a run sends four
+# whose answer is a count or a flag (three step records, the settle). Those (``libpq=True``)
+# are prepared under a name of ours on each connection and sent with PQexecPrepared, their
+# parameters as text and their columns read by type (``_READ``). PQexecPrepared blocks in C
+# with the GIL released: other threads run, and a signal's Python handler (a soft time limit)
+# runs when the statement has returned, not while it waits. Errors come back as psycopg's.
+
+#: Each connection's statements prepared here: SQL -> (name, parameter names), or None when a
+#: statement's columns are not ones ``_READ`` reads (then the cursor sends it).
+_named: "weakref.WeakKeyDictionary[psycopg.Connection[Any], dict[str, tuple[bytes, tuple[str, ...]] | None]]" = (
+    weakref.WeakKeyDictionary())
+_PARAM = re.compile(r"%\((\w+)\)s")
+#: Column types read from text: int2, int4, int8, bool, text, varchar, void (set_config's CASE is text).
+_READ: dict[int, Callable[[bytes], Any]] = {21: int, 23: int, 20: int, 16: lambda v: v == b"t",
+                                           25: bytes.decode, 1043: bytes.decode, 2278: bytes.decode}
+
+
+def _through_libpq(raw: psycopg.Connection[Any], statement: Statement, params: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The statement's rows, sent prepared with PQexecPrepared; None: the cursor must send it."""
+    named = _named.get(raw)
+    if named is None:
+        named = _named[raw] = {}
+    entry = named[statement.sql] if statement.sql in named else _prepare(raw, statement, named)
+    if entry is None:
+        return None
+    name, order = entry
+    values = [_text(params[k]) for k in order]
+    if any(v is _NOT_TEXT for v in values):
+        return None
+    answer = raw.pgconn.exec_prepared(name, values)  # type: ignore[arg-type]
+    if answer.status == pq.ExecStatus.TUPLES_OK:
+        names = tuple((answer.fname(i) or b"").decode() for i in range(answer.nfields))
+        reads = [_READ[answer.ftype(i)] for i in range(answer.nfields)]
+        return [{n: (None if answer.get_value(r, i) is None else reads[i](answer.get_value(r, i)))  # type: ignore[arg-type]
+                 for i, n in enumerate(names)} for r in range(answer.ntuples)]
+    if answer.status == pq.ExecStatus.COMMAND_OK:
+        return []
+    raise _error(raw, answer)
+
+
+def _prepare(raw: psycopg.Connection[Any], statement: Statement,
+             named: dict[str, tuple[bytes, tuple[str, ...]] | None]) -> tuple[bytes, tuple[str, ...]] | None:
+    order: list[str] = []
+
+    def number(m: re.Match[str]) -> str:
+        if m[1] not in order:
+            order.append(m[1])
+        return f"${order.index(m[1]) + 1}"
+
+    sql = _PARAM.sub(number, statement.sql).replace("%%", "%")
+    name = f"motir_{statement.name}_{len(named)}".encode()
+    prepared = raw.pgconn.prepare(name, sql.encode(), None)
+    if prepared.status != pq.ExecStatus.COMMAND_OK:
+        raise _error(raw, prepared)
+    described = raw.pgconn.describe_prepared(name)
+    if described.status != pq.ExecStatus.COMMAND_OK:
+        raise _error(raw, described)
+    readable = all(described.ftype(i) in _READ for i in range(described.nfields))
+    entry = named[statement.sql] = (name, tuple(order)) if readable else None
+    return entry
+
+
+class _NotText:
+    pass
+
+
+_NOT_TEXT = _NotText()
+
+
+def _text(value: Any) -> bytes | None | _NotText:
+    """A parameter as Postgres reads it in text, the server inferring its type from the statement."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return b"t" if value else b"f"
+    if isinstance(value, (str, uuid.UUID)):
+        return str(value).encode()
+    if isinstance(value, (int, float)):
+        return repr(value).encode()
+    return _NOT_TEXT
+
+
+def _error(raw: psycopg.Connection[Any], answer: pq.abc.PGresult) -> psycopg.Error:
+    """libpq's error as the exception psycopg raises for it (its class by SQLSTATE, its diagnostics)."""
+    if raw.pgconn.status == pq.ConnStatus.BAD:
+        return psycopg.OperationalError((raw.pgconn.error_message or b"the connection was lost").decode(errors="replace"))
+    sqlstate = answer.error_field(pq.DiagnosticField.SQLSTATE)
+    try:
+        cls: type[psycopg.Error] = psycopg.errors.lookup(sqlstate.decode()) if sqlstate else psycopg.DatabaseError
+    except KeyError:  # a SQLSTATE psycopg has no class for
+        cls = psycopg.DatabaseError
+    return cls(answer.error_message.decode(errors="replace").strip(), info=answer)
 
 
 def first(conn: Connection, statement: Statement, params: dict[str, Any]) -> dict[str, Any] | None:

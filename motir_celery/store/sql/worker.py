@@ -163,6 +163,7 @@ STORE_STEP = Statement(
     ON CONFLICT (run_id, step_id) DO NOTHING   -- stored already (a racing duplicate): the stored value wins
     RETURNING 1 AS stored
     """,
+    libpq=True,  # three a run: through libpq itself (driver.py)
 )
 
 
@@ -632,6 +633,7 @@ SETTLE_SUCCEEDED = Statement(
            CASE WHEN %(async_commit)s THEN set_config('synchronous_commit', 'off', true) END AS async_commit
     FROM settled
     """,
+    libpq=True,  # once a run: through libpq itself (driver.py)
 )
 
 
