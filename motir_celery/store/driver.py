@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 import uuid
 import weakref
+import zlib
 from typing import Any, Callable, NamedTuple
 
 import psycopg
@@ -162,7 +163,9 @@ def _prepare(raw: psycopg.Connection[Any], statement: Statement,
         return f"${order.index(m[1]) + 1}"
 
     sql = _PARAM.sub(number, statement.sql).replace("%%", "%")
-    name = f"motir_{statement.name}_{len(named)}".encode()
+    # One name per statement and SQL, the same on every connection: a pooler that handed one client's
+    # session to another (store/pooler.py) can only clash by name, never run another statement.
+    name = f"motir_{statement.name}_{zlib.crc32(sql.encode()):08x}".encode()
     prepared = raw.pgconn.prepare(name, sql.encode(), None)
     if prepared.status != pq.ExecStatus.COMMAND_OK:
         raise _error(raw, prepared)

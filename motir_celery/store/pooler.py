@@ -53,6 +53,8 @@ PROBE_SECONDS = 5.0
 #: Refusals of a prepared name: its Parse (42P05), its Bind (26000), or a Bind whose
 #: parameters fit another client's statement of that name (08P01).
 _REFUSALS = (errors.DuplicatePreparedStatement, errors.InvalidSqlStatementName, errors.ProtocolViolation)
+#: The names statements are prepared under: psycopg's own, and driver.py's for the per-step ones.
+PREPARED_NAMES = ('"_pg3_', '"motir_')
 
 
 @dataclass
@@ -164,9 +166,9 @@ def describe(settings: Settings, pooled: bool | None) -> str:
 
 def refused(conn: Connection, raw: psycopg.Connection[Any], exc: psycopg.Error) -> bool:
     """After ``exc`` refused a prepared statement on ``raw``: if it is a pooler's doing (one of
-    psycopg's names), prepare nothing more on this engine; True when the statement may be
+    our names: psycopg's or driver.py's), prepare nothing more on this engine; True when the statement may be
     sent again unprepared (it was a transaction of its own: nothing of it ran)."""
-    if not isinstance(exc, _REFUSALS) or "_pg3_" not in str(exc):
+    if not isinstance(exc, _REFUSALS) or not any(name in str(exc) for name in PREPARED_NAMES):
         return False
     state = _states.get(conn.engine)
     if state is None or not state.detect:
