@@ -55,6 +55,12 @@ def debounced(event: Any, step: Any) -> Any:
     return event.data
 
 
+@define_job("flow.debounced_limited", event="flow.debounce_limited", debounce=(5.0, "data.key"),
+            concurrency=(1, "data.account"), retry_policy="none")
+def debounced_limited(event: Any, step: Any) -> Any:
+    return event.data
+
+
 @define_job("flow.debounced_fast", event="flow.debounce_fast", debounce=(1.0, "data.key", 6.0), retry_policy="none")
 def debounced_fast(event: Any, step: Any) -> Any:
     _record(event.run_id, "start")

@@ -208,6 +208,16 @@ def test_a_burst_makes_one_run_with_the_last_event_once_the_key_is_quiet(motir: 
         (2, 6)]
 
 
+def test_a_debounced_run_takes_what_its_last_events_data_keys(motir: Motir) -> None:
+    # concurrency=(1, "data.account") beside debounce=: the run's slot is its last event's account
+    first = motir.send_event("flow.debounce_limited", {"key": "k", "account": "a1"}).runs[0]
+    motir.send_event("flow.debounce_limited", {"key": "k", "account": "a2"})
+    assert _rows(motir.engine, "SELECT concurrency_key, gathered FROM job_queue") == [("a2", 2)]
+    motir.advance(seconds=6)
+    assert [o.result for _, o in motir.drain()] == [{"key": "k", "account": "a2"}]
+    assert first.run_id == _rows(motir.engine, "SELECT id FROM job_queue")[0][0]  # type: ignore[union-attr]
+
+
 def test_a_key_that_never_goes_quiet_still_runs_at_max_wait(motir: Motir) -> None:
     # debounce=(5 s, key, max_wait 30 s): an event every 4 s would put it off for ever
     for n in range(8):

@@ -145,7 +145,8 @@ BEGIN
       IF g.kind = 'debounce' THEN
         UPDATE job_queue q
         SET event_id = v_run.event_id, event_name = v_run.event_name,   -- the run carries the last event
-            traceparent = v_run.traceparent, cancel_key = v_run.cancel_key,
+            traceparent = v_run.traceparent, cancel_key = v_run.cancel_key,   -- and what its data keys
+            concurrency_key = v_run.concurrency_key,
             gathered = q.gathered + 1,
             -- quiet for the period from now, but never later than max_wait after the burst began
             run_at = least(now() + make_interval(secs => g.wait), q.flow_since + make_interval(secs => g.lim))

@@ -80,7 +80,7 @@ ROUTINES: tuple[Routine, ...] = (
     Routine("motir_direct_run", _DIRECT, "a76790aa09645a99063f4f846ce34ca7", False, _BOTH),
     Routine("motir_on_run_settled", "", "6b2346fbd867386ca250ea9553055a05", False, frozenset({"PUBLIC"})),
     # debounce= / batch= at send (migration 0012): writer, checked function, dispatcher.
-    Routine("motir_write_gather", _GATHER, "e94238c12d82571282367e17ec3e4f6a", True, frozenset({ENGINE_ROLE})),
+    Routine("motir_write_gather", _GATHER, "05215dd015a898531f874f1ecd1babaa", True, frozenset({ENGINE_ROLE})),
     Routine("motir_enqueue_gather", _GATHER, "9b07f6915ca928d7338d31f5ccbc84df", True, frozenset({APP_ROLE})),
     Routine("motir_gather", _GATHER, "f7ddb1ef70302f187edd7678009ad75f", False, _BOTH),
 )

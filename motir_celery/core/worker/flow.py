@@ -113,9 +113,15 @@ def _decide(tx: Connection, run_id: uuid.UUID, job_id: str, opts: RunOptions, wo
         return None
     if row["flow_wait"] in GATHERING:
         flow_sql.lock_flow_key(tx, "gather", job_id, workspace, row["flow_key"])
-        if not flow_sql.close_gather(tx, run_id):  # a sender moved its run_at since our read
-            _schedule(tx, run_id, settings, later)
-            return None
+        if not flow_sql.close_gather(tx, run_id):
+            # Since our read a sender moved its run_at (not due: one message for the new one), or
+            # filled the batch and closed it (due: claim it), or another claim took it (nothing).
+            row = flow_sql.flow_run(tx, run_id, job_id)
+            if row is None or row["state"] != "queued":
+                return None
+            if row["flow_wait"] is not None or not row["due"]:
+                _schedule(tx, run_id, settings, later)
+                return None
     if opts.throttle is not None and not row["started"]:
         return _throttled(tx, run_id, job_id, opts, data, workspace, worker, lease_seconds, limit, token,
                           settings, later)
