@@ -232,6 +232,34 @@ def test_a_key_that_never_goes_quiet_still_runs_at_max_wait(motir: Motir) -> Non
     assert [o.result["n"] for _, o in motir.drain()] == [8]
 
 
+def test_a_sender_killed_mid_gathering_writes_nothing(engine: Engine, database_url: str) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    holder = create_engine(engine.url, poolclass=NullPool)
+    with holder.connect() as lock, lock.begin():
+        flow_sql.lock_flow_key(lock, "gather", "flow.debounced_fast", None, "k")  # the key's lock, held
+        sender = subprocess.Popen(
+            [sys.executable, "-c", "import tests.flow_jobs; from motir_celery.core.producer.events import send_event; "
+             "send_event('flow.debounce_fast', {'key': 'k'}, publish=None)"],
+            cwd=Path(__file__).resolve().parent.parent, env={**os.environ, "MOTIR_DATABASE_URL": database_url})
+        wait_for(lambda: _lock_waiters(engine) >= 1, timeout=30, what="the sender to wait inside motir_gather")
+        sender.send_signal(signal.SIGKILL)  # its transaction wrote the event and the run, and waits on the key
+        sender.wait(timeout=10)
+    holder.dispose()
+    wait_for(lambda: _lock_waiters(engine) == 0, timeout=10, what="the dead sender's backend to let go")
+    wait_for(lambda: _rows(engine, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                                   "AND state <> 'idle' AND pid <> pg_backend_pid() "
+                                   "AND query LIKE '%motir_record_event%'") == [(0,)],
+             timeout=10, what="its statement to end")
+    assert _rows(engine, "SELECT count(*) FROM job_event") == [(0,)]  # the event, the run: all or nothing
+    assert _rows(engine, "SELECT count(*) FROM job_queue") == [(0,)]
+    send_event("flow.debounce_fast", {"key": "k"})
+    assert _rows(engine, "SELECT gathered, flow_wait FROM job_queue") == [(1, "debounce")]
+
+
 # --- batch ----------------------------------------------------------------------------------
 
 
