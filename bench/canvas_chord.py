@@ -25,7 +25,6 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from typing import Any
 
 from bench import harness as h
 from bench.canvas_chord_jobs import COUNTS, body, check, member
@@ -53,8 +52,9 @@ def main() -> None:
         ours_env = h.child_env(MOTIR_DATABASE_URL=db.url, MOTIR_QUEUE=MOTIR_QUEUE, MOTIR_IMPORTS="bench.canvas_chord_jobs",
                                BENCH_COUNTER_URL=COUNTS)
         os.environ.update(BENCH_CHORD_BACKEND=backend, BENCH_PLAIN_QUEUE=PLAIN_QUEUE)
-        from bench.canvas_chord_plain import add, tsum
         from celery import chord as celery_chord
+
+        from bench.canvas_chord_plain import add, tsum
 
         failures: list[str] = []
 

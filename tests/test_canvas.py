@@ -23,7 +23,6 @@ from sqlalchemy import text
 import tests.canvas_jobs as cj
 from motir_celery import (
     CanvasNotSupported,
-    ChildFailed,
     JobFailed,
     JobRevoked,
     chain,

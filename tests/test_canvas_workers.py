@@ -265,3 +265,33 @@ def _refusals(engine: Engine) -> list[str]:
     with engine.connect() as conn:
         return [r for (r,) in conn.execute(text("SELECT failure->>'message' FROM job_run_dlq "
                                                 "WHERE failure->>'message' LIKE '%chord%'"))]
+
+
+def test_lost_and_duplicated_messages_start_no_link_twice_and_lose_none(engine: Engine, broker_url: str,
+                                                                       producer: Any, tmp_path: Path) -> None:
+    import os
+
+    import redis
+
+    from motir_celery.adapter.messages import publisher
+
+    marker = tmp_path / "held"
+    marker.write_text("hold")
+    handle = (cj.slow.s(1, marker=str(marker)) | cj.add.s(10)).delay()
+    redis.Redis.from_url(broker_url).delete(os.environ["MOTIR_QUEUE"])  # the canvas run's message, lost
+    with celery_worker(tmp_path, broker=broker_url, env=KILLABLE, sweep_interval=0.5):
+        # MOTIR_REPUBLISH_AFTER=5 in the workers (conftest): the sweeper sends the canvas run again.
+        first = wait_for(lambda: (m := members(engine, handle.id).get("0.t")) is not None and m, timeout=60,
+                         what="the lost canvas run to be found and started")
+        wait_for(lambda: held(tmp_path, marker.name), timeout=60, what="the first link to be running")
+        send = publisher(producer)
+        for _ in range(5):  # redelivered / duplicated messages of the canvas run and of its first link
+            send(handle.id, CANVAS_JOB_ID, 0.0)
+            send(first.id, "canvas.slow", 0.0)
+        marker.unlink()
+        assert handle.get(timeout=60) == 12
+    started = members(engine, handle.id)
+    assert sorted(started) == ["0.t", "1.t"]
+    assert count_effects(engine, first.id, "slow") == 1 and count_effects(engine, started["1.t"].id, "add") == 1
+    assert started["0.t"].attempts == 1 and len(held(tmp_path, marker.name)) == 1  # the duplicates claimed nothing
+    assert _ledger(engine, handle.id) == ["suspended", "suspended", "succeeded"]
