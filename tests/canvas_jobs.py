@@ -124,3 +124,9 @@ def fragile(step: Any, x: Any, marker: str) -> Any:
     """One attempt only: a worker killed in it leaves it to the sweeper, which fails it into the DLQ."""
     _hold(step, marker)
     return x
+
+
+@define_job("canvas.big", retry_policy=FAST)
+def big(step: Any, n: int) -> str:
+    """A result of ``n`` characters (no step: only the run's result holds it)."""
+    return "x" * n

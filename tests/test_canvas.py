@@ -468,6 +468,15 @@ def test_replaying_a_canvas_runs_only_its_failed_link_again(motir: Motir, tmp_pa
 # --- bounds ---------------------------------------------------------------------------------------
 
 
+def test_a_body_whose_arguments_would_be_too_large_fails_its_canvas_at_once(motir: Motir) -> None:
+    handle = chord([cj.big.s(300_000) for _ in range(4)], cj.tsum.s()).delay()
+    motir.drain()
+    with pytest.raises(JobFailed, match="over the 1000000-byte limit"):
+        handle.get(timeout=0)
+    assert motir.attempts(handle) == 1  # not retried: the results would not get smaller
+    assert "b.t" not in members(motir, handle.id)
+
+
 def test_a_group_of_10000_starts_in_ten_statements_and_bounded_memory(motir: Motir, monkeypatch: Any) -> None:
     calls: list[int] = []
     start = worker_sql.start_members

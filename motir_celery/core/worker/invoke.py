@@ -250,7 +250,7 @@ def await_members(step: Any, key: str, members: Sequence[Member], *, route: Rout
         step._still_held(key)
         for i in range(0, len(members), MEMBER_BATCH):
             batch = members[i:i + MEMBER_BATCH]
-            rows = [_member_row(claim, m) for m in batch]
+            rows = [_member_row(claim, m, step._max_bytes) for m in batch]
             with step._transaction() as tx:
                 held, created = worker_sql.start_members(
                     tx, claim, rows, traceparent=current_traceparent() or claim.traceparent,
@@ -282,14 +282,17 @@ def await_members(step: Any, key: str, members: Sequence[Member], *, route: Rout
                        0.0)
 
 
-def _member_row(claim: records.Claim, m: Member) -> tuple[str, str, str, str, RunSpec, uuid.UUID, float | None,
-                                                          datetime | None]:
+def _member_row(claim: records.Claim, m: Member, limit: int) -> tuple[str, str, str, str, RunSpec, uuid.UUID,
+                                                                     float | None, datetime | None]:
     try:
         encoded = json.dumps(m.data, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise PayloadError(f"arguments of member {m.key!r} ({m.job.id}) are not JSON: {exc}") from None
     if "\\u0000" in encoded:
         raise PayloadError(f"arguments of member {m.key!r} ({m.job.id}) contain a NUL character")
+    if len(encoded) > limit:  # a chord's body gets every header result: retrying would not make it smaller
+        raise NonRetriableError(f"arguments of member {m.key!r} ({m.job.id}) are {len(encoded)} bytes of JSON, over "
+                                f"the {limit}-byte limit (MOTIR_MAX_PAYLOAD_BYTES)")
     return (m.key, f"{CHILD_EVENT_PREFIX}{m.job.id}", encoded, f"motir.invoke:{claim.run_id}:{m.key}",
             m.job.spec(m.data, claim.workspace_id, m.priority), m.run_id, m.delay, m.eta)
 
