@@ -16,7 +16,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import psycopg
 import pytest
 from sqlalchemy import Connection, create_engine, make_url, text
 from sqlalchemy.engine import Engine
@@ -38,7 +37,6 @@ from motir_celery.store.records import Queued
 from motir_celery.store.rls import APP_ROLE
 from motir_celery.store.sql import flow as flow_sql
 from motir_celery.store.sql import producer as producer_sql
-from motir_celery.store.sql import worker as worker_sql
 from motir_celery.testing import Motir
 from tests.conftest import celery_worker, wait_for
 from tests.flow_jobs import LIMIT, PERIOD
@@ -303,23 +301,29 @@ def test_a_step_invoke_of_a_batch_job_runs_its_child_as_a_batch_of_one(motir: Mo
 
 
 @contextmanager
-def _statements() -> Iterator[list[str]]:
-    """Every SQL text this process sends through psycopg while the block runs."""
-    sent: list[str] = []
-    original = psycopg.Cursor.execute
+def _flow_calls() -> Iterator[list[str]]:
+    """Every call into flow control's claim and its statements (store/sql/flow.py) while the block runs."""
+    calls: list[str] = []
+    names = [n for n, v in vars(flow_sql).items() if callable(v) and not n.startswith("_")
+             and getattr(v, "__module__", "") == flow_sql.__name__]
+    originals = {n: getattr(flow_sql, n) for n in names}
 
-    def execute(self: Any, query: Any, params: Any = None, **kw: Any) -> Any:
-        sent.append(str(query))
-        return original(self, query, params, **kw)
+    def spy(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return fn(*args, **kwargs)
+        return wrapped
 
-    psycopg.Cursor.execute = execute  # type: ignore[method-assign]
+    real_claim = flow.claim
+    for n, fn in originals.items():
+        setattr(flow_sql, n, spy(n, fn))
+    setattr(flow, "claim", spy("flow.claim", real_claim))
     try:
-        yield sent
+        yield calls
     finally:
-        psycopg.Cursor.execute = original  # type: ignore[method-assign]
-
-
-FLOW_STATEMENTS = {s.sql for s in vars(flow_sql).values() if isinstance(s, flow_sql.Statement)}
+        for n, fn in originals.items():
+            setattr(flow_sql, n, fn)
+        setattr(flow, "claim", real_claim)
 
 
 def test_a_job_without_flow_control_sends_none_of_its_statements(engine: Engine) -> None:
@@ -327,15 +331,15 @@ def test_a_job_without_flow_control_sends_none_of_its_statements(engine: Engine)
 
     assert flow.options_of("flow.plain") is None and flow.options_of("flow.throttled") is not None
     plain = emit("flow.plain", {"n": 1})["flow.plain"]
-    with _statements() as sent:
-        outcome = runner.execute(plain, job_id="flow.plain", worker="t")
-    assert outcome.state == "succeeded"
-    assert not FLOW_STATEMENTS.intersection(sent)
-    assert worker_sql.CLAIM.sql in sent and len(sent) == 2, sent  # the claim, the settle: nothing else
+    with _flow_calls() as calls:
+        assert runner.execute(plain, job_id="flow.plain", worker="t").state == "succeeded"
+        assert emit("flow.plain", {"n": 2})  # nor its fan-out (send_event)
+    assert calls == []  # the claim statement, the settle: as before flow control existed
     throttled = emit("flow.throttle", {"key": "x"})["flow.throttled"]
-    with _statements() as sent:
+    with _flow_calls() as calls:
         assert runner.execute(throttled, job_id="flow.throttled", worker="t").state == "succeeded"
-    assert flow_sql.THROTTLE_STATE.sql in sent and flow_sql.THROTTLE_ADMIT.sql in sent  # the control
+        emit("flow.batch", {"key": "x"})
+    assert calls[:1] == ["flow.claim"] and {"throttle_state", "throttle_admit", "gather"} <= set(calls)  # the control
 
 
 # --- the app role's way in: motir_enqueue_gather, guard by guard ----------------------------
