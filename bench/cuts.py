@@ -147,6 +147,47 @@ def slot(url: str, tree: Path, env: dict[str, str], runs: int, events: int) -> d
     return result
 
 
+# In-process: the runner alone (runner.execute, what a worker's task calls), no Celery, no broker:
+# the CPU of this process and of its Postgres backends per run. Steadier than a drain's figures on
+# a shared machine, and it is the engine's own cost, which is what the cuts change.
+_INPROCESS = """
+import json, os, sys, time
+import motir_celery
+sys.path.insert(0, sys.argv[1])
+import bench.workload
+from bench import harness as h
+from motir_celery.core.worker import runner
+spec = json.loads(sys.argv[2])
+db = h.Database(spec["url"])
+db.truncate()
+ids = [r[0] for r in db.rows(h.PREQUEUE, {"job": "bench.three", "lo": 1, "hi": spec["runs"] + 100,
+                                          "max_attempts": 3, "policy": "transient"})]
+for run_id in ids[:100]:
+    runner.execute(run_id, job_id="bench.three", worker="cuts/1")
+backends = db.backends()
+walls = []
+b0, c0 = h.read_cpu(backends, tree=False), time.process_time()
+for run_id in ids[100:]:
+    t = time.perf_counter()
+    assert runner.execute(run_id, job_id="bench.three", worker="cuts/1").state == "succeeded"
+    walls.append(time.perf_counter() - t)
+c1, b1 = time.process_time(), h.read_cpu(backends, tree=False)
+n = spec["runs"]
+print(json.dumps({"client_ms": (c1 - c0) / n * 1e3, "backend_ms": h.cpu_ms(b0, b1) / n,
+                  "wall_ms": h.median(walls) * 1e3}))
+"""
+
+
+def inprocess(url: str, tree: Path, env: dict[str, str], runs: int) -> dict[str, float]:
+    child = h.child_env(str(tree), MOTIR_DATABASE_URL=url, MOTIR_IMPORTS="bench.workload", MOTIR_QUEUE=QUEUE, **env)
+    done = subprocess.run([sys.executable, "-c", _INPROCESS, str(h.ROOT), json.dumps({"url": url, "runs": runs})],
+                          env=child, cwd=tree, capture_output=True, text=True, timeout=900)
+    if done.returncode:
+        raise RuntimeError(f"in-process measurement failed:\n{done.stderr[-3000:]}")
+    result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
 def render(rows: dict[str, dict[str, Any]], cuts: dict[str, Cut], meta: dict[str, Any]) -> str:
     control = rows.get(CONTROL)
     drift_tp = max(abs(x - 1) for x in control["ratios"]) if control else 0.0
@@ -160,7 +201,7 @@ def render(rows: dict[str, dict[str, Any]], cuts: dict[str, Cut], meta: dict[str
           "what issue 28 is about.", "",
           "| cut (commit) | throughput with, runs/s | without | ratio | p50 with, ms | without | delta, ms "
           "| CPU ms/run with | without | CPU saved | verdict |",
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"] if rows else md_head(meta)
     for key, r in rows.items():
         if key == CONTROL:
             name, v = "control: nothing undone", "(drift)"
@@ -172,10 +213,42 @@ def render(rows: dict[str, dict[str, Any]], cuts: dict[str, Cut], meta: dict[str
         md.append(f"| {name} | {r['on_tp']:.0f} | {r['off_tp']:.0f} | {r['ratio']:.2f} | {r['on_p50'] * 1e3:.2f} "
                   f"| {r['off_p50'] * 1e3:.2f} | {r['delta'] * 1e3:+.2f} | {r['on_cpu']:.2f} | {r['off_cpu']:.2f} "
                   f"| {r['off_cpu'] - r['on_cpu']:+.2f} | {v} |")
-    md += ["", "Per round (ratio; delta ms): " + "; ".join(
+    md += [] if not rows else ["", "Per round (ratio; delta ms): " + "; ".join(
         f"{key} " + ", ".join(f"{x:.2f}" for x in r["ratios"]) + " / "
         + ", ".join(f"{d * 1e3:+.2f}" for d in r["deltas"]) for key, r in rows.items()) + "."]
+    steady = meta.get("inprocess")
+    if steady:
+        md += ["", f"In process (`runner.execute` alone, {meta['inprocess_runs']:,} runs one after another a "
+               "measurement, the same schedule: every OFF between two ONs, medians of the rounds): CPU ms per run of "
+               "the process and of its Postgres backends, and the median time one run takes (claim to settle: its "
+               "round trips and flushes, the part of p50 the engine owns). A cut of the worker's other processes "
+               "(the renewer's) shows in the drains only.", "",
+               "| cut | client with | without | saved | Postgres with | without | saved | a run's time (median) with, ms "
+               "| without | saved |",
+               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for key, r in steady.items():
+            name = "control: nothing undone" if key == CONTROL else cuts[key].what
+            md.append(f"| {name} | {r['on_client']:.3f} | {r['off_client']:.3f} | {r['off_client'] - r['on_client']:+.3f} "
+                      f"| {r['on_backend']:.3f} | {r['off_backend']:.3f} | {r['off_backend'] - r['on_backend']:+.3f} "
+                      f"| {r['on_wall']:.2f} | {r['off_wall']:.2f} | {r['off_wall'] - r['on_wall']:+.2f} |")
     return "\n".join(md) + "\n"
+
+
+def md_head(meta: dict[str, Any]) -> list[str]:
+    return ["## Ablation of issue 28's cuts (generated)", "",
+            f"Generated by `{meta['command']}` ({meta['date']}, {meta['elapsed'] / 60:.0f} min; {meta['machine']}; "
+            f"engine: a snapshot of `{meta['commit']}`). Method: `bench/cuts.py`; {meta['rounds']} rounds."]
+
+
+def pair_inprocess(seq: list[str | None], results: list[dict[str, float]], key: str) -> dict[str, float]:
+    """Each OFF of ``key`` against the mean of the ONs beside it; medians over the rounds."""
+    xs: dict[str, list[float]] = {f"{w}_{m}": [] for w in ("on", "off") for m in ("client", "backend", "wall")}
+    for i, k in enumerate(seq):
+        if k == key:
+            for m in ("client", "backend", "wall"):
+                xs[f"on_{m}"].append((results[i - 1][f"{m}_ms"] + results[i + 1][f"{m}_ms"]) / 2)
+                xs[f"off_{m}"].append(results[i][f"{m}_ms"])
+    return {k: h.median(v) for k, v in xs.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--events", type=int, default=150)
     p.add_argument("--no-control", dest="control", action="store_false")
     p.add_argument("--no-write", action="store_true", help="print the block; leave docs/performance.md alone")
+    p.add_argument("--inprocess-runs", type=int, default=1500, help="runs per in-process measurement (0: none)")
+    p.add_argument("--no-drains", dest="drains", action="store_false", help="the in-process measurements only")
     args = p.parse_args(argv)
     h.need("MOTIR_DATABASE_URL", "CELERY_BROKER_URL")
     wanted = args.only.split(",") if args.only else [c.key for c in CUTS]
@@ -212,10 +287,20 @@ def main(argv: list[str] | None = None) -> int:
     pg = PrivatePostgres(settings=SERVER_SETTINGS)
     seq: list[str | None] = []
     results: list[dict[str, Any]] = []
+    steady_seq: list[str | None] = []
+    steady: list[dict[str, float]] = []
     try:
         pg.init()
         db = h.Database.create(DB, pg.url("postgres"))
-        for i, key in enumerate(plan):
+        steady_keys = [k for k in keys if k == CONTROL or cuts[k].key != "deferred_release"]
+        steady_plan = schedule(steady_keys, args.rounds) if args.inprocess_runs else []
+        for i, key in enumerate(steady_plan):
+            r = inprocess(db.url, trees[key], envs[key], args.inprocess_runs)
+            steady_seq.append(key)
+            steady.append(r)
+            print(f"[{time.monotonic() - t0:6.0f}s] in process {i + 1}/{len(steady_plan)} {key or 'ON':<18} "
+                  f"client {r['client_ms']:.3f} ms/run  Postgres {r['backend_ms']:.3f} ms/run", file=sys.stderr, flush=True)
+        for i, key in enumerate(plan if args.drains else []):
             r = slot(db.url, trees[key], envs[key], args.runs, args.events)
             seq.append(key)
             results.append(r)
@@ -225,12 +310,14 @@ def main(argv: list[str] | None = None) -> int:
         pg.close()
         redis.close()
         shutil.rmtree(work, ignore_errors=True)
-    rows = {key: pair(seq, results, key) for key in keys}
+    rows = {key: pair(seq, results, key) for key in keys} if results else {}
     meta = {"command": h.command(MODULE, argv), "date": started, "elapsed": time.monotonic() - t0, "machine": machine,
-            "commit": commit, "runs": args.runs, "events": args.events, "rounds": args.rounds}
+            "commit": commit, "runs": args.runs, "events": args.events, "rounds": args.rounds,
+            "inprocess_runs": args.inprocess_runs,
+            "inprocess": {key: pair_inprocess(steady_seq, steady, key) for key in dict.fromkeys(steady_seq) if key}}
     block = render(rows, cuts, meta)
-    Path(tempfile.gettempdir(), "bench-cuts.json").write_text(json.dumps({"meta": meta, "schedule": seq,
-                                                                          "results": results}, indent=1))
+    Path(tempfile.gettempdir(), "bench-cuts.json").write_text(json.dumps(
+        {"meta": meta, "schedule": seq, "results": results, "inprocess": [steady_seq, steady]}, indent=1))
     print(block)
     if not args.no_write:
         h.write_between(h.ROOT / "docs" / "performance.md", f"<!-- {MODULE}: begin (generated by python -m {MODULE}; "
