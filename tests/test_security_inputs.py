@@ -81,12 +81,13 @@ def test_a_reused_idempotency_key_with_different_data_is_flagged_and_logged_and_
     assert same.deduplicated and not same.conflicting and same.event_id == first.event_id  # jsonb equality
     with caplog.at_level(logging.WARNING, logger="motir_celery.core.producer.events"):
         other = send_event("test.three", {"n": 2, "workspace_id": "ws-a"}, idempotency_key=key, publish=None)
+        # Keys are per workspace (issue 24): ws-b's use of the same key is its own event.
         elsewhere = send_event("test.three", {"n": 1, "workspace_id": "ws-b"}, idempotency_key=key, publish=None)
     assert other.deduplicated and other.conflicting and other.event_id == first.event_id and not other.runs
-    assert elsewhere.conflicting
-    assert sum("already used with other data" in r.getMessage() for r in caplog.records) == 2
+    assert not elsewhere.deduplicated and elsewhere.event_id != first.event_id and elsewhere.runs
+    assert sum("already used in workspace" in r.getMessage() for r in caplog.records) == 1
     with engine.connect() as conn:
-        assert conn.execute(text("SELECT data->>'n' FROM job_event")).scalars().all() == ["1"]
+        assert conn.execute(text("SELECT data->>'n' FROM job_event ORDER BY received_at")).scalars().all() == ["1", "1"]
 
 
 # --- operator actions on behalf of a caller ----------------------------------------------

@@ -143,8 +143,8 @@ def test_a_day_of_sleep(motir: Motir) -> None:
     motir.drain()
     assert handle.get() == "reminded" and sent == ["reminder 7"]
     took = time.monotonic() - started
-    print(f"\n24 h of step.sleep tested in {took * 1000:.0f} ms")
-    assert took < 1.0
+    print(f"\n24 h of step.sleep tested in {took * 1000:.0f} ms")  # ~0.1 s here when the machine is quiet
+    assert took < 60  # measured, not asserted (a loaded machine): it only must not have slept
 
 
 def test_a_retry_schedule_of_an_hour(motir: Motir) -> None:
@@ -161,8 +161,8 @@ def test_a_retry_schedule_of_an_hour(motir: Motir) -> None:
     assert handle.get() == 4
     assert motir.outcomes_of(handle) == ["retrying", "retrying", "retrying", "succeeded"]
     took = time.monotonic() - started
-    print(f"\n70 minutes of retries tested in {took * 1000:.0f} ms")
-    assert took < 1.0
+    print(f"\n70 minutes of retries tested in {took * 1000:.0f} ms")  # ~0.2 s here when the machine is quiet
+    assert took < 60  # measured, not asserted: it only must not have waited out the backoff
 
 
 def test_a_countdown_is_honoured_and_skipped(motir: Motir) -> None:
@@ -188,10 +188,10 @@ def test_a_wait_times_out_or_is_answered(motir: Motir) -> None:
 
 
 def test_cron_slots_follow_the_kits_clock(motir: Motir) -> None:
-    first = motir.tick()
-    assert len(first) == 1 and motir.tick() == []       # one run per slot, however often the beat ticks
+    first = motir.tick(nightly)
+    assert len(first) == 1 and motir.tick(nightly) == []   # one run per slot, however often the beat ticks
     motir.advance(days=1)
-    second = motir.tick()
+    second = motir.tick(nightly)
     motir.drain()
     assert len(second) == 1 and second != first
 

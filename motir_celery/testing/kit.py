@@ -120,12 +120,13 @@ class Motir:
         """A never-waiting handle per run an event created."""
         return [self._handle(h.id, h.job_id, h.workspace_id) for h in result.results]
 
-    def tick(self) -> list[uuid.UUID]:
-        """The beat's pass on the kit's clock: each cron job's latest slot, once (runs made now)."""
+    def tick(self, *jobs: Job | str) -> list[uuid.UUID]:
+        """The beat's pass on the kit's clock: the latest slot of each cron job (of ``jobs``, when
+        given; else of every cron job this process defines), once; the runs made now."""
         with self.engine.begin() as conn:
             now = producer_sql.db_now(conn) + timedelta(seconds=self.skipped)
         made = []
-        for job in all_jobs():
+        for job in [get_job(j) if isinstance(j, str) else j for j in jobs] or all_jobs():
             if job.cron is None:
                 continue
             slot = latest_slot(job.cron, job.timezone, now)
