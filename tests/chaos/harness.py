@@ -820,12 +820,17 @@ _CHECK = {
     # did not store it), plus the one execution whose attempt stored it. So per
     # (run, step): excess = executions - (interrupted attempts + 1). And no body
     # may *start* after its result was stored (the ledger's `at` and
-    # completed_at are both the database's now()).
+    # completed_at are both the database's now()) in the attempt that stored it
+    # or a later one: those saw the record. An earlier attempt's body may write
+    # its ledger line late: frozen (SIGSTOP) between the call and that INSERT, it
+    # thaws after its run was reclaimed and the step stored by the next attempt —
+    # the body began before the store, and its own record is then refused.
     "dup_steps": """
         WITH per AS (
           SELECT x.run_id, x.step, count(*) AS execs,
                  count(DISTINCT x.attempt) FILTER (WHERE s.attempt IS DISTINCT FROM x.attempt) AS interrupted,
-                 count(*) FILTER (WHERE s.completed_at IS NOT NULL AND x.at > s.completed_at) AS after_store
+                 count(*) FILTER (WHERE s.completed_at IS NOT NULL AND x.at > s.completed_at
+                                    AND x.attempt >= s.attempt) AS after_store
           FROM test.side_effect x
           JOIN job_queue q ON q.id::text = x.run_id
           LEFT JOIN job_step s ON s.run_id = q.id AND s.step_id = x.step

@@ -70,11 +70,12 @@ def test_check_counts_every_kind_of_violation_and_nothing_else(database_url: str
         executed(conn, after_store, "s0", 1, "30 seconds")
         stored(conn, after_store, "s0", 1, "29 seconds")
         executed(conn, after_store, "s0", 2, "20 seconds")
-        # allowed: interrupted in attempt 1, executed again and stored by attempt 2
+        # allowed: interrupted in attempt 1, executed again and stored by attempt 2; attempt 1
+        # was frozen between the body's call and its ledger line, which it writes after the store
         conn.execute(text("UPDATE job_queue SET attempts = 2 WHERE id = :r"), {"r": interrupted})
         attempt(conn, interrupted, 1, "lost")
         attempt(conn, interrupted, 2, "succeeded")
-        executed(conn, interrupted, "s0", 1, "30 seconds")
+        executed(conn, interrupted, "s0", 1, "10 seconds")
         executed(conn, interrupted, "s0", 2, "20 seconds")
         stored(conn, interrupted, "s0", 2, "19 seconds")
         # never finished, with a lease long expired: lost, stuck, and its attempt is a ledger row
