@@ -31,7 +31,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import pytest
 from celery.utils.nodenames import default_nodename, host_format
@@ -40,7 +40,10 @@ from sqlalchemy.engine import Engine
 
 from motir_celery import settings as motir_settings
 from motir_celery.store.db import dispose_engines
-from tests.pgbouncer import database_errors
+from tests.fixtures.pgbouncer import database_errors
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Browser
 
 ROOT = Path(__file__).resolve().parent.parent
 #: One per process: under pytest-xdist every worker process imports this module and is its own session.
@@ -144,7 +147,7 @@ def _clean_tables(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 #: `make test-pgbouncer` sets MOTIR_TEST_SCAN_WORKER_LOGS=1: then a test whose worker (or beat)
-#: logs under its tmp_path name a database error (tests/pgbouncer.py) fails, even if its
+#: logs under its tmp_path name a database error (tests/fixtures/pgbouncer.py) fails, even if its
 #: assertions passed.
 _scan_logs = os.environ.get("MOTIR_TEST_SCAN_WORKER_LOGS") == "1"
 _tmp_path_key = pytest.StashKey[Path]()
@@ -194,7 +197,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def count_effects(eng: Engine, run_id: object, step: str | None = None) -> int:
-    """How many times a step body really ran (tests.jobs records each execution)."""
+    """How many times a step body really ran (tests.fixtures.jobs records each execution)."""
     sql = "SELECT count(*) FROM test.side_effect WHERE run_id = :r" + (" AND step = :s" if step else "")
     with eng.connect() as conn:
         return int(conn.execute(text(sql), {"r": str(run_id), "s": step}).scalar_one())
@@ -225,7 +228,7 @@ def celery_worker(tmp_path: Path, *, broker: str, concurrency: int = 2, pool: st
     child_env = dict(os.environ)
     child_env.update({
         "CELERY_BROKER_URL": broker,
-        "MOTIR_IMPORTS": "tests.jobs",
+        "MOTIR_IMPORTS": "tests.fixtures.jobs",
         "MOTIR_SWEEP_INTERVAL": str(sweep_interval),
         "MOTIR_REPUBLISH_AFTER": child_env.get("MOTIR_REPUBLISH_AFTER", "5"),
         "PYTHONPATH": str(ROOT),
@@ -274,3 +277,48 @@ def wait_for(predicate, timeout: float = 30.0, interval: float = 0.1, what: str 
 def run_state(eng: Engine, run_id: object) -> str | None:
     with eng.connect() as conn:
         return conn.execute(text("SELECT state FROM job_queue WHERE id = :id"), {"id": run_id}).scalar()
+
+
+# --- the dashboard in a real browser (tests/fixtures/browser.py has the helpers) ----------
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator["Browser"]:
+    from playwright.sync_api import sync_playwright
+
+    from tests.fixtures.browser import CHROMIUM, CHROMIUM_ARGS
+
+    if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
+        pytest.fail(
+            f"Chromium not found at {CHROMIUM}. The browser tests use Debian's package: "
+            "run `apt-get install -y chromium` (.ci/run installs it), or set MOTIR_CHROMIUM to its path.",
+            pytrace=False,
+        )
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def dashboard(database_url: str, broker_url: str) -> Iterator[str]:
+    """The dashboard on 127.0.0.1:<free port>, publishing replays to the session's queue."""
+    import threading
+
+    import uvicorn
+
+    from motir_celery.adapter.celery_app import create_app as create_celery_app
+    from motir_celery.adapter.celery_app import publisher
+    from motir_celery.ops.dashboard import DashboardConfig, create_app
+    from tests.fixtures.browser import free_port
+
+    app = create_app(DashboardConfig(secret=uuid.uuid4().hex), publish=publisher(create_celery_app()))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, name="dashboard", daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, timeout=15, what="the dashboard to listen")
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

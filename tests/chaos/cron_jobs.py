@@ -3,7 +3,7 @@
 Imported only by that scenario's beat and worker subprocesses
 (``MOTIR_IMPORTS=tests.chaos.jobs,tests.chaos.cron_jobs``), never by the pytest
 process: a cron job in the registry of a process that runs a scheduler of its
-own (tests/test_beat.py) would be ticked there too.
+own (tests/adapter/test_beat.py) would be ticked there too.
 """
 
 from __future__ import annotations

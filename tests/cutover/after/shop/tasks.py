@@ -8,7 +8,7 @@ test's own: a first attempt that waits before its step (the worker is killed the
 import time
 
 from motir_celery import define_job
-from tests.jobs import record
+from tests.fixtures.jobs import record
 
 
 @define_job("shop.add", bind=False, retry_policy="none")

@@ -1,0 +1,234 @@
+"""PgBouncer with no setting (issue 28): each engine finds a transaction pooler itself.
+
+A private PgBouncer (``tests/fixtures/pgbouncer.py``) in transaction pooling with ``default_pool_size
+= 1`` fronts this session's database, so every client connection shares one server session:
+a statement one client prepared there is the next client's clash (``DuplicatePreparedStatement``)
+or absence (``InvalidSqlStatementName``). With ``MOTIR_PREPARED_STATEMENTS`` unset, runs in two
+threads at once (two clients) all succeed on their first attempt, because the engine's probe
+(``store/pooler.py``) found the pooler at its first connection and prepares nothing; one
+WARNING says so. When the probe misses it, the first refused name does the same and the
+statement is sent again: still no attempt charged. A session pooler and a direct connection
+keep their statements prepared; the setting overrides the probe; ``motir doctor`` says which
+mode is in force.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from typing import Any, Iterator
+
+import psycopg
+import pytest
+from click.testing import CliRunner
+from sqlalchemy import make_url, text
+from sqlalchemy.engine import Engine
+
+from motir_celery.core.worker import runner
+from motir_celery.settings import reset_settings
+from motir_celery.store import pooler
+from motir_celery.store.db import attempt_connection, dispose_engines, get_engine
+from tests.fixtures.ops_helpers import emit
+from tests.fixtures.pgbouncer import PgBouncer, binary
+
+JOB = "test.three-steps"  # tests/fixtures/jobs.py: three steps, each a committed record
+
+
+def _server(database_url: str) -> str:
+    """The session's database on the server itself (in `make test-pgbouncer` the session's URL
+    is already a PgBouncer's: MOTIR_DIRECT_DATABASE_URL names the server it fronts)."""
+    direct = os.environ.get("MOTIR_DIRECT_DATABASE_URL")
+    if not direct:
+        return database_url
+    return make_url(direct).set(database=make_url(database_url).database).render_as_string(hide_password=False)
+
+
+def _bouncer(database_url: str, mode: str, pool_size: int) -> Iterator[PgBouncer]:
+    if binary() is None:
+        if os.environ.get("CI"):
+            pytest.fail("pgbouncer is not installed in CI (.ci/system-packages installs it)")
+        pytest.skip("pgbouncer is not installed (apt-get install pgbouncer)")
+    with PgBouncer(_server(database_url), pool_size=pool_size, pool_mode=mode) as b:
+        yield b
+
+
+@pytest.fixture(scope="module")
+def bouncer(database_url: str) -> Iterator[PgBouncer]:
+    yield from _bouncer(database_url, "transaction", 1)
+
+
+@pytest.fixture(scope="module")
+def session_bouncer(database_url: str) -> Iterator[PgBouncer]:
+    # A server session per client connection while it is open: the engine's pool, its probe's two.
+    yield from _bouncer(database_url, "session", 8)
+
+
+def _point_at(monkeypatch: pytest.MonkeyPatch, url: str, prepared: str | None = None) -> None:
+    monkeypatch.setenv("MOTIR_DATABASE_URL", url)
+    if prepared is None:
+        monkeypatch.delenv("MOTIR_PREPARED_STATEMENTS", raising=False)
+    else:
+        monkeypatch.setenv("MOTIR_PREPARED_STATEMENTS", prepared)
+    for name in ("MOTIR_APP_DATABASE_URL", "MOTIR_ADMIN_DATABASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    dispose_engines()
+    reset_settings()
+
+
+@pytest.fixture
+def through(bouncer: PgBouncer, database_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """This process's engine at the transaction pooler, MOTIR_PREPARED_STATEMENTS unset."""
+    url = bouncer.url(make_url(database_url).database)
+    _point_at(monkeypatch, url)
+    yield url
+    dispose_engines()
+    monkeypatch.undo()
+    reset_settings()
+
+
+def _queued(n: int) -> list[uuid.UUID]:
+    return [emit("test.three", {"n": i})[JOB] for i in range(n)]
+
+
+def _execute_in_two_threads(run_ids: list[uuid.UUID]) -> list[str]:
+    """What a worker of two processes does: two runs at once, each on its own connection."""
+    states: list[str] = []
+    errors: list[BaseException] = []
+
+    def work(mine: list[uuid.UUID]) -> None:
+        try:
+            states.extend(runner.execute(r, job_id=JOB, worker="pooler-test/1").state for r in mine)
+        except BaseException as exc:  # noqa: BLE001 — reported below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(run_ids[i::2],)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    return states
+
+
+def _attempts(engine: Engine, run_ids: list[uuid.UUID]) -> list[tuple[int, str, int]]:
+    """(attempts charged, state, attempts in the ledger) of each run."""
+    with engine.connect() as conn:
+        return [tuple(r) for r in conn.execute(text(  # type: ignore[misc]
+            "SELECT q.attempts, q.state, (SELECT count(*) FROM job_run r WHERE r.run_id = q.id)"
+            " FROM job_queue q WHERE q.id = ANY(:ids)"), {"ids": run_ids})]
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "motir_celery.pooler" and r.levelno == logging.WARNING]
+
+
+def _one_session(url: str) -> psycopg.Connection[Any]:
+    return psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://", 1), autocommit=True,
+                           prepare_threshold=None)
+
+
+def _prepared_in_the_one_session(url: str) -> int:
+    with _one_session(url) as conn:
+        row = conn.execute("SELECT count(*) FROM pg_prepared_statements").fetchone()
+    return int(row[0]) if row else -1
+
+
+def _deallocate(url: str) -> None:
+    """Leave the pooler's one server session clean for the next test."""
+    with _one_session(url) as conn:
+        conn.execute("DEALLOCATE ALL")
+
+
+def test_runs_behind_a_transaction_pooler_with_no_setting_all_succeed_first_time_and_one_warning_says_why(
+        through: str, engine: Engine, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="motir_celery.pooler")
+    runs = _queued(6)
+    assert _execute_in_two_threads(runs) == ["succeeded"] * 6
+    assert _attempts(engine, runs) == [(1, "succeeded", 1)] * 6  # no attempt charged by the pooler
+    (warning,) = _warnings(caplog)
+    assert "transaction pooler" in warning and "shared one server session" in warning
+    assert "MOTIR_PREPARED_STATEMENTS=0" in warning and "prepared statement" not in warning  # (the log scan's words)
+    assert pooler.mode(get_engine()) == "unprepared (a transaction pooler was found)"
+    dispose_engines()
+    assert _prepared_in_the_one_session(through) == 0
+
+
+def test_a_pooler_the_probe_missed_is_found_by_its_first_refused_name_and_no_attempt_is_charged(
+        through: str, engine: Engine, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    caplog.set_level(logging.WARNING, logger="motir_celery.pooler")
+    monkeypatch.setattr(pooler, "probe", lambda *a, **k: False)  # as when other clients kept every session busy
+    runs = _queued(6)
+    assert _execute_in_two_threads(runs) == ["succeeded"] * 6
+    assert _attempts(engine, runs) == [(1, "succeeded", 1)] * 6
+    (warning,) = _warnings(caplog)
+    assert "refused for a name the pooler gave another client" in warning
+    assert pooler.mode(get_engine()) == "unprepared (a transaction pooler was found)"
+    dispose_engines()
+    _deallocate(through)  # what the connections prepared before the first refusal
+
+
+@pytest.mark.parametrize("where", ["session pooler", "direct"])
+def test_a_session_pooler_and_a_direct_connection_keep_statements_prepared(
+        where: str, session_bouncer: PgBouncer, database_url: str, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="motir_celery.pooler")
+    url = session_bouncer.url(make_url(database_url).database) if where == "session pooler" else _server(database_url)
+    _point_at(monkeypatch, url)
+    try:
+        (run_id,) = _queued(1)
+        assert runner.execute(run_id, job_id=JOB, worker="pooler-test/1").state == "succeeded"
+        assert pooler.mode(get_engine()) == "prepared (no transaction pooler found)"
+        with attempt_connection(get_engine()) as conn:  # the connection the run used: its statements stay
+            assert conn.execute(text("SELECT count(*) FROM pg_prepared_statements")).scalar_one() >= 3
+        assert _warnings(caplog) == []
+    finally:
+        dispose_engines()
+
+
+@pytest.mark.parametrize("setting, mode", [("0", "unprepared (MOTIR_PREPARED_STATEMENTS=0)"),
+                                           ("1", "prepared (MOTIR_PREPARED_STATEMENTS=1)")])
+def test_the_setting_overrides_the_probe(setting: str, mode: str, bouncer: PgBouncer, database_url: str,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    def never(*args: Any, **kwargs: Any) -> bool:
+        raise AssertionError("probed though MOTIR_PREPARED_STATEMENTS was set")
+
+    monkeypatch.setattr(pooler, "probe", never)
+    url = bouncer.url(make_url(database_url).database)
+    _point_at(monkeypatch, url, setting)
+    try:
+        (run_id,) = _queued(1)  # one client at a time: =1 works here too, by luck of the one session
+        assert runner.execute(run_id, job_id=JOB, worker="pooler-test/1").state == "succeeded"
+        assert pooler.mode(get_engine()) == mode
+    finally:
+        dispose_engines()
+        _deallocate(url)
+
+
+def test_async_producers_behind_a_transaction_pooler_need_no_setting(through: str) -> None:
+    import asyncio
+
+    from motir_celery.core.producer import aio
+
+    async def send() -> list[Any]:
+        return [await aio.send_event_async("test.three", {"n": i}, publish=None) for i in range(8)]
+
+    assert len(asyncio.run(send())) == 8  # psycopg would prepare the fifth of each: refused here
+
+
+def test_doctor_says_which_statement_mode_is_in_force(through: str, database_url: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from motir_celery.ops.cli import main
+
+    def checks() -> dict[str, Any]:
+        result = CliRunner().invoke(main, ["doctor", "--timeout", "2", "--json"], catch_exceptions=False)
+        return {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+
+    behind = checks()
+    assert "a transaction pooler was found (no setting needed)" in behind["database"]["detail"]
+    assert behind["pooler"]["status"] == "OK", behind["pooler"]
+    _point_at(monkeypatch, _server(database_url))
+    assert "statements prepared: no transaction pooler found" in checks()["database"]["detail"]
