@@ -4,7 +4,7 @@
 #              missing (.ci/system-packages: chromium, docker-compose, pgbouncer)
 # make lint  - ruff check (the repository) and mypy motir_celery, as CI runs them
 # make test-pgbouncer - the worker end-to-end, hot-path, primitives, composition and shortened chaos tests again,
-#              through a private PgBouncer in transaction pooling (tests/pgbouncer.py) with
+#              through a private PgBouncer in transaction pooling (tests/fixtures/pgbouncer.py) with
 #              MOTIR_PREPARED_STATEMENTS=0; a database error in any worker log fails the test
 #
 # Unset service URLs are filled in by `python -m motir_celery.dev.embedded env`, which
@@ -49,12 +49,12 @@ test: system-packages setup
 # most, through PgBouncer (pool_mode = transaction, default_pool_size 4) in front of the same
 # server. The session creates, migrates and drops its database through it too. (Not
 # test_beat.py: its warm_pool helper holds 5 transactions open at once, one more than the pool.)
-PGBOUNCER_TESTS := tests/test_worker_e2e.py tests/test_hot_path.py tests/test_pgbouncer.py tests/test_pooler_detection.py tests/chaos \
-	tests/test_primitives.py tests/test_compose_runs.py tests/test_resume.py tests/test_direct.py \
-	tests/test_batch.py tests/test_django.py
+PGBOUNCER_TESTS := tests/adapter/test_worker_e2e.py tests/adapter/test_hot_path.py tests/adapter/test_pgbouncer.py tests/store/test_pooler_detection.py tests/chaos \
+	tests/core/test_primitives.py tests/core/test_compose_runs.py tests/core/test_resume.py tests/core/test_direct.py \
+	tests/core/test_batch.py tests/contrib/test_django.py
 
 test-pgbouncer: system-packages setup
-	$(call with-services,MOTIR_TEST_SCAN_WORKER_LOGS=1 $(PYTHON) -m tests.pgbouncer run -- \
+	$(call with-services,MOTIR_TEST_SCAN_WORKER_LOGS=1 $(PYTHON) -m tests.fixtures.pgbouncer run -- \
 		$(PYTHON) -m pytest $(PYTEST_XDIST) $(PGBOUNCER_TESTS) $(PYTEST_ARGS))
 
 # Both checks run; either failing fails the target.

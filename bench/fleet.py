@@ -3,7 +3,7 @@
     python -m bench.fleet [--runs 5000 --hosts 4 --procs 2 --pool-size 4] [--no-direct] [--no-write]
 
 Needs MOTIR_DATABASE_URL (the bench creates ``motir_bench_fleet`` there and migrates it
-direct), CELERY_BROKER_URL and Debian's ``pgbouncer`` (``tests/pgbouncer.py`` starts a
+direct), CELERY_BROKER_URL and Debian's ``pgbouncer`` (``tests/fixtures/pgbouncer.py`` starts a
 private one in transaction pooling). ``pgbouncer``: ``--hosts`` celery workers with
 distinct host names, ``-c --procs`` each, all through the one PgBouncer (``default_pool_size
 = --pool-size``, fewer than the fleet's processes), ``MOTIR_PREPARED_STATEMENTS=0``; events
@@ -138,7 +138,7 @@ def run_fleet(mode: str, *, db: h.Database, runs: int, hosts: int, procs: int, p
               timeout: float) -> FleetResult:
     from motir_celery.settings import Settings, reset_settings
     from motir_celery.store.db import dispose_engines
-    from tests.pgbouncer import PgBouncer, database_errors
+    from tests.fixtures.pgbouncer import PgBouncer, database_errors
 
     db.truncate("bench.side_effect")
     queue = f"bench-fleet-{uuid.uuid4().hex[:8]}"
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     h.need("MOTIR_DATABASE_URL", "CELERY_BROKER_URL")
     from bench.fleet_jobs import LEDGER_DDL
-    from tests.pgbouncer import binary
+    from tests.fixtures.pgbouncer import binary
 
     started, command = h.now(), h.command("bench.fleet", argv)
     out = subprocess.run([binary() or "pgbouncer", "--version"], capture_output=True, text=True).stdout

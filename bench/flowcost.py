@@ -7,7 +7,7 @@ the same run (``harness.interleave``), so a loaded machine's drift falls on both
 1. **A plain run's claim and settle**, flow control's branch as shipped (``on``: the runner asks
    ``flow.options_of`` for every run) against the same runner with that lookup replaced by a
    constant (``off``: the code before it). A plain job sends the same two statements either way
-   (tests/test_flow_control.py proves it); this is the Python that is left.
+   (tests/core/test_flow_control.py proves it); this is the Python that is left.
 2. **The succeeded-duration index** (``ix_job_queue_succeeded``, one more index entry per
    succeeded settle): plain runs with it, and with it dropped between rounds; and the settle's
    UPDATE alone, in a server-side loop (no client, no Python: the index's own cost).

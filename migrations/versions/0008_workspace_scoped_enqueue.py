@@ -24,7 +24,7 @@ order"):
   delay within bounds, priority — write in the workspace of the caller's transaction
   (``motir.workspace_id``; none set, or another given: refused) and set the rest
   (state ``queued``, no claim, no lease, attempts 0, no cron slot, the event they
-  wrote). Each guard is one line tagged ``-- guard:``; tests/test_isolation.py drops
+  wrote). Each guard is one line tagged ``-- guard:``; tests/store/test_isolation.py drops
   each in turn and shows what it stops.
 * ``motir_record_event`` / ``motir_record_events`` (same signatures: the previous
   release calls them) and the new ``motir_direct_run`` dispatch: a member of

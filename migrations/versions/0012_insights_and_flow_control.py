@@ -185,7 +185,7 @@ END
 $$
 """
 
-# Each guard is one line ending in "-- guard: <name>" (tests/test_flow_control.py removes them one by one).
+# Each guard is one line ending in "-- guard: <name>" (tests/core/test_flow_control.py removes them one by one).
 ENQUEUE_GATHER = f"""
 CREATE FUNCTION motir_enqueue_gather({GATHER_ARGS})
 RETURNS {GATHER_RESULT}

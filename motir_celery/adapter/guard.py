@@ -23,7 +23,7 @@ Network errors are never an item's: raised as before (kombu reconnects; RabbitMQ
 redelivers). Control messages (Redis pub/sub, RabbitMQ fanout) are not guarded:
 whoever can write them can send ``shutdown``, and Celery catches its handler's errors.
 
-kombu internals leaned on, each with a test in tests/test_poison_messages.py that
+kombu internals leaned on, each with a test in tests/adapter/test_poison_messages.py that
 fails without it (the worker would then die of such an item as before; supervision
 restarts it): Redis ``Channel._create_client`` (its asynchronous client's
 ``parse_response``, wrapped to remember the BRPOP reply), ``Channel._brpop_read``,
