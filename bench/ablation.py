@@ -54,6 +54,8 @@ MECHANISMS = (
               "server-side prepared statements for claim, step write and settle"),
     Mechanism("claim_async_commit", "MOTIR_CLAIM_ASYNC_COMMIT", "1", "0",
               "the claim's commit does not wait for the WAL flush"),
+    Mechanism("settle_async_commit", "MOTIR_SETTLE_ASYNC_COMMIT", "1", "0",
+              "a succeeded run's settle does not wait for the WAL flush"),
     Mechanism("no_ack_emulation", "MOTIR_REDIS_ACK_EMULATION", "0", "1",
               "kombu's Redis ack emulation off in the default app (on is kombu's default)"),
 )
