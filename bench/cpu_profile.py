@@ -320,7 +320,8 @@ def explain(url: str, runs: int = 3) -> list[dict[str, Any]]:
                                                                 "output": '{"reserved": 1}', "elapsed": 0.0001})
                   for s in ("reserve", "charge", "notify")],
                 ("settle_succeeded", worker_sql.SETTLE_SUCCEEDED, {"run_id": run_id, "token": token,
-                                                                   "result": '{"notified": 3}'}),
+                                                                   "result": '{"notified": 3}',
+                                                                   "async_commit": True}),
             ]:
                 with engine.begin() as conn:  # its own committed transaction, as the runner's autocommit
                     found = plan(conn, statement, params, analyze=True)[0]

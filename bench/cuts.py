@@ -110,6 +110,11 @@ CUTS = (
         "store/sql/worker.py, SETTLE_SUCCEEDED)", env={"MOTIR_SETTLE_ASYNC_COMMIT": "0"}, commit="(this change)"),
 )
 
+#: Every cut at once: what issue 28 took off a run on this same tree, the others' changes since kept.
+CUTS += (Cut("all", "all of the above undone at once (the engine as it ran before issue 28's cuts, everything "
+             "else as it is now)", tuple(u for c in CUTS for u in c.undo),
+             {k: v for c in CUTS for k, v in c.env.items()}, commit="-"),)
+
 
 def snapshot(into: Path) -> Path:
     """This checkout's motir_celery, copied (the work tree is shared and may change under a run)."""
@@ -263,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-drains", dest="drains", action="store_false", help="the in-process measurements only")
     args = p.parse_args(argv)
     h.need("MOTIR_DATABASE_URL", "CELERY_BROKER_URL")
-    wanted = args.only.split(",") if args.only else [c.key for c in CUTS]
+    wanted = args.only.split(",") if args.only else [c.key for c in CUTS if c.key != "all"]
     cuts = {c.key: c for c in CUTS if c.key in wanted}
     if set(wanted) - set(cuts):
         p.error(f"unknown cut(s): {', '.join(sorted(set(wanted) - set(cuts)))}")
@@ -292,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         pg.init()
         db = h.Database.create(DB, pg.url("postgres"))
-        steady_keys = [k for k in keys if k == CONTROL or cuts[k].key != "deferred_release"]
+        steady_keys = [k for k in keys if k == CONTROL or cuts[k].key != "deferred_release"]  # (no renewer in process)
         steady_plan = schedule(steady_keys, args.rounds) if args.inprocess_runs else []
         for i, key in enumerate(steady_plan):
             r = inprocess(db.url, trees[key], envs[key], args.inprocess_runs)
