@@ -41,6 +41,7 @@ from motir_celery.errors import (
     UnknownJobError,
     WorkspaceError,
 )
+from motir_celery.store.db import in_workspace
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -64,6 +65,7 @@ __all__ = [
     "JobRevoked",
     "ResultTimeout",
     "RunNotCommitted",
+    "in_workspace",
     "CanvasNotSupported",
     "chain",
     "group",

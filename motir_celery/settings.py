@@ -73,6 +73,10 @@ class Settings:
     #: kombu's Redis acknowledgement emulation in the default app (adapter/celery_app.py):
     #: off by default; ``1`` gives kombu's own default back.
     redis_ack_emulation: bool = False
+    #: The result backend (``AsyncResult(id)``) answers for a run of any workspace, through the
+    #: engine login: for an operator's process such as Flower only. Off: it reads in the caller's
+    #: workspace (``in_workspace``; system runs outside one), as a result handle does.
+    results_any_workspace: bool = False
     extra: Mapping[str, str] = field(default_factory=dict)
     #: Connection for admin reads (``workspace_session(..., admin=True)``: the CLI's
     #: reads, the dashboard's admins, metrics): a login that is a member of
@@ -108,6 +112,7 @@ class Settings:
             direct_publish=_flag(env, "MOTIR_DIRECT_PUBLISH", True),
             publish_alias=_flag(env, "MOTIR_PUBLISH_ALIAS", False),
             redis_ack_emulation=_flag(env, "MOTIR_REDIS_ACK_EMULATION", False),
+            results_any_workspace=_flag(env, "MOTIR_RESULTS_ANY_WORKSPACE", False),
         )
 
     def require_database_url(self) -> str:

@@ -21,9 +21,13 @@ the Celery task id of its messages, and the task id a call gave when it was a UU
 
 States are Celery's, from ``results.celery_state``: PENDING, STARTED, RETRY, SUCCESS,
 FAILURE (the result is the last attempt's exception, rebuilt as Celery rebuilds one;
-the traceback its text), REVOKED. Reads go through the engine login, not a tenant's:
-like Celery's own backends this answers for any id it is given (ids are random UUIDs).
-``RunHandle(id, job_id, workspace_id=…)`` reads under a workspace's row-level security.
+the traceback its text), REVOKED. A run is read in the caller's workspace only, as a
+result handle reads (``results.read_result``): inside ``motir_celery.in_workspace(ws)`` (or
+a Django request under ``WorkspaceMiddleware``) that workspace's runs under the app role's
+row-level security, outside one system runs only; another workspace's run is not found
+(PENDING), never its result or error -- a task id can be guessed (a uuid5 of an order
+number) or be another tenant's. ``MOTIR_RESULTS_ANY_WORKSPACE=1`` answers for any run
+through the engine login: for an operator's process (Flower) only.
 """
 
 from __future__ import annotations
@@ -42,8 +46,9 @@ from celery.exceptions import TimeoutError as CeleryTimeout
 from sqlalchemy.exc import DBAPIError
 
 from motir_celery.core.jobs import job_for_task
-from motir_celery.core.producer.results import FIRST_POLL, MAX_POLL, POLL_GROWTH, celery_state
-from motir_celery.store.db import get_engine
+from motir_celery.core.producer.results import FIRST_POLL, MAX_POLL, POLL_GROWTH, celery_state, read_result
+from motir_celery.settings import get_settings
+from motir_celery.store.db import caller_workspace, get_engine
 from motir_celery.store.driver import first
 from motir_celery.store.sql import adapter as adapter_sql
 
@@ -62,8 +67,11 @@ def run_meta(task_id: Any) -> dict[str, Any] | None:
         run_id = task_id if isinstance(task_id, uuid.UUID) else uuid.UUID(str(task_id))
     except ValueError:
         return None  # not a UUID: never a run id
-    with get_engine().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        row = first(conn, adapter_sql.RUN_META, {"run_id": run_id})
+    if get_settings().results_any_workspace:  # an operator's process (Flower): any workspace's run
+        with get_engine().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            row = first(conn, adapter_sql.RUN_META, {"run_id": run_id})
+    else:  # the caller's workspace only, as a result handle reads: another's run is not found
+        row = read_result(run_id, caller_workspace())
     if row is None:
         return None
     state = celery_state(row["state"], row["last_outcome"])

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -50,6 +51,8 @@ __all__ = [
     "side_engine",
     "size_pool_for",
     "validate_workspace_id",
+    "caller_workspace",
+    "in_workspace",
     "reader_login",
     "primary_wal_lsn",
 ]
@@ -243,6 +246,28 @@ def validate_workspace_id(workspace_id: object) -> str | None:
     if not workspace_id or len(workspace_id) > 200 or not workspace_id.isprintable() or workspace_id != workspace_id.strip():
         raise WorkspaceError(f"workspace_id {workspace_id!r} is empty, too long, padded or not printable")
     return workspace_id
+
+
+#: The workspace the calling code acts for: what a read by run id alone (``AsyncResult(id)``
+#: through the result backend) may see. Set by ``in_workspace`` and, per request, by Django's
+#: ``WorkspaceMiddleware``. None: system runs only.
+_caller: ContextVar[str | None] = ContextVar("motir_caller_workspace", default=None)
+
+
+def caller_workspace() -> str | None:
+    """The workspace the calling code acts for (``in_workspace``), None outside one."""
+    return _caller.get()
+
+
+@contextmanager
+def in_workspace(workspace_id: str | None) -> Iterator[None]:
+    """Act for ``workspace_id`` inside the block: ``AsyncResult(id)`` reads that workspace's runs
+    (and only those) under the app role. A contextvar: it follows threads' and tasks' contexts."""
+    token = _caller.set(validate_workspace_id(workspace_id))
+    try:
+        yield
+    finally:
+        _caller.reset(token)
 
 
 def set_workspace_context(conn: Connection | Session, workspace_id: str | None, *, admin: bool = False) -> None:

@@ -10,7 +10,7 @@ from tests.conftest import celery_worker, count_effects, run_state, wait_for
 
 def test_attach_hosts_jobs_on_the_users_app_beside_its_own_tasks(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
     from motir_celery import send_event
-    from tests import user_app
+    from tests.fixtures import user_app
 
     assert "motir.test.three-steps" in user_app.app.tasks  # jobs became tasks of the user's app
     # Celery's early acks (Postgres makes runs happen), and as few reserved messages as Celery allows.

@@ -90,7 +90,7 @@ def test_every_surface_works_through_pgbouncer_and_leaves_no_session_state(throu
     from motir_celery.ops.cli import main
     from motir_celery.ops.dashboard import DashboardConfig
     from motir_celery.ops.dashboard import create_app as dashboard_app
-    from tests import beat_jobs
+    from tests.fixtures import beat_jobs
     from tests.fixtures.ops_helpers import dead_letter, run_event
 
     settings = Settings.from_env()

@@ -280,7 +280,7 @@ def test_the_default_app_keeps_no_copy_of_a_reserved_message_in_redis(engine, br
     the ``unacked`` hash, which the emulation writes and deletes with two Redis
     round trips per message. An app that sets its own transport options (here the
     short-visibility one) keeps the emulation, and the copy."""
-    from tests import user_app
+    from tests.fixtures import user_app
 
     assert "ack_emulation" not in (user_app.app.conf.broker_transport_options or {})  # attach() leaves it
     broker = redis.Redis.from_url(broker_url)

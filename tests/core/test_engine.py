@@ -411,11 +411,12 @@ def test_a_handler_failing_after_its_last_step_keeps_that_step_for_the_retry(eng
             count_effects(engine, run_id, "c")) == (1, 1, 1)
 
 
-def test_only_the_claim_commits_without_waiting_for_the_wal_flush(engine, monkeypatch):  # type: ignore[no-untyped-def]
-    """The claim turns synchronous_commit off for its own transaction (nothing is
-    lost with it: the run's next flushed write carries it); a step write and the
-    settle keep the server's setting, and nothing leaks into the next transaction.
-    MOTIR_CLAIM_ASYNC_COMMIT=0 (the ablation's "off") leaves the claim flushed too."""
+def test_the_claim_and_a_succeeded_settle_commit_without_waiting_for_the_wal_flush(engine, monkeypatch):  # type: ignore[no-untyped-def]
+    """The claim and a succeeded settle turn synchronous_commit off for their own
+    transaction (a lost claim is a run queued again; a lost settle is a run reclaimed
+    at its lease and replayed from its flushed steps); a step write keeps the server's
+    setting, and nothing leaks into the next transaction. MOTIR_CLAIM_ASYNC_COMMIT=0
+    and MOTIR_SETTLE_ASYNC_COMMIT=0 (the ablation's "off") leave both flushed."""
     (run_id,) = events.send_event("test.three", {}).run_ids
     setting = "SELECT current_setting('synchronous_commit')"
     with engine.begin() as conn:
@@ -427,17 +428,25 @@ def test_only_the_claim_commits_without_waiting_for_the_wal_flush(engine, monkey
         assert conn.execute(text(setting)).scalar_one() == "on"
     with engine.begin() as conn:
         assert worker_sql.settle_succeeded(conn, held, '"done"') is True
+        assert conn.execute(text(setting)).scalar_one() == "off"
+    with engine.begin() as conn:  # nothing leaks into the next transaction
         assert conn.execute(text(setting)).scalar_one() == "on"
     assert run_state(engine, run_id) == "succeeded"
     (other,) = events.send_event("test.three", {"n": 2}).run_ids
     monkeypatch.setenv("MOTIR_CLAIM_ASYNC_COMMIT", "0")
+    monkeypatch.setenv("MOTIR_SETTLE_ASYNC_COMMIT", "0")
     reset_settings()
     try:
         with engine.begin() as conn:
-            assert worker_sql.claim(conn, other, job_id="test.three-steps", worker="w", lease_seconds=30)
+            held = worker_sql.claim(conn, other, job_id="test.three-steps", worker="w", lease_seconds=30)
+            assert held is not None
+            assert conn.execute(text(setting)).scalar_one() == "on"
+        with engine.begin() as conn:
+            assert worker_sql.settle_succeeded(conn, held, '"done"') is True
             assert conn.execute(text(setting)).scalar_one() == "on"
     finally:
         monkeypatch.delenv("MOTIR_CLAIM_ASYNC_COMMIT")
+        monkeypatch.delenv("MOTIR_SETTLE_ASYNC_COMMIT")
         reset_settings()
 
 

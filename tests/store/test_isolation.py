@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 import threading
 import uuid
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
@@ -32,7 +32,7 @@ from motir_celery.core.producer.batch import send_events
 from motir_celery.core.producer.events import send_event
 from motir_celery.core.producer.results import ResultTimeout, RunHandle
 from motir_celery.errors import PayloadError
-from motir_celery.settings import Settings, get_settings
+from motir_celery.settings import Settings, get_settings, reset_settings
 from motir_celery.store import records, schema
 from motir_celery.store.db import set_workspace_context, workspace_session
 from motir_celery.store.migrate import check, upgrade
@@ -242,6 +242,43 @@ def test_a_result_handle_reads_only_its_own_workspace(outcome: str, engine: Engi
         with pytest.raises(ValueError, match="B secret"):
             owner.get(timeout=1)
     assert b.workspace_id == B and b.state == owner.state  # the call's own handle is its workspace's
+
+
+@pytest.mark.parametrize("outcome", ["succeeded", "failed"])
+def test_async_result_by_id_reads_in_the_callers_workspace_only(outcome: str, engine: Engine, app_login: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """``app.AsyncResult(id)`` through our result backend: a run id is all it is given (and a task
+    id can be guessed), so it reads in the caller's workspace (``in_workspace``), under a real
+    app-role login; another workspace's run is PENDING, never its result or error. Only an
+    operator's process that asks for it (MOTIR_RESULTS_ANY_WORKSPACE=1, Flower) sees any run."""
+    from celery import Celery
+
+    from motir_celery import in_workspace
+    from motir_celery.adapter.backend import BACKEND
+
+    b = dj.add.apply_async([40, 2], workspace_id=B)
+    _settle(engine, b.id, outcome, "B result")
+    app = Celery("results", broker="memory://", backend=BACKEND, set_as_current=False)
+    monkeypatch.setenv("MOTIR_APP_DATABASE_URL", _url_of(app_login))
+    reset_settings()
+    try:
+        for scope in (nullcontext(), in_workspace(A)):  # a system caller, another tenant: not found
+            with scope:
+                stranger = app.AsyncResult(str(b.id))
+                assert (stranger.state, stranger.result, stranger.traceback) == ("PENDING", None, None)
+        with in_workspace(B):
+            if outcome == "succeeded":
+                assert app.AsyncResult(str(b.id)).get(timeout=1) == "B result"
+            else:
+                with pytest.raises(ValueError, match="B secret"):
+                    app.AsyncResult(str(b.id)).get(timeout=1)
+        monkeypatch.setenv("MOTIR_RESULTS_ANY_WORKSPACE", "1")
+        reset_settings()
+        assert app.AsyncResult(str(b.id)).state == ("SUCCESS" if outcome == "succeeded" else "FAILURE")
+    finally:
+        monkeypatch.delenv("MOTIR_RESULTS_ANY_WORKSPACE", raising=False)
+        monkeypatch.delenv("MOTIR_APP_DATABASE_URL")
+        reset_settings()
 
 
 # --- 3. the app role writes through the checked functions only -----------------------------

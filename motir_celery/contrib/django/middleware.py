@@ -8,6 +8,7 @@ with the transaction, never leaks to the next user of the connection). When Djan
 logs in as a member of ``motir_app``, Postgres then refuses an event of another
 workspace written during that request — the database, not the view, keeps tenants
 apart. (A Django login that owns the tables is not filtered by RLS: development.)
+The request's workspace is also where ``AsyncResult(id)`` reads (``in_workspace``).
 
 The workspace of a request comes from ``MOTIR_WORKSPACE_FROM_REQUEST``, the dotted
 path of a function ``request -> str | None`` (your tenancy: the user's organisation,
@@ -22,19 +23,17 @@ not fill in.
 
 from __future__ import annotations
 
-import contextvars
 from typing import Any, Callable
 
-from motir_celery.store.db import validate_workspace_id
+from motir_celery.store.db import caller_workspace, in_workspace
 
 __all__ = ["WorkspaceMiddleware", "request_workspace"]
 
-_workspace: contextvars.ContextVar[str | None] = contextvars.ContextVar("motir_request_workspace", default=None)
-
 
 def request_workspace() -> str | None:
-    """The workspace of the request being served (None outside one, or without the middleware)."""
-    return _workspace.get()
+    """The workspace of the request being served (None outside one, or without the middleware):
+    ``motir_celery.in_workspace``'s, which the middleware sets for the request."""
+    return caller_workspace()
 
 
 def _default_resolver(request: Any) -> str | None:
@@ -57,8 +56,5 @@ class WorkspaceMiddleware:
         self.resolve: Callable[[Any], str | None] = import_string(path) if path else _default_resolver
 
     def __call__(self, request: Any) -> Any:
-        token = _workspace.set(validate_workspace_id(self.resolve(request)))
-        try:
+        with in_workspace(self.resolve(request)):
             return self.get_response(request)
-        finally:
-            _workspace.reset(token)

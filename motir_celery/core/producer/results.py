@@ -55,15 +55,13 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Engine
-
 from motir_celery.errors import MotirError
 from motir_celery.settings import Settings
 from motir_celery.store.db import get_engine, validate_workspace_id, workspace_session
 from motir_celery.store.driver import first
 from motir_celery.store.sql import producer as producer_sql
 
-__all__ = ["RunHandle", "JobFailed", "JobRevoked", "ResultTimeout", "RunNotCommitted", "READY_STATES", "celery_state",
+__all__ = ["RunHandle", "read_result", "JobFailed", "JobRevoked", "ResultTimeout", "RunNotCommitted", "READY_STATES", "celery_state",
            "CommitGate"]
 
 READY_STATES = frozenset({"SUCCESS", "FAILURE", "REVOKED"})
@@ -133,6 +131,19 @@ def _failure(run_id: uuid.UUID | None, error: dict[str, Any] | None) -> JobFaile
     return JobFailed(run_id, error)
 
 
+def read_result(run_id: uuid.UUID, workspace_id: str | None, *,
+                settings: Settings | None = None) -> dict[str, Any] | None:
+    """A run's state, result and latest error, read in ``workspace_id`` only: a tenant's under the
+    app role with row-level security there, a system run (None) through the engine login; the
+    statement names the workspace too. None: no such run in that workspace (another's is not found)."""
+    params = {"run_id": run_id, "workspace_id": workspace_id}
+    if workspace_id is not None:
+        with workspace_session(workspace_id, settings=settings) as session:
+            return first(session.connection(), producer_sql.RUN_RESULT, params)
+    with get_engine(settings=settings).connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        return first(conn, producer_sql.RUN_RESULT, params)
+
+
 class RunHandle:
     """A run, Celery-``AsyncResult``-shaped. ``id`` is the run id (``motir runs show <id>``)."""
 
@@ -164,19 +175,10 @@ class RunHandle:
     def task_id(self) -> str:
         return str(self.id)
 
-    def _engine(self) -> Engine:
-        return get_engine(settings=self._settings)
-
     def _read(self) -> _Snapshot:
         if self.id is None:  # a refused call whose existing run row-level security hides
             return _Snapshot("PENDING", None, None)
-        params = {"run_id": self.id, "workspace_id": self.workspace_id}
-        if self.workspace_id is not None:
-            with workspace_session(self.workspace_id, settings=self._settings) as session:
-                row = first(session.connection(), producer_sql.RUN_RESULT, params)
-        else:
-            with self._engine().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-                row = first(conn, producer_sql.RUN_RESULT, params)
+        row = read_result(self.id, self.workspace_id, settings=self._settings)
         if row is None:
             return _Snapshot("PENDING", None, None)
         return _Snapshot(celery_state(row["state"], row["last_outcome"]), row["result"], row["last_error"],

@@ -3,8 +3,9 @@
 A worker that receives a message in Celery's own protocol for a direct job adopts it
 with ``producer.DIRECT_RUN`` (the run ``.delay()`` writes); one whose arguments cannot
 be stored is kept as ``ADOPT_REFUSED`` writes it. ``adapter/backend.py`` answers
-``AsyncResult(<run id>)`` with ``RUN_META``. Both run as the engine role: the app role
-inserts nothing since 0009, and a result backend reads any run it is given the id of.
+``AsyncResult(<run id>)`` with ``producer.RUN_RESULT`` in the caller's workspace, or, in an
+operator's process that asked for it (MOTIR_RESULTS_ANY_WORKSPACE), with ``RUN_META``.
+Both run as the engine role: the app role inserts nothing since 0009.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ ROLES = ("motir_engine",)
 
 RUN_META = Statement(
     "run_meta",
-    "A run's state, result and latest error by its id alone, in any workspace (the Celery result backend, AsyncResult(id)).",
-    # Through the engine login, as Celery's own backends answer for any task id they hold:
-    # a run id is a random UUID, known to whoever was given it (adapter/backend.py).
+    "A run's state, result and latest error by its id alone, any workspace's (an operator's result backend, Flower).",
+    # No workspace predicate: only with MOTIR_RESULTS_ANY_WORKSPACE=1, which an operator sets
+    # for Flower; a producer's AsyncResult(id) reads producer.RUN_RESULT in its own workspace.
     RESULT_OF_RUN,
 )
 
