@@ -267,5 +267,8 @@ def test_a_run_held_past_its_bound_is_no_longer_renewed_and_is_reclaimed(  # typ
             thread.join()
         redis.Redis.from_url(broker_url).delete(queue)
     assert outcome.state == "lost"  # its step's record refused: the run was reclaimed while it ran
-    assert _attempts(engine, run) == ["lost"]
+    # This attempt was reclaimed ("lost"). Whoever reclaimed it may run it again: this process's
+    # sweeper publishes nothing, the module's second worker (when an earlier test started it)
+    # publishes what it reclaims and takes it, a later attempt of the same run.
+    assert _attempts(engine, run)[0] == "lost"
     assert f"run {run}: held past its bound ({bound})" in caplog.text

@@ -196,8 +196,11 @@ def test_asgi_producer_does_not_block_the_loop(worker: Any, engine: Engine, caps
     wait_for(finished, timeout=120, what="every run of the bursts succeeded")
     # The point: the async path leaves the loop free; the sync call holds it for every send.
     # Asserted on A, which isolates the producer calls; B's lags are mostly the HTTP stack's own
-    # CPU (its no-op baseline), on a shared 2-core machine: printed, not asserted.
-    assert max(out["loop_async"]) < max(out["loop_sync"]) / 4
+    # CPU (its no-op baseline), on a shared 2-core machine: printed, not asserted. The async lags'
+    # 99th percentile, not their maximum: one tick a loaded machine's scheduler stalled is not the
+    # producer's doing (the sync burst holds the loop for all of its sends, every tick of it).
+    async_p99 = sorted(out["loop_async"])[int(len(out["loop_async"]) * 0.99) - 1]
+    assert async_p99 < max(out["loop_sync"]) / 4
     assert statistics.median(out["loop_async"]) < 0.05
 
 
