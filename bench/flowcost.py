@@ -30,7 +30,7 @@ import time
 from typing import Any, Callable
 
 from bench import harness as h
-from bench.flowcost_jobs import PLAIN, THROTTLED
+from bench.jobs import PLAIN, THROTTLED
 
 
 def _runs(job: str, n: int) -> list[Any]:
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     h.need("MOTIR_DATABASE_URL")
     with h.Database.create("motir_bench_flowcost") as db:
-        h.use_engine(db.url, "bench-flowcost", imports="bench.flowcost_jobs")
+        h.use_engine(db.url, "bench-flowcost", imports="bench.jobs")
         branch = flow_branch(db, args.runs, args.rounds)
         index = succeeded_index(db, args.runs, args.rounds)
         loop = settle_loop(db, 5000, 2 * args.rounds + 1)

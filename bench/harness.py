@@ -70,6 +70,15 @@ def child_env(engine: str | None = None, **extra: str) -> dict[str, str]:
     return env
 
 
+def engine_env(url: str, queue: str, imports: str, engine: str | None = None, **extra: str) -> dict[str, str]:
+    """A child's environment whose engine uses database ``url`` alone (this process's app, admin
+    and migrate URLs left out), ``queue`` and the jobs of ``imports``."""
+    env = child_env(engine, MOTIR_DATABASE_URL=url, MOTIR_QUEUE=queue, MOTIR_IMPORTS=imports, **extra)
+    for name in ("MOTIR_APP_DATABASE_URL", "MOTIR_ADMIN_DATABASE_URL", "MOTIR_MIGRATE_DATABASE_URL"):
+        env.pop(name, None)
+    return env
+
+
 def need(*names: str) -> None:
     missing = [n for n in names if not os.environ.get(n)]
     if missing:
@@ -708,6 +717,11 @@ def parser(prog: str, doc: str | None, *, write: str | None = "docs/scaling.md")
     if write:
         p.add_argument("--no-write", action="store_true", help=f"print the block, leave {write} as it is")
     return p
+
+
+def logger(prog: str) -> Callable[[str], None]:
+    """``log(message)``: ``[HH:MM:SS] prog: message`` on stderr."""
+    return lambda msg: print(f"[{datetime.now():%H:%M:%S}] {prog}: {msg}", file=sys.stderr, flush=True)
 
 
 def now() -> str:

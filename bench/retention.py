@@ -12,7 +12,7 @@ catalogue definition (the catalogue must compare equal to the migration's), then
 3. **Live**: two workers (``-c 1``) take ``retention.live`` runs sent at ``--rate``/s;
 a window without purge; one batch of purge's events pass timed (rolled back); ``purge()``
 twice: **A** without migration 0007's two DLQ indexes, **B** with them (``DLQ_FK_INDEXES``).
-The workers time each claim, step write and settle (``bench.retention_jobs``).
+The workers time each claim, step write and settle (``bench.jobs``).
 4. **Sizes** of every table before, after the purge and after (auto)vacuum.
 """
 
@@ -549,10 +549,7 @@ def live(url: str, ld: Load, args: Any, *, started: str, command: str) -> str:
     queue = f"bench-retention-{uuid.uuid4().hex[:8]}"
     folder = Path(tempfile.mkdtemp(prefix="motir-retention-"))
     os.chmod(folder, 0o777)
-    env = h.child_env(MOTIR_DATABASE_URL=url, MOTIR_QUEUE=queue, MOTIR_IMPORTS="bench.retention_jobs",
-                    RETENTION_TIMINGS=str(folder), PYTHONUNBUFFERED="1")
-    for k in ("MOTIR_APP_DATABASE_URL", "MOTIR_ADMIN_DATABASE_URL", "MOTIR_MIGRATE_DATABASE_URL"):
-        env.pop(k, None)
+    env = h.engine_env(url, queue, "bench.jobs", RETENTION_TIMINGS=str(folder), PYTHONUNBUFFERED="1")
     settings = Settings.from_env({k: v for k, v in env.items() if k != "RETENTION_TIMINGS"})
     feeder = h.Feeder(settings, "retention.live", rate=args.rate, batch=500,
                       data=lambda n: {"n": n, "workspace_id": f"ws-{n % 50}"})

@@ -1,20 +1,14 @@
-"""The chaos soak: every scenario of issue 6 at full size; regenerates docs/reliability.md.
+"""The chaos soak: every scenario of ``tests/chaos/scenarios.py`` at full size; regenerates docs/reliability.md.
 
-    python -m bench.soak                      # all scenarios, ~15 min on 2 cores; writes docs/reliability.md
-    python -m bench.soak --only sigkill,redis  # a subset (the report then lists only those)
-    python -m bench.soak --scale 0.2 --report /tmp/r.md   # a quick, smaller pass
+    python -m bench.soak [--only sigkill,redis] [--scale 0.2 --report /tmp/r.md]
 
-Needs ``MOTIR_DATABASE_URL`` (a Postgres server: the soak creates and drops a
-database of its own there) and the binaries the scenarios start privately:
-``redis-server``, PostgreSQL's ``initdb``/``pg_ctl`` and ``rabbitmq-server``. The
-machine's Redis, RabbitMQ and Postgres server are never restarted. The scenarios
-live in ``tests/chaos/scenarios.py`` (the test suite runs shortened versions);
-exit status 1 when any scenario broke an invariant.
+Needs MOTIR_DATABASE_URL (the soak's database is made and dropped there) and the binaries
+the scenarios start privately: ``redis-server``, Postgres's ``initdb``/``pg_ctl``,
+``rabbitmq-server``. Exit status 1 when a scenario broke an invariant.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import platform
@@ -24,16 +18,12 @@ import sys
 import tempfile
 import time
 import uuid
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from tests.chaos import scenarios  # noqa: E402
-from tests.chaos.harness import Result, create_database, drop_database, render_report  # noqa: E402
+from bench import harness as h
+from tests.chaos import scenarios
+from tests.chaos.harness import Result, create_database, drop_database, render_report
 
 #: Full size of each scenario: (name in ALL, keyword arguments). ``--scale`` shrinks
 #: the counts and durations (never below what makes the scenario meaningful).
@@ -51,72 +41,56 @@ FULL: list[tuple[str, dict[str, Any]]] = [
     ("bad_input", {"runs": 200, "workers": 2, "rate": 20.0}),
     ("tenancy", {"runs": 600, "readers": 3, "workers": 3, "rate": 20.0}),
 ]
-
-#: Where the engine bugs the scenarios found are listed (kept from one report to the next).
-FOUND = "## What the scenarios found"
+DOC = h.ROOT / "docs" / "reliability.md"
+FOUND = "## What the scenarios found"  # its numbered list is kept from one report to the next
+_FLOORS = {"runs": 20, "slow": 4, "poisons": 2, "seconds": 12.0, "fault_window": 10.0}
 
 
 def findings(doc: Path) -> list[str]:
-    """The numbered findings of the last report: the history stays in the doc, not here."""
     text = doc.read_text() if doc.exists() else ""
     part = text.split(FOUND, 1)[1].split("\n## ", 1)[0] if FOUND in text else ""
     return [m.group(1) for m in re.finditer(r"^\d+\. (.+)$", part, re.M)]
 
 
-_SCALED = {"runs": 20, "slow": 4, "poisons": 2, "seconds": 12.0, "fault_window": 10.0}
-
-
-def _scaled(kwargs: dict[str, Any], scale: float) -> dict[str, Any]:
-    if scale >= 1:
-        return kwargs
+def scaled(kwargs: dict[str, Any], scale: float) -> dict[str, Any]:
     out = dict(kwargs)
-    for key, floor in _SCALED.items():
-        if key in out:
+    for key, floor in _FLOORS.items():
+        if key in out and scale < 1:
             value = max(out[key] * scale, floor)
-            out[key] = type(kwargs[key])(value) if not isinstance(kwargs[key], int) else int(value) // 2 * 2
+            out[key] = int(value) // 2 * 2 if isinstance(kwargs[key], int) else type(kwargs[key])(value)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
+    parser = h.parser("bench.soak", __doc__, write=None)
     parser.add_argument("--only", default="", help="comma-separated scenario names: " + ", ".join(n for n, _ in FULL))
     parser.add_argument("--scale", type=float, default=1.0, help="shrink runs and durations (default 1 = full)")
-    parser.add_argument("--report", default=str(ROOT / "docs" / "reliability.md"), help="where to write the report")
+    parser.add_argument("--report", default=str(DOC), help="where to write the report")
     parser.add_argument("--keep-logs", action="store_true", help="keep every process log (printed folder)")
     args = parser.parse_args(argv)
-
+    h.need("MOTIR_DATABASE_URL")
+    wanted = {n.strip() for n in args.only.split(",") if n.strip()}
+    if unknown := wanted - {n for n, _ in FULL}:
+        parser.error(f"unknown scenarios: {sorted(unknown)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for noisy in ("sqlalchemy", "celery", "kombu", "amqp", "alembic", "motir_celery"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
-    server = os.environ.get("MOTIR_DATABASE_URL")
-    if not server:
-        print("MOTIR_DATABASE_URL is not set: the soak needs a Postgres server to create its database on",
-              file=sys.stderr)
-        return 3
-    wanted = [n.strip() for n in args.only.split(",") if n.strip()]
-    unknown = set(wanted) - {n for n, _ in FULL}
-    if unknown:
-        parser.error(f"unknown scenarios: {sorted(unknown)}")
-    plan = [(n, kw) for n, kw in FULL if not wanted or n in wanted]
-
     from motir_celery.settings import reset_settings
 
-    name = f"motir_soak_{uuid.uuid4().hex[:6]}"
-    url = create_database(server, name)
-    os.environ["MOTIR_DATABASE_URL"] = url
+    server, name = os.environ["MOTIR_DATABASE_URL"], f"motir_soak_{uuid.uuid4().hex[:6]}"
+    os.environ["MOTIR_DATABASE_URL"] = url = create_database(server, name)
     reset_settings()
     workdir = Path(tempfile.mkdtemp(prefix="motir-soak-"))
-    started = datetime.now(timezone.utc)
-    t0 = time.monotonic()
-    results: list[Result] = []
+    started, t0, results = h.now(), time.monotonic(), []
     try:
         base = scenarios.Base(url, workdir)
-        for scenario, kwargs in plan:
-            fn: Callable[..., Result] = scenarios.ALL[scenario]
-            kw = _scaled(kwargs, args.scale)
+        for scenario, kwargs in FULL:
+            if wanted and scenario not in wanted:
+                continue
+            kw = scaled(kwargs, args.scale)
             print(f"\n=== {scenario} {kw}", flush=True)
             try:
-                result = fn(base, **kw)
+                result = scenarios.ALL[scenario](base, **kw)
             except Exception as exc:  # noqa: BLE001 — one broken scenario must not hide the others
                 logging.exception("scenario %s crashed", scenario)
                 result = Result("?", f"{scenario} (crashed)", 0, 0, 0, "-", 0, 0, 0, 0, 0, 0, 0.0,
@@ -134,16 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m bench.soak" + (f" --only {args.only}" if args.only else "") + (
         f" --scale {args.scale}" if args.scale != 1 else "")
     machine = f"{os.cpu_count()} CPUs, Python {platform.python_version()}, {platform.system()}"
-    report = render_report(results, command=command, started=started.strftime("%Y-%m-%d %H:%M UTC"),
-                           total=total, machine=machine,
-                           findings=findings(ROOT / "docs" / "reliability.md"))
     Path(args.report).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.report).write_text(report)
+    Path(args.report).write_text(render_report(results, command=command, started=started, total=total,
+                                               machine=machine, findings=findings(DOC)))
     print(f"\nwrote {args.report} ({total / 60:.1f} min)")
-    bad = [r for r in results if not r.ok]
-    for r in bad:
-        print(f"FAILED: {r.summary()}", file=sys.stderr)
-    return 1 if bad else 0
+    for r in results:
+        if not r.ok:
+            print(f"FAILED: {r.summary()}", file=sys.stderr)
+    return 1 if any(not r.ok for r in results) else 0
 
 
 if __name__ == "__main__":

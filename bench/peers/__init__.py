@@ -12,26 +12,11 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import psycopg
 
 from bench import harness as h
-
-
-def arguments(*, timeout: float, **extra: tuple[type, Any]) -> argparse.ArgumentParser:
-    """The command line of both drivers (``bench/__main__.py`` builds it); ``extra``: a driver's
-    own options, as name=(type, default)."""
-    p = argparse.ArgumentParser()
-    p.add_argument("section", choices=["throughput", "latency"])
-    p.add_argument("--admin-dsn", required=True)
-    for name, kind, default in (("runs", int, 5000), ("workers", int, 1), ("concurrency", int, 2), ("rounds", int, 3),
-                                ("events", int, 250), ("interval", float, 0.02), ("timeout", float, timeout)):
-        p.add_argument(f"--{name}", type=kind, default=default)
-    p.add_argument("--reuse", action="store_true", help="reuse the database a previous call set up")
-    for name, (kind, default) in extra.items():
-        p.add_argument(f"--{name}", type=kind, default=default)
-    return p
 
 
 def database(admin_dsn: str, name: str, *, reuse: bool) -> str:
@@ -56,8 +41,40 @@ def count(dsn: str, sql: str) -> int:
         return int(row[0]) if row else 0
 
 
-def emit(result: Any) -> None:
+class Peer:
+    """What the peers' sides (``harness.Side``) share: a backlog sent one by one, no backends of ours to meter."""
+
+    def prequeue(self, n: int, offset: int = 0) -> None:
+        for i in range(offset, offset + n):
+            self.send(i)
+
+    def send(self, i: int) -> str:
+        raise NotImplementedError
+
+    def backends(self) -> list[int]:
+        return []
+
+
+def main(make: Callable[[argparse.Namespace], Any], timeout: float, **extra: tuple[type, Any]) -> Any:
+    """A driver's command (``bench/__main__.py`` builds its line): its side made from the arguments
+    (``extra``: its own options, as name=(type, default)), the section run, one JSON object printed."""
+    p = argparse.ArgumentParser()
+    p.add_argument("section", choices=["throughput", "latency"])
+    p.add_argument("--admin-dsn", required=True)
+    p.add_argument("--reuse", action="store_true", help="reuse the database a previous call set up")
+    for name, (kind, default) in {"runs": (int, 5000), "workers": (int, 1), "concurrency": (int, 2),
+                                  "rounds": (int, 3), "events": (int, 250), "interval": (float, 0.02),
+                                  "timeout": (float, timeout), **extra}.items():
+        p.add_argument(f"--{name}", type=kind, default=default)
+    args = p.parse_args()
+    side = make(args)
+    if args.section == "throughput":
+        result: Any = {"rounds": [h.drain(side, args.runs, args.workers, args.concurrency, timeout=args.timeout).rate
+                                  for _ in range(args.rounds)]}
+    else:
+        result = h.latency(side, args.events, args.interval, args.concurrency)
     print(json.dumps(result), flush=True)
+    return side
 
 
 PYTHON = sys.executable

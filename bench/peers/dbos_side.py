@@ -12,12 +12,12 @@ from __future__ import annotations
 import psycopg
 
 from bench import harness as h
-from bench.peers import PYTHON, arguments, count, database, emit, processes
+from bench.peers import PYTHON, Peer, count, database, main, processes
 
 DB = "motir_bench_dbos"
 
 
-class Dbos:
+class Dbos(Peer):
     """A ``harness.Side``: the three functions as a DBOS workflow of three steps."""
 
     def __init__(self, admin_dsn: str, reuse: bool, poll: float) -> None:
@@ -39,10 +39,6 @@ class Dbos:
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             conn.execute("TRUNCATE dbos.workflow_status CASCADE")
 
-    def prequeue(self, n: int, offset: int = 0) -> None:
-        for i in range(offset, offset + n):
-            self.send(i)
-
     def send(self, i: int) -> str:
         return str(self.client.enqueue(self.options, i).get_workflow_id())  # type: ignore[arg-type]
 
@@ -59,20 +55,6 @@ class Dbos:
             {"BENCH_PEER_URL": self.url, "BENCH_DBOS_EXECUTOR": f"bench-{i}", "BENCH_DBOS_CONCURRENCY": str(concurrency),
              "BENCH_DBOS_POLL": str(self.poll)} for i in range(n)])
 
-    def backends(self) -> list[int]:
-        return []
-
-
-def main() -> None:
-    args = arguments(timeout=900, poll=(float, 0.01)).parse_args()
-    side = Dbos(args.admin_dsn, args.reuse, args.poll)
-    if args.section == "throughput":
-        emit({"rounds": [h.drain(side, args.runs, args.workers, args.concurrency, timeout=args.timeout).rate
-                         for _ in range(args.rounds)]})
-    else:
-        emit(h.latency(side, args.events, args.interval, args.concurrency))
-    side.client.destroy()
-
 
 if __name__ == "__main__":
-    main()
+    main(lambda a: Dbos(a.admin_dsn, a.reuse, a.poll), 900, poll=(float, 0.01)).client.destroy()

@@ -14,12 +14,12 @@ import os
 import psycopg
 
 from bench import harness as h
-from bench.peers import PYTHON, arguments, count, database, emit, processes
+from bench.peers import PYTHON, Peer, count, database, main, processes
 
 DB = "motir_bench_procrastinate"
 
 
-class Procrastinate:
+class Procrastinate(Peer):
     """A ``harness.Side``: the three functions as one Procrastinate task."""
 
     def __init__(self, admin_dsn: str, reuse: bool) -> None:
@@ -54,19 +54,6 @@ class Procrastinate:
                                 "--log-level", "warning", "worker", "-q", "bench", "-c", str(concurrency),
                                 "-n", f"bench-{i}"] for i in range(n)], [{"BENCH_PEER_DSN": self.dsn}] * n)
 
-    def backends(self) -> list[int]:
-        return []
-
-
-def main() -> None:
-    args = arguments(timeout=600).parse_args()
-    side = Procrastinate(args.admin_dsn, reuse=args.reuse and args.section == "throughput")
-    if args.section == "throughput":
-        emit({"rounds": [h.drain(side, args.runs, args.workers, args.concurrency, timeout=args.timeout).rate
-                         for _ in range(args.rounds)]})
-    else:
-        emit(h.latency(side, args.events, args.interval, args.concurrency))
-
 
 if __name__ == "__main__":
-    main()
+    main(lambda a: Procrastinate(a.admin_dsn, reuse=a.reuse and a.section == "throughput"), 600)

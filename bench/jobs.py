@@ -1,0 +1,126 @@
+"""The durable jobs of the benches beside the suite's (``bench.workload``), one module for MOTIR_IMPORTS.
+
+* ``fleet.two`` (``bench.fleet``): two steps, each body first inserting ``(run_id, step, attempt,
+  host, pid)`` into ``bench.side_effect`` (``LEDGER_DDL``) on a connection of its own per process,
+  through the same PgBouncer as the engine: "each step executed once" is counted from what ran.
+* ``retention.live`` (``bench.retention``): two trivial steps. With ``$RETENTION_TIMINGS`` set, the
+  round trip of every ``TIMED`` statement, as the worker sees it, is appended to a file of the
+  process's own there (``name wall_end seconds``), by wrapping ``store.driver.rows``.
+* ``bench.flow.plain`` and ``bench.flow.throttled`` (``bench.flowcost``): a plain job, and the same
+  with a throttle that never makes it wait.
+* ``bench.chord.member`` and ``bench.chord.body`` (``bench.canvas_chord``): each execution counted in
+  a Redis hash (``HINCRBY``, outside ``step.run``: a second execution counts twice).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from motir_celery import define_job
+from motir_celery.store import driver
+
+# --- fleet ---------------------------------------------------------------------------------
+
+LEDGER_DDL = (
+    "CREATE SCHEMA IF NOT EXISTS bench;"
+    " CREATE TABLE IF NOT EXISTS bench.side_effect ("
+    " id bigserial PRIMARY KEY, run_id text NOT NULL, step text NOT NULL, attempt int NOT NULL,"
+    " host text NOT NULL, pid int NOT NULL, at timestamptz NOT NULL DEFAULT now())"
+)
+_local = threading.local()
+
+
+def _effect(event: Any, name: str) -> dict[str, str]:
+    conn = getattr(_local, "conn", None)
+    if conn is None or conn.closed or getattr(_local, "pid", None) != os.getpid():
+        # prepare_threshold=None: through a transaction pooler, as the engine's own connections.
+        conn = _local.conn = psycopg.connect(os.environ["MOTIR_DATABASE_URL"].replace("+psycopg", "", 1),
+                                             autocommit=True, prepare_threshold=None, application_name="fleet-ledger")
+        _local.pid = os.getpid()
+    host = os.environ.get("BENCH_HOST") or socket.gethostname()
+    conn.execute("INSERT INTO bench.side_effect (run_id, step, attempt, host, pid) VALUES (%s, %s, %s, %s, %s)",
+                 (str(event.run_id), name, event.attempt, host, os.getpid()))
+    return {"step": name, "host": host}
+
+
+@define_job("fleet.two", event="fleet.two", retry_policy="transient")
+def two_steps(event: Any, step: Any) -> int:
+    step.run("one", _effect, event, "one")
+    step.run("two", _effect, event, "two")
+    return int(event.data["n"])
+
+
+# --- retention -----------------------------------------------------------------------------
+
+TIMED = ("claim", "store_step", "settle_succeeded")
+_rows, _out = driver.rows, {}
+
+
+def _timed_rows(conn: Any, statement: Any, params: dict[str, Any]) -> list[dict[str, Any]]:
+    t0 = time.perf_counter()
+    try:
+        return _rows(conn, statement, params)
+    finally:
+        if statement.name in TIMED:
+            if _out.get("pid") != os.getpid():  # a prefork child: a file of its own
+                path = Path(os.environ["RETENTION_TIMINGS"]) / f"{os.getpid()}.txt"
+                _out.update(pid=os.getpid(), file=open(path, "a", buffering=1))
+            _out["file"].write(f"{statement.name} {time.time():.6f} {time.perf_counter() - t0:.6f}\n")
+
+
+if os.environ.get("RETENTION_TIMINGS"):
+    driver.rows = _timed_rows  # driver.first looks rows up at call time
+
+
+def _body(n: int, name: str) -> dict[str, Any]:
+    return {"step": name, "n": n}
+
+
+@define_job("retention.live", event="retention.live", retry_policy="transient")
+def live(event: Any, step: Any) -> int:
+    step.run("one", _body, int(event.data["n"]), "one")
+    step.run("two", _body, int(event.data["n"]), "two")
+    return int(event.data["n"])
+
+
+# --- flowcost ------------------------------------------------------------------------------
+
+PLAIN, THROTTLED = "bench.flow.plain", "bench.flow.throttled"
+
+
+@define_job(PLAIN, event=PLAIN, retry_policy="none")
+def plain(event: Any, step: Any) -> int:
+    return int(event.data["n"])
+
+
+@define_job(THROTTLED, event=THROTTLED, retry_policy="none", throttle=(1000, 0.01))
+def throttled(event: Any, step: Any) -> int:
+    return int(event.data["n"])
+
+
+# --- canvas_chord --------------------------------------------------------------------------
+
+
+def counter() -> Any:
+    import redis
+
+    return redis.Redis.from_url(os.environ.get("BENCH_COUNTER_URL") or os.environ["CELERY_BROKER_URL"])
+
+
+@define_job("bench.chord.member", retry_policy="transient")
+def member(step: Any, i: int, key: str) -> int:
+    counter().hincrby(key, str(i), 1)
+    return i
+
+
+@define_job("bench.chord.body", retry_policy="transient")
+def body(step: Any, results: list[int], key: str) -> int:
+    counter().hincrby(key, "body", 1)
+    return sum(results)
