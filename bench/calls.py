@@ -1,0 +1,227 @@
+"""What single calls cost, no worker running; the variants of each section take turns in rounds.
+
+    python -m bench.calls [--only delay,batch,adoption,wakeup] [--rounds 3]
+
+* ``delay``: ``job.delay()`` against Celery's ``task.delay()``, per call (``--calls`` per variant in
+  all); ours writes the run (one flushed commit), then publishes; ``apply_async(task_id=)`` and
+  ``await delay_async()`` too.
+* ``batch`` (issue 20): ``send_events`` batches of ``--batch`` against single ``send_event`` calls,
+  events/s (``--events`` a round), every run published to a throwaway queue unless ``--no-publish``.
+* ``adoption`` (issue 26: at most one more statement): a run adopted from a message in Celery's own
+  protocol (``protocol.run_to_execute``, then ``runner.execute``) against a ``.delay()``-made run,
+  and a copy of an adopted message (same task id): the driver's executes and time, per run.
+* ``wakeup``: one round trip to Postgres (``SELECT 1``; a one-row INSERT whose commit waits for the
+  WAL flush), back to back and after 20 ms idle, median of 300.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import Any, Callable, Iterator
+
+import psycopg
+
+from bench import harness as h
+
+QUEUE, PLAIN_QUEUE = "bench-calls", "bench-calls-plain"
+SECTIONS = ("delay", "batch", "adoption", "wakeup")
+
+
+def delay(db: h.Database, args: Any) -> None:
+    from celery import Celery
+
+    from motir_celery import define_job
+
+    plain = Celery("bench_plain", broker=os.environ["CELERY_BROKER_URL"], set_as_current=False)
+    plain.conf.update(task_default_queue=PLAIN_QUEUE, task_ignore_result=True)
+
+    @plain.task(name="bench.plain.noop")
+    def noop(order_id: int) -> None: ...
+
+    @define_job("bench.delay.noop", retry_policy="none")
+    def durable(step: Any, order_id: int) -> None: ...
+
+    async def delay_async(calls: int) -> list[float]:
+        out = []
+        for i in range(calls):
+            t0 = time.perf_counter()
+            await durable.delay_async(i)
+            out.append(time.perf_counter() - t0)
+        return out
+
+    n = max(1, args.calls // args.rounds)
+    variants: dict[str, Callable[[], list[float]]] = {
+        "celery task.delay()": lambda: h.timed(lambda i: noop.delay(i), n),
+        "motir job.delay()": lambda: h.timed(lambda i: durable.delay(i), n),
+        "motir job.apply_async(task_id=)": lambda: h.timed(
+            lambda i: durable.apply_async(args=[i], task_id=str(uuid.uuid4())), n),
+        "motir await job.delay_async()": lambda: asyncio.run(delay_async(n)),
+    }
+    for warm in variants.values():  # connections, the Redis lane's plan, imports
+        warm()
+    rounds = h.interleave(variants, args.rounds)
+    print(f"per-call cost, median of {n * args.rounds} calls each ({args.rounds} rounds), us; p99 "
+          + ", ".join(f"{k} {h.percentile([x for r in rs for x in r], 99) * 1e6:.0f}" for k, rs in rounds.items()))
+    h.report({k: [h.median(r) for r in rs] for k, rs in rounds.items()}, "celery task.delay()", "us", 1e6, 0)
+
+
+def _item(event: Any, step: Any) -> None:
+    return None
+
+
+def batch(db: h.Database, args: Any) -> None:
+    from motir_celery import define_job
+    from motir_celery.adapter.batch_publish import publish_many
+    from motir_celery.adapter.celery_app import create_app, publisher
+    from motir_celery.core.producer.batch import send_events
+    from motir_celery.core.producer.events import send_event
+    from motir_celery.settings import Settings
+
+    job, app = "bench.batch-item", create_app(Settings.from_env())
+    define_job(job, event=job)(_item)
+    publish, many = (None, None) if args.no_publish else (publisher(app), publish_many(app))
+
+    def single() -> float:
+        return args.events / sum(h.timed(lambda i: send_event(job, {"i": i, "workspace_id": "acme"}, publish=publish),
+                                         args.events))
+
+    def batched() -> float:
+        return args.events / sum(h.timed(lambda b: send_events(
+            [(job, {"i": i, "workspace_id": "acme"}) for i in range(b * args.batch, min((b + 1) * args.batch, args.events))],
+            publish=publish, publish_many=many), -(-args.events // args.batch)))
+
+    send_event(job, {"warm": 1}, publish=publish)
+    send_events([(job, {"warm": 1})] * 2, publish=publish, publish_many=many)
+    rounds = h.interleave({"send_event": single, f"send_events batch={args.batch}": batched}, args.rounds,
+                          print, lambda v: f"{v:.0f} events/s")
+    print(f"events/s, median of {args.rounds} rounds of {args.events} "
+          f"({'database only' if args.no_publish else 'with publish'}):")
+    h.report(rounds, "send_event", "events/s", digits=0)
+    print("  (the issue wants the batch >= 5x)")
+
+
+@contextmanager
+def counting() -> Iterator[list[int]]:
+    """``[n]``: the ``psycopg.Cursor.execute`` calls of this process meanwhile."""
+    real, n = psycopg.Cursor.execute, [0]
+
+    def execute(cursor: Any, *a: Any, **kw: Any) -> Any:
+        n[0] += 1
+        return real(cursor, *a, **kw)
+
+    psycopg.Cursor.execute = execute  # type: ignore[method-assign]
+    try:
+        yield n
+    finally:
+        psycopg.Cursor.execute = real  # type: ignore[method-assign]
+
+
+def adoption(db: h.Database, args: Any) -> None:
+    from motir_celery import define_job
+    from motir_celery.adapter.protocol import run_to_execute
+    from motir_celery.core.producer import direct
+    from motir_celery.core.worker.runner import execute
+
+    @define_job("bench.adoption.add", retry_policy="none")
+    def add(step: Any, x: int, y: int) -> int:
+        return step.run("add", lambda: x + y)  # type: ignore[no-any-return]
+
+    def adopt(task_id: str) -> str:
+        """What a worker does with Celery's request of ``send_task(name, (2, 3))`` (protocol 2)."""
+        message = SimpleNamespace(id=task_id, task=add.task_name, argsrepr="(2, 3)", kwargsrepr="{}")
+        run_id = run_to_execute(message, add, (2, 3), {})
+        assert run_id == task_id
+        return execute(run_id, job_id=add.id, worker="bench").state  # type: ignore[arg-type]
+
+    def delayed(_: int) -> None:
+        handle = direct.apply_async(add, (2, 3), {}, {}, publish_for=lambda q, p: lambda r, j, c=0.0: None)
+        assert execute(handle.id, job_id=add.id, worker="bench").state == "succeeded"  # type: ignore[arg-type]
+
+    adopted: list[str] = []
+
+    def fresh(_: int) -> None:
+        adopted.append(str(uuid.uuid4()))
+        assert adopt(adopted[-1]) == "succeeded"
+
+    def copy(i: int) -> None:
+        assert adopt(adopted[i % len(adopted)]) == "skipped"
+
+    variants = {".delay() + run": delayed, "adopted + run": fresh, "a copy of an adopted message": copy}
+    for fn in variants.values():  # warm: pool, schema probe, plans
+        fn(0)
+    n, statements = max(1, args.runs // args.rounds), {name: [] for name in variants}  # type: ignore[var-annotated]
+
+    def measure(name: str) -> list[float]:
+        with counting() as calls:
+            times = h.timed(variants[name], n)
+        statements[name].append(calls[0] / n)
+        return times
+
+    rounds = h.interleave({name: (lambda name=name: measure(name)) for name in variants}, args.rounds,
+                          show=lambda ts: f"{h.median(ts) * 1000:.2f} ms median")
+    print(f"{n} runs a round; statements per run (the driver's executes):")
+    for name, counts in statements.items():
+        print(f"  {name:<30} {h.median(counts):5.2f}  (rounds: {', '.join(f'{c:.2f}' for c in counts)})")
+    print("time per run, ms:")
+    h.report({name: [h.median(ts) for ts in r] for name, r in rounds.items()}, ".delay() + run", "ms", 1000, 2)
+    extra = h.median(statements["adopted + run"]) - h.median(statements[".delay() + run"])
+    print(f"adoption costs {extra:+.2f} statements per run against .delay() (bound: at most +1)")
+    assert extra <= 1, "adoption must cost at most one more statement than .delay()"
+
+
+def wakeup(db: h.Database, args: Any) -> None:
+    def round_trip_ms(conn: psycopg.Connection[Any], sql: str, pause: float) -> float:
+        times = []
+        for _ in range(300):
+            time.sleep(pause)
+            t0 = time.perf_counter()
+            conn.execute(sql)  # type: ignore[arg-type]
+            times.append(time.perf_counter() - t0)
+        return h.median(times) * 1e3
+
+    with h.connect(db.url) as conn:
+        conn.execute("CREATE TABLE bench_wakeup (x int)")  # logged: its INSERT's commit waits for the flush
+        print("round trip, median ms        back to back   after 20 ms idle")
+        for label, sql in (("SELECT 1", "SELECT 1"), ("INSERT, flushed commit", "INSERT INTO bench_wakeup VALUES (1)")):
+            busy, idle = round_trip_ms(conn, sql, 0.0), round_trip_ms(conn, sql, 0.02)
+            print(f"{label:28s} {busy:8.3f}       {idle:8.3f}   (x{idle / busy:.1f})")
+
+
+def main() -> None:
+    parser = h.parser("bench.calls", __doc__, write=None)
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated, of {','.join(SECTIONS)}")
+    parser.add_argument("--rounds", type=int, default=3, help="turns the variants take (default 3)")
+    parser.add_argument("--calls", type=int, default=2000, help="delay: calls per variant in all (default 2000)")
+    parser.add_argument("--events", type=int, default=2000, help="batch: events per side per round (default 2000)")
+    parser.add_argument("--batch", type=int, default=100, help="batch: events per send_events call (default 100)")
+    parser.add_argument("--no-publish", action="store_true", help="batch: the database side alone")
+    parser.add_argument("--runs", type=int, default=400, help="adoption: runs per variant in all (default 400)")
+    args = parser.parse_args()
+    sections = [s.strip() for s in args.only.split(",") if s.strip()]
+    if unknown := set(sections) - set(SECTIONS):
+        parser.error(f"--only: unknown section(s) {', '.join(sorted(unknown))}")
+    broker = bool({"delay", "batch"} & set(sections))
+    h.need("MOTIR_DATABASE_URL", *(["CELERY_BROKER_URL"] if broker else []))
+    from motir_celery.store.db import dispose_engines
+
+    with h.Database.create("motir_bench_calls") as db:
+        h.use_engine(db.url, QUEUE, imports="")
+        print(f"{h.machine(db.url, load=True)}; {h.command('bench.calls')}")
+        try:
+            for name in sections:
+                print(f"\n--- {name}", flush=True)
+                globals()[name](db, args)
+        finally:
+            if broker:
+                h.purge_queue(QUEUE)
+                h.purge_queue(PLAIN_QUEUE)
+            dispose_engines()
+
+
+if __name__ == "__main__":
+    main()
