@@ -1,17 +1,11 @@
-"""The benchmark suite: one command, one table, ``docs/performance.md`` rewritten.
+"""The benchmark suite: one command, one table, ``docs/performance.md`` rewritten (above its notes marker).
 
-    python -m bench                 # full run (~20 min on 2 cores)
-    python -m bench --quick         # smaller sizes, one round (~5 min)
-    python -m bench --sections throughput,steps --runs 2000
-    python -m bench --baseline /path/to/other/checkout   # adds that engine as a side (before/after)
+    python -m bench [--quick] [--sections throughput,steps] [--runs 2000] [--no-peers] [--baseline CHECKOUT]
 
-Needs MOTIR_DATABASE_URL (a Postgres server; the suite creates and drops its own
-databases on it) and CELERY_BROKER_URL (Redis). ``pgbench`` (Debian:
-postgresql-contrib) gives the commit ceiling; without it that row is skipped.
-Procrastinate and DBOS are installed into ``bench/.peers-venv`` (pip, first run
-only), never into the project's environment; ``--no-peers`` skips them. Every
-figure is a median of rounds, and every comparison a ratio of two figures of this
-run, the sides taking turns round by round (``harness.interleave``).
+Needs MOTIR_DATABASE_URL and CELERY_BROKER_URL; ``pgbench`` gives the commit ceiling (its row is
+skipped without it); Procrastinate and DBOS run from ``bench/.peers-venv`` (``bench.peersenv``).
+``--baseline`` adds another checkout's engine as a side (before/after). Every figure is a median
+of rounds, every comparison a ratio of two figures of this run, the sides taking turns.
 """
 
 from __future__ import annotations
@@ -20,6 +14,7 @@ import argparse
 import importlib.metadata as md
 import itertools
 import json
+import multiprocessing as mp
 import os
 import platform
 import re
@@ -28,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlsplit
@@ -38,20 +34,6 @@ from bench import peersenv
 DB = "motir_bench"
 SECTIONS = ("throughput", "latency", "steps", "cpu", "depth", "fanout", "beat", "memory")
 Log = Callable[[str], None]
-
-
-def sizes(args: argparse.Namespace) -> dict[str, Any]:
-    quick = args.quick
-    return {
-        "runs": args.runs or (500 if quick else 2000), "dbos_runs": args.dbos_runs or (200 if quick else 600),
-        "rounds": args.rounds or (1 if quick else 3), "latency_events": 100 if quick else 250,
-        "latency_rounds": 1 if quick else 3, "depth": (10_000, 100_000) if quick else (10_000, 1_000_000),
-        "memory": (1000, 3000) if quick else (1000, 10_000), "beat_slots": 500 if quick else 2000,
-        "fanout_rounds": 10 if quick else 30, "step_rounds": 2 if quick else 5, "pgbench_s": 5 if quick else 10,
-        "cpu_runs": 300 if quick else 1000, "cpu_rounds": 1 if quick else 2,
-    }
-
-
 SIDE_ORDER = ("motir", "motir_events", "baseline", "plain", "plain_noack", "procrastinate", "dbos")
 SIDE_NAMES = {"motir": "motir-celery (3 durable steps)",
               "motir_events": "motir-celery, Celery task events on (as while Flower watches)",
@@ -63,6 +45,17 @@ SIDE_NAMES = {"motir": "motir-celery (3 durable steps)",
 #: (label, workers, concurrency per worker, DBOS worker_concurrency, pgbench clients)
 CONFIGS = (("1 worker x 2", 1, 2, 2, 2), ("2 workers x 2", 2, 2, 8, 4))
 DBOS_POLL = 0.05
+
+
+def sizes(args: argparse.Namespace) -> dict[str, Any]:
+    q = args.quick
+    return {
+        "runs": args.runs or (500 if q else 2000), "dbos_runs": args.dbos_runs or (200 if q else 600),
+        "rounds": args.rounds or (1 if q else 3), "latency_events": 100 if q else 250, "latency_rounds": 1 if q else 3,
+        "depth": (10_000, 100_000) if q else (10_000, 1_000_000), "memory": (1000, 3000) if q else (1000, 10_000),
+        "beat_slots": 500 if q else 2000, "fanout_rounds": 10 if q else 30, "step_rounds": 2 if q else 5,
+        "pgbench_s": 5 if q else 10, "cpu_runs": 300 if q else 1000, "cpu_rounds": 1 if q else 2,
+    }
 
 
 def side(name: str, db: h.Database, args: argparse.Namespace) -> h.Side:
@@ -80,7 +73,7 @@ def peer(module: str, section: str, *args: Any) -> Callable[[], Any]:
     """A peer's measurement, in its virtualenv; its first call sets its database up."""
     calls = itertools.count()
     return lambda: peersenv.run(module, section, "--admin-dsn", h.dsn(h.server_url()), *args,
-                                  *(["--reuse"] if next(calls) else []))
+                                *(["--reuse"] if next(calls) else []))
 
 
 # --- sections ---------------------------------------------------------------------
@@ -96,18 +89,17 @@ def section_throughput(db: h.Database, sz: dict[str, Any], args: argparse.Namesp
         turns: dict[str, Callable[[], float]] = {
             n: (lambda s=side(n, db, args): h.drain(s, sz["runs"], workers, conc).rate) for n in names}
         if args.peers:
-            runs = ("--runs", sz["runs"], "--workers", workers, "--concurrency", conc, "--rounds", 1)
-            pro = peer("bench.peers.procrastinate_side", "throughput", *runs)
+            pro = peer("bench.peers.procrastinate_side", "throughput", "--runs", sz["runs"], "--workers", workers,
+                       "--concurrency", conc, "--rounds", 1)
             dbos = peer("bench.peers.dbos_side", "throughput", "--runs", sz["dbos_runs"], "--workers", workers,
                         "--concurrency", dbos_conc, "--poll", DBOS_POLL, "--rounds", 1)
             turns.update(procrastinate=lambda: pro()["rounds"][0], dbos=lambda: dbos()["rounds"][0])
         sides = h.interleave(turns, sz["rounds"], lambda m: log(f"  throughput [{label}] {m}"), lambda v: f"{v:7.1f} runs/s")
-        entry: dict[str, Any] = {k: {"median": h.median(v), "rounds": v} for k, v in sides.items()}
+        out[label] = entry = {k: {"median": h.median(v), "rounds": v} for k, v in sides.items()}
         entry.update(workers=workers, concurrency=conc, dbos_concurrency=dbos_conc)
         if shutil.which("pgbench"):
             entry["pgbench"] = pgbench(db, clients, sz["pgbench_s"])
             log(f"  throughput [{label}] pgbench -c {clients}: {entry['pgbench']['tps']:.0f} commits/s")
-        out[label] = entry
     return out
 
 
@@ -128,45 +120,44 @@ def pgbench(db: h.Database, clients: int, seconds: int) -> dict[str, Any]:
     return {"tps": float(re.search(r"tps = ([0-9.]+)", out).group(1)), "clients": clients}  # type: ignore[union-attr]
 
 
-def section_latency(db: h.Database, sz: dict[str, Any], args: argparse.Namespace, log: Log) -> dict:
-    """``harness.latency``: the sides the targets compare take turns, ``latency_rounds`` times (this
-    machine drifts by a millisecond within minutes); p50 and p99 are medians of the rounds'. The
-    rest run once, after them."""
-    n, interval = sz["latency_events"], 0.02
-    turns: dict[str, Callable[[], dict]] = {"motir": lambda: h.latency(side("motir", db, args), n, interval)}
-    if args.baseline:
-        turns["baseline"] = lambda: baseline_latency(args.baseline, db, n, interval)
-    turns["plain"] = lambda: h.latency(side("plain", db, args), n, interval)
-    if args.peers:
-        turns["procrastinate"] = peer("bench.peers.procrastinate_side", "latency", "--events", n,
-                                      "--interval", interval, "--concurrency", 2)
-    rounds = h.interleave(turns, sz["latency_rounds"])
-    out: dict[str, Any] = {"events": n, "interval": interval, "rounds": sz["latency_rounds"]}
-    for name, results in rounds.items():
-        out[name] = {"p50": h.median(r["p50"] for r in results), "p99": h.median(r["p99"] for r in results),
-                     "n": sum(r["n"] for r in results), "p50s": [r["p50"] for r in results]}
-    out["motir_events"] = h.latency(side("motir_events", db, args), n, interval)
-    if args.peers:
-        out["dbos"] = peer("bench.peers.dbos_side", "latency", "--events", n, "--interval", interval,
-                           "--concurrency", 2, "--poll", DBOS_POLL)()
-    for name in SIDE_ORDER:
-        if name in out:
-            log(f"  latency {name:<13} p50 {out[name]['p50'] * 1e3:6.1f} ms  p99 {out[name]['p99'] * 1e3:6.1f} ms")
-    return out
-
-
 # The sender is half of a latency: the baseline's publishes too, from a process whose
 # motir_celery is the baseline's (imported before this checkout's bench is put first).
 _BASELINE_SENDER = ("import json, sys; import motir_celery; sys.path.insert(0, sys.argv[1]); from bench import harness as h; "
                     "print(json.dumps(h.latency(h.Motir(h.Database(sys.argv[2])), int(sys.argv[3]), float(sys.argv[4]))))")
 
 
-def baseline_latency(path: str, db: h.Database, n: int, interval: float) -> dict:
-    done = subprocess.run([sys.executable, "-c", _BASELINE_SENDER, str(h.ROOT), db.url, str(n), str(interval)],
-                          env=h.child_env(path, BENCH_ENGINE_PATH=path), cwd=path, capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"baseline latency failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def section_latency(db: h.Database, sz: dict[str, Any], args: argparse.Namespace, log: Log) -> dict:
+    """``harness.latency``: the sides the targets compare take turns, ``latency_rounds`` times (this
+    machine drifts by a millisecond within minutes); p50 and p99 are medians of the rounds'. The
+    rest run once, after them."""
+    n, interval = sz["latency_events"], 0.02
+
+    def baseline() -> dict:
+        done = subprocess.run([sys.executable, "-c", _BASELINE_SENDER, str(h.ROOT), db.url, str(n), str(interval)],
+                              env=h.child_env(args.baseline, BENCH_ENGINE_PATH=args.baseline), cwd=args.baseline,
+                              capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"baseline latency failed:\n{done.stderr[-3000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    turns: dict[str, Callable[[], dict]] = {"motir": lambda: h.latency(side("motir", db, args), n, interval)}
+    if args.baseline:
+        turns["baseline"] = baseline
+    turns["plain"] = lambda: h.latency(side("plain", db, args), n, interval)
+    if args.peers:
+        turns["procrastinate"] = peer("bench.peers.procrastinate_side", "latency", "--events", n,
+                                      "--interval", interval, "--concurrency", 2)
+    out: dict[str, Any] = {"events": n, "interval": interval, "rounds": sz["latency_rounds"]}
+    for name, rs in h.interleave(turns, sz["latency_rounds"]).items():
+        out[name] = {"p50": h.median(r["p50"] for r in rs), "p99": h.median(r["p99"] for r in rs),
+                     "n": sum(r["n"] for r in rs), "p50s": [r["p50"] for r in rs]}
+    out["motir_events"] = h.latency(side("motir_events", db, args), n, interval)
+    if args.peers:
+        out["dbos"] = peer("bench.peers.dbos_side", "latency", "--events", n, "--interval", interval,
+                           "--concurrency", 2, "--poll", DBOS_POLL)()
+    for name in (s for s in SIDE_ORDER if s in out):
+        log(f"  latency {name:<13} p50 {out[name]['p50'] * 1e3:6.1f} ms  p99 {out[name]['p99'] * 1e3:6.1f} ms")
+    return out
 
 
 def section_steps(db: h.Database, sz: dict[str, Any], args: argparse.Namespace, log: Log) -> dict:
@@ -197,11 +188,62 @@ def section_cpu(db: h.Database, sz: dict[str, Any], args: argparse.Namespace, lo
     return {"runs": sz["cpu_runs"], "rounds": sz["cpu_rounds"], "variants": variants}
 
 
-def section_depth(db: h.Database, sz: dict[str, Any], args: argparse.Namespace, log: Log) -> dict:
-    from bench import depth
+#: 90 % finished runs (succeeded, with a result), 10 % queued, due and dispatched just now: a deep,
+#: healthy backlog, nothing for the sweeper to re-publish.
+DEPTH_SEED = """
+    INSERT INTO job_queue (job_id, scheduled_for, event_name, max_attempts, retry_policy, state, attempts,
+                           run_at, dispatched_at, created_at, finished_at, result)
+    SELECT 'bench.depth', timestamptz '2000-01-01' + make_interval(secs => g), 'scheduled.bench.depth', 3,
+           'transient', CASE WHEN g %% 10 = 0 THEN 'queued' ELSE 'succeeded' END, CASE WHEN g %% 10 = 0 THEN 0 ELSE 1 END,
+           now() - interval '1 minute', now(), now() - interval '1 hour',
+           CASE WHEN g %% 10 = 0 THEN NULL ELSE now() - interval '30 minutes' END,
+           CASE WHEN g %% 10 = 0 THEN NULL ELSE jsonb_build_object('ok', true) END
+    FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) g
+"""
 
-    r = depth.measure(db, *sz["depth"])
-    log(f"  depth {r['small']} -> {r['large']}: " + ", ".join(f"{k} x{v:.2f}" for k, v in r["ratio"].items()))
+
+def depth_timings(runs: int = 300, sweeps: int = 20) -> dict[str, float]:
+    """Fresh runs claimed and settled with the engine's statements on one autocommit connection, as a
+    worker does, and the sweeper's two statements in their own transactions; medians, ms."""
+    from motir_celery.core.producer.events import send_event
+    from motir_celery.store.db import get_engine
+    from motir_celery.store.sql import maintenance, worker
+
+    ids = [send_event("bench.three", {"n": i}, publish=None).run_ids[0] for i in range(runs)]
+    t: dict[str, list[float]] = {"claim_ms": [], "settle_ms": [], "reclaim_ms": [], "republish_ms": []}
+    with get_engine().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        for run_id in ids:
+            t0 = time.perf_counter()
+            c = worker.claim(conn, run_id, job_id="bench.three", worker="bench/depth", lease_seconds=60)
+            t1 = time.perf_counter()
+            assert c is not None and worker.settle_succeeded(conn, c, '{"ok":true}')
+            t["claim_ms"].append(t1 - t0)
+            t["settle_ms"].append(time.perf_counter() - t1)
+    for _ in range(sweeps):
+        for key, sweep in (("reclaim_ms", lambda c: maintenance.reclaim_expired(c)),
+                           ("republish_ms", lambda c: maintenance.republish_due(c, after_seconds=3600))):
+            with get_engine().begin() as conn:
+                t0 = time.perf_counter()
+                found = sweep(conn)
+                t[key].append(time.perf_counter() - t0)
+                assert key == "reclaim_ms" or not found
+    return {k: h.median(v) * 1e3 for k, v in t.items()}
+
+
+def section_depth(db: h.Database, sz: dict[str, Any], args: argparse.Namespace, log: Log) -> dict:
+    """Claim + settle and the sweeper's statements with ``small`` vs ``large`` rows in job_queue (``DEPTH_SEED``)."""
+    small, large = sz["depth"]
+    db.truncate()
+    timings = []
+    for lo, hi in ((1, small), (small + 1, large)):
+        for a in range(lo, hi + 1, 200_000):
+            db.rows(DEPTH_SEED, {"lo": a, "hi": min(hi, a + 199_999)})
+        db.rows("VACUUM ANALYZE job_queue")
+        timings.append(depth_timings())
+    db.truncate()
+    shallow, deep = timings
+    r = {"small": small, "large": large, "shallow": shallow, "deep": deep, "ratio": {k: deep[k] / shallow[k] for k in shallow}}
+    log(f"  depth {small} -> {large}: " + ", ".join(f"{k} x{v:.2f}" for k, v in r["ratio"].items()))
     return r
 
 
@@ -230,11 +272,46 @@ def section_fanout(db: h.Database, sz: dict[str, Any], args: argparse.Namespace,
             "db_rows_per_s": rows / d}
 
 
-def section_beat(db: h.Database, sz: dict[str, Any], args: argparse.Namespace, log: Log) -> dict:
-    from bench import beat
+def _beat(url: str, slots: int, start_at: float, out: Any) -> None:
+    """One beat process: each of ``slots`` cron slots of one job enqueued in its own transaction."""
+    from sqlalchemy import create_engine, text
 
-    r = beat.measure(db, sz["beat_slots"])
-    log(f"  beat x{r['beats']}: {r['calls_per_s']:.0f} calls/s, {r['slots_per_s']:.0f} slots/s")
+    from motir_celery.store import records
+    from motir_celery.store.sql import producer
+
+    engine, base = create_engine(url, pool_size=1), datetime(2030, 1, 1, tzinfo=timezone.utc)
+    with engine.connect() as conn:  # connected before the start line
+        conn.execute(text("SELECT 1"))
+    time.sleep(max(0.0, start_at - time.time()))
+    queued, t0 = 0, time.perf_counter()
+    for i in range(slots):
+        with engine.begin() as conn:
+            r = producer.enqueue_scheduled(conn, "bench.beat", base + timedelta(minutes=i), max_attempts=3,
+                                           policy="transient")
+        queued += isinstance(r, records.Queued)
+    out.put((queued, time.perf_counter() - t0))
+    engine.dispose()
+
+
+def section_beat(db: h.Database, sz: dict[str, Any], args: argparse.Namespace, log: Log) -> dict:
+    """3 beat processes (spawned, a pool each) walk the same cron slots in the same order: every slot
+    must come out exactly once (one ``Queued``, the others ``AlreadyQueued``)."""
+    slots, beats, ctx = sz["beat_slots"], 3, mp.get_context("spawn")
+    db.truncate()
+    out, start_at = ctx.Queue(), time.time() + 3.0
+    procs = [ctx.Process(target=_beat, args=(db.url, slots, start_at, out)) for _ in range(beats)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    rows = db.value("SELECT count(*) FROM job_queue WHERE job_id = 'bench.beat'")
+    db.truncate()
+    queued, elapsed = sum(r[0] for r in results), max(r[1] for r in results)
+    if queued != slots or rows != slots:
+        raise RuntimeError(f"beat: {queued} Queued and {rows} rows for {slots} slots")
+    r = {"beats": beats, "slots": slots, "calls_per_s": beats * slots / elapsed, "slots_per_s": slots / elapsed}
+    log(f"  beat x{beats}: {r['calls_per_s']:.0f} calls/s, {r['slots_per_s']:.0f} slots/s")
     return r
 
 
@@ -297,8 +374,16 @@ def _ok(flag: bool) -> str:
     return "met" if flag else "MISSED"
 
 
-def render(results: dict[str, Any], env: dict[str, str], command: str, elapsed: float) -> tuple[str, str]:
-    """(plain-text table for the terminal, markdown for docs/performance.md)."""
+def _row(*cells: Any) -> str:
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
+def _protocol(p: dict[str, int]) -> str:
+    return f"{p['round_trips']} / {p['commits']}" + (f" ({p['waits']})" if "waits" in p else "")
+
+
+def render(results: dict[str, Any], env: dict[str, str], command: str, elapsed: float) -> str:
+    """The markdown of docs/performance.md above its notes marker."""
     md: list[str] = []
     targets: list[tuple[str, str, str]] = []  # (target, measured, verdict)
     md += ["# Performance", "",
@@ -307,68 +392,44 @@ def render(results: dict[str, Any], env: dict[str, str], command: str, elapsed: 
            f"Run took {elapsed / 60:.1f} min. Figures are medians of the rounds listed; every ratio compares two "
            "figures from this same run (sides interleaved round by round), because the machine is shared and "
            "absolute numbers drift.", "", "## Machine and versions", "", "| | |", "|---|---|"]
-    md += [f"| {k} | {v} |" for k, v in env.items()]
+    md += [_row(k, v) for k, v in env.items()]
 
-    tp = results.get("throughput")
-    if tp:
+    if tp := results.get("throughput"):
         md += ["", "## 1. Throughput (3-step job, queued first, then drained)", "",
                "runs/s over the 5%..95% span of the drain; DBOS drains fewer runs per round (it is ~10x slower) "
                f"and runs at its best tuning found here (queue polling {DBOS_POLL}s; worker_concurrency "
-               "2 with one process, 8 with two).", ""]
-        md += ["| side | " + " | ".join(tp) + " |", "|---|" + "---:|" * len(tp)]
-        for side in SIDE_ORDER:
-            if any(side in e for e in tp.values()):
-                cells = []
-                for e in tp.values():
-                    if side in e:
-                        rounds = ", ".join(f"{x:.0f}" for x in e[side]["rounds"])
-                        cells.append(f"**{e[side]['median']:.0f}** ({rounds})")
-                    else:
-                        cells.append("")
-                md.append(f"| {SIDE_NAMES[side]} | " + " | ".join(cells) + " |")
-        if any("pgbench" in e for e in tp.values()):
-            md.append("| pgbench, 1-row INSERT per commit (commits/s) | " + " | ".join(
-                f"{e['pgbench']['tps']:.0f} (-c {e['pgbench']['clients']})" if "pgbench" in e else ""
-                for e in tp.values()) + " |")
-        md += ["", "| ratio | " + " | ".join(tp) + " |", "|---|" + "---:|" * len(tp)]
-        ratio_rows = [("motir / plain Celery", "motir", "plain", 0.6),
-                      ("motir / Procrastinate", "motir", "procrastinate", 1.0),
-                      ("motir / DBOS", "motir", "dbos", 3.0),
-                      ("motir / baseline engine (before -> after)", "motir", "baseline", None),
-                      ("motir / plain Celery with Redis ack emulation off", "motir", "plain_noack", None),
-                      ("motir task-events-on / plain Celery", "motir_events", "plain", None)]
-        for name, mine, other, target in ratio_rows:
-            if not any(other in e and mine in e for e in tp.values()):
-                continue
-            cells = []
-            for label, e in tp.items():
-                if other in e and mine in e:
-                    r = e[mine]["median"] / e[other]["median"]
-                    cells.append(f"{r:.2f}")
-                    if target is not None:
-                        targets.append((f"throughput {name} >= {target} [{label}]", f"{r:.2f}", _ok(r >= target)))
-                else:
-                    cells.append("")
-            md.append(f"| {name} | " + " | ".join(cells) + " |")
-        if any("pgbench" in e for e in tp.values()):
-            # 1 flushed commit per run: the settle, which carries the three fast steps held
-            # (the claim's commit is not flushed).
-            md.append("| motir runs/s x 1 flushed commit / pgbench commits/s (share of the commit ceiling) | " + " | ".join(
-                f"{e['motir']['median'] / e['pgbench']['tps']:.2f}" if "pgbench" in e else ""
-                for e in tp.values()) + " |")
+               "2 with one process, 8 with two).", "", _row("side", *tp), "|---|" + "---:|" * len(tp)]
+        md += [_row(SIDE_NAMES[s], *(f"**{e[s]['median']:.0f}** ({', '.join(f'{x:.0f}' for x in e[s]['rounds'])})"
+                                     if s in e else "" for e in tp.values()))
+               for s in SIDE_ORDER if any(s in e for e in tp.values())]
+        pgb = any("pgbench" in e for e in tp.values())
+        if pgb:
+            md.append(_row("pgbench, 1-row INSERT per commit (commits/s)", *(
+                f"{e['pgbench']['tps']:.0f} (-c {e['pgbench']['clients']})" if "pgbench" in e else "" for e in tp.values())))
+        md += ["", _row("ratio", *tp), "|---|" + "---:|" * len(tp)]
+        for name, mine, other, target in (("motir / plain Celery", "motir", "plain", 0.6),
+                                          ("motir / Procrastinate", "motir", "procrastinate", 1.0),
+                                          ("motir / DBOS", "motir", "dbos", 3.0),
+                                          ("motir / baseline engine (before -> after)", "motir", "baseline", None),
+                                          ("motir / plain Celery with Redis ack emulation off", "motir", "plain_noack", None),
+                                          ("motir task-events-on / plain Celery", "motir_events", "plain", None)):
+            ratios = {label: e[mine]["median"] / e[other]["median"] for label, e in tp.items() if other in e and mine in e}
+            if ratios:
+                md.append(_row(name, *(f"{ratios[label]:.2f}" if label in ratios else "" for label in tp)))
+                targets += [(f"throughput {name} >= {target} [{label}]", f"{r:.2f}", _ok(r >= target))
+                            for label, r in ratios.items() if target is not None]
+        if pgb:  # 1 flushed commit per run: the settle, which carries the three fast steps (the claim's is not flushed)
+            md.append(_row("motir runs/s x 1 flushed commit / pgbench commits/s (share of the commit ceiling)", *(
+                f"{e['motir']['median'] / e['pgbench']['tps']:.2f}" if "pgbench" in e else "" for e in tp.values())))
 
-    lat = results.get("latency")
-    if lat:
+    if lat := results.get("latency"):
         md += ["", f"## 2. Latency at low load (one event every {lat['interval'] * 1e3:.0f} ms, {lat['events']} events, "
                "1 worker x 2)", "",
                f"Sides with a p50 per round took turns, {lat.get('rounds', 1)} rounds; their p50 and p99 are the "
                "medians over the rounds. The others ran once, after them.", "",
                "| side | p50 ms | p99 ms | p50 per round, ms |", "|---|---:|---:|---|"]
-        for side in SIDE_ORDER:
-            if side in lat:
-                per_round = ", ".join(f"{x * 1e3:.1f}" for x in lat[side].get("p50s", []))
-                md.append(f"| {SIDE_NAMES[side]} | {lat[side]['p50'] * 1e3:.1f} | {lat[side]['p99'] * 1e3:.1f} "
-                          f"| {per_round} |")
+        md += [_row(SIDE_NAMES[s], f"{lat[s]['p50'] * 1e3:.1f}", f"{lat[s]['p99'] * 1e3:.1f}",
+                    ", ".join(f"{x * 1e3:.1f}" for x in lat[s].get("p50s", []))) for s in SIDE_ORDER if s in lat]
         m = lat["motir"]["p50"]
         if "procrastinate" in lat:
             targets.append(("latency p50 <= Procrastinate's", f"{m * 1e3:.1f} vs {lat['procrastinate']['p50'] * 1e3:.1f} ms",
@@ -376,30 +437,28 @@ def render(results: dict[str, Any], env: dict[str, str], command: str, elapsed: 
         targets.append(("latency p50 <= 2x plain Celery's", f"{m * 1e3:.1f} vs 2 x {lat['plain']['p50'] * 1e3:.1f} ms",
                         _ok(m <= 2 * lat["plain"]["p50"])))
 
-    st = results.get("steps")
-    if st:
+    if st := results.get("steps"):
+        r = st["motir"]
         md += ["", "## 3. Step cost", "",
                "Time per `step.run` (median inside a 100-step run; miss = body + stored write, hit = replay from "
                "the memo loaded with the claim), and what one attempt sends to Postgres, counted from libpq's "
                "protocol trace (round trip = Query or Sync; commit = a transaction that wrote; waits = turns from "
                "sending to reading, at most the answers the attempt waited for: see bench/stepcost.py).", "",
                "| engine | miss us/step | hit us/step | " + " | ".join(
-                   f"k={k} new: rt / commits (waits)" for k in st["motir"]["fresh"]) + " | replay of k=" +
-               f"{list(st['motir']['replay'])[-1]} hits: rt / commits (waits) |",
-               "|---|---:|---:|" + "---:|" * (len(st["motir"]["fresh"]) + 1)]
-        for side, r in st.items():
-            last = list(r["replay"])[-1]
-            md.append(f"| {SIDE_NAMES[side]} | {r['miss_us']:.0f} | {r['hit_us']:.1f} | "
-                      + " | ".join(_protocol(p) for p in r["fresh"].values()) + f" | {_protocol(r['replay'][last])} |")
-            if "slow" in r:  # (an engine older than the slow runs has none)
-                md.append(f"| {SIDE_NAMES[side]}, step bodies of 2 ms | | | "
-                          + " | ".join(_protocol(p) for p in r["slow"].values()) + " | |")
-        r = st["motir"]
-        for what, field in (("round trips", "round_trips"), ("commits", "commits")):
+                   f"k={k} new: rt / commits (waits)" for k in r["fresh"]) + " | replay of k=" +
+               f"{list(r['replay'])[-1]} hits: rt / commits (waits) |",
+               "|---|---:|---:|" + "---:|" * (len(r["fresh"]) + 1)]
+        for name, s in st.items():
+            md.append(f"| {SIDE_NAMES[name]} | {s['miss_us']:.0f} | {s['hit_us']:.1f} | "
+                      + " | ".join(map(_protocol, s["fresh"].values())) + f" | {_protocol(list(s['replay'].values())[-1])} |")
+            if "slow" in s:  # (an engine older than the slow runs has none)
+                md.append(f"| {SIDE_NAMES[name]}, step bodies of 2 ms | | | "
+                          + " | ".join(map(_protocol, s["slow"].values())) + " | |")
+        for what, key in (("round trips", "round_trips"), ("commits", "commits")):
             shown, worst = [], 0
             for bodies, runs in (("fast bodies", r["fresh"]), ("2 ms bodies", r.get("slow", {}))):
                 if runs:
-                    counts = {int(k): p[field] for k, p in runs.items()}
+                    counts = {int(k): p[key] for k, p in runs.items()}
                     worst = max(worst, *(n - k for k, n in counts.items()))
                     shown.append(f"{bodies}: " + ", ".join(f"{n} at k={k}" for k, n in counts.items()))
             targets.append((f"<= k+2 {what} per run of k new steps", "; ".join(shown), _ok(worst <= 2)))
@@ -408,72 +467,48 @@ def render(results: dict[str, Any], env: dict[str, str], command: str, elapsed: 
         targets.append(("0 extra round trips for memo hits", f"{extra} extra over {', '.join(f'k={k}' for k in hits)}",
                         _ok(extra == 0)))
 
-    cp = results.get("cpu")
-    if cp:
+    if cp := results.get("cpu"):
         md += ["", f"## 3b. CPU per run (1 worker x 2, {cp['runs']:,} runs, median of {cp['rounds']} rounds)", "",
                "CPU seconds (user + system) per run, read from the kernel: steadier than wall-clock rates on a shared "
                "machine, though still +-15% between invocations.", "",
                "| engine | worker main process ms | pool children ms | Postgres backends ms | total ms |",
                "|---|---:|---:|---:|---:|"]
-        for k, v in cp["variants"].items():
-            md.append(f"| {SIDE_NAMES[k]} | {v['main_ms']:.2f} | {v['children_ms']:.2f} | {v['postgres_ms']:.2f} | "
-                      f"**{v['total_ms']:.2f}** |")
+        md += [_row(SIDE_NAMES[k], f"{v['main_ms']:.2f}", f"{v['children_ms']:.2f}", f"{v['postgres_ms']:.2f}",
+                    f"**{v['total_ms']:.2f}**") for k, v in cp["variants"].items()]
 
-    dp = results.get("depth")
-    if dp:
+    if dp := results.get("depth"):
         md += ["", f"## 4. Scale with depth ({dp['small']:,} vs {dp['large']:,} rows in job_queue: 90% finished, "
                "10% queued and due)", "", "| statement | ms at small | ms at large | ratio |", "|---|---:|---:|---:|"]
-        names = {"claim_ms": "claim (+ memo preload)", "settle_ms": "settle (succeeded)",
-                 "reclaim_ms": "sweeper: reclaim expired leases", "republish_ms": "sweeper: re-publish lost messages"}
-        for k, name in names.items():
-            md.append(f"| {name} | {dp['shallow'][k]:.2f} | {dp['deep'][k]:.2f} | {dp['ratio'][k]:.2f} |")
+        for k, name in {"claim_ms": "claim (+ memo preload)", "settle_ms": "settle (succeeded)",
+                        "reclaim_ms": "sweeper: reclaim expired leases",
+                        "republish_ms": "sweeper: re-publish lost messages"}.items():
+            md.append(_row(name, f"{dp['shallow'][k]:.2f}", f"{dp['deep'][k]:.2f}", f"{dp['ratio'][k]:.2f}"))
             targets.append((f"depth ratio <= 1.2: {name}", f"{dp['ratio'][k]:.2f}", _ok(dp["ratio"][k] <= 1.2)))
 
-    fo = results.get("fanout")
-    if fo:
+    if fo := results.get("fanout"):
         md += ["", f"## 5. Fan-out (1 event x {fo['subscribers']} subscribers)", "",
                "| send_event | ms | rows/s |", "|---|---:|---:|",
                f"| with publishing ({fo['subscribers']} messages) | {fo['ms']:.1f} | {fo['rows_per_s']:.0f} |",
                f"| database only (publish=None) | {fo['db_ms']:.1f} | {fo['db_rows_per_s']:.0f} |"]
 
-    bt = results.get("beat")
-    if bt:
+    if bt := results.get("beat"):
         md += ["", f"## 6. Beat ({bt['beats']} concurrent beats on the same {bt['slots']} slots)", "",
                f"- `enqueue_scheduled` calls/s (all beats): **{bt['calls_per_s']:.0f}**",
                f"- distinct slots enqueued/s: **{bt['slots_per_s']:.0f}** (each slot exactly once: checked)"]
 
-    mem = results.get("memory")
-    if mem:
+    if mem := results.get("memory"):
         md += ["", "## 7. Memory (one worker, prefork x 2)", "", "| runs | pool child RSS MiB | child peak MiB | "
                "main process RSS MiB |", "|---:|---:|---:|---:|"]
-        for s in mem["samples"]:
-            md.append(f"| {s['runs']:,} | {s['child_rss_kb'] / 1024:.1f} | {s['child_hwm_kb'] / 1024:.1f} | "
-                      f"{s['main_rss_kb'] / 1024:.1f} |")
+        md += [_row(f"{s['runs']:,}", f"{s['child_rss_kb'] / 1024:.1f}", f"{s['child_hwm_kb'] / 1024:.1f}",
+                    f"{s['main_rss_kb'] / 1024:.1f}") for s in mem["samples"]]
         first, last = mem["samples"][0]["runs"], mem["samples"][-1]["runs"]
         targets.append((f"worker RSS flat (+-10%) from run {first:,} to {last:,}",
                         f"{mem['growth'] * 100:+.1f}% (child), {mem['main_growth'] * 100:+.1f}% (main)",
                         _ok(abs(mem["growth"]) <= 0.10 and abs(mem["main_growth"]) <= 0.10)))
 
     if targets:
-        md += ["", "## Targets", "", "| target | measured | |", "|---|---|---|"]
-        md += [f"| {t} | {m} | {v} |" for t, m, v in targets]
-    markdown = "\n".join(md) + "\n"
-    text_out = markdown.replace("**", "")
-    return text_out, markdown
-
-
-def _protocol(p: dict[str, int]) -> str:
-    return f"{p['round_trips']} / {p['commits']}" + (f" ({p['waits']})" if "waits" in p else "")
-
-
-
-
-def write_report(path: Path, markdown: str) -> None:
-    """The suite's file, up to its notes marker; what is below the marker is kept."""
-    old = path.read_text() if path.exists() else ""
-    notes = old.split(h.NOTES_MARKER, 1)[1] if h.NOTES_MARKER in old else "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(markdown + "\n" + h.NOTES_MARKER + notes)
+        md += ["", "## Targets", "", "| target | measured | |", "|---|---|---|", *(_row(*t) for t in targets)]
+    return "\n".join(md) + "\n"
 
 
 def main() -> None:
@@ -506,14 +541,11 @@ def main() -> None:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - started:6.0f}s] {msg}", flush=True)
 
-    peers = args.peers and bool({"throughput", "latency"} & set(sections))
-    if peers:
+    if peers := args.peers and bool({"throughput", "latency"} & set(sections)):
         peersenv.ensure()
     db = h.Database.create(DB)
     h.use_engine(db.url, h.MOTIR_QUEUE)
-    env = environment(db, peers)
-    sz = sizes(args)
-    results: dict[str, Any] = {}
+    env, sz, results = environment(db, peers), sizes(args), {}
     try:
         for name in sections:
             log(f"{name} ...")
@@ -523,13 +555,15 @@ def main() -> None:
             db.drop()
             for peer_db in ("motir_bench_procrastinate", "motir_bench_dbos"):
                 h.drop_database(peer_db)
-    text_out, markdown = render(results, env, ("python -m bench " + " ".join(sys.argv[1:])).strip(),
-                                time.perf_counter() - started)
+    markdown = render(results, env, ("python -m bench " + " ".join(sys.argv[1:])).strip(), time.perf_counter() - started)
     Path("/tmp/bench-results.json").write_text(json.dumps({"env": env, "results": results}, indent=1, default=str))
-    print()
-    print(text_out)
+    print(f"\n{markdown.replace('**', '')}")
     if args.output != "-":
-        write_report(Path(args.output), markdown)
+        path = Path(args.output)
+        old = path.read_text() if path.exists() else ""
+        notes = old.split(h.NOTES_MARKER, 1)[1] if h.NOTES_MARKER in old else "\n"  # what is below it is kept
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(markdown + "\n" + h.NOTES_MARKER + notes)
         print(f"written to {args.output} (raw numbers: /tmp/bench-results.json)")
 
 
