@@ -2,18 +2,11 @@
 
     python -m bench.retention [--runs 10000000] [--no-write]    # --runs 200000: a quick pass
 
-Needs CELERY_BROKER_URL and Debian's Postgres binaries: a private server
-(``harness.private_postgres``), deleted at the end. 1. **Load** with load-only settings:
-the schema migrated, its keys and indexes dropped, ``--runs`` finished runs (with events,
-steps, attempts, DLQ entries; ``finished_at`` over the last ``--days`` days) written by
-set-based INSERTs two sessions at a time, every key and index rebuilt from its own
-catalogue definition (the catalogue must compare equal to the migration's), then
-``VACUUM (FREEZE, ANALYZE)``. 2. **Restart** with the measured settings (``MEASURED``).
-3. **Live**: two workers (``-c 1``) take ``retention.live`` runs sent at ``--rate``/s;
-a window without purge; one batch of purge's events pass timed (rolled back); ``purge()``
-twice: **A** without migration 0007's two DLQ indexes, **B** with them (``DLQ_FK_INDEXES``).
-The workers time each claim, step write and settle (``bench.jobs``).
-4. **Sizes** of every table before, after the purge and after (auto)vacuum.
+Needs CELERY_BROKER_URL and Debian's Postgres binaries (``harness.private_postgres``). The runs
+are written with load-only settings (keys and indexes dropped, rebuilt from the catalogue, which
+must then compare equal to the migration's); the server restarts with ``MEASURED`` for the live
+part: workers timing their statements (``bench.jobs``), a window without purge, then purge A
+without migration 0007's two DLQ indexes and purge B with them. docs/scaling.md has the result.
 """
 
 from __future__ import annotations
@@ -32,20 +25,20 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import psycopg
-
 from bench import harness as h
 
 DB = "motir_retention"
 TABLES = ("job_event", "job_queue", "job_step", "job_run", "job_run_dlq")
-
-#: Server settings while loading (on top of the harness's fsync=off, full_page_writes=off):
-#: nothing here survives into the measurement.
+#: Server settings while loading (on top of the harness's fsync=off, full_page_writes=off).
 LOADING = ("shared_buffers=1GB", "wal_level=minimal", "max_wal_senders=0", "max_wal_size=16GB",
            "autovacuum=off", "checkpoint_timeout=30min")
 #: Server settings of the measurement: durable commits, defaults elsewhere but for memory and WAL size.
 MEASURED = ("fsync=on", "full_page_writes=on", "synchronous_commit=on", "shared_buffers=1GB",
             "max_wal_size=4GB", "autovacuum=on")
+#: Migration 0007's indexes on the two job_run_dlq columns that reference job_queue (ON DELETE SET
+#: NULL: without them every deleted run reads all of job_run_dlq). Pass A drops them, pass B makes them.
+DLQ_FK_INDEXES = {"ix_job_run_dlq_replay_run": "replay_run_id", "ix_job_run_dlq_resumed_run": "resumed_run_id"}
+log = h.logger("retention")
 
 
 # --- the data ----------------------------------------------------------------------------------
@@ -56,7 +49,7 @@ MEASURED = ("fsync=on", "full_page_writes=on", "synchronous_commit=on", "shared_
 #   i % 25 = 1  : a cron run (event_id NULL, scheduled_for its slot), one step, succeeded (4 %)
 #   otherwise   : an event run (its own event, 1 in 10 with an idempotency key), two steps,
 #                 one attempt, succeeded
-# Shapes follow what the engine writes (statements.py: claim, store_step, settle_*; dlq.py).
+# Shapes follow what the engine writes (store/sql: claim, store_step, settle_*; the DLQ's).
 
 _T = "(%(anchor)s::timestamptz - make_interval(days => %(days)s) + make_interval(secs => i * %(step)s))"
 _FAILED = "(i %% 200 = 0)"
@@ -133,12 +126,6 @@ _CATALOGUE = """
 """
 
 
-def _execute(conn: psycopg.Connection[Any], sql: str, params: dict[str, Any]) -> None:
-    for statement in sql.split(";\n"):
-        if statement.strip():
-            conn.execute(statement, params if "%(" in statement else None)  # type: ignore[arg-type]
-
-
 def parallel(url: str, tasks: list[tuple[str, list[tuple[str, dict[str, Any]]]]], *, setup: tuple[str, ...] = (),
              transaction: bool = True, sessions: int = 2) -> dict[str, float]:
     """Each task's statements in order on one of ``sessions`` connections at once, a task in one
@@ -158,7 +145,8 @@ def parallel(url: str, tasks: list[tuple[str, list[tuple[str, dict[str, Any]]]]]
                 try:
                     with conn.transaction() if transaction else nullcontext():
                         for sql, params in statements:
-                            _execute(conn, sql, params)
+                            for one in filter(str.strip, sql.split(";\n")):
+                                conn.execute(one, params if "%(" in one else None)  # type: ignore[arg-type]
                 except BaseException as exc:  # noqa: BLE001 — raised below, in the caller
                     errors.append(exc)
                     return
@@ -186,92 +174,63 @@ def load(url: str, runs: int, days: int) -> Load:
     """The schema's keys and indexes dropped, the rows written, the keys and indexes rebuilt
     from their catalogue definitions, and the catalogue compared with the migration's."""
     out = Load(runs)
+
+    def timed(name: str, *work: Any) -> None:
+        t0 = time.monotonic()
+        for w in work:
+            w()
+        out.seconds[name] = time.monotonic() - t0
+
     with h.connect(url) as conn:
         out.anchor = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
         before = conn.execute(_CATALOGUE, {"tables": list(TABLES)}).fetchall()
-        t0 = time.monotonic()
-        for kind, tbl, name, type_, _, _, _ in before:
-            if kind == "constraint" and type_ == "f":
-                conn.execute(f'ALTER TABLE {tbl} DROP CONSTRAINT "{name}"')
-        for kind, tbl, name, type_, _, _, _ in before:
-            if kind == "constraint" and type_ in ("p", "u"):
-                conn.execute(f'ALTER TABLE {tbl} DROP CONSTRAINT "{name}"')
-            elif kind == "index":
-                conn.execute(f'DROP INDEX "{name}"')
-        out.seconds["drop"] = time.monotonic() - t0
-
+    fks = [(t, n, d) for k, t, n, ty, d, _, _ in before if k == "constraint" and ty == "f"]
+    keys = [(t, n, ty) for k, t, n, ty, _, _, _ in before if k == "constraint" and ty in ("p", "u")]
+    with h.connect(url) as conn:
+        timed("drop", *(lambda t=t, n=n: conn.execute(f'ALTER TABLE {t} DROP CONSTRAINT "{n}"') for t, n, *_ in fks + keys),
+              *(lambda n=n: conn.execute(f'DROP INDEX "{n}"') for k, _, n, *_ in before if k == "index"))
     # Rows: each table in slices of 2M runs, all in one transaction that first TRUNCATEs the
     # table (wal_level=minimal then writes no WAL for it); two tables at a time.
-    t0 = time.monotonic()
     step = days * 86400.0 / runs
     chains = [(f"rows:{table}", [((f"TRUNCATE {table};\n" if lo == 1 else "") + LOAD_SQL[table],
                                   {"anchor": out.anchor, "days": days, "step": step, "lo": lo,
                                    "hi": min(lo + 2_000_000 - 1, runs)}) for lo in range(1, runs + 1, 2_000_000)])
               for table in ("job_queue", "job_step", "job_event", "job_run", "job_run_dlq")]
-    out.seconds.update(parallel(url, chains, setup=("SET synchronous_commit = off",)))
-    out.seconds["rows"] = time.monotonic() - t0
-
-    # Indexes (the constraints' own first, by their index definitions), two sessions at once.
-    t0 = time.monotonic()
-    index_jobs = [(f"index:{name}", [(indexdef if kind == "constraint" else def_, {})])
-                  for kind, tbl, name, type_, def_, _, indexdef in before
-                  if kind == "index" or type_ in ("p", "u")]
-    # The biggest tables first, so the two sessions finish together.
+    timed("rows", lambda: out.seconds.update(parallel(url, chains, setup=("SET synchronous_commit = off",))))
+    # Indexes (the constraints' own by their index definitions), the biggest tables first, so the
+    # two sessions finish together.
     weight = {"job_step": 4, "job_queue": 3, "job_run": 2, "job_event": 2, "job_run_dlq": 0}
-    table_of = {f"index:{name}": tbl for _, tbl, name, *_ in before}
-    index_jobs.sort(key=lambda j: -weight.get(table_of[j[0]], 0))
-    parallel(url, index_jobs, setup=("SET maintenance_work_mem = '1GB'", "SET max_parallel_maintenance_workers = 0"))
-    out.seconds["indexes"] = time.monotonic() - t0
-    t0 = time.monotonic()
+    index_jobs = [(f"index:{n}", [(ix if k == "constraint" else d, {})]) for k, t, n, ty, d, _, ix in
+                  sorted(before, key=lambda r: -weight.get(r[1], 0)) if k == "index" or ty in ("p", "u")]
+    timed("indexes", lambda: parallel(url, index_jobs, setup=("SET maintenance_work_mem = '1GB'",
+                                                              "SET max_parallel_maintenance_workers = 0")))
     with h.connect(url) as conn:
-        for kind, tbl, name, type_, _, _, _ in before:
-            if kind == "constraint" and type_ in ("p", "u"):
-                word = "PRIMARY KEY" if type_ == "p" else "UNIQUE"
-                conn.execute(f'ALTER TABLE {tbl} ADD CONSTRAINT "{name}" {word} USING INDEX "{name}"')
-        for kind, tbl, name, type_, def_, _, _ in before:
-            if kind == "constraint" and type_ == "f":
-                conn.execute(f'ALTER TABLE {tbl} ADD CONSTRAINT "{name}" {def_} NOT VALID')
-    parallel(url, [(f"validate:{n}", [(f'ALTER TABLE {t} VALIDATE CONSTRAINT "{n}"', {})])
-                    for k, t, n, ty, *_ in before if k == "constraint" and ty == "f"],
-              setup=("SET work_mem = '256MB'",))
-    out.seconds["foreign keys"] = time.monotonic() - t0
-    with h.connect(url) as conn:
+        word = {"p": "PRIMARY KEY", "u": "UNIQUE"}
+        timed("foreign keys",
+              *(lambda t=t, n=n, ty=ty: conn.execute(f'ALTER TABLE {t} ADD CONSTRAINT "{n}" {word[ty]} USING INDEX "{n}"')
+                for t, n, ty in keys),
+              *(lambda t=t, n=n, d=d: conn.execute(f'ALTER TABLE {t} ADD CONSTRAINT "{n}" {d} NOT VALID') for t, n, d in fks),
+              lambda: parallel(url, [(f"validate:{n}", [(f'ALTER TABLE {t} VALIDATE CONSTRAINT "{n}"', {})])
+                                     for t, n, _ in fks], setup=("SET work_mem = '256MB'",)))
         after = conn.execute(_CATALOGUE, {"tables": list(TABLES)}).fetchall()
     if sorted(after) != sorted(before):
         raise RuntimeError(f"the rebuilt schema differs from the migration's:\n{set(before) ^ set(after)}")
-    t0 = time.monotonic()
-    parallel(url, [(f"vacuum:{t}", [(f"VACUUM (FREEZE, ANALYZE) {t}", {})]) for t in
-                    ("job_step", "job_queue", "job_run", "job_event", "job_run_dlq")],
-              setup=("SET maintenance_work_mem = '1GB'",), transaction=False)
-    out.seconds["vacuum freeze"] = time.monotonic() - t0
+    timed("vacuum freeze", lambda: parallel(url, [(f"vacuum:{t}", [(f"VACUUM (FREEZE, ANALYZE) {t}", {})]) for t in
+                                                  ("job_step", "job_queue", "job_run", "job_event", "job_run_dlq")],
+                                            setup=("SET maintenance_work_mem = '1GB'",), transaction=False))
     out.rows = {t: int(h.Database(url).value(f"SELECT count(*) FROM {t}")) for t in TABLES}
     return out
-
-
-# --- sizes ---------------------------------------------------------------------------------
 
 
 def sizes(url: str) -> dict[str, dict[str, int]]:
     with h.connect(url) as conn:
         conn.execute("SELECT pg_stat_clear_snapshot()")
-        out = {}
-        for t in TABLES:
-            row = conn.execute(
-                "SELECT pg_relation_size(c.oid), pg_indexes_size(c.oid), pg_total_relation_size(c.oid),"
-                " s.n_live_tup, s.n_dead_tup, s.n_tup_del, s.autovacuum_count, s.vacuum_count"
-                " FROM pg_class c JOIN pg_stat_user_tables s ON s.relid = c.oid WHERE c.relname = %s", (t,)).fetchone()
-            assert row is not None
-            out[t] = dict(zip(("heap", "indexes", "total", "live", "dead", "deleted", "autovacuums", "vacuums"),
-                              map(int, row)))
-    return out
-
-
-def free_space(url: str) -> dict[str, float]:
-    """Free space in each heap, percent (pgstattuple_approx: reads only pages not all-visible)."""
-    with h.connect(url) as conn:
-        conn.execute("CREATE EXTENSION IF NOT EXISTS pgstattuple")
-        return {t: float(conn.execute("SELECT approx_free_percent FROM pgstattuple_approx(%s::regclass)",  # type: ignore[index]
-                                      (t,)).fetchone()[0]) for t in TABLES}
+        rows = {r[0]: r[1:] for r in conn.execute(
+            "SELECT c.relname, pg_relation_size(c.oid), pg_indexes_size(c.oid), pg_total_relation_size(c.oid),"
+            " s.n_live_tup, s.n_dead_tup, s.n_tup_del, s.autovacuum_count, s.vacuum_count"
+            " FROM pg_class c JOIN pg_stat_user_tables s ON s.relid = c.oid WHERE c.relname = ANY(%s)", (list(TABLES),))}
+    names = ("heap", "indexes", "total", "live", "dead", "deleted", "autovacuums", "vacuums")
+    return {t: dict(zip(names, map(int, rows[t]))) for t in TABLES}
 
 
 # --- the live part -------------------------------------------------------------------------
@@ -279,38 +238,32 @@ def free_space(url: str) -> dict[str, float]:
 
 @dataclass
 class Window:
-    name: str
     t0: float = 0.0  # time.time()
     t1: float = 0.0
     db0: datetime | None = None
     db1: datetime | None = None
+
+    def open(self, url: str) -> None:
+        self.t0, self.db0 = time.time(), _db_now(url)
+
+    def close(self, url: str) -> None:
+        self.t1, self.db1 = time.time(), _db_now(url)
 
 
 def _db_now(url: str) -> datetime:
     return h.Database(url).value("SELECT now()")  # type: ignore[no-any-return]
 
 
-def timings(folder: Path) -> list[tuple[str, float, float]]:
-    out = []
-    for path in folder.glob("*.txt"):
-        for line in path.read_text().splitlines():
-            parts = line.split()
-            if len(parts) == 3:
-                out.append((parts[0], float(parts[1]), float(parts[2])))
-    return out
-
-
 def window_stats(url: str, w: Window, times: list[tuple[str, float, float]]) -> dict[str, Any]:
-    with h.connect(url) as conn:
-        row = conn.execute(
-            """SELECT count(*) FILTER (WHERE created_at >= %(a)s AND created_at < %(b)s),
-                      count(*) FILTER (WHERE finished_at >= %(a)s AND finished_at < %(b)s),
-                      percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM finished_at - created_at))
-                        FILTER (WHERE created_at >= %(a)s AND created_at < %(b)s),
-                      percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM finished_at - created_at))
-                        FILTER (WHERE created_at >= %(a)s AND created_at < %(b)s)
-               FROM job_queue WHERE job_id = 'retention.live'""", {"a": w.db0, "b": w.db1}).fetchone()
-    assert row is not None and w.db0 is not None and w.db1 is not None
+    """Live runs created and finished in the window, created→finished p50/p99 (database clock), and
+    each timed statement's (count, p50, p99, max) from the workers' files."""
+    in_window = "created_at >= %(a)s AND created_at < %(b)s"
+    row = h.Database(url).rows(
+        f"""SELECT count(*) FILTER (WHERE {in_window}), count(*) FILTER (WHERE finished_at >= %(a)s AND finished_at < %(b)s),
+                   percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM finished_at - created_at)) FILTER (WHERE {in_window}),
+                   percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM finished_at - created_at)) FILTER (WHERE {in_window})
+            FROM job_queue WHERE job_id = 'retention.live'""", {"a": w.db0, "b": w.db1})[0]
+    assert w.db0 is not None and w.db1 is not None
     seconds = (w.db1 - w.db0).total_seconds()
     out: dict[str, Any] = {"seconds": seconds, "created": int(row[0]), "finished": int(row[1]),
                            "e2e_p50": float(row[2] or "nan"), "e2e_p99": float(row[3] or "nan")}
@@ -326,48 +279,144 @@ class _Stop(Exception):
 
 @dataclass
 class PurgeRun:
+    label: str
     older_than: timedelta
     selected: int = 0  # runs older than the cut at the start (finished; incl. those kept for open DLQ)
     seconds: float = 0.0
     complete: bool = False
     batches: list[tuple[str, float, int]] = field(default_factory=list)  # (kind, seconds since start, done)
-    report: Any = None
     deleted: dict[str, int] = field(default_factory=dict)  # n_tup_del delta per table
+    window: Any = None  # Window, then its window_stats
+
+    def phases(self) -> dict[str, tuple[int, float, list[float]]]:
+        """kind -> (rows, seconds, per-batch seconds) from the progress calls."""
+        out: dict[str, tuple[int, float, list[float]]] = {}
+        prev = 0.0
+        for kind, at, n in self.batches:
+            times = out.get(kind, (0, 0.0, []))[2] + [at - prev]
+            out[kind], prev = (n, sum(times), times), at
+        return out
+
+    @property
+    def sustained(self) -> float | None:
+        """Runs/s of the runs phase, each with its children and (since the runs' batches delete
+        them) its events; None before a batch finished."""
+        n, secs, _ = self.phases().get("runs", (0, 0.0, []))
+        return n / secs if n and secs else None
 
 
-def run_purge(settings: Any, older_than: timedelta, cap: float, batch_size: int) -> PurgeRun:
+def run_purge(settings: Any, p: PurgeRun, cap: float, batch_size: int) -> None:
     from motir_celery.ops.purge import purge
 
-    out = PurgeRun(older_than)
     t0 = time.monotonic()
 
     def progress(kind: str, done: int) -> None:
-        out.batches.append((kind, time.monotonic() - t0, done))
+        p.batches.append((kind, time.monotonic() - t0, done))
         if time.monotonic() - t0 > cap:
             raise _Stop
 
     try:
-        out.report = purge(older_than, batch_size=batch_size, progress=progress, settings=settings)
-        out.complete = True
+        purge(p.older_than, batch_size=batch_size, progress=progress, settings=settings)
+        p.complete = True
     except _Stop:
         pass
-    out.seconds = time.monotonic() - t0
-    return out
+    p.seconds = time.monotonic() - t0
 
 
-def phases(p: PurgeRun) -> dict[str, tuple[int, float, list[float]]]:
-    """kind -> (rows, seconds, per-batch seconds) from the progress calls."""
-    out: dict[str, tuple[int, float, list[float]]] = {}
-    prev_t, prev_kind = 0.0, None
-    per: dict[str, list[float]] = {}
-    done: dict[str, int] = {}
-    for kind, at, n in p.batches:
-        per.setdefault(kind, []).append(at - prev_t)
-        done[kind] = n
-        prev_t, prev_kind = at, kind
-    del prev_kind
-    for kind, times in per.items():
-        out[kind] = (done[kind], sum(times), times)
+def live(url: str, ld: Load, args: Any) -> dict[str, Any]:
+    from motir_celery.settings import Settings, reset_settings
+    from motir_celery.store.db import dispose_engines
+    from motir_celery.store.sql.maintenance import PURGE_EVENTS
+
+    out: dict[str, Any] = {"before": sizes(url), "passes": []}
+    queue = f"bench-retention-{uuid.uuid4().hex[:8]}"
+    folder = Path(tempfile.mkdtemp(prefix="motir-retention-"))
+    os.chmod(folder, 0o777)
+    env = h.engine_env(url, queue, "bench.jobs", RETENTION_TIMINGS=str(folder), PYTHONUNBUFFERED="1")
+    settings = Settings.from_env({k: v for k, v in env.items() if k != "RETENTION_TIMINGS"})
+    feeder = h.Feeder(settings, "retention.live", rate=args.rate, batch=500,
+                      data=lambda n: {"n": n, "workspace_id": f"ws-{n % 50}"})
+    base, db = Window(), h.Database(url)
+    assert ld.anchor is not None
+    oldest = ld.anchor - timedelta(days=args.days)
+    finished = "SELECT count(*) FROM job_queue WHERE job_id = 'retention.live' AND finished_at IS NOT NULL"
+
+    def one_pass(label: str, days: float, cap: float) -> None:
+        p = PurgeRun(label, _db_now(url) - (oldest + timedelta(days=days)), window=Window())
+        p.selected = int(db.value("SELECT count(*) FROM job_queue WHERE finished_at < now() - %s", (p.older_than,)))
+        dels0 = sizes(url)
+        log(f"purge {label}: runs finished before {p.older_than} ago ({p.selected:,} runs), at most {cap:.0f} s ...")
+        p.window.open(url)
+        run_purge(settings, p, cap, args.batch_size)
+        p.window.close(url)
+        time.sleep(1.5)  # table statistics are flushed within a second of a backend's commit
+        dels1 = sizes(url)
+        p.deleted = {t: dels1[t]["deleted"] - dels0[t]["deleted"] for t in TABLES}
+        log(f"purge {label} {'done' if p.complete else 'stopped'} after {p.seconds:.0f} s: {p.deleted}")
+        out["passes"].append(p)
+
+    try:
+        with h.workers("motir_celery", queue, 2, 1, env=env, tag="retention") as procs:
+            feeder.start()
+            procs.wait(lambda: db.value(finished) >= 20, 120, poll=0.5)
+            log("workers up; warming up")
+            time.sleep(args.warmup)
+            base.open(url)
+            time.sleep(args.baseline)
+            base.close(url)
+            cut = _db_now(url) - (oldest + timedelta(days=2 * args.purge_days))
+            with h.connect(url) as conn, conn.transaction(force_rollback=True):  # one batch of the events pass
+                t0 = time.monotonic()
+                conn.execute(PURGE_EVENTS.sql, {"age": cut.total_seconds(), "batch": 1000})
+                out["sweep_seconds"] = time.monotonic() - t0
+            log(f"one batch of the events pass: {out['sweep_seconds']:.1f} s")
+            with h.connect(url) as conn:
+                for name in DLQ_FK_INDEXES:
+                    conn.execute(f"DROP INDEX CONCURRENTLY {name}")
+            one_pass("A (before 0007: the DLQ's links unindexed)", args.purge_days, args.schema_seconds)
+            t0 = time.monotonic()
+            with h.connect(url) as conn:
+                for name, column in DLQ_FK_INDEXES.items():
+                    conn.execute(f"CREATE INDEX CONCURRENTLY {name} ON job_run_dlq ({column}) WHERE {column} IS NOT NULL")
+            out["index_seconds"] = time.monotonic() - t0
+            one_pass("B (0007: with the 2 indexes on job_run_dlq)", 2 * args.purge_days, args.purge_seconds)
+            sent = feeder.stop()
+            procs.wait(lambda: db.value(finished) >= sent, 300, poll=0.5)
+    finally:
+        feeder.halt.set()
+        dispose_engines()
+        reset_settings()
+    out["after"] = after = sizes(url)
+    times = [(parts[0], float(parts[1]), float(parts[2])) for path in folder.glob("*.txt")
+             for line in path.read_text().splitlines() if len(parts := line.split()) == 3]
+    shutil.rmtree(folder, ignore_errors=True)
+    out["base"] = window_stats(url, base, times)
+    for p in out["passes"]:
+        p.window = window_stats(url, p.window, times)
+    deleted = {t: sum(p.deleted.get(t, 0) for p in out["passes"]) for t in TABLES}
+
+    log(f"waiting up to {args.autovacuum_wait:.0f} s for autovacuum ...")
+    deadline = time.monotonic() + args.autovacuum_wait
+    while time.monotonic() < deadline and not all(
+            sizes(url)[t]["autovacuums"] > after[t]["autovacuums"] for t in TABLES if deleted.get(t)):
+        time.sleep(5)
+    now_sizes, out["how"], out["vacuum_seconds"] = sizes(url), {}, 0.0
+    with h.connect(url) as conn:
+        for t in TABLES:
+            if now_sizes[t]["autovacuums"] > after[t]["autovacuums"]:
+                out["how"][t] = "autovacuum"
+            elif deleted.get(t):
+                t0 = time.monotonic()
+                conn.execute(f"VACUUM {t}")
+                took = time.monotonic() - t0
+                out["vacuum_seconds"] += took
+                out["how"][t] = f"explicit VACUUM, {took:.0f} s"
+            else:
+                out["how"][t] = "nothing deleted"
+        conn.execute("CREATE EXTENSION IF NOT EXISTS pgstattuple")  # heap free space, reading only pages not all-visible
+        out["free"] = {t: float(conn.execute("SELECT approx_free_percent FROM pgstattuple_approx(%s::regclass)",
+                                             (t,)).fetchone()[0]) for t in TABLES}  # type: ignore[index]
+    out["vacuumed"] = sizes(url)
     return out
 
 
@@ -382,93 +431,64 @@ def _ms(x: float) -> str:
     return "—" if x != x else f"{x * 1000:.1f}"
 
 
-@dataclass
-class Pass:
-    label: str
-    run: PurgeRun
-    window: dict[str, Any]
-
-
-def _sustained(p: PurgeRun) -> float | None:
-    """Runs/s of the runs phase, each with its children and (since the runs' batches delete
-    them) its events; None before a batch finished."""
-    n, secs, _ = phases(p).get("runs", (0, 0.0, []))
-    return n / secs if n and secs else None
-
-
-def render(*, command: str, started: str, machine: str, ld: Load, args: Any,
-           before: dict[str, dict[str, int]], after: dict[str, dict[str, int]], vacuumed: dict[str, dict[str, int]],
-           how_vacuumed: dict[str, str], vacuum_seconds: float, free: dict[str, float],
-           base: dict[str, Any], passes: list[Pass], sweep_seconds: float, index_seconds: float) -> str:
-    lines = [f"Measured {started} on {machine} with `{command}`.", ""]
-    load_s = sum(v for k, v in ld.seconds.items() if not k.startswith("rows:"))
-    lines += [
-        f"**Load**: {ld.runs:,} finished runs over {args.days} days — "
-        + ", ".join(f"{ld.rows[t]:,} {t}" for t in TABLES)
-        + f" — in {load_s / 60:.1f} min ("
-        + ", ".join(f"{k} {v:.0f} s" for k, v in ld.seconds.items() if not k.startswith("rows:"))
-        + "; keys and indexes rebuilt from the migration's own definitions, catalogue compared equal).",
-        "",
+def render(r: dict[str, Any], ld: Load, args: Any, *, command: str, started: str, machine: str) -> str:
+    load_s = {k: v for k, v in ld.seconds.items() if not k.startswith("rows:")}
+    lines = [
+        f"Measured {started} on {machine} with `{command}`.", "",
+        f"**Load**: {ld.runs:,} finished runs over {args.days} days — " + ", ".join(f"{ld.rows[t]:,} {t}" for t in TABLES)
+        + f" — in {sum(load_s.values()) / 60:.1f} min (" + ", ".join(f"{k} {v:.0f} s" for k, v in load_s.items())
+        + "; keys and indexes rebuilt from the migration's own definitions, catalogue compared equal).", "",
         "Server settings measured: " + ", ".join(f"`{s}`" for s in MEASURED)
-        + "; everything else Postgres 15's defaults (autovacuum included: scale factor 0.2, cost limit 200).",
-        "",
+        + "; everything else Postgres 15's defaults (autovacuum included: scale factor 0.2, cost limit 200).", "",
         f"Live load: 2 `celery worker` processes (`-c 1`), `retention.live` (2 steps) sent at {args.rate:.0f} runs/s. "
         "Statement latencies are the workers' own round trips (claim, each step write, settle), "
-        "created→finished is `job_queue.finished_at - created_at` (the database's clock).",
-        "",
+        "created→finished is `job_queue.finished_at - created_at` (the database's clock).", "",
         "| window | seconds | live runs created/s | finished/s | claim p50 / p99 ms | step write p50 / p99 ms "
         "| settle p50 / p99 ms | created→finished p50 / p99 ms |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for name, st_ in [("no purge", base)] + [(f"during purge {p.label}", p.window) for p in passes]:
-        c, st, se = st_["claim"], st_["store_step"], st_["settle_succeeded"]
-        lines.append(f"| {name} | {st_['seconds']:.0f} | {st_['created'] / st_['seconds']:.0f} "
-                     f"| {st_['finished'] / st_['seconds']:.0f} | {_ms(c[1])} / {_ms(c[2])} "
+    for name, w in [("no purge", r["base"])] + [(f"during purge {p.label}", p.window) for p in r["passes"]]:
+        c, st, se = w["claim"], w["store_step"], w["settle_succeeded"]
+        lines.append(f"| {name} | {w['seconds']:.0f} | {w['created'] / w['seconds']:.0f} "
+                     f"| {w['finished'] / w['seconds']:.0f} | {_ms(c[1])} / {_ms(c[2])} "
                      f"| {_ms(st[1])} / {_ms(st[2])} | {_ms(se[1])} / {_ms(se[2])} "
-                     f"| {_ms(st_['e2e_p50'])} / {_ms(st_['e2e_p99'])} |")
+                     f"| {_ms(w['e2e_p50'])} / {_ms(w['e2e_p99'])} |")
     lines += ["", "| purge | phase | rows deleted | seconds | rows/s | batches | batch p50 / max s |",
               "|---|---|---|---|---|---|---|"]
-    for ps in passes:
-        ph = phases(ps.run)
+    for p in r["passes"]:
+        ph = p.phases()
         for kind in ("runs", "dlq", "events"):
             if kind in ph:
                 n, secs, times = ph[kind]
-                rate = f"{n / secs:,.0f}" if secs > 0 else "—"
-                lines.append(f"| {ps.label} | {kind} | {n:,} | {secs:.1f} | {rate} | {len(times)} "
-                             f"| {statistics.median(times):.2f} / {max(times):.2f} |")
+                lines.append(f"| {p.label} | {kind} | {n:,} | {secs:.1f} | {f'{n / secs:,.0f}' if secs > 0 else '—'} "
+                             f"| {len(times)} | {statistics.median(times):.2f} / {max(times):.2f} |")
             else:
-                lines.append(f"| {ps.label} | {kind} | not reached | — | — | — | — |")
+                lines.append(f"| {p.label} | {kind} | not reached | — | — | — | — |")
     lines.append("")
-    for ps in passes:
-        p, d = ps.run, ps.run.deleted
-        sus = _sustained(p)
+    for p in r["passes"]:
+        d, sus = p.deleted, p.sustained
         lines.append(
-            f"* **{ps.label}**: cut at {p.older_than.total_seconds() / 86400:.2f} days ({p.selected:,} runs older); "
+            f"* **{p.label}**: cut at {p.older_than.total_seconds() / 86400:.2f} days ({p.selected:,} runs older); "
             f"{'finished' if p.complete else f'stopped after {p.seconds:.0f} s'}. Rows deleted (`n_tup_del`): "
             + ", ".join(f"{t} {d.get(t, 0):,}" for t in TABLES)
             + (f". Sustained **{sus:,.0f} runs/s** with their "
                f"{(d.get('job_step', 0) + d.get('job_run', 0)) / max(d.get('job_queue', 1), 1):.1f} child rows "
                f"and {d.get('job_event', 0) / max(d.get('job_queue', 1), 1):.2f} events each "
                f"(×{sus / 500:.2g} the 500 runs/s of the issue)." if sus else "."))
-    lines += [f"* Between the two: `CREATE INDEX CONCURRENTLY` of the two indexes, {index_seconds:.1f} s.",
+    lines += [f"* Between the two: `CREATE INDEX CONCURRENTLY` of the two indexes, {r['index_seconds']:.1f} s.",
               f"* The events pass's statement (purge's step 3: it reads all of `job_event`, no index on "
               f"`received_at`), one batch timed at this depth before the purges and rolled back: "
-              f"**{sweep_seconds:.1f} s**. Before this change purge ran it once per 1,000 events; it now runs once "
-              "per purge, after the runs' batches took their events.", ""]
-    lines += ["| table | heap MB before / after purge / after vacuum | indexes MB | total MB "
+              f"**{r['sweep_seconds']:.1f} s**. Before this change purge ran it once per 1,000 events; it now runs once "
+              "per purge, after the runs' batches took their events.", "",
+              "| table | heap MB before / after purge / after vacuum | indexes MB | total MB "
               "| dead rows after purge | heap free after vacuum | vacuum |", "|---|---|---|---|---|---|---|"]
     for t in TABLES:
-        b, a, v = before[t], after[t], vacuumed[t]
-        lines.append(f"| {t} | {_mb(b['heap'])} / {_mb(a['heap'])} / {_mb(v['heap'])} "
-                     f"| {_mb(b['indexes'])} / {_mb(a['indexes'])} / {_mb(v['indexes'])} "
-                     f"| {_mb(b['total'])} / {_mb(a['total'])} / {_mb(v['total'])} | {a['dead']:,} "
-                     f"| {free.get(t, float('nan')):.1f} % | {how_vacuumed[t]} |")
-    if vacuum_seconds:
-        lines += ["", f"Explicit VACUUMs took {vacuum_seconds:.0f} s in all (no cost delay: a manual VACUUM's default)."]
+        b, a, v = r["before"][t], r["after"][t], r["vacuumed"][t]
+        lines.append(f"| {t} | " + " | ".join(" / ".join(_mb(s[k]) for s in (b, a, v)) for k in ("heap", "indexes", "total"))
+                     + f" | {a['dead']:,} | {r['free'].get(t, float('nan')):.1f} % | {r['how'][t]} |")
+    if r["vacuum_seconds"]:
+        lines += ["", f"Explicit VACUUMs took {r['vacuum_seconds']:.0f} s in all (no cost delay: a manual VACUUM's default)."]
     return "\n".join(lines)
-
-
-# --- main ----------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -504,146 +524,10 @@ def main(argv: list[str] | None = None) -> int:
         log(f"loaded: {ld.rows} {ld.seconds}")
         pg.settings = MEASURED
         pg.restart(down_for=0.5)
-        block = live(url, ld, args, started=started, command=command)
+        machine = h.machine(url)
+        block = render(live(url, ld, args), ld, args, command=command, started=started, machine=machine)
     h.write_block("bench.retention", block, write=not args.no_write)
     return 0
-
-
-def log(msg: str) -> None:
-    print(f"[{datetime.now():%H:%M:%S}] retention: {msg}", file=sys.stderr, flush=True)
-
-
-#: What pass A takes away and pass B puts back: migration 0007's indexes on the two
-#: job_run_dlq columns that reference job_queue (ON DELETE SET NULL makes Postgres look
-#: for referencing rows of every deleted run; without them it reads all of job_run_dlq
-#: each time). Pass A measures the schema before 0007, pass B this release's.
-DLQ_FK_INDEXES_DROP = (
-    "DROP INDEX CONCURRENTLY ix_job_run_dlq_replay_run",
-    "DROP INDEX CONCURRENTLY ix_job_run_dlq_resumed_run",
-)
-DLQ_FK_INDEXES = (
-    "CREATE INDEX CONCURRENTLY ix_job_run_dlq_replay_run ON job_run_dlq (replay_run_id)"
-    " WHERE replay_run_id IS NOT NULL",
-    "CREATE INDEX CONCURRENTLY ix_job_run_dlq_resumed_run ON job_run_dlq (resumed_run_id)"
-    " WHERE resumed_run_id IS NOT NULL",
-)
-
-
-def _time_events_pass(url: str, older_than: timedelta) -> float:
-    """One batch of purge's events-pass statement, rolled back."""
-    from motir_celery.store.sql.maintenance import PURGE_EVENTS
-
-    with h.connect(url) as conn:
-        with conn.transaction(force_rollback=True):
-            t0 = time.monotonic()
-            conn.execute(PURGE_EVENTS.sql, {"age": older_than.total_seconds(), "batch": 1000})
-            return time.monotonic() - t0
-
-
-def live(url: str, ld: Load, args: Any, *, started: str, command: str) -> str:
-    from motir_celery.settings import Settings, reset_settings
-    from motir_celery.store.db import dispose_engines
-
-    machine = h.machine(url)
-    before = sizes(url)
-    queue = f"bench-retention-{uuid.uuid4().hex[:8]}"
-    folder = Path(tempfile.mkdtemp(prefix="motir-retention-"))
-    os.chmod(folder, 0o777)
-    env = h.engine_env(url, queue, "bench.jobs", RETENTION_TIMINGS=str(folder), PYTHONUNBUFFERED="1")
-    settings = Settings.from_env({k: v for k, v in env.items() if k != "RETENTION_TIMINGS"})
-    feeder = h.Feeder(settings, "retention.live", rate=args.rate, batch=500,
-                      data=lambda n: {"n": n, "workspace_id": f"ws-{n % 50}"})
-    base = Window("no purge")
-    windows: list[tuple[str, PurgeRun, Window]] = []
-    assert ld.anchor is not None
-    oldest = ld.anchor - timedelta(days=args.days)
-
-    def cut(days: float) -> tuple[timedelta, int]:
-        older_than = _db_now(url) - (oldest + timedelta(days=days))
-        return older_than, int(h.Database(url).value(
-            "SELECT count(*) FROM job_queue WHERE finished_at < now() - %s", (older_than,)))
-
-    def one_pass(label: str, days: float, cap: float) -> None:
-        older_than, selected = cut(days)
-        dels0 = sizes(url)
-        log(f"purge {label}: runs finished before {older_than} ago ({selected:,} runs), at most {cap:.0f} s ...")
-        w = Window(label)
-        w.t0, w.db0 = time.time(), _db_now(url)
-        p = run_purge(settings, older_than, cap, args.batch_size)
-        w.t1, w.db1 = time.time(), _db_now(url)
-        time.sleep(1.5)  # table statistics are flushed within a second of a backend's commit
-        dels1 = sizes(url)
-        p.selected = selected
-        p.deleted = {t: dels1[t]["deleted"] - dels0[t]["deleted"] for t in TABLES}
-        log(f"purge {label} {'done' if p.complete else 'stopped'} after {p.seconds:.0f} s: {p.deleted}")
-        windows.append((label, p, w))
-
-    try:
-        with h.workers("motir_celery", queue, 2, 1, env=env, tag="retention") as procs:
-            feeder.start()
-            procs.wait(lambda: _live_finished(url) >= 20, 120, poll=0.5)
-            log("workers up; warming up")
-            time.sleep(args.warmup)
-            base.t0, base.db0 = time.time(), _db_now(url)
-            time.sleep(args.baseline)
-            base.t1, base.db1 = time.time(), _db_now(url)
-            sweep_seconds = _time_events_pass(url, cut(2 * args.purge_days)[0])
-            log(f"one batch of the events pass: {sweep_seconds:.1f} s")
-            with h.connect(url) as conn:
-                for statement in DLQ_FK_INDEXES_DROP:
-                    conn.execute(statement)
-            one_pass("A (before 0007: the DLQ's links unindexed)", args.purge_days, args.schema_seconds)
-            t0 = time.monotonic()
-            with h.connect(url) as conn:
-                for statement in DLQ_FK_INDEXES:
-                    conn.execute(statement)
-            index_seconds = time.monotonic() - t0
-            one_pass("B (0007: with the 2 indexes on job_run_dlq)", 2 * args.purge_days, args.purge_seconds)
-            sent = feeder.stop()
-            procs.wait(lambda: _live_finished(url) >= sent, 300, poll=0.5)
-    finally:
-        feeder.halt.set()
-        dispose_engines()
-        reset_settings()
-    after = sizes(url)
-    times = timings(folder)
-    shutil.rmtree(folder, ignore_errors=True)
-    b = window_stats(url, base, times)
-    passes = [Pass(label, p, window_stats(url, w, times)) for label, p, w in windows]
-    deleted = {t: sum(ps.run.deleted.get(t, 0) for ps in passes) for t in TABLES}
-
-    log(f"waiting up to {args.autovacuum_wait:.0f} s for autovacuum ...")
-    deadline = time.monotonic() + args.autovacuum_wait
-    while time.monotonic() < deadline:
-        now_sizes = sizes(url)
-        if all(now_sizes[t]["autovacuums"] > after[t]["autovacuums"] for t in TABLES if deleted.get(t)):
-            break
-        time.sleep(5)
-    now_sizes = sizes(url)
-    how: dict[str, str] = {}
-    vacuum_seconds = 0.0
-    with h.connect(url) as conn:
-        for t in TABLES:
-            if now_sizes[t]["autovacuums"] > after[t]["autovacuums"]:
-                how[t] = "autovacuum"
-            elif deleted.get(t):
-                t0 = time.monotonic()
-                conn.execute(f"VACUUM {t}")
-                took = time.monotonic() - t0
-                vacuum_seconds += took
-                how[t] = f"explicit VACUUM, {took:.0f} s"
-            else:
-                how[t] = "nothing deleted"
-    vacuumed = sizes(url)
-    free = free_space(url)
-    return render(command=command, started=started, machine=machine, ld=ld, args=args, before=before, after=after,
-                  vacuumed=vacuumed, how_vacuumed=how, vacuum_seconds=vacuum_seconds, free=free, base=b,
-                  passes=passes, sweep_seconds=sweep_seconds, index_seconds=index_seconds)
-
-
-def _live_finished(url: str) -> int:
-    return int(h.Database(url).value(
-        "SELECT count(*) FROM job_queue WHERE job_id = 'retention.live' AND finished_at IS NOT NULL"))
 
 
 if __name__ == "__main__":
