@@ -2,15 +2,11 @@
 
     python -m bench.pgcost [--runs 2000 --procs 1,2,4] [--no-checkpoint-point] [--no-write]
 
-A private Postgres (``harness.private_postgres``: ``fsync``, ``full_page_writes``,
-``synchronous_commit`` on, ``pg_stat_statements`` preloaded, no checkpoint inside a
-measurement). Per point, one ``celery worker -P prefork -c N`` on ``bench.three``: empty
-tables and a ``CHECKPOINT``; 50 warm-up runs; the **producer** (``send_event`` one by one,
-as a login of its own, messages held back); the **drain** (the messages published, the warm
-worker drains them). Between snapshots: ``pg_stat_statements`` (reset, read), deltas of
-``pg_stat_wal``, ``pg_stat_database``, the WAL position, the XIDs assigned and the whole
-server's CPU (``harness.read_cpu`` of the postmaster's tree, reaped children included; the
-bench's own backends left out); ``pg_waldump --stats=record`` gives the WAL's make-up.
+Needs CELERY_BROKER_URL and Debian's Postgres binaries (a private server, ``SERVER_SETTINGS``).
+Per point: a producer phase (``send_event`` one by one, as a login of its own, messages held back)
+and a drain phase (published, drained by a warm worker), each between two snapshots of
+``pg_stat_statements``, ``pg_stat_wal``, ``pg_stat_database``, the XIDs, the WAL (``pg_waldump``)
+and the whole server's CPU; docs/scaling.md says how to read them.
 """
 
 from __future__ import annotations
@@ -29,11 +25,8 @@ import psycopg
 
 from bench import harness as h
 
-DB = "motir_bench_pgcost"
-PRODUCER = "motir_bench_producer"
-MONITOR = "motir_bench_monitor"
-JOB = "bench.three"
-WARMUP = 50
+DB, PRODUCER, MONITOR = "motir_bench_pgcost", "motir_bench_producer", "motir_bench_monitor"
+JOB, WARMUP = "bench.three", 50
 SERVER_SETTINGS = (
     "fsync=on", "full_page_writes=on", "synchronous_commit=on",
     "shared_preload_libraries=pg_stat_statements", "pg_stat_statements.track=all", "track_io_timing=on",
@@ -43,15 +36,14 @@ SERVER_SETTINGS = (
 PGSS = ("calls", "total_exec_time", "shared_blks_hit", "shared_blks_read", "shared_blks_dirtied",
         "shared_blks_written", "wal_records", "wal_fpi", "wal_bytes")
 TX_CONTROL = re.compile(r"^\s*(BEGIN|COMMIT|ROLLBACK|START TRANSACTION|SAVEPOINT|RELEASE)\b", re.I)
-
-# --- DBOS's and Hatchet's published figures (docs/scaling.md cites them) -------------------
+#: An idle backend that flushed its statistics less than a second ago flushes the rest after
+#: 10 s (PGSTAT_IDLE_INTERVAL); one that exits flushes at once.
+IDLE_FLUSH = 11.0
+# DBOS's and Hatchet's published figures (docs/scaling.md cites them)
 DBOS_URL = "https://www.dbos.dev/blog/benchmarking-workflow-execution-scalability-on-postgres"
 DBOS_WORKFLOWS_S, DBOS_WRITES_S, DBOS_VCPUS = 43_000, 144_000, 96
 HATCHET_URL = "https://news.ycombinator.com/item?id=43572733"
 HATCHET_TX_PER_TASK = 5
-
-
-# --- snapshots --------------------------------------------------------------------------------
 
 
 @dataclass
@@ -81,9 +73,9 @@ def snapshot(admin: psycopg.Connection[Any], postmaster: int, mine: tuple[int, .
 
 def read_statements(admin: psycopg.Connection[Any]) -> list[dict[str, Any]]:
     """Top-level statements of the bench database since the last reset, with their login."""
-    cols = ", ".join(f"s.{c}" for c in PGSS)
     rows = admin.execute(
-        f"SELECT r.rolname, s.query, {cols} FROM pg_stat_statements s JOIN pg_roles r ON r.oid = s.userid"
+        f"SELECT r.rolname, s.query, {', '.join(f's.{c}' for c in PGSS)} FROM pg_stat_statements s"
+        " JOIN pg_roles r ON r.oid = s.userid"
         " WHERE s.toplevel AND s.dbid = (SELECT oid FROM pg_database WHERE datname = %s)", (DB,)).fetchall()
     return [{"role": r[0], "query": r[1], **dict(zip(PGSS, map(float, r[2:])))} for r in rows]
 
@@ -92,15 +84,10 @@ def waldump(bindir: Path, data: Path, start: str, end: str) -> dict[str, tuple[i
     """``pg_waldump --stats=record``: record type -> (count, record bytes, FPI bytes); key ``Total``."""
     out = subprocess.run([str(bindir / "pg_waldump"), "-p", str(data / "pg_wal"), "-s", start, "-e", end,
                           "--stats=record"], capture_output=True, text=True, timeout=120)
-    stats: dict[str, tuple[int, int, int]] = {}
     row = re.compile(r"^(\S+)\s+(\d+)\s+\(\s*[\d.]+\)\s+(\d+)\s+\(\s*[\d.]+\)\s+(\d+)\s+\(")
-    total = re.compile(r"^Total\s+(\d+)\s+(\d+)\s+\[[\d.]+%\]\s+(\d+)\s+\[")
-    for line in out.stdout.splitlines():
-        if m := total.match(line):
-            stats["Total"] = (int(m[1]), int(m[2]), int(m[3]))
-        elif m := row.match(line):
-            stats[m[1]] = (int(m[2]), int(m[3]), int(m[4]))
-    return stats
+    total = re.compile(r"^(Total)\s+(\d+)\s+(\d+)\s+\[[\d.]+%\]\s+(\d+)\s+\[")
+    return {m[1]: (int(m[2]), int(m[3]), int(m[4])) for line in out.stdout.splitlines()
+            if (m := total.match(line) or row.match(line))}
 
 
 @dataclass
@@ -142,37 +129,24 @@ class Point:
     def label(self) -> str:
         return f"{self.procs}, backlog across a `CHECKPOINT`" if self.checkpoint_between else str(self.procs)
 
-    def total(self, key: str) -> float:
-        return getattr(self.producer, key) + getattr(self.drain, key)
-
     def per_run(self, key: str) -> float:
-        return self.total(key) / self.runs
+        return (getattr(self.producer, key) + getattr(self.drain, key)) / self.runs
 
     def wal_per_run(self, key: str) -> float:
         return (self.producer.wal[key] + self.drain.wal[key]) / self.runs
 
-    def stmt_per_run(self, key: str = "calls", *, control: bool = True, role: str | None = None) -> float:
-        rows = [s for p in (self.producer, self.drain) for s in p.statements
-                if (control or not TX_CONTROL.match(s["query"])) and (role is None or s["role"] == role)]
-        return sum(s[key] for s in rows) / self.runs
+    def stmt_per_run(self, key: str = "calls", *, control: bool = True) -> float:
+        return sum(s[key] for p in (self.producer, self.drain) for s in p.statements
+                   if control or not TX_CONTROL.match(s["query"])) / self.runs
 
     def flush_ms(self) -> float:
         syncs = self.producer.wal["sync"] + self.drain.wal["sync"]
         return (self.producer.wal["sync_time"] + self.drain.wal["sync_time"]) / syncs if syncs else float("nan")
 
     def fpi_bytes_share(self) -> float:
-        totals = [p.walstats.get("Total") for p in (self.producer, self.drain)]
-        rec = sum(t[1] for t in totals if t)
-        fpi = sum(t[2] for t in totals if t)
+        totals = [t for p in (self.producer, self.drain) if (t := p.walstats.get("Total"))]
+        rec, fpi = sum(t[1] for t in totals), sum(t[2] for t in totals)
         return fpi / (rec + fpi) if rec + fpi else float("nan")
-
-
-# --- the measurement ----------------------------------------------------------------------------
-
-
-#: An idle backend that flushed its statistics less than a second ago flushes the rest after
-#: 10 s (PGSTAT_IDLE_INTERVAL); one that exits flushes at once.
-IDLE_FLUSH = 11.0
 
 
 def _gone(admin: psycopg.Connection[Any], login: str, timeout: float = 60) -> None:
@@ -240,7 +214,7 @@ def start_server(pg: Any) -> tuple[h.Database, str]:
     return db, worker_url.replace("//postgres@", f"//{PRODUCER}@", 1)
 
 
-# --- the model ------------------------------------------------------------------------------------
+# --- the model and the report ---------------------------------------------------------------------
 
 
 @dataclass
@@ -253,153 +227,87 @@ class Assumptions:
     proc_rate: float | None = None  # runs/s of one worker process; None: the 1-process point's
 
 
-@dataclass
-class Model:
-    cpu_ms: float
-    wal_bytes: float
-    commits: float
-    writes: float
-    per_proc: float
-
-    @property
-    def runs_per_vcpu(self) -> float:
-        return 1000 / self.cpu_ms
-
-    @property
-    def runs_per_wal_mbps(self) -> float:
-        return 1e6 / self.wal_bytes
-
-
-def build_model(all_points: list[Point], proc_rate: float | None = None) -> Model:
-    """Medians over the plain points (the backlog-across-a-checkpoint one is the WAL's worst case)."""
-    med = statistics.median
-    points = [p for p in all_points if not p.checkpoint_between] or all_points
-    one = min(points, key=lambda p: p.procs)
-    return Model(cpu_ms=med(p.per_run("cpu_ms") for p in points),
-                 wal_bytes=med(p.wal_per_run("lsn_bytes") for p in points),
-                 commits=med(p.per_run("commits") for p in points),
-                 writes=med(p.per_run("xids") for p in points),
-                 per_proc=proc_rate or one.rate / one.procs)
-
-
-# --- the report -----------------------------------------------------------------------------------
-
-
 def _n(x: float, digits: int = 0) -> str:
     return f"{x:,.{digits}f}"
 
 
-def _short(query: str, width: int = 90) -> str:
-    q = " ".join(query.split()).replace("|", "\\|")
-    return q if len(q) <= width else q[: width - 1] + "…"
+def _row(*cells: Any) -> str:
+    return "| " + " | ".join(map(str, cells)) + " |"
 
 
 def render(points: list[Point], a: Assumptions, *, command: str, started: str, machine: str,
            seconds: float) -> str:
-    m = build_model(points, a.proc_rate)
+    # The model: medians over the plain points (the backlog-across-a-checkpoint one is the WAL's worst case).
+    plain = [p for p in points if not p.checkpoint_between] or points
     worst = next((p for p in points if p.checkpoint_between), None)
+    cpu_ms, wal_bytes, commits, writes = (statistics.median(f(p) for p in plain) for f in (
+        lambda p: p.per_run("cpu_ms"), lambda p: p.wal_per_run("lsn_bytes"), lambda p: p.per_run("commits"),
+        lambda p: p.per_run("xids")))
+    one = min(plain, key=lambda p: p.procs)
+    per_proc = a.proc_rate or one.rate / one.procs
+    big = max(plain, key=lambda p: p.procs)
     lines = [
-        f"Measured {started} on {machine}, with `{command}` ({seconds / 60:.1f} min). A private Postgres 15 "
-        "(`fsync`, `full_page_writes`, `synchronous_commit` on; `pg_stat_statements` preloaded), "
-        f"job `{JOB}` (an event-triggered job of 3 trivial steps), one `celery worker -P prefork -c N` "
-        f"per point, {points[0].runs:,} runs per point after {WARMUP} warm-up runs, each point right after "
-        "a `CHECKPOINT` on empty tables. Per run = the producer (one `send_event` per run, one transaction, "
-        "messages held back) + the drain (the messages published, the warm worker drains them). The row "
-        "*backlog across a `CHECKPOINT`* has one more `CHECKPOINT` between the two: the drain then updates "
-        "pages last written before a checkpoint (a backlog older than the checkpoint interval), the WAL's "
-        "worst case. Postgres CPU is utime + stime (`/proc/<pid>/stat`) of the private server: the "
-        "postmaster, its live children at both ends (client backends, checkpointer, background writer, WAL "
-        "writer, autovacuum) and the children it reaped in between (its cutime + cstime); the bench's own "
-        "snapshot and polling backends are left out. WAL bytes are the `pg_current_wal_lsn()` delta.",
-        "",
+        f"Measured {started} on {machine}, with `{command}` ({seconds / 60:.1f} min): {points[0].runs:,} runs "
+        f"per point after {WARMUP} warm-up runs.", "",
         "**Work per run** (Postgres side only; statements are top-level `pg_stat_statements` calls, "
-        "transaction control included, then without it)",
-        "",
+        "transaction control included, then without it)", "",
         "| worker processes | runs/s (drain) | statements | without BEGIN/COMMIT | commits | of which wrote (XIDs) "
         "| WAL bytes | WAL records | full-page images | FPI share of WAL bytes | WAL flushes (`wal_sync`) | ms per flush "
         "| shared hit | read | dirtied | written | Postgres CPU ms | of which background |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for p in points:
-        lines.append(
-            f"| {p.label} | {_n(p.rate)} | {p.stmt_per_run():.2f} | {p.stmt_per_run(control=False):.2f} "
-            f"| {p.per_run('commits'):.2f} | {p.per_run('xids'):.2f} | {_n(p.wal_per_run('lsn_bytes'))} "
-            f"| {p.wal_per_run('records'):.1f} | {p.wal_per_run('fpi'):.2f} | {p.fpi_bytes_share():.0%} "
-            f"| {p.wal_per_run('sync'):.2f} | {p.flush_ms():.2f} | {p.stmt_per_run('shared_blks_hit'):.1f} "
-            f"| {p.stmt_per_run('shared_blks_read'):.2f} | {p.stmt_per_run('shared_blks_dirtied'):.2f} "
-            f"| {p.stmt_per_run('shared_blks_written'):.2f} | {p.per_run('cpu_ms'):.2f} "
-            f"| {p.per_run('background_cpu_ms'):.2f} |")
-    big = max((p for p in points if not p.checkpoint_between), key=lambda p: p.procs)
-    lines += [
+        *(_row(p.label, _n(p.rate), f"{p.stmt_per_run():.2f}", f"{p.stmt_per_run(control=False):.2f}",
+               f"{p.per_run('commits'):.2f}", f"{p.per_run('xids'):.2f}", _n(p.wal_per_run('lsn_bytes')),
+               f"{p.wal_per_run('records'):.1f}", f"{p.wal_per_run('fpi'):.2f}", f"{p.fpi_bytes_share():.0%}",
+               f"{p.wal_per_run('sync'):.2f}", f"{p.flush_ms():.2f}", f"{p.stmt_per_run('shared_blks_hit'):.1f}",
+               *(f"{p.stmt_per_run(f'shared_blks_{k}'):.2f}" for k in ("read", "dirtied", "written")),
+               f"{p.per_run('cpu_ms'):.2f}", f"{p.per_run('background_cpu_ms'):.2f}") for p in points),
         "",
         f"Split of the {big.procs}-process point: the producer (`send_event`) and the drain (claim, 3 step "
-        "records, settle, sweeps), per run.",
-        "",
+        "records, settle, sweeps), per run.", "",
         "| phase | statements | commits | of which wrote | WAL bytes | full-page images | Postgres CPU ms |",
         "|---|---|---|---|---|---|---|",
+        *(_row(name, f"{sum(s['calls'] for s in ph.statements) / ph.runs:.2f}", f"{ph.commits / ph.runs:.2f}",
+               f"{ph.xids / ph.runs:.2f}", _n(ph.wal['lsn_bytes'] / ph.runs), f"{ph.wal['fpi'] / ph.runs:.2f}",
+               f"{ph.cpu_ms / ph.runs:.2f}") for name, ph in (("producer", big.producer), ("drain", big.drain))),
     ]
-    for name, ph in (("producer", big.producer), ("drain", big.drain)):
-        calls = sum(s["calls"] for s in ph.statements) / ph.runs
-        lines.append(f"| {name} | {calls:.2f} | {ph.commits / ph.runs:.2f} | {ph.xids / ph.runs:.2f} "
-                     f"| {_n(ph.wal['lsn_bytes'] / ph.runs)} | {ph.wal['fpi'] / ph.runs:.2f} | {ph.cpu_ms / ph.runs:.2f} |")
     stmts: dict[tuple[str, str], dict[str, float]] = {}
+    kinds: dict[str, list[int]] = {}
     for ph in (big.producer, big.drain):
         for s in ph.statements:
             acc = stmts.setdefault((s["role"], s["query"]), dict.fromkeys(PGSS, 0.0))
             for k in PGSS:
                 acc[k] += s[k]
-    top = sorted(stmts.items(), key=lambda kv: (-kv[1]["calls"], -kv[1]["total_exec_time"]))[:8]
-    lines += [
-        "",
-        f"Top statements of the {big.procs}-process point, by calls (then time): per run, and per call.",
-        "",
-        "| login | statement | calls / run | mean ms | WAL bytes / call | FPI / call | shared hit / call | read / call |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for (role, query), s in top:
-        who = "producer" if role == PRODUCER else "worker"
-        c = s["calls"] or 1
-        lines.append(f"| {who} | `{_short(query)}` | {s['calls'] / big.runs:.2f} | {s['total_exec_time'] / c:.3f} "
-                     f"| {_n(s['wal_bytes'] / c)} | {s['wal_fpi'] / c:.2f} | {s['shared_blks_hit'] / c:.1f} "
-                     f"| {s['shared_blks_read'] / c:.2f} |")
-    kinds: dict[str, list[int]] = {}
-    for ph in (big.producer, big.drain):
-        for k, (n, rec, fpi) in ph.walstats.items():
-            acc2 = kinds.setdefault(k, [0, 0, 0])
-            acc2[0] += n
-            acc2[1] += rec
-            acc2[2] += fpi
+        for k, counts in ph.walstats.items():
+            kinds[k] = [x + y for x, y in zip(kinds.get(k, [0, 0, 0]), counts)]
+    lines += ["", f"Top statements of the {big.procs}-process point, by calls (then time): per run, and per call.", "",
+              "| login | statement | calls / run | mean ms | WAL bytes / call | FPI / call | shared hit / call | read / call |",
+              "|---|---|---|---|---|---|---|---|"]
+    for (role, query), s in sorted(stmts.items(), key=lambda kv: (-kv[1]["calls"], -kv[1]["total_exec_time"]))[:8]:
+        c, q = s["calls"] or 1, " ".join(query.split()).replace("|", "\\|")
+        lines.append(_row("producer" if role == PRODUCER else "worker", f"`{q if len(q) <= 90 else q[:89] + '…'}`",
+                          f"{s['calls'] / big.runs:.2f}", f"{s['total_exec_time'] / c:.3f}", _n(s['wal_bytes'] / c),
+                          f"{s['wal_fpi'] / c:.2f}", f"{s['shared_blks_hit'] / c:.1f}", f"{s['shared_blks_read'] / c:.2f}"))
     total = kinds.pop("Total", [0, 0, 0])
     if total[1] + total[2]:
-        lines += [
-            "",
-            f"What the WAL of the {big.procs}-process point is made of (`pg_waldump --stats=record`), per run:",
-            "",
-            "| record type | records | record bytes | full-page image bytes | share of WAL bytes |",
-            "|---|---|---|---|---|",
-        ]
-        for k, (n, rec, fpi) in sorted(kinds.items(), key=lambda kv: -(kv[1][1] + kv[1][2]))[:8]:
-            lines.append(f"| `{k}` | {n / big.runs:.2f} | {_n(rec / big.runs)} | {_n(fpi / big.runs)} "
-                         f"| {(rec + fpi) / (total[1] + total[2]):.0%} |")
-        lines.append(f"| all | {total[0] / big.runs:.2f} | {_n(total[1] / big.runs)} | {_n(total[2] / big.runs)} "
-                     "| 100% |")
-    # --- the model
-    host = a.host_procs * m.per_proc
+        lines += ["", f"What the WAL of the {big.procs}-process point is made of (`pg_waldump --stats=record`), per run:",
+                  "", "| record type | records | record bytes | full-page image bytes | share of WAL bytes |",
+                  "|---|---|---|---|---|"]
+        lines += [_row(f"`{k}`", f"{n / big.runs:.2f}", _n(rec / big.runs), _n(fpi / big.runs),
+                       f"{(rec + fpi) / (total[1] + total[2]):.0%}")
+                  for k, (n, rec, fpi) in sorted(kinds.items(), key=lambda kv: -(kv[1][1] + kv[1][2]))[:8]]
+        lines.append(_row("all", f"{total[0] / big.runs:.2f}", _n(total[1] / big.runs), _n(total[2] / big.runs), "100%"))
+    host = a.host_procs * per_proc
     lines += [
         "",
         "**The model** (medians of the points above): "
-        f"{m.cpu_ms:.2f} Postgres CPU ms, {_n(m.wal_bytes)} WAL bytes, {m.commits:.2f} commits "
-        f"({m.writes:.2f} that wrote) per run →",
-        "",
-        "| | value |",
-        "|---|---|",
-        f"| runs/s per fully busy Postgres vCPU (1000 / CPU ms per run) | **{_n(m.runs_per_vcpu)}** |",
-        f"| runs/s per WAL MB/s (10⁶ / WAL bytes per run) | **{_n(m.runs_per_wal_mbps)}** |",
+        f"{cpu_ms:.2f} Postgres CPU ms, {_n(wal_bytes)} WAL bytes, {commits:.2f} commits ({writes:.2f} that wrote) per run →",
+        "", "| | value |", "|---|---|",
+        f"| runs/s per fully busy Postgres vCPU (1000 / CPU ms per run) | **{_n(1000 / cpu_ms)}** |",
+        f"| runs/s per WAL MB/s (10⁶ / WAL bytes per run) | **{_n(1e6 / wal_bytes)}** |",
         *([f"| the same, backlog across a checkpoint ({_n(worst.wal_per_run('lsn_bytes'))} WAL bytes per run) "
            f"| {_n(1e6 / worst.wal_per_run('lsn_bytes'))} |"] if worst else []),
-        f"| commits/s per 1,000 runs/s (of which wrote) | {_n(1000 * m.commits)} ({_n(1000 * m.writes)}) |",
-        f"| a worker process ({'given' if a.proc_rate else 'measured here, the 1-process point'}) "
-        f"| {_n(m.per_proc)} runs/s |",
+        f"| commits/s per 1,000 runs/s (of which wrote) | {_n(1000 * commits)} ({_n(1000 * writes)}) |",
+        f"| a worker process ({'given' if a.proc_rate else 'measured here, the 1-process point'}) | {_n(per_proc)} runs/s |",
         f"| a worker host (assumed: {a.host_procs} such processes) | {_n(host)} runs/s |",
         "",
         f"Worker hosts one primary carries. Assumptions (options of the bench): a host is {a.host_procs} "
@@ -409,36 +317,29 @@ def render(points: list[Point], a: Assumptions, *, command: str, started: str, m
         f"at {_n(a.commits_per_vcpu)}/s per vCPU (DBOS's {_n(DBOS_WRITES_S)} single-row insert transactions/s "
         f"on {DBOS_VCPUS} vCPUs). Every bound is linear in its resource.",
         "",
-        "| primary | CPU bound, runs/s | "
-        + " | ".join(f"WAL bound at {_n(w)} MB/s" for w in a.wal_mbps)
+        "| primary | CPU bound, runs/s | " + " | ".join(f"WAL bound at {_n(w)} MB/s" for w in a.wal_mbps)
         + " | commit bound, runs/s | binds first | runs/s | worker hosts |",
         "|---|---|" + "---|" * len(a.wal_mbps) + "---|---|---|---|",
     ]
     for v in a.vcpus:
-        bounds = {"CPU": v * a.cpu_util * 1000 / m.cpu_ms}
-        for w in a.wal_mbps:
-            bounds[f"WAL {_n(w)} MB/s"] = w * 1e6 / m.wal_bytes
-        bounds["commits"] = v * a.commits_per_vcpu / m.writes
+        bounds = {"CPU": v * a.cpu_util * 1000 / cpu_ms, **{f"WAL {_n(w)} MB/s": w * 1e6 / wal_bytes for w in a.wal_mbps},
+                  "commits": v * a.commits_per_vcpu / writes}
         first = min(bounds, key=lambda k: bounds[k])
-        wal_cells = " | ".join(_n(bounds[f"WAL {_n(w)} MB/s"]) for w in a.wal_mbps)
-        lines.append(f"| {v} vCPUs | {_n(bounds['CPU'])} | {wal_cells} | {_n(bounds['commits'])} | {first} "
-                     f"| {_n(bounds[first])} | **{bounds[first] / host:,.0f}** |")
-    dbos_per_vcpu = DBOS_WORKFLOWS_S / DBOS_VCPUS
+        lines.append(_row(f"{v} vCPUs", *map(_n, bounds.values()), first, _n(bounds[first]),
+                          f"**{bounds[first] / host:,.0f}**"))
     lines += [
-        "",
-        "Compared:",
-        "",
+        "", "Compared:", "",
         "| system | published or measured | transactions per run / task | runs/s per database vCPU |",
         "|---|---|---|---|",
         f"| DBOS ([blog]({DBOS_URL})) | {_n(DBOS_WORKFLOWS_S)} workflows/s and {_n(DBOS_WRITES_S)} writes/s on "
         f"an RDS db.m7i.24xlarge, {DBOS_VCPUS} vCPUs | ≈ {DBOS_WRITES_S / DBOS_WORKFLOWS_S:.1f} writes per "
-        f"workflow (their two figures' ratio) | ≈ {_n(dbos_per_vcpu)} (throughput ÷ vCPUs, at whatever "
+        f"workflow (their two figures' ratio) | ≈ {_n(DBOS_WORKFLOWS_S / DBOS_VCPUS)} (throughput ÷ vCPUs, at whatever "
         "utilisation they reached) |",
         f"| Hatchet ([Show HN, v1]({HATCHET_URL})) | \"at minimum {HATCHET_TX_PER_TASK} Postgres transactions\" "
         f"per task (5k tasks/s ≈ 25k transactions/s) | ≥ {HATCHET_TX_PER_TASK} | — |",
         f"| motir-celery (measured here, {JOB}) | {_n(max(p.rate for p in points))} runs/s at best on 2 shared "
-        f"cores | {m.commits:.2f} commits, {m.writes:.2f} that wrote | {_n(m.runs_per_vcpu)} per fully busy "
-        f"vCPU; {_n(m.runs_per_vcpu * a.cpu_util)} at {a.cpu_util:.0%} |",
+        f"cores | {commits:.2f} commits, {writes:.2f} that wrote | {_n(1000 / cpu_ms)} per fully busy "
+        f"vCPU; {_n(1000 / cpu_ms * a.cpu_util)} at {a.cpu_util:.0%} |",
     ]
     return "\n".join(lines)
 
@@ -463,23 +364,19 @@ def main(argv: list[str] | None = None) -> int:
                               tuple(float(w) for w in args.wal_mbps.split(",")), args.commits_per_vcpu,
                               args.proc_rate)
     procs = [int(p) for p in args.procs.split(",")]
-    started, command, t0 = h.now(), h.command("bench.pgcost", argv), time.monotonic()
-    queue = f"bench-pgcost-{uuid.uuid4().hex[:8]}"
-    points: list[Point] = []
+    started, command, t0, log = h.now(), h.command("bench.pgcost", argv), time.monotonic(), h.logger("pgcost")
+    queue, points = f"bench-pgcost-{uuid.uuid4().hex[:8]}", []
     with h.private_postgres(*SERVER_SETTINGS) as pg, h.connect(pg.url()) as admin:
         machine = h.machine(pg.url(), load=True)
         db, producer_url = start_server(pg)
         h.use_engine(producer_url, queue)  # the producer sends as a login of its own
         try:
             for n, between in [(n, False) for n in procs] + ([] if args.no_checkpoint_point else [(max(procs), True)]):
-                print(f"pgcost: {n} worker process(es), {args.runs} runs{' across a checkpoint' * between} ...",
-                      file=sys.stderr)
-                point = measure(pg, admin, db, producer_url, queue, n, args.runs, args.timeout,
-                                checkpoint_between=between)
-                print(f"pgcost: {n}: {point.rate:.0f} runs/s, {point.per_run('cpu_ms'):.2f} CPU ms/run, "
-                      f"{point.wal_per_run('lsn_bytes'):.0f} WAL B/run, {point.per_run('commits'):.2f} commits/run",
-                      file=sys.stderr)
-                points.append(point)
+                log(f"{n} worker process(es), {args.runs} runs{' across a checkpoint' * between} ...")
+                points.append(p := measure(pg, admin, db, producer_url, queue, n, args.runs, args.timeout,
+                                           checkpoint_between=between))
+                log(f"{n}: {p.rate:.0f} runs/s, {p.per_run('cpu_ms'):.2f} CPU ms/run, "
+                    f"{p.wal_per_run('lsn_bytes'):.0f} WAL B/run, {p.per_run('commits'):.2f} commits/run")
         finally:
             from motir_celery.store.db import dispose_engines
 
