@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.request
 import uuid
 from collections import Counter
 from contextlib import contextmanager
@@ -36,6 +37,7 @@ from motir_celery.adapter.celery_app import attach, create_app
 from motir_celery.core.jobs import CallStep, DirectCallUnsupported, job_for_task
 from motir_celery.settings import Settings
 from tests.conftest import ROOT, celery_worker, count_effects, wait_for
+from tests.fixtures.browser import free_port
 
 FIXTURE = ROOT / "tests" / "cutover"
 
@@ -63,6 +65,11 @@ def wait_a_day(step: Any) -> None:
     step.sleep("nap", 86400)
 
 
+@define_job("test.cutover.refuse", bind=False, retry_policy="none")
+def refuse(order: str) -> None:
+    raise ValueError(f"no such order {order}")
+
+
 # --- helpers -------------------------------------------------------------------------------
 
 def _env(side: str, **extra: str) -> dict[str, str]:
@@ -78,9 +85,9 @@ def _worker(tmp_path: Path, broker_url: str, side: str, name: str, **extra: str)
     return celery_worker(tmp_path, broker=broker_url, app="shop", env=env, name=name, lease=2.0)
 
 
-def _produce(*args: str) -> dict[str, Any]:
+def _produce(*args: str, **extra: str) -> dict[str, Any]:
     """Run the plain producer (no motir-celery in it); its JSON line."""
-    proc = subprocess.run([sys.executable, str(FIXTURE / "plain_producer.py"), *args], env=_env("before"),
+    proc = subprocess.run([sys.executable, str(FIXTURE / "plain_producer.py"), *args], env=_env("before", **extra),
                           cwd=FIXTURE, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     sent: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -278,13 +285,16 @@ def test_a_message_whose_arguments_cannot_be_stored_is_a_dlq_entry_with_its_reas
 
 def test_kill_9_after_the_adoption_and_before_the_first_step_the_run_completes_once(
         tmp_path: Path, engine: Engine, broker_url: str) -> None:
-    with _worker(tmp_path, broker_url, "after", "doomed") as doomed:
-        (task_id,) = _produce("shop.tasks.slow_add", "[2, 3]")["ids"]
+    # A queue of this test's own: the module's after_worker (when an earlier test started it)
+    # must not take the message, or the kill would land on a worker that does not hold the run.
+    own = {"MOTIR_QUEUE": f"{_queue()}-kill", "SHOP_QUEUE": f"{_queue()}-kill"}
+    with _worker(tmp_path, broker_url, "after", "doomed", **own) as doomed:
+        (task_id,) = _produce("shop.tasks.slow_add", "[2, 3]", **own)["ids"]
         wait_for(lambda: _runs(engine, "shop.slow-add").get(task_id) is not None
                  and _runs(engine, "shop.slow-add")[task_id].state == "running", what="the adopted run, claimed")
         assert count_effects(engine, task_id, "add") == 0     # sleeping before its first step
         doomed.kill(signal.SIGKILL)
-    with _worker(tmp_path, broker_url, "after", "heir"):
+    with _worker(tmp_path, broker_url, "after", "heir", **own):
         wait_for(lambda: _runs(engine, "shop.slow-add")[task_id].state == "succeeded", timeout=60,
                  what="the run reclaimed and finished")
     run = _runs(engine, "shop.slow-add")
@@ -359,3 +369,75 @@ print(json.dumps(out))
     assert "missing 1 required positional argument" in out[failing]["traceback"]
     assert f"Task shop.tasks.add[{ok}] succeeded in" in after_worker.output()
     assert any(line.rstrip().endswith(": 42") for line in after_worker.output().splitlines() if ok in line)
+
+
+@contextmanager
+def _flower(tmp_path: Path, database_url: str, broker_url: str, **extra: str) -> Iterator[str]:
+    """A real ``celery -A motir_celery flower`` (the console script of this environment) on a free
+    port, as docs/operations.md starts it; its base URL. Its API without auth
+    (FLOWER_UNAUTHENTICATED_API), and no events: it must not switch on other sessions' workers'."""
+    port = free_port()
+    log = tmp_path / f"flower-{port}.log"
+    env = dict(os.environ)
+    env.pop("MOTIR_RESULTS_ANY_WORKSPACE", None)
+    env.update({"MOTIR_DATABASE_URL": database_url, "CELERY_BROKER_URL": broker_url, "PYTHONPATH": str(ROOT),
+                "MOTIR_IMPORTS": "", "FLOWER_UNAUTHENTICATED_API": "true", **extra})
+    cmd = [str(Path(sys.executable).with_name("celery")), "-A", "motir_celery", "flower", "--address=127.0.0.1",
+           f"--port={port}", "--enable_events=False", "--persistent=False"]
+    base = f"http://127.0.0.1:{port}"
+
+    def listening() -> bool:
+        try:
+            with urllib.request.urlopen(f"{base}/healthcheck", timeout=1) as response:
+                return bool(response.status == 200)
+        except OSError:
+            return False
+
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
+                                start_new_session=True)
+    try:
+        wait_for(lambda: proc.poll() is not None or listening(), timeout=60, what="Flower to listen")
+        assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+        yield base
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=10)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+def _flower_result(base: str, task_id: Any) -> dict[str, Any]:
+    """Flower's ``GET /api/task/result/<task id>``."""
+    with urllib.request.urlopen(f"{base}/api/task/result/{task_id}", timeout=30) as response:
+        assert response.status == 200
+        body: dict[str, Any] = json.loads(response.read())
+    return body
+
+
+def test_flowers_task_result_for_a_durable_run_is_the_runs(tmp_path: Path, engine: Engine, database_url: str,
+                                                          broker_url: str) -> None:
+    """A real Flower's /api/task/result/<run id>: state and result (a failure's error and
+    traceback) read from the runs table through the backend ``attach`` installs. Flower has no
+    workspace: a tenant's run is PENDING there until the operator opts in with
+    MOTIR_RESULTS_ANY_WORKSPACE=1 (docs/operations.md, "Flower and the dashboard")."""
+    ok = double.apply(args=[21])
+    failed = refuse.apply(args=["42"])
+    tenant = double.apply(args=[4], workspace_id="ws-b")
+    assert (ok.state, failed.state, tenant.state) == ("SUCCESS", "FAILURE", "SUCCESS")
+    unknown = uuid.uuid4()
+    with _flower(tmp_path, database_url, broker_url) as flower:
+        assert _flower_result(flower, ok.id) == {"task-id": str(ok.id), "state": "SUCCESS",
+                                                 "result": {"double": 42, "run_id": str(ok.id)}}
+        refused = _flower_result(flower, failed.id)
+        assert (refused["state"], refused["result"]) == ("FAILURE", "ValueError('no such order 42')"), refused
+        assert "ValueError: no such order 42" in refused["traceback"], refused
+        assert _flower_result(flower, tenant.id) == {"task-id": str(tenant.id), "state": "PENDING"}
+        assert _flower_result(flower, unknown) == {"task-id": str(unknown), "state": "PENDING"}
+    with _flower(tmp_path, database_url, broker_url, MOTIR_RESULTS_ANY_WORKSPACE="1") as flower:
+        assert _flower_result(flower, tenant.id) == {"task-id": str(tenant.id), "state": "SUCCESS",
+                                                     "result": {"double": 8, "run_id": str(tenant.id)}}

@@ -55,9 +55,9 @@ def test_sleep_gives_the_worker_back_and_resumes_from_memoized_steps(engine, bro
         assert _final(engine, other) == "succeeded"
         assert _final(engine, run_id) == "succeeded"
         with engine.connect() as conn:
-            woke_after = conn.execute(text("SELECT min(r.started_at) > o.finished_at FROM job_run r, job_queue o "
+            woke_after = conn.execute(text("SELECT r.started_at > o.finished_at FROM job_run r, job_queue o "
                                            "WHERE r.run_id = :r AND r.outcome = 'succeeded' AND o.id = :o"),
-                                      {"r": run_id, "o": other}).scalar()
+                                      {"r": run_id, "o": other}).scalar_one()
         assert woke_after is True
     assert count_effects(engine, run_id, "before") == 1 and count_effects(engine, run_id, "after") == 1
     assert _ledger(engine, run_id) == ["suspended", "succeeded"]
