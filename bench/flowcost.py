@@ -1,26 +1,12 @@
-"""Flow control and the stats rollup, measured: what they cost the jobs that do not use them, and what the fold costs.
-
-In-process (no Celery, no broker): ``runner.execute`` of runs written beforehand, on a fresh
-database of the shared harness (``harness.Database``); each comparison's sides take turns in
-the same run (``harness.interleave``), so a loaded machine's drift falls on both.
-
-1. **A plain run's claim and settle**, flow control's branch as shipped (``on``: the runner asks
-   ``flow.options_of`` for every run) against the same runner with that lookup replaced by a
-   constant (``off``: the code before it). A plain job sends the same two statements either way
-   (tests/core/test_flow_control.py proves it); this is the Python that is left.
-2. **The succeeded-duration index** (``ix_job_queue_succeeded``, one more index entry per
-   succeeded settle): plain runs with it, and with it dropped between rounds; and the settle's
-   UPDATE alone, in a server-side loop (no client, no Python: the index's own cost).
-3. **A throttled run that never waits** (``throttle=(1000, 0.01)``) against a plain one: the price
-   of the decision's statements, paid by throttled jobs only.
-4. **The fold**: finished runs folded into the rollup per second, in its batches of 2,000.
-5. **The hot row the rollup does not have**: 16 threads, each UPDATE adding 1 to one counter row
-   (the per-settle UPDATE of one row per job the issue rejects), against the same threads each
-   on a row of its own; autocommit, as a settle commits.
+"""Flow control and the stats rollup (issue 30): what they cost the jobs that do not use them, and what the fold costs.
 
     python -m bench.flowcost [--runs 600] [--rounds 3] [--no-write]
 
-Writes its block into docs/performance.md (between its markers).
+In process, on a fresh database, ``runner.execute`` (claim, handler, settle) of runs written
+beforehand, each comparison's sides taking turns: flow control's branch on and off (``flow.options_of``
+replaced by a constant); ``ix_job_queue_succeeded`` kept and dropped (and the settle's UPDATE alone, in
+a server-side loop); a throttled job that never waits against a plain one. Then the fold's rate, and 16
+threads' UPDATEs on one counter row against a row each. Writes its block into docs/performance.md.
 """
 
 from __future__ import annotations
@@ -32,88 +18,8 @@ from typing import Any, Callable
 from bench import harness as h
 from bench.jobs import PLAIN, THROTTLED
 
-
-def _runs(job: str, n: int) -> list[Any]:
-    from motir_celery.core.producer import events
-
-    out = []
-    for i in range(n):
-        out += events.send_event(job, {"n": i}, publish=None).run_ids
-    return out
-
-
-def _execute_each(job: str, runs: list[Any]) -> float:
-    """Median seconds of one ``runner.execute`` (claim, handler, settle) over ``runs``."""
-    from motir_celery.core.worker import runner
-
-    took = []
-    for run_id in runs:
-        t0 = time.perf_counter()
-        outcome = runner.execute(run_id, job_id=job, worker="bench/1")
-        took.append(time.perf_counter() - t0)
-        assert outcome.state == "succeeded", outcome
-    return h.median(took)
-
-
-def _side(job: str, n: int, before: Callable[[], None] = lambda: None,
-          after: Callable[[], None] = lambda: None) -> Callable[[], float]:
-    def measure() -> float:
-        runs = _runs(job, n)
-        before()
-        try:
-            return _execute_each(job, runs)
-        finally:
-            after()
-    return measure
-
-
-def lookup_ns(calls: int = 200_000) -> float:
-    """Nanoseconds of the one thing the branch adds to a plain run: ``flow.options_of(job)``."""
-    from motir_celery.core.worker import flow
-
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        flow.options_of(PLAIN)
-    return (time.perf_counter() - t0) / calls * 1e9
-
-
-def flow_branch(db: h.Database, n: int, rounds: int) -> dict[str, list[float]]:
-    from motir_celery.core.worker import flow
-
-    real = flow.options_of
-    _side(PLAIN, n)()  # warm up: the pool, the prepared statements, the caches
-
-    def off() -> None:
-        flow.options_of = lambda job_id: None  # type: ignore[assignment]
-
-    def on() -> None:
-        flow.options_of = real  # type: ignore[assignment]
-
-    try:
-        return h.interleave({"on": _side(PLAIN, n, on), "off": _side(PLAIN, n, off, on)}, rounds, log=print,
-                            show=lambda s: f"{s * 1e3:.3f} ms/run")
-    finally:
-        flow.options_of = real  # type: ignore[assignment]
-
-
-def succeeded_index(db: h.Database, n: int, rounds: int) -> dict[str, list[float]]:
-    create = "CREATE INDEX ix_job_queue_succeeded ON job_queue (job_id, finished_at) WHERE state = 'succeeded'"
-
-    def drop() -> None:
-        db.rows("DROP INDEX ix_job_queue_succeeded")
-
-    def restore() -> None:
-        db.rows(create)
-
-    return h.interleave({"with": _side(PLAIN, n), "without": _side(PLAIN, n, drop, restore)}, rounds, log=print,
-                        show=lambda s: f"{s * 1e3:.3f} ms/run")
-
-
-def settle_loop(db: h.Database, n: int, rounds: int) -> dict[str, list[float]]:
-    """Microseconds of one succeeded settle's UPDATE, server-side (a plpgsql loop over ``n`` running rows,
-    no client in between), with ``ix_job_queue_succeeded`` and without it, rounds interleaved."""
-    create = "CREATE INDEX ix_job_queue_succeeded ON job_queue (job_id, finished_at) WHERE state = 'succeeded'"
-    loop = f"""
+SUCCEEDED_INDEX = "CREATE INDEX ix_job_queue_succeeded ON job_queue (job_id, finished_at) WHERE state = 'succeeded'"
+SETTLE_LOOP = """
     DO $$
     DECLARE r record; t0 timestamptz := clock_timestamp();
     BEGIN
@@ -123,31 +29,61 @@ def settle_loop(db: h.Database, n: int, rounds: int) -> dict[str, list[float]]:
       END LOOP;
       PERFORM set_config('bench.took', (extract(epoch FROM clock_timestamp() - t0) * 1e6 / {n})::text, false);
     END $$;
-    """
+"""
+FINISHED_RUNS = """
+    WITH q AS (
+      INSERT INTO job_queue (job_id, event_name, workspace_id, state, attempts, max_attempts, retry_policy,
+                             created_at, finished_at)
+      SELECT 'job.' || (i %% 20), 'e', 'ws-' || (i %% 5), CASE WHEN i %% 40 = 0 THEN 'failed' ELSE 'succeeded' END,
+             1, 3, 'transient', now() - make_interval(secs => i * 0.01 + 1), now() - make_interval(secs => i * 0.01)
+      FROM generate_series(1, %s) AS i
+      RETURNING id, job_id, workspace_id, created_at, finished_at
+    )
+    INSERT INTO job_run (run_id, attempt, workspace_id, job_id, event_name, worker, outcome, started_at, finished_at)
+    SELECT id, 1, workspace_id, job_id, 'e', 'w', 'succeeded', created_at, finished_at FROM q
+"""
 
-    def measure(with_index: bool) -> float:
-        db.truncate()
-        db.rows("INSERT INTO job_queue (job_id, event_name, state, attempts, max_attempts, retry_policy, claim_token) "
-                "SELECT 'job.' || (i %% 20), 'e', 'running', 1, 3, 'transient', gen_random_uuid() "
-                "FROM generate_series(1, %s) AS i", (n,))
-        if not with_index:
-            db.rows("DROP INDEX ix_job_queue_succeeded")
+
+def side(job: str, n: int, before: Callable[[], Any] = lambda: None,
+         after: Callable[[], Any] = lambda: None) -> Callable[[], float]:
+    """Median seconds of one ``runner.execute`` over ``n`` runs of ``job`` sent first (``before`` and
+    ``after`` around the executes)."""
+    from motir_celery.core.producer import events
+    from motir_celery.core.worker import runner
+
+    def execute(run_id: Any) -> None:
+        outcome = runner.execute(run_id, job_id=job, worker="bench/1")
+        assert outcome.state == "succeeded", outcome
+
+    def measure() -> float:
+        runs = [i for k in range(n) for i in events.send_event(job, {"n": k}, publish=None).run_ids]
+        before()
         try:
-            with h.connect(db.url) as conn:
-                conn.autocommit = True
-                conn.execute(loop)
-                return float(conn.execute("SELECT current_setting('bench.took')").fetchone()[0]) / 1e6  # type: ignore[index]
+            return h.median(h.timed(lambda i: execute(runs[i]), len(runs)))
         finally:
-            if not with_index:
-                db.rows(create)
-
-    return h.interleave({"with": lambda: measure(True), "without": lambda: measure(False)}, rounds, log=print,
-                        show=lambda s: f"{s * 1e6:.1f} µs/settle")
+            after()
+    return measure
 
 
-def throttle(db: h.Database, n: int, rounds: int) -> dict[str, list[float]]:
-    return h.interleave({"plain": _side(PLAIN, n), "throttled": _side(THROTTLED, n)}, rounds, log=print,
-                        show=lambda s: f"{s * 1e3:.3f} ms/run")
+def compare(sides: dict[str, Callable[[], float]], rounds: int, unit: str = "ms/run", scale: float = 1e3) -> dict:
+    return h.interleave(sides, rounds, log=print, show=lambda s: f"{s * scale:.{1 if scale > 1e3 else 3}f} {unit}")
+
+
+def settle_loop(db: h.Database, n: int, with_index: bool) -> float:
+    """Seconds of one succeeded settle's UPDATE, server-side (a plpgsql loop over ``n`` running rows)."""
+    db.truncate()
+    db.rows("INSERT INTO job_queue (job_id, event_name, state, attempts, max_attempts, retry_policy, claim_token) "
+            "SELECT 'job.' || (i %% 20), 'e', 'running', 1, 3, 'transient', gen_random_uuid() "
+            "FROM generate_series(1, %s) AS i", (n,))
+    if not with_index:
+        db.rows("DROP INDEX ix_job_queue_succeeded")
+    try:
+        with h.connect(db.url) as conn:
+            conn.execute(SETTLE_LOOP.format(n=n))  # type: ignore[arg-type]
+            return float(conn.execute("SELECT current_setting('bench.took')").fetchone()[0]) / 1e6  # type: ignore[index]
+    finally:
+        if not with_index:
+            db.rows(SUCCEEDED_INDEX)
 
 
 def fold(db: h.Database, n: int) -> float:
@@ -157,23 +93,10 @@ def fold(db: h.Database, n: int) -> float:
 
     db.truncate("job_stats_rollup")
     db.rows("UPDATE job_sweep SET swept_at = '-infinity' WHERE name = 'stats'")
-    db.rows(
-        """
-        WITH q AS (
-          INSERT INTO job_queue (job_id, event_name, workspace_id, state, attempts, max_attempts, retry_policy,
-                                 created_at, finished_at)
-          SELECT 'job.' || (i %% 20), 'e', 'ws-' || (i %% 5), CASE WHEN i %% 40 = 0 THEN 'failed' ELSE 'succeeded' END,
-                 1, 3, 'transient', now() - make_interval(secs => i * 0.01 + 1), now() - make_interval(secs => i * 0.01)
-          FROM generate_series(1, %s) AS i
-          RETURNING id, job_id, workspace_id, created_at, finished_at
-        )
-        INSERT INTO job_run (run_id, attempt, workspace_id, job_id, event_name, worker, outcome, started_at, finished_at)
-        SELECT id, 1, workspace_id, job_id, 'e', 'w', 'succeeded', created_at, finished_at FROM q
-        """, (n,))
+    db.rows(FINISHED_RUNS, (n,))
     db.rows("ANALYZE job_queue")
-    engine = get_engine(db.url)
     t0 = time.perf_counter()
-    folded = rollup.fold(engine, batches=10**6)
+    folded = rollup.fold(get_engine(db.url), batches=10**6)
     took = time.perf_counter() - t0
     assert folded == n, (folded, n)
     return n / took
@@ -190,7 +113,6 @@ def hot_row(db: h.Database, threads: int, each: int) -> dict[str, float]:
 
         def work(k: int) -> None:
             with h.connect(db.url) as conn:
-                conn.autocommit = True
                 barrier.wait()
                 for _ in range(each):
                     conn.execute("UPDATE job_stats_rollup SET succeeded_count = succeeded_count + 1 "
@@ -204,7 +126,7 @@ def hot_row(db: h.Database, threads: int, each: int) -> dict[str, float]:
             t.join()
         return threads * each / (time.perf_counter() - t0)
 
-    out = {"one row": [], "own rows": []}  # type: dict[str, list[float]]
+    out: dict[str, list[float]] = {"one row": [], "own rows": []}
     for _ in range(3):
         out["one row"].append(rate(True))
         out["own rows"].append(rate(False))
@@ -218,15 +140,30 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fold-runs", type=int, default=20_000, help="finished runs the fold measurement folds")
     args = p.parse_args(argv)
     h.need("MOTIR_DATABASE_URL")
+    n, rounds = args.runs, args.rounds
     with h.Database.create("motir_bench_flowcost") as db:
         h.use_engine(db.url, "bench-flowcost", imports="bench.jobs")
-        branch = flow_branch(db, args.runs, args.rounds)
-        index = succeeded_index(db, args.runs, args.rounds)
-        loop = settle_loop(db, 5000, 2 * args.rounds + 1)
-        thr = throttle(db, args.runs, args.rounds)
+        from motir_celery.core.worker import flow
+
+        real = flow.options_of
+        side(PLAIN, n)()  # warm up: the pool, the prepared statements, the caches
+        try:
+            branch = compare({"on": side(PLAIN, n, lambda: setattr(flow, "options_of", real)),
+                              "off": side(PLAIN, n, lambda: setattr(flow, "options_of", lambda job_id: None),
+                                          lambda: setattr(flow, "options_of", real))}, rounds)
+        finally:
+            flow.options_of = real  # type: ignore[assignment]
+        index = compare({"with": side(PLAIN, n), "without": side(PLAIN, n, lambda: db.rows("DROP INDEX ix_job_queue_succeeded"),
+                                                                 lambda: db.rows(SUCCEEDED_INDEX))}, rounds)
+        loop = compare({"with": lambda: settle_loop(db, 5000, True), "without": lambda: settle_loop(db, 5000, False)},
+                       2 * rounds + 1, "µs/settle", 1e6)
+        thr = compare({"plain": side(PLAIN, n), "throttled": side(THROTTLED, n)}, rounds)
         folded = fold(db, args.fold_runs)
         hot = hot_row(db, threads=16, each=100)
-        lookup = lookup_ns()
+        t0 = time.perf_counter()
+        for _ in range(200_000):  # the one thing the branch adds to a plain run
+            flow.options_of(PLAIN)
+        lookup = (time.perf_counter() - t0) / 200_000 * 1e9
         machine = h.machine(db.url, load=True)
     us = lambda xs: h.median(xs) * 1e6  # noqa: E731
     lines = [
