@@ -3,9 +3,11 @@
 #              one session: PYTEST_WORKERS=0); first installs the Debian packages the tests need when
 #              missing (.ci/system-packages: chromium, docker-compose, pgbouncer)
 # make lint  - ruff check (the repository) and mypy motir_celery, as CI runs them
-# make test-pgbouncer - the worker end-to-end, hot-path, primitives, composition and shortened chaos tests again,
+# make test-pgbouncer - the worker end-to-end, hot-path, engine-semantics, Django and SIGKILL chaos tests again,
 #              through a private PgBouncer in transaction pooling (tests/fixtures/pgbouncer.py) with
-#              MOTIR_PREPARED_STATEMENTS=0; a database error in any worker log fails the test
+#              MOTIR_PREPARED_STATEMENTS unset (the engine finds the pooler); a database error in any worker
+#              log fails the test
+# make test-scale - the scale tests make test leaves out (-m scale: a chord of 10,000 on real workers)
 #
 # Unset service URLs are filled in by `python -m motir_celery.dev.embedded env`, which
 # starts embedded Postgres / Redis under $MOTIR_DATA_DIR (default .motir/) and
@@ -37,21 +39,29 @@ define with-services
 embedded_env="$$($(PYTHON) -m motir_celery.dev.embedded env)"; eval "$$embedded_env"; $(1)
 endef
 
-.PHONY: run test test-pgbouncer lint setup system-packages stop-embedded
+.PHONY: run test test-pgbouncer test-scale lint setup system-packages stop-embedded
 
 run: setup
 	$(call with-services,$(PYTHON) -m motir_celery.dev.demo)
 
+# The scale tests (-m scale: minutes of one worker on two cores) are a command of their own, as the
+# soak and the benchmarks are: make test-scale.
 test: system-packages setup
-	$(call with-services,$(PYTHON) -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS))
+	$(call with-services,$(PYTHON) -m pytest $(PYTEST_XDIST) -m "not scale" $(PYTEST_ARGS))
 
-# The second pass (CI runs it after `make test`): the tests whose workers talk to the database
-# most, through PgBouncer (pool_mode = transaction, default_pool_size 4) in front of the same
-# server. The session creates, migrates and drops its database through it too. (Not
-# test_beat.py: its warm_pool helper holds 5 transactions open at once, one more than the pool.)
-PGBOUNCER_TESTS := tests/adapter/test_worker_e2e.py tests/adapter/test_hot_path.py tests/adapter/test_pgbouncer.py tests/store/test_pooler_detection.py tests/chaos \
+test-scale: system-packages setup
+	$(call with-services,$(PYTHON) -m pytest -m scale $(PYTEST_ARGS))
+
+# The second pass (CI runs it beside `make test`): the tests whose workers and engine talk to the
+# database most, through PgBouncer (pool_mode = transaction, default_pool_size 4) in front of the same
+# server, with MOTIR_PREPARED_STATEMENTS unset as a user leaves it. The session creates, migrates and
+# drops its database through it too. The chaos tests of brokers, beats and bad input are not here: they
+# test no database path the SIGKILL one does not. (Not test_beat.py: its warm_pool helper holds 5
+# transactions open at once, one more than the pool.)
+PGBOUNCER_TESTS := tests/adapter/test_worker_e2e.py tests/adapter/test_hot_path.py tests/adapter/test_pgbouncer.py \
+	tests/store/test_pooler_detection.py tests/chaos/test_chaos_sigkill.py \
 	tests/core/test_primitives.py tests/core/test_compose_runs.py tests/core/test_resume.py tests/core/test_direct.py \
-	tests/core/test_batch.py tests/contrib/test_django.py
+	tests/core/test_batch.py tests/core/test_canvas.py tests/core/test_flow_control.py tests/contrib/test_django.py
 
 test-pgbouncer: system-packages setup
 	$(call with-services,MOTIR_TEST_SCAN_WORKER_LOGS=1 $(PYTHON) -m tests.fixtures.pgbouncer run -- \

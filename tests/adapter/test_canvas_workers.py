@@ -173,6 +173,7 @@ def test_a_failed_link_calls_link_error_once_and_asyncresult_raises_its_error(en
     assert effects(engine, "errback.w") == 1 and started["1.t"].attempts == 2  # boom's own policy: two attempts
 
 
+@pytest.mark.scale  # ~2 min of one worker on two cores: make test-scale
 @pytest.mark.timeout(900)
 def test_a_chord_of_10000_completes(engine: Engine, broker_url: str, producer: Any, tmp_path: Path) -> None:
     n = 10_000
