@@ -234,3 +234,33 @@ def test_eager_mode_runs_a_delay_at_once_through_the_engine(motir: Motir, eager:
     again = pay_order.apply_async([11], task_id="order-11")
     same = pay_order.apply_async([11], task_id="order-11")
     assert same.deduplicated and same.id == again.id and gateway.calls == [11, 11]   # a key is a key, eager or not
+
+
+# --- no cost on the production path -----------------------------------------------------------
+
+
+def test_the_kits_clock_and_crashes_leave_the_production_path_as_it_was(motir: Motir) -> None:
+    """``advance`` moves the instants the engine stored; it adds no clock to a statement: every
+    statement of the worker's path reads the database's ``now()`` and nothing of the kit's, and
+    none is changed by a test that skips time and crashes. The crash hooks wrap ``StepRun`` for
+    the fixture's lifetime only."""
+    from motir_celery.core.worker.steps import StepRun
+    from motir_celery.store.driver import Statement
+    from motir_celery.store.sql import testing as testing_sql
+    from motir_celery.store.sql import worker as worker_sql
+
+    hot = {name: s.sql for name, s in vars(worker_sql).items() if isinstance(s, Statement)}
+    kit_names = [s.name for s in vars(testing_sql).values() if isinstance(s, Statement)]
+    assert {"CLAIM", "STORE_STEP", "SETTLE_SUCCEEDED", "SETTLE_RETRY", "SETTLE_FAILED"} <= set(hot)
+    for name, sql in hot.items():
+        assert "motir.now" not in sql and "clock_timestamp" not in sql, name
+        assert not any(k in sql for k in kit_names), name
+    motir.crash_after("charge")
+    handle = motir.run(pay_order, 7)
+    motir.drain()
+    motir.advance(seconds=3600)
+    motir.drain()
+    assert handle.get() == {"paid": 7}
+    assert {name: s.sql for name, s in vars(worker_sql).items() if isinstance(s, Statement)} == hot
+    motir.uninstall()
+    assert (StepRun.run.__qualname__, StepRun.record.__qualname__) == ("StepRun.run", "StepRun.record")
