@@ -2,13 +2,8 @@
 
     python -m bench.sweepers [--sweeps 1,10,100] [--no-write]
 
-Every worker's main process sweeps every ``MOTIR_SWEEP_INTERVAL``, so 100 worker hosts make
-100 sweep calls per period. This bench makes them: ``N`` calls of ``sweeper.sweep`` back to
-back, in this process, direct to Postgres, on a table that is ``idle`` (50,000 finished runs,
-1,000 queued with a fresh message: nothing to do) or ``stale`` (20,000 queued, due runs whose
-message is an hour old). Each N twice: every host sweeping, and one sweep per period (the
-sweep slot, ``once_per_period``: the other N - 1 calls find it taken). Per N: the
-transactions (``pg_stat_database``, flushed), the backends' CPU, wall time, runs re-published.
+N calls of ``sweeper.sweep`` back to back in this process, on an ``idle`` or a ``stale`` table
+(``STATES``), every host sweeping and one sweep per period (the slot); docs/scaling.md says more.
 """
 
 from __future__ import annotations
@@ -20,16 +15,15 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import text
-
 from bench import harness as h
 
-DB = "motir_bench_sweepers"
 INSERT = ("INSERT INTO job_queue (id, job_id, event_name, retry_policy, scheduled_for, state, run_at, dispatched_at,"
           " attempts, max_attempts, finished_at)"
           " SELECT gen_random_uuid(), 'bench.sweep', 'scheduled.bench.sweep', 'transient',"
           " timestamptz '2026-01-01' + make_interval(secs => %(offset)s + g), %(state)s, now() - interval '2 hours',"
           " now() - %(age)s::interval, %(attempts)s, 3, %(finished)s FROM generate_series(1, %(n)s) g")
+#: idle: 50,000 finished runs and 1,000 queued with a fresh message (nothing to do); stale: 20,000
+#: queued, due runs whose message is an hour old.
 STATES = {
     "idle": [{"offset": 0, "state": "succeeded", "age": "2 hours", "attempts": 1, "finished": "now", "n": 50_000},
              {"offset": 100_000, "state": "queued", "age": "0 seconds", "attempts": 0, "finished": None, "n": 1_000}],
@@ -46,10 +40,13 @@ class Row:
     cpu_ms: float
     wall_ms: float
     republished: int
-    interval: float
 
 
 def measure(db: h.Database, state: str, sweeps: int, interval: float, slotted: bool) -> Row:
+    """The transactions (``pg_stat_database``, flushed), the backends' CPU, the wall time and the runs
+    re-published of ``sweeps`` calls in one period."""
+    from sqlalchemy import text
+
     from motir_celery.core.worker import sweeper
     from motir_celery.settings import Settings
     from motir_celery.store.db import dispose_engines, get_engine
@@ -62,16 +59,14 @@ def measure(db: h.Database, state: str, sweeps: int, interval: float, slotted: b
     settings = Settings(database_url=db.url, sweep_interval=interval, republish_after=60.0)
     published: list[Any] = []
     dispose_engines()
-
     with h.connect(h.server_url()) as admin:  # on another database: its reads are not counted
 
         def flushed_xacts() -> int:
             with get_engine(settings=settings).connect() as conn:  # the pool's connection, made before measuring
                 conn.execute(text("SELECT pg_stat_force_next_flush()"))
             time.sleep(0.6)  # flushed at the end of that statement's transaction
-            row = admin.execute("SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = %s",
-                                (db.name,)).fetchone()
-            return int(row[0]) if row else 0
+            return int(admin.execute("SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = %s",
+                                     (db.name,)).fetchone()[0])  # type: ignore[index]
 
         def backends() -> list[int]:
             return [r[0] for r in admin.execute("SELECT pid FROM pg_stat_activity WHERE datname = %s"
@@ -86,20 +81,7 @@ def measure(db: h.Database, state: str, sweeps: int, interval: float, slotted: b
         cpu = h.cpu_ms(c0, h.read_cpu(backends(), tree=False))
         x1 = flushed_xacts() - 1  # less the first flush's own transaction
     dispose_engines()
-    return Row(state, slotted, sweeps, x1 - x0, cpu, wall, len(published), interval)
-
-
-def render(rows: list[Row], *, command: str, started: str) -> str:
-    out = [f"Measured {started} with `{command}` ({os.cpu_count()} cores shared with other work;"
-           f" MOTIR_SWEEP_INTERVAL {rows[0].interval:.0f} s, MOTIR_REPUBLISH_AFTER 60 s, batch 500).", "",
-           "| table state | sweeps | sweep calls per period (= worker hosts) | transactions per period | per second "
-           "| Postgres CPU ms per period | share of one core | wall ms per sweep | runs re-published per period |",
-           "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        out.append(f"| {r.state} | {'one per period (slot)' if r.slotted else 'every host'} | {r.sweeps} | {r.xacts} "
-                   f"| {r.xacts / r.interval:.1f} | {r.cpu_ms:.0f} | {100 * r.cpu_ms / (r.interval * 1000):.2f} % "
-                   f"| {r.wall_ms / r.sweeps:.2f} | {r.republished:,} |")
-    return "\n".join(out)
+    return Row(state, slotted, sweeps, x1 - x0, cpu, wall, len(published))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,12 +90,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval", type=float, default=10.0, help="MOTIR_SWEEP_INTERVAL the rates are per")
     args = parser.parse_args(argv)
     h.need("MOTIR_DATABASE_URL")
-    started, command = h.now(), h.command("bench.sweepers", argv)
-    with h.Database.create(DB) as db:
-        rows = [measure(db, state, int(n), args.interval, slotted)
+    started, command, interval = h.now(), h.command("bench.sweepers", argv), args.interval
+    with h.Database.create("motir_bench_sweepers") as db:
+        rows = [measure(db, state, int(n), interval, slotted)
                 for state in STATES for slotted in (False, True) for n in args.sweeps.split(",")]
-    block = render(rows, command=command, started=started)
-    h.write_block("bench.sweepers", block, write=not args.no_write)
+    h.write_block("bench.sweepers", "\n".join([
+        f"Measured {started} with `{command}` ({os.cpu_count()} cores shared with other work;"
+        f" MOTIR_SWEEP_INTERVAL {interval:.0f} s, MOTIR_REPUBLISH_AFTER 60 s, batch 500).", "",
+        "| table state | sweeps | sweep calls per period (= worker hosts) | transactions per period | per second "
+        "| Postgres CPU ms per period | share of one core | wall ms per sweep | runs re-published per period |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *(f"| {r.state} | {'one per period (slot)' if r.slotted else 'every host'} | {r.sweeps} | {r.xacts} "
+          f"| {r.xacts / interval:.1f} | {r.cpu_ms:.0f} | {100 * r.cpu_ms / (interval * 1000):.2f} % "
+          f"| {r.wall_ms / r.sweeps:.2f} | {r.republished:,} |" for r in rows)]), write=not args.no_write)
     return 0
 
 
