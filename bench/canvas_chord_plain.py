@@ -1,9 +1,5 @@
-"""Celery's own chord for ``bench.canvas_chord``: plain tasks, Celery's defaults, the Redis result backend.
-
-A chord needs a result backend; on Redis Celery joins natively (each header task's return
-INCRs the chord's counter, the last applies the body: no ``chord_unlock`` task). Every
-execution counts itself in a Redis hash (``HINCRBY``), as the durable side's members do.
-"""
+"""Celery's own chord for ``bench.canvas_chord``: plain tasks, Celery's defaults, the Redis result backend
+(a native join: no ``chord_unlock`` task); every execution counts itself in Redis, as ours do."""
 
 from __future__ import annotations
 

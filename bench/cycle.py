@@ -1,15 +1,10 @@
-"""Where a durable run's wall time goes inside a worker: the pool child's cycle.
+"""Where a durable run's wall time goes inside a worker: the pool child's cycle (docs/performance.md).
 
-    python -m bench.cycle --runs 3000 --rounds 3 [--late-acks]
+    python -m bench.cycle [--runs 3000 --rounds 3] [--late-acks]
 
-One worker (prefork x 2) drains a queued backlog. Every attempt's ``job_run`` row holds
-the claim's ``now()`` (``started_at``), the settle's (``finished_at``) and the pool child
-(``worker``), so per child, from the database alone: **exec**, claim to settle of one run
-(the engine's part: three step bodies, two flushed step writes, the settle); **hop**,
-settle of one run to the claim of the next on the same child (the task returning to
-Celery, the ack, the next message, the runner's set-up). Plain Celery's whole cycle per
-child (concurrency / drain rate) is measured in the same rounds, taking turns.
-``--late-acks`` runs both sides with late acknowledgements.
+One worker (prefork x 2) drains a queued backlog; from the attempts' ``job_run`` rows (claim's and
+settle's ``now()``, pool child), per child: exec = claim to settle, hop = settle to the next claim.
+Plain Celery's whole cycle (concurrency / drain rate) in the same rounds, taking turns.
 """
 
 from __future__ import annotations
@@ -39,19 +34,17 @@ def main() -> None:
     h.need("MOTIR_DATABASE_URL", "CELERY_BROKER_URL")
     if args.late_acks:
         os.environ["BENCH_LATE_ACKS"] = "1"  # read by both apps in their workers
-    concurrency = 2
     with h.Database.create("motir_bench_cycle") as db:
         motir = h.Motir(db, app="bench.motir_app" if args.late_acks else "motir_celery")
 
         def durable() -> tuple[float, float, float]:
-            rate = h.drain(motir, args.runs, 1, concurrency).rate
+            rate = h.drain(motir, args.runs, 1, 2).rate
             per_child = db.rows(PER_CHILD)
-            return h.median(r[0] for r in per_child), h.median(r[1] for r in per_child), concurrency / rate
+            return h.median(r[0] for r in per_child), h.median(r[1] for r in per_child), 2 / rate
 
-        rounds = h.interleave({"motir": durable, "plain": lambda: concurrency / h.drain(h.Plain(), args.runs).rate},
-                              args.rounds)
-    acks = "late" if args.late_acks else "early (default)"
-    print(f"pool child cycle, 1 worker x {concurrency}, {acks} acks, {args.runs} runs x {args.rounds} rounds (medians)")
+        rounds = h.interleave({"motir": durable, "plain": lambda: 2 / h.drain(h.Plain(), args.runs).rate}, args.rounds)
+    print(f"pool child cycle, 1 worker x 2, {'late' if args.late_acks else 'early (default)'} acks, "
+          f"{args.runs} runs x {args.rounds} rounds (medians)")
     for label, xs in (("motir: claim -> settle (exec)", [r[0] for r in rounds["motir"]]),
                       ("motir: settle -> next claim (hop)", [r[1] for r in rounds["motir"]]),
                       ("motir: whole cycle (2 / runs per s)", [r[2] for r in rounds["motir"]]),

@@ -1,15 +1,6 @@
-"""The durable jobs of the benches beside the suite's (``bench.workload``), one module for MOTIR_IMPORTS.
-
-* ``fleet.two`` (``bench.fleet``): two steps, each body first inserting ``(run_id, step, attempt,
-  host, pid)`` into ``bench.side_effect`` (``LEDGER_DDL``) on a connection of its own per process,
-  through the same PgBouncer as the engine: "each step executed once" is counted from what ran.
-* ``retention.live`` (``bench.retention``): two trivial steps. With ``$RETENTION_TIMINGS`` set, the
-  round trip of every ``TIMED`` statement, as the worker sees it, is appended to a file of the
-  process's own there (``name wall_end seconds``), by wrapping ``store.driver.rows``.
-* ``bench.flow.plain`` and ``bench.flow.throttled`` (``bench.flowcost``): a plain job, and the same
-  with a throttle that never makes it wait.
-* ``bench.chord.member`` and ``bench.chord.body`` (``bench.canvas_chord``): each execution counted in
-  a Redis hash (``HINCRBY``, outside ``step.run``: a second execution counts twice).
+"""The durable jobs of the benches beside the suite's (``bench.workload``), one module for MOTIR_IMPORTS:
+``fleet.two`` (bench.fleet), ``retention.live`` (bench.retention), ``bench.flow.*`` (bench.flowcost),
+``bench.chord.*`` (bench.canvas_chord).
 """
 
 from __future__ import annotations
@@ -38,6 +29,8 @@ _local = threading.local()
 
 
 def _effect(event: Any, name: str) -> dict[str, str]:
+    """A row of the ledger before the step returns, on a connection of the process's own (through the
+    fleet's PgBouncer): "each step executed once" is counted from what ran, not from what was stored."""
     conn = getattr(_local, "conn", None)
     if conn is None or conn.closed or getattr(_local, "pid", None) != os.getpid():
         # prepare_threshold=None: through a transaction pooler, as the engine's own connections.
@@ -64,6 +57,8 @@ _rows, _out = driver.rows, {}
 
 
 def _timed_rows(conn: Any, statement: Any, params: dict[str, Any]) -> list[dict[str, Any]]:
+    """With $RETENTION_TIMINGS set, each ``TIMED`` statement's round trip, as the worker sees it, is
+    appended to a file of the process's own there (``name wall_end seconds``)."""
     t0 = time.perf_counter()
     try:
         return _rows(conn, statement, params)
@@ -116,7 +111,7 @@ def counter() -> Any:
 
 @define_job("bench.chord.member", retry_policy="transient")
 def member(step: Any, i: int, key: str) -> int:
-    counter().hincrby(key, str(i), 1)
+    counter().hincrby(key, str(i), 1)  # every execution counts: outside step.run on purpose
     return i
 
 

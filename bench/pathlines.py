@@ -1,12 +1,7 @@
-"""How many lines the path from a message to the settle's commit takes to read.
+"""How many lines the path from a message to the settle's commit takes to read: ``python -m bench.pathlines``.
 
-    python -m bench.pathlines
-
-Counts the code lines (not blank, not a comment, not a module docstring or an
-import) of the definitions on that path: the task (``adapter/celery_app.run_job`` and
-``_register``), the runner, the step's run path (``steps.StepRun`` and ``encode_json``),
-the hot statements (``store/sql/worker.py``, the ``Claim`` record) and the driver.
-Issue 16's budget: about 450 lines across at most 5 files.
+The code lines (not blank, a comment, a module docstring or an import) of the definitions on that
+path (``PATH``). Issue 16's budget: about 450 lines across at most 5 files.
 """
 
 from __future__ import annotations
