@@ -1,10 +1,4 @@
-"""The peers' virtualenv: Procrastinate and DBOS, never in the project's dependencies.
-
-``ensure()`` creates ``bench/.peers-venv`` with ``python -m venv`` and pip-installs
-the pinned peers into it (once; a marker file records what was installed).
-``run(module, ...)`` runs one of ``bench.peers.*`` with that interpreter and
-returns the JSON object it prints last.
-"""
+"""The peers' virtualenv, ``bench/.peers-venv``: Procrastinate and DBOS, never in the project's dependencies."""
 
 from __future__ import annotations
 
@@ -17,13 +11,14 @@ from typing import Any
 from bench import harness as h
 
 ROOT = h.ROOT
-
 VENV = ROOT / "bench" / ".peers-venv"
 REQUIREMENTS = ["procrastinate==3.10.0", "dbos==3.4.0", "psycopg[binary]==3.3.9"]
 PYTHON = VENV / "bin" / "python"
 
 
 def ensure(*, quiet: bool = False) -> Path:
+    """The venv's python; made with ``python -m venv`` and the pinned peers pip-installed, once (a
+    marker file records what was installed)."""
     marker = VENV / "bench-requirements.txt"
     wanted = "\n".join(REQUIREMENTS) + "\n"
     if PYTHON.exists() and marker.exists() and marker.read_text() == wanted:
@@ -47,6 +42,7 @@ def versions() -> dict[str, str]:
 
 
 def run(module: str, *args: str, timeout: float = 1800) -> dict[str, Any]:
+    """One of ``bench.peers.*`` run with the venv's python: the JSON object it prints last."""
     proc = subprocess.run([str(PYTHON), "-m", module, *map(str, args)], capture_output=True, text=True,
                           env=h.child_env(), cwd=ROOT, timeout=timeout)
     if proc.returncode != 0:

@@ -1,11 +1,8 @@
 """DBOS Transact running the same three functions as a workflow of three ``@DBOS.step``s.
 
-Run as a worker process: ``python -m bench.peers.dbos_app`` launches DBOS,
-registers queue ``bench`` and dequeues from it until SIGTERM. Tuning comes
-from the environment (the driver sets it): ``BENCH_DBOS_CONCURRENCY`` is the
-queue's ``worker_concurrency`` for this process, ``BENCH_DBOS_POLL`` its
-``polling_interval_sec``; every process gets its own ``executor_id``, which
-DBOS needs to apply a per-worker concurrency.
+A worker process (``python -m bench.peers.dbos_app``, until SIGTERM) on queue ``bench``, tuned by the
+driver's environment: ``BENCH_DBOS_CONCURRENCY`` (its ``worker_concurrency``), ``BENCH_DBOS_POLL`` (its
+``polling_interval_sec``), and an ``executor_id`` of its own, which a per-worker concurrency needs.
 """
 
 from __future__ import annotations
@@ -19,20 +16,7 @@ from dbos import DBOS, DBOSConfig
 
 from bench.functions import charge, notify, reserve
 
-APP = "motirbench"
-VERSION = "bench-1"
-QUEUE = "bench"
-
-
-def config(executor_id: str) -> DBOSConfig:
-    return {
-        "name": APP,
-        "system_database_url": os.environ["BENCH_PEER_URL"],
-        "application_version": VERSION,
-        "executor_id": executor_id,
-        "log_level": "WARNING",
-        "notification_listener_polling_interval_sec": 0.01,
-    }
+APP, VERSION, QUEUE = "motirbench", "bench-1", "bench"
 
 
 @DBOS.step()
@@ -58,7 +42,10 @@ def three(n: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    DBOS(config=config(os.environ.get("BENCH_DBOS_EXECUTOR", "bench-0")))
+    config: DBOSConfig = {"name": APP, "system_database_url": os.environ["BENCH_PEER_URL"], "application_version": VERSION,
+                          "executor_id": os.environ.get("BENCH_DBOS_EXECUTOR", "bench-0"), "log_level": "WARNING",
+                          "notification_listener_polling_interval_sec": 0.01}
+    DBOS(config=config)
     DBOS.launch()
     DBOS.register_queue(
         QUEUE,
