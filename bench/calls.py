@@ -2,16 +2,11 @@
 
     python -m bench.calls [--only delay,batch,adoption,wakeup] [--rounds 3]
 
-* ``delay``: ``job.delay()`` against Celery's ``task.delay()``, per call (``--calls`` per variant in
-  all); ours writes the run (one flushed commit), then publishes; ``apply_async(task_id=)`` and
-  ``await delay_async()`` too.
-* ``batch`` (issue 20): ``send_events`` batches of ``--batch`` against single ``send_event`` calls,
-  events/s (``--events`` a round), every run published to a throwaway queue unless ``--no-publish``.
-* ``adoption`` (issue 26: at most one more statement): a run adopted from a message in Celery's own
-  protocol (``protocol.run_to_execute``, then ``runner.execute``) against a ``.delay()``-made run,
-  and a copy of an adopted message (same task id): the driver's executes and time, per run.
-* ``wakeup``: one round trip to Postgres (``SELECT 1``; a one-row INSERT whose commit waits for the
-  WAL flush), back to back and after 20 ms idle, median of 300.
+``delay``: ``job.delay()`` (and ``apply_async(task_id=)``, ``await delay_async()``) against Celery's
+``task.delay()``, per call. ``batch`` (issue 20): ``send_events`` batches against ``send_event`` calls,
+events/s. ``adoption`` (issue 26: at most one more statement): a run adopted from a Celery-protocol
+message, and a copy of it, against a ``.delay()``-made run: the driver's executes and time per run.
+``wakeup``: a ``SELECT 1`` and a flushed one-row INSERT, back to back and after 20 ms idle.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
-"""The benchmark jobs: what the durable side of every section runs.
-
-``bench.three`` is the workload of the issue: three trivial steps, each
-returning a small dict. The same three functions (``bench.functions``) run as
-a plain Celery task (``bench.plain_app``) and as the peers' tasks, so the
-difference between the sides is the cost of their machinery and nothing else.
-
-``bench.steps`` runs ``data["k"]`` steps and, when ``data["fail_first"]`` is
-set, fails its first attempt after storing them all, so the second attempt is
-``k`` memo hits: the step-cost section measures both paths on one run. With
-``data["sleep"]`` each body first sleeps that long (seconds): bodies longer than
-``steps.MAX_LAG``, whose records are stored one by one.
-
-``fanout_subscribers()`` defines ``FANOUT`` jobs on event ``bench.fanout``: only the
-fan-out section's driver calls it (workers never see these jobs).
+"""The suite's jobs. ``bench.three``: three trivial steps, the functions (``bench.functions``) that plain
+Celery (``bench.plain_app``) and the peers run too, so the sides differ by their machinery alone.
+``bench.steps``: ``data["k"]`` steps (each body first sleeping ``data["sleep"]`` s); with
+``data["fail_first"]`` its first attempt fails after storing them, so the second is k memo hits.
+``fanout_subscribers()``: ``FANOUT`` jobs on ``bench.fanout``, for the fan-out section's driver only.
 """
 
 from __future__ import annotations
