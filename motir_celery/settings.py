@@ -59,7 +59,7 @@ class Settings:
     prepared_statements: bool = True
     #: MOTIR_PREPARED_STATEMENTS is unset: find a transaction pooler rather than be told.
     detect_pooler: bool = True
-    #: The claim's commit does not wait for the WAL flush (store/statements.py, CLAIM).
+    #: The claim's commit does not wait for the WAL flush (store/sql/worker.py, CLAIM).
     claim_async_commit: bool = True
     #: A succeeded run's settle does not wait for the WAL flush (store/sql/worker.py, SETTLE_SUCCEEDED).
     settle_async_commit: bool = True

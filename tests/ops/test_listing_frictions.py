@@ -151,10 +151,6 @@ def test_the_run_page_numbers_a_resumed_runs_attempts_in_order(env, engine) -> N
     assert page_attempts(run_id) == [("1", "failed"), ("2 (1 after a resume)", "succeeded")]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "reads.RUN_ATTEMPTS orders a run's ledger by its attempt number, which a resume restarts at 1: "
-    "the resumed attempts are listed among the first run's (1, 1, 2, 2) and numbered in that order, "
-    "not in the order they ran; ORDER BY started_at (ix_job_run_ledger) would list them in order"))
 def test_runs_show_and_the_run_page_list_a_resumed_runs_retries_in_the_order_they_ran(env, engine) -> None:  # type: ignore[no-untyped-def]
     run_id = resumed_after_retries(engine)
     in_order = [("1", "retrying"), ("2", "failed"), ("3 (1 after a resume)", "retrying"),

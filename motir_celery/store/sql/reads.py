@@ -135,7 +135,7 @@ RUN_ATTEMPTS = Statement(
     """
     SELECT attempt, worker, outcome, started_at, finished_at, error FROM job_run
     WHERE run_id = %(id)s
-    ORDER BY attempt
+    ORDER BY started_at, id   -- in the order they ran (ix_job_run_ledger): a resume restarts the numbers at 1
     """,
 )
 
