@@ -255,9 +255,13 @@ canvas_worker.use_route(_member_route)
 
 
 def __getattr__(name: str) -> Any:
-    # `celery -A motir_celery` looks up `motir_celery.app`: built on first access only.
+    # `celery -A motir_celery` looks up `motir_celery.app`: built on first access only, and made
+    # Celery's current app, as an app defined in a project's celery.py is: Flower (and any code
+    # that reads `celery.current_app`, `AsyncResult(id)` without app=) then reads the runs table.
     if name in ("app", "celery"):
         from motir_celery.adapter.celery_app import default_app
 
-        return default_app()
+        app = default_app()
+        app.set_current()
+        return app
     raise AttributeError(f"module 'motir_celery' has no attribute {name!r}")
