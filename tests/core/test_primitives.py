@@ -1,5 +1,12 @@
-"""Durable primitives on real workers: sleep, send_event, wait_for_event, cancel_on,
-concurrency keys, singleton, priority, rate-limit deferral, tracing."""
+"""Durable primitives: sleep, send_event, wait_for_event, cancel_on, concurrency keys, singleton,
+priority, rate-limit deferral, tracing.
+
+Their semantics run in this process on the test kit (``motir``: the real claim, step, settle and
+sweeper statements against Postgres; ``advance`` skips time), with threads as concurrent workers
+where concurrency is the subject (tests/fixtures/kit_workers.py). Real ``celery worker`` processes
+stay for what only a process shows: a sleeping run gives its worker process back to other runs,
+and a sleeping run survives every process being killed.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ import sys
 import threading
 import time
 import uuid
+from typing import Any
 
 import pytest
 from sqlalchemy import text
@@ -23,7 +31,9 @@ from motir_celery.core.worker import runner
 from motir_celery.errors import JobDefinitionError
 from motir_celery.store import records
 from motir_celery.store.sql import worker as worker_sql
+from motir_celery.testing import Motir
 from tests.conftest import ROOT, celery_worker, count_effects, run_state, wait_for
+from tests.fixtures.kit_workers import effects, run_concurrently
 
 
 def _final(engine, run_id, timeout=60.0):  # type: ignore[no-untyped-def]
@@ -41,10 +51,30 @@ def _suspended(engine, run_id) -> bool:  # type: ignore[no-untyped-def]
     return "suspended" in _ledger(engine, run_id) and run_state(engine, run_id) == "queued"
 
 
+@pytest.fixture
+def kit(motir: Motir) -> Motir:
+    """The test kit, with the side-effect ledger of tests/fixtures/jobs.py in its database, empty."""
+    effects(motir)
+    return motir
+
+
+def _drain_until_settled(kit: Motir, run_id: Any, *, step: float = 1.0, rounds: int = 10) -> str:
+    """Drain; while the run is still queued (a backoff, a deferral, a sleep), skip ``step`` seconds
+    and drain again, ``rounds`` times at most. The run's final state."""
+    for _ in range(rounds):
+        kit.drain()
+        state = run_state(kit.engine, run_id)
+        if state in ("succeeded", "failed", "cancelled"):
+            return state
+        kit.advance(seconds=step)
+    raise AssertionError(f"run {run_id} still {run_state(kit.engine, run_id)} after {rounds} rounds")
+
+
 # --- step.sleep -------------------------------------------------------------------
 
 
 def test_sleep_gives_the_worker_back_and_resumes_from_memoized_steps(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
+    # On a real worker: the subject is the worker process, free for other runs while one sleeps.
     with celery_worker(tmp_path, broker=broker_url, sweep_interval=0.3):
         (run_id,) = send_event("test.sleep", {"sleep": 3}).run_ids
         wait_for(lambda: _suspended(engine, run_id), what="the run to suspend")
@@ -65,19 +95,20 @@ def test_sleep_gives_the_worker_back_and_resumes_from_memoized_steps(engine, bro
         assert conn.execute(text("SELECT attempts FROM job_queue WHERE id = :r"), {"r": run_id}).scalar() == 1
 
 
-def test_an_hour_long_sleep_holds_no_worker_and_no_countdown(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
-    with celery_worker(tmp_path, broker=broker_url, concurrency=1):
-        (run_id,) = send_event("test.sleep", {"sleep": 3600}).run_ids
-        wait_for(lambda: _suspended(engine, run_id), what="the run to suspend")
-        (other,) = send_event("test.three", {}).run_ids  # the only process is free
-        assert _final(engine, other) == "succeeded"
-    with engine.connect() as conn:
+def test_an_hour_long_sleep_holds_no_worker_and_no_countdown(kit: Motir) -> None:
+    (run_id,) = kit.send_event("test.sleep", {"sleep": 3600}).run_ids
+    # One executor, this thread: the attempt ends at the sleep (a sleep that held it would hold the drain).
+    assert [o.state for r, o in kit.drain() if r == run_id] == ["suspended"]
+    (other,) = kit.send_event("test.three", {}).run_ids  # the only executor is free
+    assert [(r, o.state) for r, o in kit.drain()] == [(other, "succeeded")]
+    with kit.engine.connect() as conn:
         row = conn.execute(text("SELECT state, extract(epoch FROM run_at - now()) AS wait, claim_token "
                                 "FROM job_queue WHERE id = :r"), {"r": run_id}).one()
     assert row.state == "queued" and row.claim_token is None and 3500 < row.wait <= 3600
 
 
 def test_a_sleeping_run_survives_every_process_being_killed(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
+    # On real workers: the subject is a SIGKILLed process, and a new one's sweeper.
     with celery_worker(tmp_path, broker=broker_url, name="first") as first:
         (run_id,) = send_event("test.sleep", {"sleep": 4}).run_ids
         wait_for(lambda: _suspended(engine, run_id), what="the run to suspend")
@@ -101,14 +132,13 @@ def test_a_sleeping_run_survives_every_process_being_killed(engine, broker_url, 
 # --- step.send_event --------------------------------------------------------------
 
 
-def test_step_send_event_emits_exactly_one_event_across_retries(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
-    with celery_worker(tmp_path, broker=broker_url):
-        (run_id,) = send_event("test.emit", {}).run_ids
-        assert _final(engine, run_id) == "succeeded"
-    with engine.connect() as conn:
+def test_step_send_event_emits_exactly_one_event_across_retries(kit: Motir) -> None:
+    (run_id,) = kit.send_event("test.emit", {}).run_ids
+    assert _drain_until_settled(kit, run_id) == "succeeded"
+    with kit.engine.connect() as conn:
         emitted = conn.execute(text("SELECT idempotency_key FROM job_event WHERE name = 'test.emitted'")).all()
     assert len(emitted) == 1 and emitted[0].idempotency_key == f"motir.step:{run_id}:notify"
-    assert _ledger(engine, run_id) == ["retrying", "succeeded"]
+    assert _ledger(kit.engine, run_id) == ["retrying", "succeeded"]
 
 
 def test_a_step_event_sent_again_by_a_body_that_reran_is_deduplicated(engine):  # type: ignore[no-untyped-def]
@@ -121,20 +151,20 @@ def test_a_step_event_sent_again_by_a_body_that_reran_is_deduplicated(engine):  
 # --- step.wait_for_event ----------------------------------------------------------
 
 
-def test_wait_for_event_resumes_with_the_matching_event(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
-    with celery_worker(tmp_path, broker=broker_url):
-        (run_id,) = send_event("test.order", {"order_id": 7}).run_ids
-        wait_for(lambda: _suspended(engine, run_id), what="the run to wait")
-        send_event("test.paid", {"order_id": 8, "amount": 1})   # another order: no match
-        time.sleep(0.5)
-        assert run_state(engine, run_id) == "queued"
-        sent = send_event("test.paid", {"order_id": 7, "amount": 42})
-        assert [r.run_id for r in sent.woken] == [run_id]
-        assert _final(engine, run_id) == "succeeded"
-    with engine.connect() as conn:
+def test_wait_for_event_resumes_with_the_matching_event(kit: Motir) -> None:
+    (run_id,) = kit.send_event("test.order", {"order_id": 7}).run_ids
+    kit.drain()
+    assert _suspended(kit.engine, run_id)
+    kit.send_event("test.paid", {"order_id": 8, "amount": 1})   # another order: no match
+    assert kit.drain() == [] and run_state(kit.engine, run_id) == "queued"
+    sent = kit.send_event("test.paid", {"order_id": 7, "amount": 42})
+    assert [r.run_id for r in sent.woken] == [run_id]
+    kit.drain()
+    assert run_state(kit.engine, run_id) == "succeeded"
+    with kit.engine.connect() as conn:
         result = conn.execute(text("SELECT result FROM job_queue WHERE id = :r"), {"r": run_id}).scalar()
     assert result["data"] == {"order_id": 7, "amount": 42} and result["id"] == str(sent.event_id)
-    assert count_effects(engine, run_id, "placed") == 1
+    assert count_effects(kit.engine, run_id, "placed") == 1
 
 
 def test_only_a_newly_recorded_event_wakes_its_waiters_not_a_deduplicated_resend(engine):  # type: ignore[no-untyped-def]
@@ -155,39 +185,46 @@ def test_only_a_newly_recorded_event_wakes_its_waiters_not_a_deduplicated_resend
     assert [r.run_id for r in fresh.woken] == [waiter] and due()
 
 
-def test_wait_for_event_returns_none_after_its_timeout(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
-    with celery_worker(tmp_path, broker=broker_url, sweep_interval=0.3):
-        (run_id,) = send_event("test.order", {"order_id": 9, "timeout": 2}).run_ids
-        assert _final(engine, run_id) == "succeeded"
-    with engine.connect() as conn:
+def test_wait_for_event_returns_none_after_its_timeout(kit: Motir) -> None:
+    (run_id,) = kit.send_event("test.order", {"order_id": 9, "timeout": 2}).run_ids
+    kit.drain()
+    kit.advance(seconds=1)
+    assert kit.drain() == [] and run_state(kit.engine, run_id) == "queued"  # not yet
+    kit.advance(seconds=1)
+    kit.drain()
+    assert run_state(kit.engine, run_id) == "succeeded"
+    with kit.engine.connect() as conn:
         assert conn.execute(text("SELECT result FROM job_queue WHERE id = :r"), {"r": run_id}).scalar() is None
-    assert count_effects(engine, run_id, "done") == 1
+    assert count_effects(kit.engine, run_id, "done") == 1
 
 
-def test_wait_for_event_under_an_event_storm_loses_no_match(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
+def test_wait_for_event_under_an_event_storm_loses_no_match(kit: Motir) -> None:
     """Each payment is sent the moment its run has decided to wait (its wait's start is
     stored), so it races the look-back and the recording of the wait; unrelated
-    payments hammer the same event name meanwhile. Every run must resume with its own."""
+    payments hammer the same event name meanwhile. Every run must resume with its own.
+    Three threads run the runs concurrently, as three worker processes would."""
     n = 24
     orders = [f"storm-{i}" for i in range(n)]
-    with celery_worker(tmp_path, broker=broker_url, concurrency=3, sweep_interval=0.5):
-        runs = {o: send_event("test.order", {"order_id": o, "timeout": 120}).run_ids[0] for o in orders}
+    engine = kit.engine
+    runs = {o: kit.send_event("test.order", {"order_id": o, "timeout": 120}).run_ids[0] for o in orders}
+
+    def decided_to_wait(run_id: uuid.UUID) -> bool:
+        with engine.connect() as conn:
+            return conn.execute(text("SELECT 1 FROM job_step WHERE run_id = :r AND step_id = 'paid:wait'"),
+                                {"r": run_id}).scalar() is not None
+
+    def pay(order_ids: list[str]) -> None:
+        for o in order_ids:
+            wait_for(lambda: decided_to_wait(runs[o]), timeout=60, interval=0.005, what=f"{o} to wait")
+            time.sleep(random.uniform(0, 0.01))
+            kit.send_event("test.paid", {"order_id": o})
+
+    def storm() -> None:
         noise_stop = threading.Event()
-
-        def decided_to_wait(run_id: uuid.UUID) -> bool:
-            with engine.connect() as conn:
-                return conn.execute(text("SELECT 1 FROM job_step WHERE run_id = :r AND step_id = 'paid:wait'"),
-                                    {"r": run_id}).scalar() is not None
-
-        def pay(order_ids: list[str]) -> None:
-            for o in order_ids:
-                wait_for(lambda: decided_to_wait(runs[o]), timeout=60, interval=0.005, what=f"{o} to wait")
-                time.sleep(random.uniform(0, 0.01))
-                send_event("test.paid", {"order_id": o})
 
         def noise() -> None:  # unrelated payments hammering the same event name
             while not noise_stop.is_set():
-                send_event("test.paid", {"order_id": f"noise-{uuid.uuid4().hex[:6]}"})
+                kit.send_event("test.paid", {"order_id": f"noise-{uuid.uuid4().hex[:6]}"})
 
         payers = [threading.Thread(target=pay, args=(orders[i::3],)) for i in range(3)]
         noisy = [threading.Thread(target=noise) for _ in range(2)]
@@ -198,8 +235,15 @@ def test_wait_for_event_under_an_event_storm_loses_no_match(engine, broker_url, 
         noise_stop.set()
         for t in noisy:
             t.join()
-        for o, run_id in runs.items():
-            assert _final(engine, run_id, timeout=90) == "succeeded"
+
+    def all_finished() -> bool:
+        with engine.connect() as conn:
+            return conn.execute(text("SELECT count(*) FROM job_queue WHERE job_id = 'test.waiter' "
+                                     "AND state IN ('succeeded', 'failed', 'cancelled')")).scalar() == n
+
+    run_concurrently(kit, 3, all_finished, timeout=90, beside=storm)
+    for o, run_id in runs.items():
+        assert run_state(engine, run_id) == "succeeded", o
     with engine.connect() as conn:
         results = dict(conn.execute(text("SELECT id, result FROM job_queue WHERE job_id = 'test.waiter'")).all())
     assert all(results[run_id] is not None and results[run_id]["data"]["order_id"] == o
@@ -209,16 +253,19 @@ def test_wait_for_event_under_an_event_storm_loses_no_match(engine, broker_url, 
 # --- cancel_on --------------------------------------------------------------------
 
 
-def test_cancel_on_event_cancels_the_matching_run_only(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
-    with celery_worker(tmp_path, broker=broker_url):
-        (target,) = send_event("test.order.placed", {"order_id": "o-1"}).run_ids
-        (bystander,) = send_event("test.order.placed", {"order_id": "o-2"}).run_ids
-        wait_for(lambda: _suspended(engine, target) and _suspended(engine, bystander), what="both to sleep")
-        result = send_event("test.order.cancelled", {"order_id": "o-1"})
-        assert result.cancelled == [target]
-    assert run_state(engine, target) == "cancelled"
-    assert run_state(engine, bystander) == "queued"
-    assert count_effects(engine, target, "b") == 0
+def test_cancel_on_event_cancels_the_matching_run_only(kit: Motir) -> None:
+    (target,) = kit.send_event("test.order.placed", {"order_id": "o-1"}).run_ids
+    (bystander,) = kit.send_event("test.order.placed", {"order_id": "o-2"}).run_ids
+    kit.drain()
+    assert _suspended(kit.engine, target) and _suspended(kit.engine, bystander)  # both sleep
+    result = kit.send_event("test.order.cancelled", {"order_id": "o-1"})
+    assert result.cancelled == [target]
+    assert run_state(kit.engine, target) == "cancelled"
+    assert run_state(kit.engine, bystander) == "queued"
+    kit.advance(seconds=30)  # both sleeps are over: the bystander wakes and finishes, the target never does
+    kit.drain()
+    assert run_state(kit.engine, target) == "cancelled" and run_state(kit.engine, bystander) == "succeeded"
+    assert count_effects(kit.engine, target, "b") == 0 and count_effects(kit.engine, bystander, "b") == 1
 
 
 def test_cancel_on_stops_a_running_run_at_its_next_step_boundary(engine):  # type: ignore[no-untyped-def]
@@ -276,17 +323,22 @@ def _peak_overlap(engine, step: str) -> int:  # type: ignore[no-untyped-def]
     return peak
 
 
-def test_concurrency_key_limit_2_holds_across_4_workers(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
-    from contextlib import ExitStack
+def test_concurrency_key_limit_2_holds_across_8_concurrent_workers(kit: Motir) -> None:
+    # Eight threads take and run due runs at once (as 4 workers x 2 processes did): every claim
+    # of a run over its key's limit is refused, and taken again until a slot is free.
+    engine = kit.engine
+    runs = [kit.send_event("test.limited", {"tenant": "acme", "sleep": 0.4}).run_ids[0] for _ in range(20)]
+    (other,) = kit.send_event("test.limited", {"tenant": "globex", "sleep": 0.4}).run_ids
 
-    with ExitStack() as stack:
-        for i in range(4):
-            stack.enter_context(celery_worker(tmp_path, broker=broker_url, name=f"c{i}", concurrency=2,
-                                              sweep_interval=0.5))
-        runs = [send_event("test.limited", {"tenant": "acme", "sleep": 0.4}).run_ids[0] for _ in range(20)]
-        (other,) = send_event("test.limited", {"tenant": "globex", "sleep": 0.4}).run_ids
-        for run_id in runs + [other]:
-            assert _final(engine, run_id, timeout=120) == "succeeded"
+    def all_finished() -> bool:
+        with engine.connect() as conn:
+            return conn.execute(text("SELECT count(*) FROM job_queue WHERE state IN ('succeeded', 'failed', "
+                                     "'cancelled')")).scalar() == 21
+
+    done = run_concurrently(kit, 8, all_finished, timeout=120)
+    for run_id in runs + [other]:
+        assert run_state(engine, run_id) == "succeeded"
+    assert any(o.state == "skipped" for _, _, o in done)  # the limit did refuse claims
     peak = _peak_overlap(engine, "work")
     # Measured from the bodies' own start/end instants: acme (limit 2) plus globex (its own key).
     with engine.connect() as conn:
@@ -299,7 +351,7 @@ def test_concurrency_key_limit_2_holds_across_4_workers(engine, broker_url, tmp_
     with engine.begin() as conn:
         conn.execute(text("DELETE FROM test.side_effect WHERE run_id = :r"), {"r": str(other)})
     acme_peak = _peak_overlap(engine, "work")
-    print(f"\npeak concurrent executions of one key with limit 2 (20 runs, 4 workers x 2): {acme_peak}")
+    print(f"\npeak concurrent executions of one key with limit 2 (20 runs, 8 concurrent workers): {acme_peak}")
     assert 1 <= acme_peak <= 2
 
 
@@ -356,14 +408,13 @@ def test_priority_decides_which_waiting_run_gets_a_freed_concurrency_slot(engine
 # --- rate-limit deferral -------------------------------------------------------------
 
 
-def test_rate_limited_defers_without_charging_an_attempt(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
-    with celery_worker(tmp_path, broker=broker_url):
-        (run_id,) = send_event("test.throttled", {}).run_ids  # max_attempts=1: a charged deferral would fail it
-        assert _final(engine, run_id) == "succeeded"
-    with engine.connect() as conn:
+def test_rate_limited_defers_without_charging_an_attempt(kit: Motir) -> None:
+    (run_id,) = kit.send_event("test.throttled", {}).run_ids  # max_attempts=1: a charged deferral would fail it
+    assert _drain_until_settled(kit, run_id, step=0.2) == "succeeded"
+    with kit.engine.connect() as conn:
         row = conn.execute(text("SELECT attempts, deferrals FROM job_queue WHERE id = :r"), {"r": run_id}).one()
     assert (row.attempts, row.deferrals) == (1, 2)
-    assert _ledger(engine, run_id) == ["deferred", "deferred", "succeeded"]
+    assert _ledger(kit.engine, run_id) == ["deferred", "deferred", "succeeded"]
 
 
 # --- tracing ---------------------------------------------------------------------
@@ -437,25 +488,53 @@ print(sorted(s.name for s in exporter.get_finished_spans()))
     assert done.stdout.splitlines()[-1] == "['checkout', 'motir.run j', 'motir.step s']"
 
 
-def test_singleton_on_a_real_worker_refuses_a_second_run_until_the_first_settles(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
-    with celery_worker(tmp_path, broker=broker_url):
-        (first,) = send_event("test.singleton", {"customer": "w1", "sleep": 1.5}).run_ids
+def test_singleton_refuses_a_second_run_while_the_first_runs_until_it_settles(kit: Motir) -> None:
+    engine = kit.engine
+    (first,) = kit.send_event("test.singleton", {"customer": "w1", "sleep": 1.5}).run_ids
+    # The first run, in a thread of its own (a worker), is running while the second is sent.
+    holder = threading.Thread(target=kit.drain)
+    holder.start()
+    try:
         wait_for(lambda: run_state(engine, first) == "running", what="the first run to start")
-        refused = send_event("test.singleton", {"customer": "w1"})
+        refused = kit.send_event("test.singleton", {"customer": "w1"})
         assert refused.run_ids == [] and isinstance(refused.runs[0], records.AlreadyQueued)
-        assert _final(engine, first) == "succeeded"
-        (later,) = send_event("test.singleton", {"customer": "w1"}).run_ids  # the key is free again
-        assert _final(engine, later) == "succeeded"
+    finally:
+        holder.join(timeout=60)
+    assert run_state(engine, first) == "succeeded"
+    (later,) = kit.send_event("test.singleton", {"customer": "w1"}).run_ids  # the key is free again
+    kit.drain()
+    assert run_state(engine, later) == "succeeded"
 
 
-def test_priority_on_a_real_worker_runs_the_most_urgent_waiting_run_first(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
-    with celery_worker(tmp_path, broker=broker_url, concurrency=2):
-        (blocker,) = send_event("test.prio-worker", {"label": "blocker", "sleep": 2}).run_ids
+def test_priority_runs_the_most_urgent_waiting_run_first_when_the_slot_frees(kit: Motir) -> None:
+    """As on a worker, messages arrive in the order they were sent (a FIFO queue here), and a
+    message whose claim the one slot refuses is dropped: the run that frees the slot publishes the
+    next in line (``next_in_line``), so its choice alone decides the order (the kit's ``drain``,
+    which takes due runs by priority, is not used)."""
+    engine, queue = kit.engine, []
+
+    def deliver(run_id: Any) -> str:  # a worker process taking one message
+        return runner.execute(run_id, job_id="test.prio-worker", worker="w", publish=queue_put,
+                              settings=kit.settings).state
+
+    def queue_put(run_id: Any, job_id: str, countdown: float = 0.0) -> None:
+        queue.append(run_id)
+
+    (blocker,) = kit.send_event("test.prio-worker", {"label": "blocker", "sleep": 1.5}).run_ids
+    holder = threading.Thread(target=deliver, args=(blocker,))  # the blocker holds the only slot
+    holder.start()
+    try:
         wait_for(lambda: run_state(engine, blocker) == "running", what="the blocker to hold the only slot")
-        runs = {label: send_event("test.prio-worker", {"label": label}, priority=p).run_ids[0]
+        runs = {label: kit.send_event("test.prio-worker", {"label": label}, priority=p).run_ids[0]
                 for label, p in (("low", 1), ("high", 9), ("mid", 5))}
-        for run_id in [blocker, *runs.values()]:
-            assert _final(engine, run_id) == "succeeded"
+        # their messages, in the order sent, reach the other worker process: no slot, dropped
+        assert [deliver(runs[label]) for label in ("low", "high", "mid")] == ["skipped"] * 3
+    finally:
+        holder.join(timeout=60)
+    while queue:  # the messages the freed slots publish, in order
+        assert deliver(queue.pop(0)) == "succeeded"
+    for run_id in [blocker, *runs.values()]:
+        assert run_state(engine, run_id) == "succeeded"
     with engine.connect() as conn:
         order = list(conn.execute(text("SELECT step FROM test.side_effect WHERE step LIKE :p ORDER BY at"),
                                   {"p": "prio-%:start"}).scalars())
