@@ -1,21 +1,28 @@
-"""step.invoke / step.gather on real workers (issue 20): child runs awaited durably."""
+"""step.invoke / step.gather (issue 20): child runs awaited durably.
+
+In this process on the test kit (``motir``: the real claim, step and settle statements against
+Postgres, ``advance`` for the timeouts); the fan-out across two workers runs on two threads that
+take and run due runs concurrently (tests/fixtures/kit_workers.py). No test here needs a worker
+process: the worker's own side of composition is tests/adapter's.
+"""
 
 from __future__ import annotations
 
+import pytest
 from sqlalchemy import text
 
 import tests.fixtures.compose_jobs  # noqa: F401
-from motir_celery import cancel_run, send_event
-from motir_celery.adapter.celery_app import create_app
-from motir_celery.settings import Settings
-from tests.conftest import celery_worker, count_effects, run_state, wait_for
-
-IMPORTS = {"MOTIR_IMPORTS": "tests.fixtures.jobs,tests.fixtures.compose_jobs"}
+from motir_celery import cancel_run
+from motir_celery.testing import Motir
+from tests.conftest import count_effects, run_state
+from tests.fixtures.kit_workers import effects, run_concurrently
 
 
-def _final(engine, run_id, timeout=60.0):  # type: ignore[no-untyped-def]
-    return wait_for(lambda: (s := run_state(engine, run_id)) in ("succeeded", "failed", "cancelled") and s,
-                    timeout=timeout, what=f"run {run_id} to finish")
+@pytest.fixture
+def kit(motir: Motir) -> Motir:
+    """The test kit, with the side-effect ledger of tests/fixtures/jobs.py in its database, empty."""
+    effects(motir)
+    return motir
 
 
 def _children(engine, parent):  # type: ignore[no-untyped-def]
@@ -36,19 +43,27 @@ def _result(engine, run_id):  # type: ignore[no-untyped-def]
         return conn.execute(text("SELECT result FROM job_queue WHERE id = :r"), {"r": run_id}).scalar()
 
 
-def test_invoke_awaits_one_child_and_raises_its_failure_into_the_parent(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
-    app = create_app(Settings.from_env())
-    with celery_worker(tmp_path, broker=broker_url, env=IMPORTS):
-        ok = send_event("cb.parent", {"n": 21, "workspace_id": "acme"}, app=app).run_ids[0]
-        bad = send_event("cb.parent", {"n": 3, "fail": True, "workspace_id": "acme"}, app=app).run_ids[0]
-        assert _final(engine, ok) == "succeeded"
-        assert _final(engine, bad) == "succeeded"  # the handler caught ChildFailed
+def _settle_all(kit: Motir, *, step: float = 1.0, rounds: int = 5) -> None:
+    """Drain, skipping ``step`` seconds between rounds (retries' backoff), until a round runs nothing."""
+    for _ in range(rounds):
+        kit.drain()
+        kit.advance(seconds=step)
+    assert kit.drain() == []
+
+
+def test_invoke_awaits_one_child_and_raises_its_failure_into_the_parent(kit: Motir) -> None:
+    engine = kit.engine
+    ok = kit.send_event("cb.parent", {"n": 21, "workspace_id": "acme"}).run_ids[0]
+    bad = kit.send_event("cb.parent", {"n": 3, "fail": True, "workspace_id": "acme"}).run_ids[0]
+    kit.drain()
+    assert run_state(engine, ok) == "succeeded"
+    assert run_state(engine, bad) == "succeeded"  # the handler caught ChildFailed
     assert _result(engine, ok) == {"child": 42}
     assert _result(engine, bad) == {"failed": "child 3 refused", "state": "failed"}
     (child,) = _children(engine, ok)
     assert (child.parent_step_id, child.state, child.workspace_id, child.result) == ("child", "succeeded", "acme", 42)
     assert child.event_name == "motir.invoke:cb.child"
-    # The parent gave its worker back while the child ran, and resumed once.
+    # The parent gave its executor back while the child ran, and resumed once.
     assert _ledger(engine, ok) == ["suspended", "succeeded"]
     assert count_effects(engine, ok, "before") == 1 and count_effects(engine, ok, "after") == 1
     assert count_effects(engine, child.id, "work") == 1
@@ -56,33 +71,37 @@ def test_invoke_awaits_one_child_and_raises_its_failure_into_the_parent(engine, 
     assert failed_child.state == "failed"
 
 
-def test_cancelling_the_parent_cancels_its_child_and_a_timeout_cancels_it_too(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
-    app = create_app(Settings.from_env())
-    with celery_worker(tmp_path, broker=broker_url, env=IMPORTS):
-        parent = send_event("cb.parent", {"n": 1, "sleepy": True}, app=app).run_ids[0]
-        timed = send_event("cb.parent", {"n": 2, "sleepy": True, "timeout": 1.5}, app=app).run_ids[0]
-        detached = send_event("cb.parent", {"n": 3, "sleepy": True, "detach": True}, app=app).run_ids[0]
-        for run_id in (parent, detached):
-            wait_for(lambda r=run_id: [c.state for c in _children(engine, r)] == ["queued"]
-                     and _ledger(engine, r) == ["suspended"], timeout=60,
-                     what="the parent to wait for its sleeping child")
-        assert cancel_run(parent) and cancel_run(detached)
-        assert [c.state for c in _children(engine, parent)] == ["cancelled"]
-        assert [c.state for c in _children(engine, detached)] == ["queued"]  # detach=True: it runs on
-        assert _final(engine, timed, timeout=60) == "succeeded"
-        assert cancel_run(_children(engine, detached)[0].id)
+def test_cancelling_the_parent_cancels_its_child_and_a_timeout_cancels_it_too(kit: Motir) -> None:
+    engine = kit.engine
+    parent = kit.send_event("cb.parent", {"n": 1, "sleepy": True}).run_ids[0]
+    timed = kit.send_event("cb.parent", {"n": 2, "sleepy": True, "timeout": 1.5}).run_ids[0]
+    detached = kit.send_event("cb.parent", {"n": 3, "sleepy": True, "detach": True}).run_ids[0]
+    kit.drain()
+    for run_id in (parent, detached):  # each parent waits for its sleeping child
+        assert [c.state for c in _children(engine, run_id)] == ["queued"] and _ledger(engine, run_id) == ["suspended"]
+    assert cancel_run(parent) and cancel_run(detached)
+    assert [c.state for c in _children(engine, parent)] == ["cancelled"]
+    assert [c.state for c in _children(engine, detached)] == ["queued"]  # detach=True: it runs on
+    kit.advance(seconds=0.5)
+    kit.drain()
+    assert run_state(engine, timed) == "queued"  # its timeout is not over yet
+    kit.advance(seconds=1)
+    kit.drain()
+    assert run_state(engine, timed) == "succeeded"
+    assert cancel_run(_children(engine, detached)[0].id)
     assert run_state(engine, parent) == "cancelled"
     assert _result(engine, timed)["state"] == "cancelled"
     assert "did not settle within the timeout" in _result(engine, timed)["failed"]
     assert [c.state for c in _children(engine, timed)] == ["cancelled"]
 
 
-def test_a_fan_out_of_50_on_two_workers_runs_each_child_once_and_resumes_the_parent_once(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
-    app = create_app(Settings.from_env())
-    with celery_worker(tmp_path, broker=broker_url, env=IMPORTS, name="w1", concurrency=1), \
-            celery_worker(tmp_path, broker=broker_url, env=IMPORTS, name="w2", concurrency=1):
-        parent = send_event("cb.fan", {"n": 50, "fail": [7], "workspace_id": "acme"}, app=app).run_ids[0]
-        assert _final(engine, parent, timeout=150) == "succeeded"
+def test_a_fan_out_of_50_on_two_workers_runs_each_child_once_and_resumes_the_parent_once(kit: Motir) -> None:
+    engine = kit.engine
+    parent = kit.send_event("cb.fan", {"n": 50, "fail": [7], "workspace_id": "acme"}).run_ids[0]
+    # Two threads take and run due runs concurrently, as two worker processes of one process each.
+    run_concurrently(kit, 2, lambda: run_state(engine, parent) in ("succeeded", "failed", "cancelled"),
+                     timeout=150, name="w")
+    assert run_state(engine, parent) == "succeeded"
     kids = _children(engine, parent)
     assert len(kids) == 50 and {k.parent_step_id for k in kids} == {f"kids[{i}]" for i in range(50)}
     assert sorted(k.state for k in kids).count("succeeded") == 49
@@ -105,81 +124,83 @@ from tests.fixtures.browser import ALICE, new_context, shoot  # noqa: E402
 
 
 def test_the_dashboard_shows_parents_children_events_and_resumes_in_a_browser(
-        browser, dashboard, engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]  # noqa: F811
+        kit, browser, dashboard, engine, tmp_path):  # type: ignore[no-untyped-def]  # noqa: F811
+    # The runs are made by the kit (requested before the dashboard, so the dashboard's replays and
+    # resumes are held by it too); kit and dashboard share the session's database.
     from playwright.sync_api import expect
 
-    app = create_app(Settings.from_env())
-    with celery_worker(tmp_path, broker=broker_url, env=IMPORTS):
-        fan = send_event("cb.fan", {"n": 3, "workspace_id": "ws-a"}, app=app).run_ids[0]
-        single = send_event("cb.parent", {"n": 4, "workspace_id": "ws-a"}, app=app).run_ids[0]
-        order = send_event("cb.order.paid", {"order": "K", "workspace_id": "ws-a"}, idempotency_key="ws-a:order-K",
-                           app=app).run_ids[0]
-        waiting = send_event("cb.parent", {"n": 5, "sleepy": True, "workspace_id": "ws-a"}, app=app).run_ids[0]
-        for run_id in (fan, single):
-            assert _final(engine, run_id) == "succeeded"
-        assert _final(engine, order) == "failed"
-        wait_for(lambda: _ledger(engine, waiting) == ["suspended"], timeout=60,
-                 what="the parent waiting for its child")
+    assert kit.engine.url == engine.url
+    fan = kit.send_event("cb.fan", {"n": 3, "workspace_id": "ws-a"}).run_ids[0]
+    single = kit.send_event("cb.parent", {"n": 4, "workspace_id": "ws-a"}).run_ids[0]
+    order = kit.send_event("cb.order.paid", {"order": "K", "workspace_id": "ws-a"},
+                           idempotency_key="ws-a:order-K").run_ids[0]
+    waiting = kit.send_event("cb.parent", {"n": 5, "sleepy": True, "workspace_id": "ws-a"}).run_ids[0]
+    _settle_all(kit, step=0.5, rounds=3)  # the order's charge fails twice: its retry's backoff skipped
+    for run_id in (fan, single):
+        assert run_state(engine, run_id) == "succeeded"
+    assert run_state(engine, order) == "failed"
+    assert _ledger(engine, waiting) == ["suspended"]  # the parent waiting for its child
 
-        context = new_context(browser, ALICE)
-        page = context.new_page()
-        # A run page lists its children with their states; a child links its parent.
-        page.goto(f"{dashboard}/runs/{fan}")
-        children = page.get_by_test_id("children")
-        expect(children.locator("tbody tr")).to_have_count(3)
-        expect(children).to_contain_text("kids[2]")
-        expect(children.locator(".state-succeeded")).to_have_count(3)
-        shoot(page, tmp_path, "run-children")
-        children.locator("a").first.click()
-        expect(page.get_by_test_id("parent")).to_contain_text("cb.fan")
-        page.get_by_test_id("parent").locator("a").click()
-        expect(page).to_have_url(f"{dashboard}/runs/{fan}")
-        expect(page.locator('meta[http-equiv="refresh"]')).to_have_count(0)  # finished: no refresh
-        # A live run (a parent waiting for its child) refreshes itself.
-        page.goto(f"{dashboard}/runs/{waiting}")
-        expect(page.locator('meta[http-equiv="refresh"]')).to_have_count(1)
-        expect(page.get_by_test_id("children")).to_contain_text("queued")
+    context = new_context(browser, ALICE)
+    page = context.new_page()
+    # A run page lists its children with their states; a child links its parent.
+    page.goto(f"{dashboard}/runs/{fan}")
+    children = page.get_by_test_id("children")
+    expect(children.locator("tbody tr")).to_have_count(3)
+    expect(children).to_contain_text("kids[2]")
+    expect(children.locator(".state-succeeded")).to_have_count(3)
+    shoot(page, tmp_path, "run-children")
+    children.locator("a").first.click()
+    expect(page.get_by_test_id("parent")).to_contain_text("cb.fan")
+    page.get_by_test_id("parent").locator("a").click()
+    expect(page).to_have_url(f"{dashboard}/runs/{fan}")
+    expect(page.locator('meta[http-equiv="refresh"]')).to_have_count(0)  # finished: no refresh
+    # A live run (a parent waiting for its child) refreshes itself.
+    page.goto(f"{dashboard}/runs/{waiting}")
+    expect(page.locator('meta[http-equiv="refresh"]')).to_have_count(1)
+    expect(page.get_by_test_id("children")).to_contain_text("queued")
 
-        # The events page: by name and a payload field, with the runs each event made.
-        page.goto(f"{dashboard}/events?name=cb.parent&field=n&value=4")
-        rows = page.locator("tr[data-event]")
-        expect(rows).to_have_count(1)
-        expect(rows.first).to_contain_text("cb.parent")
-        expect(rows.first.locator(".state-succeeded")).to_have_count(1)
-        page.goto(f"{dashboard}/events?field=order&value=K")
-        expect(page.locator("tr[data-event]")).to_have_count(1)
-        expect(page.locator("tr[data-event]").first).to_contain_text("ws-a:order-K")
-        page.goto(f"{dashboard}/events")
-        shoot(page, tmp_path, "events")
-        admin = new_context(browser, {"X-Motir-User": "root", "X-Motir-Admin": "true"})
-        admin_page = admin.new_page()
-        admin_page.goto(f"{dashboard}/events?workspace=ws-a&name=cb.order.paid")
-        expect(admin_page.locator("tr[data-event]")).to_have_count(1)
-        admin_page.goto(f"{dashboard}/events?workspace=ws-b")
-        expect(admin_page.locator("tr[data-event]")).to_have_count(0)
-        admin.close()
+    # The events page: by name and a payload field, with the runs each event made.
+    page.goto(f"{dashboard}/events?name=cb.parent&field=n&value=4")
+    rows = page.locator("tr[data-event]")
+    expect(rows).to_have_count(1)
+    expect(rows.first).to_contain_text("cb.parent")
+    expect(rows.first.locator(".state-succeeded")).to_have_count(1)
+    page.goto(f"{dashboard}/events?field=order&value=K")
+    expect(page.locator("tr[data-event]")).to_have_count(1)
+    expect(page.locator("tr[data-event]").first).to_contain_text("ws-a:order-K")
+    page.goto(f"{dashboard}/events")
+    shoot(page, tmp_path, "events")
+    admin = new_context(browser, {"X-Motir-User": "root", "X-Motir-Admin": "true"})
+    admin_page = admin.new_page()
+    admin_page.goto(f"{dashboard}/events?workspace=ws-a&name=cb.order.paid")
+    expect(admin_page.locator("tr[data-event]")).to_have_count(1)
+    admin_page.goto(f"{dashboard}/events?workspace=ws-b")
+    expect(admin_page.locator("tr[data-event]")).to_have_count(0)
+    admin.close()
 
-        # The DLQ page shows the event data and warns before replaying a keyed event.
-        page.goto(f"{dashboard}/dlq")
-        entry = page.locator("tr[data-dlq]")
-        expect(entry.get_by_test_id("event-data")).to_contain_text('"order": "K"')
-        expect(entry.get_by_test_id("key-warning")).to_contain_text("ws-a:order-K")
-        shoot(page, tmp_path, "dlq-keyed")
-        entry.get_by_test_id("replay").click()  # the box is not ticked: the browser does not send it
-        expect(page).to_have_url(f"{dashboard}/dlq")
-        expect(entry.get_by_test_id("replay")).to_be_visible()
+    # The DLQ page shows the event data and warns before replaying a keyed event.
+    page.goto(f"{dashboard}/dlq")
+    entry = page.locator("tr[data-dlq]")
+    expect(entry.get_by_test_id("event-data")).to_contain_text('"order": "K"')
+    expect(entry.get_by_test_id("key-warning")).to_contain_text("ws-a:order-K")
+    shoot(page, tmp_path, "dlq-keyed")
+    entry.get_by_test_id("replay").click()  # the box is not ticked: the browser does not send it
+    expect(page).to_have_url(f"{dashboard}/dlq")
+    expect(entry.get_by_test_id("replay")).to_be_visible()
 
-        # Resume (after fixing the cause): the same run, from its failed step.
-        with engine.begin() as conn:
-            conn.execute(text("INSERT INTO test.side_effect (run_id, step) VALUES ('fixed', 'charge')"))
-        entry.get_by_test_id("resume").click()
-        expect(page).to_have_url(f"{dashboard}/runs/{order}?notice=resumed")
-        expect(page.get_by_role("status")).to_contain_text("queued again from its failed step")
-        expect(page.locator("h1 .state")).to_have_text("succeeded", timeout=30_000)  # refreshes itself
-        expect(page.get_by_test_id("resumed")).to_contain_text("alice")
-        shoot(page, tmp_path, "run-resumed")
-        context.close()
-        cancel_run(waiting)
+    # Resume (after fixing the cause): the same run, from its failed step.
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO test.side_effect (run_id, step) VALUES ('fixed', 'charge')"))
+    entry.get_by_test_id("resume").click()
+    expect(page).to_have_url(f"{dashboard}/runs/{order}?notice=resumed")
+    expect(page.get_by_role("status")).to_contain_text("queued again from its failed step")
+    kit.drain()  # the resumed run, as a worker would take its message
+    expect(page.locator("h1 .state")).to_have_text("succeeded", timeout=30_000)  # refreshes itself
+    expect(page.get_by_test_id("resumed")).to_contain_text("alice")
+    shoot(page, tmp_path, "run-resumed")
+    context.close()
+    cancel_run(waiting)
     assert count_effects(engine, order, "invoice") == 1 and count_effects(engine, order, "email") == 1
 
 
