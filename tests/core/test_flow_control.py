@@ -1,8 +1,10 @@
 """throttle=, debounce= and batch=: each decided in Postgres, driven concurrently, costing nothing to other jobs.
 
-The races run on real Celery workers (tests/conftest.py ``celery_worker``) with sender threads
-released together (a ``threading.Barrier``); the timing rules run on the test kit
-(``motir`` fixture: the real runner, ``advance`` skips time). The app role's way in
+Everything runs in this process on the test kit (``motir`` fixture: the real runner, ``advance``
+skips time): the races with sender threads released together (a ``threading.Barrier``) and, where
+the claims race too, threads that take and run due runs concurrently as worker processes would
+(tests/fixtures/kit_workers.py). One test keeps real Celery workers (tests/conftest.py
+``celery_worker``): a worker process SIGKILLed mid-decision. The app role's way in
 (``motir_enqueue_gather``) is shown guard by guard, as tests/store/test_isolation.py does for 0008's.
 """
 
@@ -40,19 +42,18 @@ from motir_celery.store.sql import producer as producer_sql
 from motir_celery.testing import Motir
 from tests.conftest import celery_worker, wait_for
 from tests.fixtures.flow_jobs import LIMIT, PERIOD
+from tests.fixtures.kit_workers import effects, run_concurrently
 
 A, B = "ws-a", "ws-b"
 WORKER_ENV = {"MOTIR_IMPORTS": "tests.fixtures.jobs,tests.fixtures.flow_jobs", "MOTIR_REPUBLISH_AFTER": "2"}
 
 
-@pytest.fixture(scope="module")
-def workers(engine: Engine, broker_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Two real worker processes of three pool processes each, shared by the race tests below
-    (they come last in this file: a test before them sees no consumer)."""
-    tmp = tmp_path_factory.mktemp("workers")
-    with celery_worker(tmp, broker=broker_url, name="a", concurrency=3, env=WORKER_ENV), \
-            celery_worker(tmp, broker=broker_url, name="b", concurrency=3, env=WORKER_ENV):
-        yield
+@pytest.fixture
+def kit(motir: Motir) -> Motir:
+    """The test kit, with the side-effect ledger (``test.side_effect``) in its database, empty:
+    tests/fixtures/flow_jobs.py records each start there."""
+    effects(motir)
+    return motir
 
 
 def _rows(engine: Engine, sql: str, **params: Any) -> list[Any]:
@@ -432,24 +433,29 @@ def test_each_guard_of_motir_enqueue_gather_is_what_stops_its_attack(guard: str,
     check(str(engine.url.render_as_string(hide_password=False)))  # the original is back, digest and all
 
 
-# --- races on two real workers (last: their workers consume until the module ends) ---------------
+# --- races: concurrent senders, and claims taken by concurrent workers (threads) ----------------
 
 
-def test_throttle_never_starts_more_than_its_limit_per_period_across_workers(engine: Engine, workers: None) -> None:
-    celery = create_celery_app()
+def test_throttle_never_starts_more_than_its_limit_per_period_across_workers(kit: Motir) -> None:
+    engine = kit.engine
     per_key = 4 * LIMIT
     made: list[uuid.UUID] = []
 
     def sender(i: int) -> None:  # 8 threads: 4 per key, each sends LIMIT events
         for n in range(LIMIT):
-            made.extend(send_event("flow.throttle", {"key": "ab"[i % 2], "n": n}, app=celery).run_ids)
+            made.extend(kit.send_event("flow.throttle", {"key": "ab"[i % 2], "n": n}).run_ids)
 
     started = time.monotonic()
     _together(8, sender)
     assert len(made) == 2 * per_key
-    wait_for(lambda: _rows(engine, "SELECT count(*) FROM job_queue WHERE job_id = 'flow.throttled' "
-                                   "AND state = 'succeeded'")[0][0] == 2 * per_key,
-             timeout=90, what="every throttled run to succeed (none dropped)")
+
+    def all_succeeded() -> bool:
+        return _rows(engine, "SELECT count(*) FROM job_queue WHERE job_id = 'flow.throttled' "
+                             "AND state = 'succeeded'")[0][0] == 2 * per_key
+
+    # Six threads take and run due runs at once, in real time (as two workers of three processes
+    # did): every start is decided by the throttle under their concurrent claims. None dropped.
+    run_concurrently(kit, 6, all_succeeded, timeout=90, idle=0.05)
     took = time.monotonic() - started
     starts = _starts(engine, "flow.throttled")
     assert sorted(starts) == ["a", "b"] and all(len(s) == per_key for s in starts.values())
@@ -462,8 +468,8 @@ def test_throttle_never_starts_more_than_its_limit_per_period_across_workers(eng
     assert abs((starts["a"][0] - starts["b"][0]).total_seconds()) < PERIOD
 
 
-def test_concurrent_senders_of_one_key_make_one_debounced_run(engine: Engine, workers: None) -> None:
-    celery = create_celery_app()
+def test_concurrent_senders_of_one_key_make_one_debounced_run(kit: Motir) -> None:
+    engine = kit.engine
     sent: list[Any] = []
 
     def sender(i: int) -> None:  # engine-role senders and app-role ones (a user's transaction)
@@ -471,33 +477,36 @@ def test_concurrent_senders_of_one_key_make_one_debounced_run(engine: Engine, wo
             data = {"key": "k", "n": f"{i}.{n}"}
             if i % 2:
                 with workspace_session(A) as s:
-                    sent.append(send_event("flow.debounce_fast", data, workspace_id=A, session=s, app=celery))
+                    sent.append(send_event("flow.debounce_fast", data, workspace_id=A, session=s))
                     s.commit()
             else:
-                sent.append(send_event("flow.debounce_fast", data, workspace_id=A, app=celery))
+                sent.append(send_event("flow.debounce_fast", data, workspace_id=A))
 
     _together(8, sender)  # the quiet period is 1 s: the whole burst is in before it ends
     (run,) = _rows(engine, "SELECT id, gathered, state FROM job_queue WHERE job_id = 'flow.debounced_fast'")
     assert run.gathered == 16 and run.state in ("queued", "running", "succeeded")
     assert {r.runs[0].run_id for r in sent} == {run.id}  # type: ignore[union-attr]
-    wait_for(lambda: _rows(engine, "SELECT state FROM job_queue WHERE id = :r", r=run.id) == [("succeeded",)],
-             timeout=30, what="the debounced run")
+    kit.advance(seconds=1)  # quiet for its second
+    kit.drain()
+    assert _rows(engine, "SELECT state FROM job_queue WHERE id = :r", r=run.id) == [("succeeded",)]
     (result,) = _rows(engine, "SELECT result FROM job_queue WHERE id = :r", r=run.id)
     assert result[0]["n"] in {f"{i}.{n}" for i in range(8) for n in range(2)}
     assert _rows(engine, "SELECT count(*) FROM test.side_effect WHERE run_id = :r", r=str(run.id)) == [(1,)]
 
 
-def test_concurrent_senders_fill_batches_and_every_event_lands_in_exactly_one(engine: Engine, workers: None) -> None:
-    celery = create_celery_app()
+def test_concurrent_senders_fill_batches_and_every_event_lands_in_exactly_one(kit: Motir) -> None:
+    engine = kit.engine
 
     def sender(i: int) -> None:
         for n in range(5):
-            send_event("flow.batch_fast", {"key": "k", "n": i * 5 + n}, app=celery)
+            send_event("flow.batch_fast", {"key": "k", "n": i * 5 + n})
 
     _together(5, sender)
-    wait_for(lambda: _rows(engine, "SELECT count(*) FROM job_queue WHERE job_id = 'flow.batched_fast' "
-                                   "AND state <> 'succeeded'") == [(0,)],
-             timeout=30, what="every batch to run")
+    kit.drain()  # the full batches
+    kit.advance(seconds=1)  # the last one's timeout
+    kit.drain()
+    assert _rows(engine, "SELECT count(*) FROM job_queue WHERE job_id = 'flow.batched_fast' "
+                         "AND state <> 'succeeded'") == [(0,)]  # every batch ran
     results = [r[0] for r in _rows(engine, "SELECT result FROM job_queue WHERE job_id = 'flow.batched_fast'")]
     assert sorted(n for batch in results for n in batch) == list(range(25))  # each event once, none lost
     assert all(1 <= len(batch) <= 10 for batch in results) and len(results) >= 3
