@@ -1,8 +1,19 @@
-"""send_events: N events and their runs in one statement, on a real worker (issue 20)."""
+"""send_events: N events and their runs in one statement (issue 20).
+
+The runs are run in this process by the test kit (``motir``: the real claim, step and settle
+statements against Postgres). ``send_events`` publishes its runs through the adapter's pipelined
+Redis lane (``publish_many``): the messages it left in the session's queue are read back, one per
+run; tests/adapter/test_messages.py runs messages of that lane on a real worker.
+"""
 
 from __future__ import annotations
 
+import json
+from collections import Counter
+from typing import Callable, Iterator
+
 import pytest
+import redis
 from sqlalchemy import text
 
 import tests.fixtures.compose_jobs  # noqa: F401  (registers the jobs in this process, for the fan-out)
@@ -11,14 +22,44 @@ from motir_celery import PayloadError, send_events
 from motir_celery.adapter.celery_app import create_app
 from motir_celery.settings import Settings
 from motir_celery.store.db import workspace_session
-from tests.conftest import celery_worker, count_effects, run_state, wait_for
-
-IMPORTS = {"MOTIR_IMPORTS": "tests.fixtures.jobs,tests.fixtures.compose_jobs"}
+from motir_celery.testing import Motir
+from tests.conftest import count_effects, run_state
+from tests.fixtures.kit_workers import effects
 
 
 @pytest.fixture
 def app(broker_url):  # type: ignore[no-untyped-def]
     return create_app(Settings.from_env())
+
+
+@pytest.fixture
+def kit(motir: Motir) -> Motir:
+    """The test kit, with the side-effect ledger of tests/fixtures/jobs.py in its database, empty."""
+    effects(motir)
+    return motir
+
+
+@pytest.fixture
+def taken(app, broker_url) -> Iterator[Callable[[], list[str]]]:  # type: ignore[no-untyped-def]
+    """Takes the messages waiting in the session's queue off it: the run ids they name (a
+    message's task id is its run's id). The queue is emptied before and after the test."""
+    client = redis.Redis.from_url(broker_url)
+    queue = app.conf.task_default_queue
+    keys = [queue] + [f"{queue}\x06\x16{step}" for step in range(1, 10)]  # kombu's priority lists
+
+    def take() -> list[str]:
+        found = []
+        for key in keys:
+            found += [json.loads(m)["headers"]["id"] for m in client.lrange(key, 0, -1)]
+            client.delete(key)
+        return found
+
+    take()
+    try:
+        yield take
+    finally:
+        take()
+        client.close()
 
 
 def _done(engine, run_ids):  # type: ignore[no-untyped-def]
@@ -27,18 +68,22 @@ def _done(engine, run_ids):  # type: ignore[no-untyped-def]
                             {"r": run_ids}).scalar() == len(run_ids)
 
 
-def test_a_batch_writes_every_event_and_run_once_and_workers_run_them(engine, broker_url, app, tmp_path):  # type: ignore[no-untyped-def]
+def test_a_batch_writes_every_event_and_run_once_publishes_each_run_once_and_they_run(kit, app, taken):  # type: ignore[no-untyped-def]
+    engine = kit.engine
     items = [{"name": "cb.item", "data": {"i": i, "workspace_id": "acme" if i % 2 else "globex"},
               "idempotency_key": f"k-{i}"} for i in range(150)]
     items.append(("cb.item", {"i": 999}))  # a pair, no key, no workspace
     items.append({"name": "cb.item", "data": {"i": 0, "workspace_id": "globex"}, "idempotency_key": "k-0"})  # dup in batch
     items.append({"name": "nobody.listens", "data": {}})
-    with celery_worker(tmp_path, broker=broker_url, env=IMPORTS):
-        results = send_events(items, app=app)
-        assert len(results) == len(items)
-        run_ids = [r for res in results for r in res.run_ids]
-        assert len(run_ids) == 151
-        wait_for(lambda: _done(engine, run_ids), timeout=90, what="151 batch runs")
+    results = send_events(items, app=app)
+    assert len(results) == len(items)
+    run_ids = [r for res in results for r in res.run_ids]
+    assert len(run_ids) == 151
+    # One message per run, after the commit (the lane's in Redis; any the kit held, there).
+    published = Counter(taken() + [str(run_id) for run_id, _, _ in kit.published])
+    assert {r: published[str(r)] for r in run_ids} == {r: 1 for r in run_ids}
+    kit.drain()
+    assert _done(engine, run_ids)
     # one result per event, in order; the repeated key within the batch deduplicated (same data)
     assert results[151].deduplicated and not results[151].conflicting
     assert results[151].event_id == results[0].event_id
@@ -57,13 +102,15 @@ def test_a_batch_writes_every_event_and_run_once_and_workers_run_them(engine, br
     assert all(r.runs == [] for r in again)
 
 
-def test_a_batch_wakes_waiters_and_is_all_or_nothing(engine, broker_url, app, tmp_path):  # type: ignore[no-untyped-def]
-    with celery_worker(tmp_path, broker=broker_url, env=IMPORTS):
-        (waiting,) = send_events([("cb.order", {"order": "o-7"})], app=app)[0].run_ids
-        wait_for(lambda: _waiting(engine, waiting), what="the waiter to suspend")
-        results = send_events([("cb.paid", {"order": "o-6"}), ("cb.paid", {"order": "o-7"})], app=app)
-        assert [w.run_id for r in results for w in r.woken] == [waiting]
-        wait_for(lambda: run_state(engine, waiting) == "succeeded", what="the woken waiter")
+def test_a_batch_wakes_waiters_and_is_all_or_nothing(kit, app, taken):  # type: ignore[no-untyped-def]
+    engine = kit.engine
+    (waiting,) = send_events([("cb.order", {"order": "o-7"})], app=app)[0].run_ids
+    kit.drain()
+    assert _waiting(engine, waiting)  # suspended, waiting for its payment
+    results = send_events([("cb.paid", {"order": "o-6"}), ("cb.paid", {"order": "o-7"})], app=app)
+    assert [w.run_id for r in results for w in r.woken] == [waiting]
+    kit.drain()
+    assert run_state(engine, waiting) == "succeeded"
     with engine.connect() as conn:
         assert conn.execute(text("SELECT result FROM job_queue WHERE id = :r"), {"r": waiting}).scalar() == {"paid": True}
         before = conn.execute(text("SELECT count(*) FROM job_event")).scalar()
