@@ -1,7 +1,9 @@
-"""Direct runs, Celery-shaped: job.delay() / apply_async(), their result handle, on a real worker.
+"""Direct runs, Celery-shaped: job.delay() / apply_async(), their result handle.
 
-One worker process (prefork, the real Redis broker) serves the module. Never
-task_always_eager: every run goes through a message, a claim and a settle.
+Never task_always_eager: every run is written by ``delay()`` / ``apply_async()`` and its message
+published (held by the test kit, ``motir``), then claimed and settled by the real runner in this
+process (``motir.drain()``, ``advance`` for countdowns); the handle reads the result from Postgres.
+The plain Celery example runs on a real worker of its own app.
 """
 
 from __future__ import annotations
@@ -34,20 +36,24 @@ from motir_celery import (
     send_event,
 )
 from motir_celery.core.producer.results import celery_state
+from motir_celery.core.worker.runner import execute
+from motir_celery.testing import Motir
 from tests.conftest import ROOT, celery_worker, count_effects, run_state, wait_for
-
-IMPORTS = {"MOTIR_IMPORTS": "tests.fixtures.jobs,tests.fixtures.direct_jobs"}
-
-
-@pytest.fixture(scope="module")
-def worker(tmp_path_factory: pytest.TempPathFactory, database_url: str, broker_url: str) -> Iterator[Any]:
-    with celery_worker(tmp_path_factory.mktemp("direct"), broker=broker_url, env=IMPORTS) as w:
-        yield w
+from tests.fixtures.kit_workers import effects
 
 
-def test_delay_get_returns_the_result(worker: Any, engine: Engine) -> None:
+@pytest.fixture
+def kit(motir: Motir) -> Motir:
+    """The test kit, with the side-effect ledger of tests/fixtures/jobs.py in its database, empty."""
+    effects(motir)
+    return motir
+
+
+def test_delay_get_returns_the_result(kit: Motir) -> None:
+    engine = kit.engine
     handle = dj.add.delay(2, 3, scale=10)
     assert handle.deduplicated is False
+    kit.drain()
     result = handle.get(timeout=10)
     assert result == {"total": 50, "run_id": str(handle.id), "attempt": 1}
     assert handle.state == "SUCCESS" and handle.ready() and handle.successful()
@@ -60,8 +66,10 @@ def test_delay_get_returns_the_result(worker: Any, engine: Engine) -> None:
     assert count_effects(engine, handle.id, "add") == 1
 
 
-def test_a_failing_job_raises_its_error_from_get(worker: Any, engine: Engine) -> None:
+def test_a_failing_job_raises_its_error_from_get(kit: Motir) -> None:
+    engine = kit.engine
     handle = dj.fail.apply_async(args=["card declined"])
+    kit.drain()
     with pytest.raises(ValueError) as info:  # a built-in error comes back as itself (and JobFailed)
         handle.get(timeout=10)
     assert isinstance(info.value, JobFailed)
@@ -70,6 +78,7 @@ def test_a_failing_job_raises_its_error_from_get(worker: Any, engine: Engine) ->
     assert handle.state == "FAILURE" and handle.failed()
     assert handle.get(timeout=1, propagate=False)["message"] == "card declined"
     refused = dj.refuse.delay()
+    kit.drain()
     with pytest.raises(JobFailed, match="NonRetriableError: no such customer"):
         refused.get(timeout=10)
     # Its DLQ entry replays the same arguments (the event's data) for the job.
@@ -77,6 +86,7 @@ def test_a_failing_job_raises_its_error_from_get(worker: Any, engine: Engine) ->
         dlq_id = conn.execute(text("SELECT id FROM job_run_dlq WHERE run_id = :id"), {"id": handle.id}).scalar_one()
     replay = replay_dlq(dlq_id, actor="test")
     assert replay.status == "replayed"
+    kit.drain()
     with pytest.raises(ValueError, match="card declined"):
         RunHandle(replay.run_id, "test.direct.fail").get(timeout=10)
 
@@ -103,13 +113,15 @@ def test_direct_runs_join_a_framework_transaction(engine: Engine) -> None:
     assert run_state(engine, handle.id) == "queued" and len(commits) == 1
 
 
-def test_same_task_id_twice_makes_one_run(worker: Any, engine: Engine) -> None:
+def test_same_task_id_twice_makes_one_run(kit: Motir) -> None:
+    engine = kit.engine
     task_id = str(uuid.uuid4())
     first = dj.add.apply_async(args=[1, 1], task_id=task_id)
     second = dj.add.apply_async(args=[1, 1], task_id=task_id)
     third = dj.add.apply_async(args=[1, 1], idempotency_key=task_id)  # the same key, by its other name
     assert not first.deduplicated and second.deduplicated and third.deduplicated
     assert first.id == second.id == third.id
+    kit.drain()
     assert second.get(timeout=10)["total"] == 2
     with engine.connect() as conn:
         runs = conn.execute(text("SELECT count(*) FROM job_queue WHERE job_id = 'test.direct.add'")).scalar()
@@ -119,17 +131,25 @@ def test_same_task_id_twice_makes_one_run(worker: Any, engine: Engine) -> None:
     assert not other.deduplicated and other.id != first.id
 
 
-def test_countdown_and_eta_are_respected(worker: Any, engine: Engine) -> None:
+def test_countdown_and_eta_are_respected(kit: Motir) -> None:
+    engine = kit.engine
     with engine.connect() as conn:
         db_now = conn.execute(text("SELECT now()")).scalar_one()
     later = dj.add.apply_async(args=[1, 2], countdown=2.5)
     at = dj.add.apply_async(args=[3, 4], eta=db_now + timedelta(seconds=2.5))
-    time.sleep(1.5)
-    # The worker holds both messages (Celery countdowns) but neither run is claimable yet.
+    # Each message carries its run's countdown (Celery holds it), the database's run_at - now().
+    countdowns = {run_id: countdown for run_id, _, countdown in kit.published}
+    assert 2.0 <= countdowns[later.id] <= 2.5 and 2.0 <= countdowns[at.id] <= 2.5, countdowns
+    # A message delivered early claims nothing: neither run is claimable yet.
+    for handle in (later, at):
+        assert execute(handle.id, job_id="test.direct.add", worker="early", settings=kit.settings).state == "skipped"
+    assert kit.drain() == []
     assert run_state(engine, later.id) == "queued" and run_state(engine, at.id) == "queued"
     assert later.state == "PENDING" and not later.ready()
     with pytest.raises(ResultTimeout):
         later.get(timeout=0.3)
+    kit.advance(seconds=2.5)
+    kit.drain()
     assert later.get(timeout=15)["total"] == 3 and at.get(timeout=15)["total"] == 7
     with engine.connect() as conn:
         rows = conn.execute(text(
@@ -169,20 +189,26 @@ def test_refusals_before_anything_is_written(engine: Engine) -> None:
         assert conn.execute(text("SELECT count(*) FROM job_event")).scalar() == 0
 
 
-def test_session_rollback_writes_nothing_and_commit_runs_it(worker: Any, engine: Engine) -> None:
+def test_session_rollback_writes_nothing_and_commit_runs_it(kit: Motir) -> None:
+    engine = kit.engine
     with Session(engine) as session:
         handle = dj.add.apply_async(args=[5, 5], session=session)
         session.rollback()
-    assert run_state(engine, handle.id) is None
+    assert run_state(engine, handle.id) is None and kit.published == []
     with Session(engine) as session, session.begin():
         handle = dj.add.apply_async(args=[5, 6], countdown=0.5, session=session)
         assert run_state(engine, handle.id) is None  # not committed yet: not visible, not published
+        assert kit.published == []
+    assert [run_id for run_id, _, _ in kit.published] == [handle.id]  # published on its commit
+    kit.advance(seconds=0.5)
+    kit.drain()
     assert handle.get(timeout=10)["total"] == 11
 
 
-def test_send_event_gives_a_handle_per_run(worker: Any) -> None:
+def test_send_event_gives_a_handle_per_run(kit: Motir) -> None:
     sent = send_event("test.three", {"k": 1})
     assert [h.id for h in sent.results] == sent.run_ids
+    kit.drain()
     assert sent.results[0].get(timeout=10) == {"total": 6}
 
 
