@@ -1,14 +1,17 @@
-"""resume_dlq: the same run from its failed step, on a real worker (issue 20).
+"""resume_dlq: the same run from its failed step (issue 20).
 
 ``cb.fulfil`` stores ``invoice``, then ``charge`` fails until the test "fixes the
 cause" (a marker row). Resumed, the run does not invoice again; replayed (a new
-run, by design) it does.
+run, by design) it does. The runs run in this process on the test kit (``motir``: the
+real claim, step and settle statements; ``advance`` skips the retries' backoff); the
+operators' actions publish as in production, their messages held by the kit.
 """
 
 from __future__ import annotations
 
 import threading
 
+import pytest
 from click.testing import CliRunner
 from sqlalchemy import text
 
@@ -19,9 +22,24 @@ from motir_celery.core.operator.dlq import Caller
 from motir_celery.core.operator.resume import resume_as
 from motir_celery.ops.cli import main as cli
 from motir_celery.settings import Settings
-from tests.conftest import celery_worker, count_effects, run_state, wait_for
+from motir_celery.testing import Motir
+from tests.conftest import count_effects, run_state
+from tests.fixtures.kit_workers import effects
 
-IMPORTS = {"MOTIR_IMPORTS": "tests.fixtures.jobs,tests.fixtures.compose_jobs"}
+
+@pytest.fixture
+def kit(motir: Motir) -> Motir:
+    """The test kit, with the side-effect ledger of tests/fixtures/jobs.py in its database, empty."""
+    effects(motir)
+    return motir
+
+
+def _until_quiet(kit: Motir, *, step: float = 1.0, rounds: int = 5) -> None:
+    """Drain, skipping ``step`` seconds between rounds (the retries' backoff), until a round runs nothing."""
+    for _ in range(rounds):
+        kit.drain()
+        kit.advance(seconds=step)
+    assert kit.drain() == []
 
 
 def _dlq_id(engine, run_id):  # type: ignore[no-untyped-def]
@@ -42,48 +60,52 @@ def _invoices(engine, order):  # type: ignore[no-untyped-def]
             {"o": order}).scalar()
 
 
-def test_resume_runs_from_the_failed_step_and_replay_from_the_start(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
+def test_resume_runs_from_the_failed_step_and_replay_from_the_start(kit: Motir) -> None:
+    engine = kit.engine
     app = create_app(Settings.from_env())
-    with celery_worker(tmp_path, broker=broker_url, env=IMPORTS):
-        runs = {o: send_event("cb.order.paid", {"order": o, "workspace_id": "acme"}, app=app).run_ids[0]
-                for o in ("A", "B", "C")}
-        for run_id in runs.values():
-            wait_for(lambda r=run_id: run_state(engine, r) == "failed", timeout=60, what="the charge to fail for good")
-        entries = {o: _dlq_id(engine, r) for o, r in runs.items()}
-        assert all(entries.values())
-        assert count_effects(engine, runs["A"], "charge") == 2  # both attempts spent
+    runs = {o: send_event("cb.order.paid", {"order": o, "workspace_id": "acme"}, app=app).run_ids[0]
+            for o in ("A", "B", "C")}
+    _until_quiet(kit)
+    for run_id in runs.values():
+        assert run_state(engine, run_id) == "failed"  # the charge failed for good
+    entries = {o: _dlq_id(engine, r) for o, r in runs.items()}
+    assert all(entries.values())
+    assert count_effects(engine, runs["A"], "charge") == 2  # both attempts spent
 
-        _fix_the_cause(engine)
-        # Two operators resume A at once: the conditional UPDATE queues it once.
-        barrier, results = threading.Barrier(2), []
+    _fix_the_cause(engine)
+    # Two operators resume A at once: the conditional UPDATE queues it once.
+    barrier, results = threading.Barrier(2), []
 
-        def resume(actor: str) -> None:
-            barrier.wait()
-            results.append(resume_dlq(entries["A"], actor=actor, app=app))
+    def resume(actor: str) -> None:
+        barrier.wait()
+        results.append(resume_dlq(entries["A"], actor=actor, app=app))
 
-        threads = [threading.Thread(target=resume, args=(a,)) for a in ("ann", "bob")]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert sorted(r.status for r in results) == ["already_resumed", "resumed"]
-        assert all(r.run_id == runs["A"] for r in results)
-        wait_for(lambda: run_state(engine, runs["A"]) == "succeeded", timeout=60, what="the resumed run")
+    threads = [threading.Thread(target=resume, args=(a,)) for a in ("ann", "bob")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(r.status for r in results) == ["already_resumed", "resumed"]
+    assert all(r.run_id == runs["A"] for r in results)
+    kit.drain()
+    assert run_state(engine, runs["A"]) == "succeeded"  # the resumed run
 
-        # Another workspace cannot see (nor resume) acme's entry.
-        assert resume_as(Caller("eve", "globex"), entries["C"]).status == "not_found"
-        # The CLI resumes C; replay of a resumed entry is refused.
-        out = CliRunner().invoke(cli, ["dlq", "resume", str(entries["C"]), "--actor", "carol"])
-        assert out.exit_code == 0, out.output
-        assert "queued again from its failed step" in out.output
-        assert replay_dlq(entries["C"], actor="x", app=app).status == "resumed"
-        wait_for(lambda: run_state(engine, runs["C"]) == "succeeded", timeout=60, what="C resumed")
+    # Another workspace cannot see (nor resume) acme's entry.
+    assert resume_as(Caller("eve", "globex"), entries["C"]).status == "not_found"
+    # The CLI resumes C; replay of a resumed entry is refused.
+    out = CliRunner().invoke(cli, ["dlq", "resume", str(entries["C"]), "--actor", "carol"])
+    assert out.exit_code == 0, out.output
+    assert "queued again from its failed step" in out.output
+    assert replay_dlq(entries["C"], actor="x", app=app).status == "resumed"
+    kit.drain()
+    assert run_state(engine, runs["C"]) == "succeeded"  # C resumed
 
-        # B is replayed: a new run, which invoices again (by design).
-        replayed = replay_dlq(entries["B"], actor="dan", app=app)
-        assert replayed.status == "replayed"
-        wait_for(lambda: run_state(engine, replayed.run_id) == "succeeded", timeout=60, what="the replay")
-        assert resume_dlq(entries["B"], actor="x", app=app).status == "replayed"
+    # B is replayed: a new run, which invoices again (by design).
+    replayed = replay_dlq(entries["B"], actor="dan", app=app)
+    assert replayed.status == "replayed"
+    kit.drain()
+    assert run_state(engine, replayed.run_id) == "succeeded"  # the replay
+    assert resume_dlq(entries["B"], actor="x", app=app).status == "replayed"
 
     # Resumed: the same run, invoice once, charge a third time, email once.
     assert _invoices(engine, "A") == 1 and _invoices(engine, "C") == 1
@@ -112,47 +134,49 @@ def _open(engine, job=None):  # type: ignore[no-untyped-def]
             "AND resumed_at IS NULL AND (CAST(:job AS text) IS NULL OR function_id = :job)"), {"job": job}).scalar()
 
 
-def test_bulk_actions_filter_dry_run_pace_and_audit_each_entry(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
+def test_bulk_actions_filter_dry_run_pace_and_audit_each_entry(kit: Motir) -> None:
     import time
 
     from motir_celery.core.operator.bulk import DlqFilter, bulk_dlq
 
+    engine = kit.engine
     app = create_app(Settings.from_env())
-    with celery_worker(tmp_path, broker=broker_url, env=IMPORTS):
-        runs = [send_event("cb.order.paid", {"order": f"a{i}", "workspace_id": "acme"}, app=app).run_ids[0]
-                for i in range(8)]
-        runs += [send_event("cb.order.paid", {"order": f"g{i}", "workspace_id": "globex"}, app=app).run_ids[0]
-                 for i in range(3)]
-        runs += [send_event("test.doomed", {"workspace_id": "acme"}, app=app).run_ids[0] for _ in range(2)]
-        wait_for(lambda: _open(engine) == 13, timeout=90, what="13 DLQ entries")
+    runs = [send_event("cb.order.paid", {"order": f"a{i}", "workspace_id": "acme"}, app=app).run_ids[0]
+            for i in range(8)]
+    runs += [send_event("cb.order.paid", {"order": f"g{i}", "workspace_id": "globex"}, app=app).run_ids[0]
+             for i in range(3)]
+    runs += [send_event("test.doomed", {"workspace_id": "acme"}, app=app).run_ids[0] for _ in range(2)]
+    _until_quiet(kit)
+    assert _open(engine) == 13  # 13 DLQ entries
 
-        dry = CliRunner().invoke(cli, ["dlq", "resume", "--job", "cb.fulfil", "--since", "2h", "--dry-run",
-                                       "--actor", "ops"])
-        assert dry.exit_code == 0, dry.output
-        assert "dry run: 11 open entries would be resumed" in dry.output
-        assert dry.output.count("cb.fulfil") == 5  # a sample of five
-        assert _open(engine) == 13  # nothing changed
-        refused = CliRunner().invoke(cli, ["dlq", "resume", "--actor", "ops"])
-        assert refused.exit_code != 0 and "at least one filter" in refused.output
+    dry = CliRunner().invoke(cli, ["dlq", "resume", "--job", "cb.fulfil", "--since", "2h", "--dry-run",
+                                   "--actor", "ops"])
+    assert dry.exit_code == 0, dry.output
+    assert "dry run: 11 open entries would be resumed" in dry.output
+    assert dry.output.count("cb.fulfil") == 5  # a sample of five
+    assert _open(engine) == 13  # nothing changed
+    refused = CliRunner().invoke(cli, ["dlq", "resume", "--actor", "ops"])
+    assert refused.exit_code != 0 and "at least one filter" in refused.output
 
-        _fix_the_cause(engine)
-        started = time.monotonic()
-        out = CliRunner().invoke(cli, ["dlq", "resume", "--job", "cb.fulfil", "--workspace", "acme",
-                                       "--rate", "20/s", "--actor", "ops"])
-        elapsed = time.monotonic() - started
-        assert out.exit_code == 0, out.output
-        assert "8 matched — resumed 8" in out.output
-        assert elapsed >= 7 / 20  # paced: 8 entries at 20/s
-        for run_id in runs[:8]:
-            wait_for(lambda r=run_id: run_state(engine, r) == "succeeded", timeout=60, what="a resumed run")
+    _fix_the_cause(engine)
+    started = time.monotonic()
+    out = CliRunner().invoke(cli, ["dlq", "resume", "--job", "cb.fulfil", "--workspace", "acme",
+                                   "--rate", "20/s", "--actor", "ops"])
+    elapsed = time.monotonic() - started
+    assert out.exit_code == 0, out.output
+    assert "8 matched — resumed 8" in out.output
+    assert elapsed >= 7 / 20  # paced: 8 entries at 20/s
+    kit.drain()
+    for run_id in runs[:8]:
+        assert run_state(engine, run_id) == "succeeded"  # a resumed run
 
-        dismissed = bulk_dlq("dismiss", DlqFilter(error="DECLINED"), caller=Caller("ops", None, admin=True))
-        assert dismissed.counts == {"dismissed": 3}
-        # Through another workspace's eyes, acme's doomed entries do not exist.
-        assert bulk_dlq("replay", DlqFilter(job="test.doomed"), caller=Caller("eve", "globex"),
-                        dry_run=True).matched == 0
-        replayed = bulk_dlq("replay", DlqFilter(job="test.doomed"), caller=Caller("ops", "acme"), rate=5)
-        assert replayed.counts == {"replayed": 2}
+    dismissed = bulk_dlq("dismiss", DlqFilter(error="DECLINED"), caller=Caller("ops", None, admin=True))
+    assert dismissed.counts == {"dismissed": 3}
+    # Through another workspace's eyes, acme's doomed entries do not exist.
+    assert bulk_dlq("replay", DlqFilter(job="test.doomed"), caller=Caller("eve", "globex"),
+                    dry_run=True).matched == 0
+    replayed = bulk_dlq("replay", DlqFilter(job="test.doomed"), caller=Caller("ops", "acme"), rate=5)
+    assert replayed.counts == {"replayed": 2}
     with engine.connect() as conn:
         audit = conn.execute(text(
             "SELECT coalesce(resumed_by, dismissed_by, replayed_by) AS who, "
