@@ -23,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlsplit
@@ -272,34 +271,13 @@ def section_fanout(db: h.Database, sz: dict[str, Any], args: argparse.Namespace,
             "db_rows_per_s": rows / d}
 
 
-def _beat(url: str, slots: int, start_at: float, out: Any) -> None:
-    """One beat process: each of ``slots`` cron slots of one job enqueued in its own transaction."""
-    from sqlalchemy import create_engine, text
-
-    from motir_celery.store import records
-    from motir_celery.store.sql import producer
-
-    engine, base = create_engine(url, pool_size=1), datetime(2030, 1, 1, tzinfo=timezone.utc)
-    with engine.connect() as conn:  # connected before the start line
-        conn.execute(text("SELECT 1"))
-    time.sleep(max(0.0, start_at - time.time()))
-    queued, t0 = 0, time.perf_counter()
-    for i in range(slots):
-        with engine.begin() as conn:
-            r = producer.enqueue_scheduled(conn, "bench.beat", base + timedelta(minutes=i), max_attempts=3,
-                                           policy="transient")
-        queued += isinstance(r, records.Queued)
-    out.put((queued, time.perf_counter() - t0))
-    engine.dispose()
-
-
 def section_beat(db: h.Database, sz: dict[str, Any], args: argparse.Namespace, log: Log) -> dict:
     """3 beat processes (spawned, a pool each) walk the same cron slots in the same order: every slot
     must come out exactly once (one ``Queued``, the others ``AlreadyQueued``)."""
     slots, beats, ctx = sz["beat_slots"], 3, mp.get_context("spawn")
     db.truncate()
     out, start_at = ctx.Queue(), time.time() + 3.0
-    procs = [ctx.Process(target=_beat, args=(db.url, slots, start_at, out)) for _ in range(beats)]
+    procs = [ctx.Process(target=h.beat, args=(db.url, "bench.beat", slots, start_at, out)) for _ in range(beats)]
     for p in procs:
         p.start()
     results = [out.get(timeout=600) for _ in procs]
