@@ -2,10 +2,8 @@
 
     python -m bench.fleet [--runs 5000 --hosts 4 --procs 2 --pool-size 4] [--no-direct] [--no-write]
 
-Needs MOTIR_DATABASE_URL, CELERY_BROKER_URL and Debian's ``pgbouncer`` (``tests/fixtures/pgbouncer.py``
-starts a private one in transaction pooling). docs/scaling.md says what runs and what is checked:
-any run not succeeding in one attempt, step stored or executed other than once, or database error
-in a worker log fails the bench.
+Needs MOTIR_DATABASE_URL, CELERY_BROKER_URL and Debian's ``pgbouncer`` (``tests/fixtures/pgbouncer.py``);
+docs/scaling.md says what runs and what is checked (a failed check fails the bench).
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""DBOS side: ``throughput`` and ``latency`` (``harness.drain``, ``harness.latency``); prints one JSON object.
+"""DBOS side (``bench.peers.main``): workflows enqueued with ``DBOSClient`` (one insert each), each worker a
+``bench.peers.dbos_app`` process (``--concurrency``: its worker_concurrency; ``--poll``: its queue polling).
 
-    python -m bench.peers.dbos_side throughput --admin-dsn DSN --runs 5000 --workers 2 --concurrency 2 --poll 0.01
-
-Workflows are enqueued with ``DBOSClient`` (one insert each); each worker is a
-``bench.peers.dbos_app`` process with its own executor id, ``worker_concurrency``
-(``--concurrency``) and queue polling interval (``--poll``).
+    python -m bench.peers.dbos_side throughput|latency --admin-dsn DSN [--runs 5000 --workers 2 --poll 0.01 ...]
 """
 
 from __future__ import annotations

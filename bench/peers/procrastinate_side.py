@@ -1,10 +1,7 @@
-"""Procrastinate side: ``throughput`` and ``latency`` (``harness.drain``, ``harness.latency``); prints one JSON object.
+"""Procrastinate side (``bench.peers.main``): ``procrastinate worker`` processes (asyncio; the sync task
+runs in a thread), ``--concurrency`` jobs at once each, LISTEN/NOTIFY on (its default).
 
-    python -m bench.peers.procrastinate_side throughput --admin-dsn DSN --runs 5000 --workers 1 --concurrency 2 --rounds 3
-    python -m bench.peers.procrastinate_side latency --admin-dsn DSN --events 250 --interval 0.02
-
-Workers: ``procrastinate worker`` processes (asyncio; the sync task runs in a thread),
-``--concurrency`` jobs at once each, LISTEN/NOTIFY on (its default).
+    python -m bench.peers.procrastinate_side throughput|latency --admin-dsn DSN [--runs 5000 --workers 1 ...]
 """
 
 from __future__ import annotations
