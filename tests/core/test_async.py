@@ -1,4 +1,7 @@
-"""asyncio: async producers in a real ASGI app (uvicorn, in-process), async handlers on a real worker.
+"""asyncio: async producers in a real ASGI app (uvicorn, in-process), async handlers.
+
+The runs run in this process on the test kit (``motir``: the real claim, step and settle
+statements against Postgres, ``advance`` for a retry's backoff); no worker process.
 
 The loop-lag test measures how late a 1 ms sleep wakes up (the loop's lag) on
 a ticker sharing the loop with (A) a burst of producer calls made in the loop
@@ -6,7 +9,9 @@ a ticker sharing the loop with (A) a burst of producer calls made in the loop
 coroutines, which holds the loop for each call's round trip and publish — and
 (B) a Starlette app under uvicorn on the same loop, hit over HTTP by bursts of
 requests whose endpoints write with ``send_event_async`` / ``job.delay_async``,
-with the sync call and a no-op endpoint (the HTTP stack's own lag) beside them.
+with the sync call and a no-op endpoint (the HTTP stack's own lag) beside them. The
+producers publish to the session's Redis queue there, as in production (the kit's
+holding of messages is lifted for the measurement); the kit's worker threads run the runs afterwards.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any, Iterator
 
 import httpx2
 import pytest
+import redis
 import uvicorn
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
@@ -30,20 +36,26 @@ from starlette.routing import Route
 
 import tests.fixtures.direct_jobs as dj
 from motir_celery import JobRevoked, RunHandle, send_event, send_event_async
-from tests.conftest import celery_worker, count_effects, run_state, wait_for
+from motir_celery.testing import Motir
+from tests.conftest import count_effects, run_state
+from tests.fixtures.kit_workers import effects, run_concurrently
 
-IMPORTS = {"MOTIR_IMPORTS": "tests.fixtures.jobs,tests.fixtures.direct_jobs"}
 BURST = 200
 
 
-@pytest.fixture(scope="module")
-def worker(tmp_path_factory: pytest.TempPathFactory, database_url: str, broker_url: str) -> Iterator[Any]:
-    with celery_worker(tmp_path_factory.mktemp("async"), broker=broker_url, env=IMPORTS) as w:
-        yield w
+@pytest.fixture
+def kit(motir: Motir) -> Motir:
+    """The test kit, with the side-effect ledger of tests/fixtures/jobs.py in its database, empty."""
+    effects(motir)
+    return motir
 
 
-def test_async_handler_with_coroutine_steps_on_a_worker(worker: Any, engine: Engine) -> None:
+def test_async_handler_with_coroutine_steps(kit: Motir) -> None:
+    engine = kit.engine
     handle = dj.async_handler.delay("https://example.com/page", fail_first=True)
+    kit.drain()
+    kit.advance(seconds=1)  # the retry's backoff
+    kit.drain()
     result = handle.get(timeout=20)
     # Attempt 1 stored every step, then failed; attempt 2 returned the stored values.
     assert result == {"size": 24, "plain": 2, "gathered": [10, 20], "attempt": 2}
@@ -54,12 +66,17 @@ def test_async_handler_with_coroutine_steps_on_a_worker(worker: Any, engine: Eng
     assert steps == {"fetch", "plain", "g", "g:1"}  # gathered steps numbered in call order
     # A plain handler with a coroutine step: no await, the step runs to its end.
     sync = dj.sync_calls_async.delay(21)
+    kit.drain()
     assert sync.get(timeout=10) == 42 and count_effects(engine, sync.id, "fetch") == 1
     # An event job's async handler too.
-    assert send_event("test.async-event", {"n": 7}).results[0].get(timeout=10) == {"n": 7}
+    sent = send_event("test.async-event", {"n": 7})
+    kit.drain()
+    assert sent.results[0].get(timeout=10) == {"n": 7}
 
 
-def test_async_session_rollback_and_commit(worker: Any, engine: Engine, database_url: str) -> None:
+def test_async_session_rollback_and_commit(kit: Motir) -> None:
+    database_url = kit.engine.url.render_as_string(hide_password=False)
+
     async def scenario() -> tuple[RunHandle, RunHandle, Any]:
         aengine = create_async_engine(database_url)
         try:
@@ -69,12 +86,18 @@ def test_async_session_rollback_and_commit(worker: Any, engine: Engine, database
             async with AsyncSession(aengine) as session, session.begin():
                 kept = await dj.add.apply_async_async(args=[2, 3], session=session)
                 sent = await send_event_async("test.async-event", {"n": 4}, session=session)
-            return rolled, kept, await kept.get_async(timeout=10), await sent.results[0].get_async(timeout=10)
+            return rolled, kept, sent
         finally:
             await aengine.dispose()
 
-    rolled, kept, result, event_result = asyncio.run(scenario())
-    assert run_state(engine, rolled.id) is None
+    async def results(kept: RunHandle, sent: Any) -> tuple[Any, Any]:
+        return await kept.get_async(timeout=10), await sent.results[0].get_async(timeout=10)
+
+    rolled, kept, sent = asyncio.run(scenario())
+    assert run_state(kit.engine, rolled.id) is None
+    assert {run_id for run_id, _, _ in kit.published} == {kept.id, sent.run_ids[0]}  # the committed ones only
+    kit.drain()
+    result, event_result = asyncio.run(results(kept, sent))
     assert result["total"] == 5 and event_result == {"n": 4}
 
 
@@ -126,7 +149,25 @@ def _summary(lags: list[float]) -> str:
             f"median {statistics.median(lags) * 1000:.2f} ms over {len(lags)} ticks")
 
 
-def test_asgi_producer_does_not_block_the_loop(worker: Any, engine: Engine, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.fixture
+def session_queue(broker_url: str) -> Iterator[None]:
+    """The messages the producers publish to the session's Redis queue (no worker consumes them
+    here: the kit runs the runs) are deleted afterwards."""
+    from motir_celery.adapter.celery_app import default_app
+
+    yield
+    queue = default_app().conf.task_default_queue
+    client = redis.Redis.from_url(broker_url)
+    try:
+        client.delete(queue, *(f"{queue}\x06\x16{step}" for step in range(1, 10)))
+    finally:
+        client.close()
+
+
+def test_asgi_producer_does_not_block_the_loop(kit: Motir, session_queue: None,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    engine = kit.engine
+
     async def scenario() -> dict[str, Any]:
         out: dict[str, Any] = {}
         # A. The producer calls alone, in the loop: BURST async sends gathered, against BURST sync
@@ -167,33 +208,39 @@ def test_asgi_producer_does_not_block_the_loop(worker: Any, engine: Engine, caps
                 out["http_async"], http_async_runs = await _lag_during(lambda: burst(async_paths))
                 out["http_sync"], http_sync_runs = await _lag_during(
                     lambda: burst([f"/send-sync?n={i}" for i in range(BURST)]))
-            sample = [RunHandle(uuid.UUID(r), "test.direct.add") for r in http_async_runs[half:half + 5]]
-            out["results"] = await asyncio.gather(*(h.get_async(timeout=30) for h in sample))
+            out["sample"] = [RunHandle(uuid.UUID(r), "test.direct.add") for r in http_async_runs[half:half + 5]]
         finally:
             server.should_exit = True
             await serving
         out["runs"] = loop_async_runs + loop_sync_runs + http_async_runs + http_sync_runs
         return out
 
-    out = asyncio.run(scenario())
+    kit.uninstall()  # the producers publish as in production (the session's Redis queue): part of what is measured
+    try:
+        out = asyncio.run(scenario())
+    finally:
+        kit.install()
     with capsys.disabled():
         print(f"\nloop lag, {BURST} send_event_async gathered in the loop:      {_summary(out['loop_async'])}"
               f"\nloop lag, {BURST} sync send_event called in the loop:        {_summary(out['loop_sync'])}"
               f"\nloop lag, {BURST} no-op requests to the ASGI app (baseline): {_summary(out['http_noop'])}"
               f"\nloop lag, {BURST} requests: send_event_async / delay_async:  {_summary(out['http_async'])}"
               f"\nloop lag, {BURST} requests: sync send_event in the endpoint: {_summary(out['http_sync'])}")
-    assert [r["total"] for r in out["results"]] == [1, 2, 3, 4, 5]  # add(n, 1) of /delay-async?n=0..4
-    # Every call made its run, and the worker runs all of them.
+    # Every call made its run, and the kit's worker threads run all of them.
     runs = out["runs"]
     assert len(set(runs)) == 4 * BURST
     runs += [str(r) for r in out["warmup"]]
+    # Run by four worker threads at once (the runs mostly wait: a pause, a connection of their own).
+    run_concurrently(kit, 4, lambda: True, refused=0.0)
 
-    def finished() -> bool:
-        with engine.connect() as conn:
-            return conn.execute(text("SELECT count(*) FROM job_queue WHERE id = ANY(CAST(:ids AS uuid[])) "
-                                     "AND state = 'succeeded'"), {"ids": runs}).scalar() == len(runs)
+    async def sample() -> list[Any]:
+        return await asyncio.gather(*(h.get_async(timeout=30) for h in out["sample"]))
 
-    wait_for(finished, timeout=120, what="every run of the bursts succeeded")
+    assert [r["total"] for r in asyncio.run(sample())] == [1, 2, 3, 4, 5]  # add(n, 1) of /delay-async?n=0..4
+    with engine.connect() as conn:
+        finished = conn.execute(text("SELECT count(*) FROM job_queue WHERE id = ANY(CAST(:ids AS uuid[])) "
+                                     "AND state = 'succeeded'"), {"ids": runs}).scalar()
+    assert finished == len(runs)  # every run of the bursts succeeded
     # The point: the async path leaves the loop free; the sync call holds it for every send.
     # Asserted on A, which isolates the producer calls; B's lags are mostly the HTTP stack's own
     # CPU (its no-op baseline), on a shared 2-core machine: printed, not asserted. The async lags'
