@@ -61,7 +61,7 @@ test-scale: system-packages setup
 PGBOUNCER_TESTS := tests/adapter/test_worker_e2e.py tests/adapter/test_hot_path.py tests/adapter/test_pgbouncer.py \
 	tests/store/test_pooler_detection.py tests/chaos/test_chaos_sigkill.py \
 	tests/core/test_primitives.py tests/core/test_compose_runs.py tests/core/test_resume.py tests/core/test_direct.py \
-	tests/core/test_batch.py tests/core/test_canvas.py tests/core/test_flow_control.py tests/contrib/test_django.py
+	tests/core/test_batch.py tests/core/test_canvas.py tests/contrib/test_django.py
 
 test-pgbouncer: system-packages setup
 	$(call with-services,MOTIR_TEST_SCAN_WORKER_LOGS=1 $(PYTHON) -m tests.fixtures.pgbouncer run -- \

@@ -19,7 +19,11 @@ def include_name(name: str | None, type_: str, parent_names: object) -> bool:
 
 
 def run_migrations_online() -> None:
-    engine = create_engine(config.get_main_option("sqlalchemy.url"), poolclass=pool.NullPool)
+    # Nothing prepared (prepare_threshold None): psycopg would prepare a query run five times, as
+    # autogenerate's reflection runs them, under names a transaction pooler (PgBouncer) shares
+    # among its clients' server sessions. A migration or a check is rare: preparing buys nothing.
+    engine = create_engine(config.get_main_option("sqlalchemy.url"), poolclass=pool.NullPool,
+                           connect_args={"prepare_threshold": None})
     with engine.connect() as connection:
         context.configure(connection=connection, target_metadata=Base.metadata, compare_type=True,
                           include_name=include_name)
