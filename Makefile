@@ -56,7 +56,8 @@ test-scale: system-packages setup
 # database most, through PgBouncer (pool_mode = transaction, default_pool_size 4) in front of the same
 # server, with MOTIR_PREPARED_STATEMENTS unset as a user leaves it. The session creates, migrates and
 # drops its database through it too. The chaos tests of brokers, beats and bad input are not here: they
-# test no database path the SIGKILL one does not. (Not test_beat.py: its warm_pool helper holds 5
+# test no database path the SIGKILL one does not, nor do the RabbitMQ variants of the end-to-end tests
+# (their Redis twins send the same statements). (Not test_beat.py: its warm_pool helper holds 5
 # transactions open at once, one more than the pool.)
 PGBOUNCER_TESTS := tests/adapter/test_worker_e2e.py tests/adapter/test_hot_path.py tests/adapter/test_pgbouncer.py \
 	tests/store/test_pooler_detection.py tests/chaos/test_chaos_sigkill.py \
@@ -65,7 +66,7 @@ PGBOUNCER_TESTS := tests/adapter/test_worker_e2e.py tests/adapter/test_hot_path.
 
 test-pgbouncer: system-packages setup
 	$(call with-services,MOTIR_TEST_SCAN_WORKER_LOGS=1 $(PYTHON) -m tests.fixtures.pgbouncer run -- \
-		$(PYTHON) -m pytest $(PYTEST_XDIST) $(PGBOUNCER_TESTS) $(PYTEST_ARGS))
+		$(PYTHON) -m pytest $(PYTEST_XDIST) -m "not amqp and not scale" $(PGBOUNCER_TESTS) $(PYTEST_ARGS))
 
 # Both checks run; either failing fails the target.
 lint: setup

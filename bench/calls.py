@@ -102,18 +102,28 @@ def batch(db: h.Database, args: Any) -> None:
 
 @contextmanager
 def counting() -> Iterator[list[int]]:
-    """``[n]``: the ``psycopg.Cursor.execute`` calls of this process meanwhile."""
-    real, n = psycopg.Cursor.execute, [0]
+    """``[n]``: the statements this process sent meanwhile: ``psycopg.Cursor.execute`` calls and
+    the per-step statements the driver sends through libpq itself (``driver.through_libpq_prepared``)."""
+    from motir_celery.store import driver
+
+    real, real_libpq, n = psycopg.Cursor.execute, driver.through_libpq_prepared, [0]
 
     def execute(cursor: Any, *a: Any, **kw: Any) -> Any:
         n[0] += 1
         return real(cursor, *a, **kw)
 
+    def through_libpq(*a: Any, **kw: Any) -> Any:
+        found = real_libpq(*a, **kw)
+        n[0] += found is not None  # None: the cursor sends it (counted there)
+        return found
+
     psycopg.Cursor.execute = execute  # type: ignore[method-assign]
+    setattr(driver, "through_libpq_prepared", through_libpq)
     try:
         yield n
     finally:
         psycopg.Cursor.execute = real  # type: ignore[method-assign]
+        setattr(driver, "through_libpq_prepared", real_libpq)
 
 
 def adoption(db: h.Database, args: Any) -> None:

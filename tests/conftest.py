@@ -126,6 +126,18 @@ def amqp_url() -> str:
 
 
 @pytest.fixture(autouse=True)
+def _publishing_app_restored() -> Iterator[None]:
+    """A test that attach()es an app of its own (or imports a module that does, as
+    tests/fixtures/user_app.py) publishes through it; the tests after it publish through the
+    app they would have had, not that one (its broker or queue may be another's)."""
+    from motir_celery.adapter import celery_app
+
+    before = celery_app.publishing_app()
+    yield
+    celery_app.use_as_default(before)
+
+
+@pytest.fixture(autouse=True)
 def _clean_tables(request: pytest.FixtureRequest) -> Iterator[None]:
     """Tests that use the database start from empty tables, with the session's URL in the environment."""
     if "database_url" in request.fixturenames or "engine" in request.fixturenames:

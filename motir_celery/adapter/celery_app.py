@@ -105,11 +105,17 @@ def default_app() -> Celery:
     return app
 
 
-def use_as_default(app: Celery) -> None:
-    """Publish through ``app`` from now on (``motir_celery.attach`` calls this)."""
+def use_as_default(app: Celery | None) -> None:
+    """Publish through ``app`` from now on (``motir_celery.attach`` calls this); None: through
+    ours again, built from the environment on its next use."""
     global _default
     with _default_lock:
         _default = app
+
+
+def publishing_app() -> Celery | None:
+    """The app ``default_app`` returns now, without building one (None before its first use)."""
+    return _default
 
 
 def create_app(settings: Settings | None = None, *, main: str = "motir_celery") -> Celery:

@@ -34,7 +34,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from motir_celery.settings import get_settings
 from motir_celery.store import pooler
 
-__all__ = ["Statement", "rows", "first", "rows_async", "plan"]
+__all__ = ["Statement", "rows", "first", "rows_async", "plan", "through_libpq_prepared"]
 
 
 class Statement(NamedTuple):
@@ -51,7 +51,7 @@ class Statement(NamedTuple):
     doc: str
     sql: str
     prepare: bool = True
-    #: Sent through libpq itself when prepared (``_through_libpq``): for the statements a run
+    #: Sent through libpq itself when prepared (``through_libpq_prepared``): for the statements a run
     #: sends per step, whose answer is a count or a flag.
     libpq: bool = False
 
@@ -74,7 +74,7 @@ def rows(conn: Connection, statement: Statement, params: dict[str, Any]) -> list
         cursor = _cursors[raw] = raw.cursor()
     try:
         if prepare and statement.libpq:
-            found = _through_libpq(raw, statement, params)
+            found = through_libpq_prepared(raw, statement, params)
             if found is not None:
                 return found
         cursor.execute(statement.sql, params, prepare=prepare)
@@ -130,7 +130,8 @@ _READ: dict[int, Callable[[bytes], Any]] = {21: int, 23: int, 20: int, 16: lambd
                                            25: bytes.decode, 1043: bytes.decode, 2278: bytes.decode}
 
 
-def _through_libpq(raw: psycopg.Connection[Any], statement: Statement, params: dict[str, Any]) -> list[dict[str, Any]] | None:
+def through_libpq_prepared(raw: psycopg.Connection[Any], statement: Statement,
+                           params: dict[str, Any]) -> list[dict[str, Any]] | None:
     """The statement's rows, sent prepared with PQexecPrepared; None: the cursor must send it."""
     named = _named.get(raw)
     if named is None:
