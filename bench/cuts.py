@@ -66,11 +66,6 @@ class Cut:
 
 
 CUTS = (
-    Cut("held_connection", "each thread keeps its attempt connection (no pool checkout, autocommit switch and "
-        "return per run)",
-        (Undo("core/worker/runner.py", "with attempt_connection(engine) as conn:",
-              'with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:'),),
-        commit="baa63cd"),
     Cut("kept_cursor", "one kept cursor per connection, tuple rows with cached column names (not a dict_row "
         "cursor per statement)",
         (Undo("store/driver.py", """    cursor = _cursors.get(raw)
@@ -94,20 +89,13 @@ CUTS = (
             return cursor.fetchall() if cursor.description is not None else []
 """)),
         commit="d7259a8"),
-    Cut("deferred_release", "a run's release told to the lease renewer with the next run's hold (one message, "
-        "one renewer wake-up per run, not two)",
-        (Undo("core/worker/leases.py", """        released, holds.released = "".join(holds.released), []
-        holds.tell(released + lease.line(now))""", """        holds.tell(lease.line(now))"""),
-         Undo("core/worker/leases.py", """            holds.released.append(f"{RELEASE} {lease.token}\\n")""",
-              """            holds.tell(f"{RELEASE} {lease.token}\\n")""")),
-        commit="(this change)"),
     Cut("libpq_statements", "the step record and the settle sent prepared through libpq's PQexecPrepared, not "
         "psycopg's cursor",
         (Undo("store/sql/worker.py", "    libpq=True,  # three a run: through libpq itself (driver.py)\n", ""),
          Undo("store/sql/worker.py", "    libpq=True,  # once a run: through libpq itself (driver.py)\n", "")),
-        commit="(this change)"),
+        commit="c41b2d5"),
     Cut("settle_async_commit", "a succeeded run's settle does not wait for the WAL flush (hazard: "
-        "store/sql/worker.py, SETTLE_SUCCEEDED)", env={"MOTIR_SETTLE_ASYNC_COMMIT": "0"}, commit="(this change)"),
+        "store/sql/worker.py, SETTLE_SUCCEEDED)", env={"MOTIR_SETTLE_ASYNC_COMMIT": "0"}, commit="6f43bf0"),
 )
 
 #: Every cut at once: what issue 28 took off a run on this same tree, the others' changes since kept.
@@ -226,16 +214,19 @@ def render(rows: dict[str, dict[str, Any]], cuts: dict[str, Cut], meta: dict[str
         md += ["", f"In process (`runner.execute` alone, {meta['inprocess_runs']:,} runs one after another a "
                "measurement, the same schedule: every OFF between two ONs, medians of the rounds): CPU ms per run of "
                "the process and of its Postgres backends, and the median time one run takes (claim to settle: its "
-               "round trips and flushes, the part of p50 the engine owns). A cut of the worker's other processes "
+               "round trips and flushes, the part of p50 the engine owns: it counts toward the p50 rule, and "
+               "is steadier than the drains on a shared machine). A cut of the worker's other processes "
                "(the renewer's) shows in the drains only.", "",
                "| cut | client with | without | saved | Postgres with | without | saved | a run's time (median) with, ms "
-               "| without | saved |",
-               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+               "| without | saved | verdict |",
+               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for key, r in steady.items():
             name = "control: nothing undone" if key == CONTROL else cuts[key].what
+            saved_ms = r["off_wall"] - r["on_wall"]
+            v = "(drift)" if key == CONTROL else ("keep (a run's time)" if saved_ms >= KEEP_MS else "remove")
             md.append(f"| {name} | {r['on_client']:.3f} | {r['off_client']:.3f} | {r['off_client'] - r['on_client']:+.3f} "
                       f"| {r['on_backend']:.3f} | {r['off_backend']:.3f} | {r['off_backend'] - r['on_backend']:+.3f} "
-                      f"| {r['on_wall']:.2f} | {r['off_wall']:.2f} | {r['off_wall'] - r['on_wall']:+.2f} |")
+                      f"| {r['on_wall']:.2f} | {r['off_wall']:.2f} | {saved_ms:+.2f} | {v} |")
     return "\n".join(md) + "\n"
 
 
@@ -297,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         pg.init()
         db = h.Database.create(DB, pg.url("postgres"))
-        steady_keys = [k for k in keys if k == CONTROL or cuts[k].key != "deferred_release"]  # (no renewer in process)
+        steady_keys = keys
         steady_plan = schedule(steady_keys, args.rounds) if args.inprocess_runs else []
         for i, key in enumerate(steady_plan):
             r = inprocess(db.url, trees[key], envs[key], args.inprocess_runs)

@@ -26,11 +26,8 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-import psycopg
-from psycopg import pq
 from sqlalchemy import Connection, Engine, create_engine
 from sqlalchemy.orm import Session
 
@@ -43,7 +40,6 @@ from motir_celery.store.sql import session
 
 __all__ = [
     "get_engine",
-    "attempt_connection",
     "engine_connection",
     "workspace_session",
     "set_workspace_context",
@@ -136,93 +132,8 @@ def side_engine(settings: Settings | None = None) -> Engine:
     return engine
 
 
-@dataclass
-class _Slot:
-    conn: Connection
-    busy: bool = False
-
-
-@dataclass
-class _Held:
-    """Each thread's attempt connection per engine (``attempt_connection``), and all of them."""
-
-    local: threading.local = field(default_factory=threading.local)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    slots: list[_Slot] = field(default_factory=list)
-    generation: int = 0
-
-
-_held = per_process(_Held)
-
-
-@contextmanager
-def attempt_connection(engine: Engine) -> Iterator[Connection]:
-    """A connection to ``engine`` in autocommit for one attempt (the runner's: one statement, one
-    transaction, one commit), kept checked out by this thread between its attempts.
-
-    Checking a connection out of the pool, switching it to autocommit and back and returning
-    it cost a pool child ~0.1 ms a run (docs/performance.md, "Where a run's CPU goes"); a thread
-    runs one attempt at a time, so it keeps one. Before each attempt the kept one is checked
-    (no round trip): one that is closed, invalidated, or not idle (an attempt that ended in
-    mid-statement, from a signal handler's exception) is dropped and a new one checked out.
-    An attempt inside another of the same thread (eager mode: a run published from a run)
-    gets a pooled connection of its own, returned after it. ``dispose_engines`` returns them all.
-    """
-    held = _held()
-    if getattr(held.local, "generation", None) != held.generation:
-        held.local.slots, held.local.generation = {}, held.generation
-    mine: dict[Engine, _Slot] = held.local.slots
-    slot = mine.get(engine)
-    if slot is not None and slot.busy:
-        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            yield conn
-        return
-    if slot is not None and not _idle(slot.conn):
-        _drop(held, slot)
-        slot = None
-    if slot is None:
-        slot = mine[engine] = _Slot(engine.connect().execution_options(isolation_level="AUTOCOMMIT"))
-        with held.lock:
-            held.slots.append(slot)
-    slot.busy = True
-    try:
-        yield slot.conn
-    finally:
-        slot.busy = False
-
-
-def _idle(conn: Connection) -> bool:
-    if conn.closed or conn.invalidated or conn.in_transaction():
-        return False
-    raw = conn.connection.driver_connection
-    return not isinstance(raw, psycopg.Connection) or (
-        not raw.closed and not raw.broken and raw.info.transaction_status == pq.TransactionStatus.IDLE)
-
-
-def _drop(held: _Held, slot: _Slot) -> None:
-    with held.lock:
-        if slot in held.slots:
-            held.slots.remove(slot)
-    try:
-        if not slot.conn.closed and not slot.conn.invalidated:
-            slot.conn.invalidate()  # whatever state it is in, it is not handed out again
-        slot.conn.close()
-    except Exception:  # noqa: BLE001 — a connection being dropped may be broken in any way
-        pass
-
-
 def dispose_engines() -> None:
-    """Drop every pooled connection of this process, the attempts' kept ones too (at
-    shutdown, and in tests)."""
-    held = _held()
-    with held.lock:
-        slots, held.slots = held.slots, []
-        held.generation += 1
-    for slot in slots:
-        try:
-            slot.conn.close()
-        except Exception:  # noqa: BLE001 — returned to a pool that is being disposed anyway
-            pass
+    """Drop every pooled connection of this process (at shutdown, and in tests)."""
     engines = _engines()
     with engines.lock:
         for engine in engines.by_url.values():

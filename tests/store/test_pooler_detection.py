@@ -29,7 +29,7 @@ from sqlalchemy.engine import Engine
 from motir_celery.core.worker import runner
 from motir_celery.settings import reset_settings
 from motir_celery.store import pooler
-from motir_celery.store.db import attempt_connection, dispose_engines, get_engine
+from motir_celery.store.db import dispose_engines, get_engine
 from tests.fixtures.ops_helpers import emit
 from tests.fixtures.pgbouncer import PgBouncer, binary
 
@@ -180,7 +180,7 @@ def test_a_session_pooler_and_a_direct_connection_keep_statements_prepared(
         (run_id,) = _queued(1)
         assert runner.execute(run_id, job_id=JOB, worker="pooler-test/1").state == "succeeded"
         assert pooler.mode(get_engine()) == "prepared (no transaction pooler found)"
-        with attempt_connection(get_engine()) as conn:  # the connection the run used: its statements stay
+        with get_engine().connect() as conn:  # the pool's one connection, the run's: its statements stay
             assert conn.execute(text("SELECT count(*) FROM pg_prepared_statements")).scalar_one() >= 3
         assert _warnings(caplog) == []
     finally:

@@ -169,9 +169,6 @@ class _Holds:
         self.sock: socket.socket | None = None
         self.tried = False  # connected once, or tried: reconnects are the engine thread's
         self.outage = False  # renewing here because the renewer could not be reached (WARNING said)
-        #: Releases not told yet: they go with the next hold's line, or the engine thread's next tick
-        #: (one message per run, not two: the renewer wakes once a run).
-        self.released: list[str] = []
 
     def tell(self, line: str) -> None:
         """Send one line to the renewer (the caller holds ``lock``); on any failure, renew here."""
@@ -282,16 +279,13 @@ def hold(run_id: uuid.UUID, job_id: str, settings: Settings | None = None) -> It
     with holds.lock:
         if holds.sock is None and not holds.tried and _renewer_path is not None:
             holds.connect(_renewer_path)  # this process's first hold (reconnects: renew_due)
-        released, holds.released = "".join(holds.released), []
-        holds.tell(released + lease.line(now))
+        holds.tell(lease.line(now))
     try:
         yield lease.token
     finally:
         holds.ledger.drop(lease.token)
         with holds.lock:
-            # Told with the next hold (or within a tick): until then the renewer may renew it once
-            # more, a fenced UPDATE that finds the run settled and changes nothing.
-            holds.released.append(f"{RELEASE} {lease.token}\n")
+            holds.tell(f"{RELEASE} {lease.token}\n")
 
 
 def held_count() -> int:
@@ -312,9 +306,6 @@ def renew_due() -> None:
             holds.check()
             if holds.sock is None and (holds.tried or holds.ledger.leases):
                 holds.connect(_renewer_path)
-            if holds.released:
-                released, holds.released = "".join(holds.released), []
-                holds.tell(released)
         if holds.sock is not None:
             return
     holds.ledger.renew_due(side_engine)

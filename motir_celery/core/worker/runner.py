@@ -1,9 +1,8 @@
 """Execute one run: claim, call the handler with its memoized steps, settle.
 
 What a Celery task calls with the run id from its message; the only place an
-attempt starts or ends. One connection, in autocommit, for the attempt (this
-thread's, kept between its attempts: ``db.attempt_connection``): the claim, each
-step record and the settle are one statement and one commit.
+attempt starts or ends. One pooled connection, in autocommit, for the attempt:
+the claim, each step record and the settle are one statement and one commit.
 
 How an attempt ends: ``LostClaim`` / ``RunCancelled`` (a fenced write was
 refused: write nothing more); ``NonRetriableError``, ``StepOutputError`` or an
@@ -46,7 +45,7 @@ from motir_celery.errors import (
 )
 from motir_celery.settings import Settings, get_settings
 from motir_celery.store import records
-from motir_celery.store.db import attempt_connection, get_engine
+from motir_celery.store.db import get_engine
 from motir_celery.store.sql import worker as worker_sql
 
 __all__ = ["Event", "Outcome", "execute"]
@@ -101,7 +100,7 @@ def execute(run_id: uuid.UUID | str, *, job_id: str, worker: str, publish: Publi
 
 def _execute(engine: Engine, run_uuid: uuid.UUID, job_id: str, worker: str, publish: Publish | None,
              settings: Settings) -> Outcome:
-    with attempt_connection(engine) as conn:
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         limit = concurrency.limit_of(job_id)
         flow_options = flow.options_of(job_id)  # throttle= / debounce= / batch=: decided at the claim
         # Held from before the claim, under the token the claim then stores: the lease is
