@@ -3,7 +3,7 @@
 #              one session: PYTEST_WORKERS=0); first installs the Debian packages the tests need when
 #              missing (.ci/system-packages: chromium, docker-compose, pgbouncer)
 # make lint  - ruff check (the repository) and mypy motir_celery, as CI runs them
-# make test-pgbouncer - the worker end-to-end, hot-path, engine-semantics, Django and SIGKILL chaos tests again,
+# make test-pgbouncer - the worker end-to-end, engine-semantics, canvas, Django and SIGKILL chaos tests again,
 #              through a private PgBouncer in transaction pooling (tests/fixtures/pgbouncer.py) with
 #              MOTIR_PREPARED_STATEMENTS unset (the engine finds the pooler); a database error in any worker
 #              log fails the test
@@ -57,9 +57,10 @@ test-scale: system-packages setup
 # server, with MOTIR_PREPARED_STATEMENTS unset as a user leaves it. The session creates, migrates and
 # drops its database through it too. The chaos tests of brokers, beats and bad input are not here: they
 # test no database path the SIGKILL one does not, nor do the RabbitMQ variants of the end-to-end tests
-# (their Redis twins send the same statements). (Not test_beat.py: its warm_pool helper holds 5
+# (their Redis twins send the same statements), nor test_hot_path.py (bodies that hold the GIL, huge
+# errors and step ids, pool types: the worker end-to-end tests send its statements). (Not test_beat.py: its warm_pool helper holds 5
 # transactions open at once, one more than the pool.)
-PGBOUNCER_TESTS := tests/adapter/test_worker_e2e.py tests/adapter/test_hot_path.py tests/adapter/test_pgbouncer.py \
+PGBOUNCER_TESTS := tests/adapter/test_worker_e2e.py tests/adapter/test_pgbouncer.py \
 	tests/store/test_pooler_detection.py tests/chaos/test_chaos_sigkill.py \
 	tests/core/test_primitives.py tests/core/test_compose_runs.py tests/core/test_resume.py tests/core/test_direct.py \
 	tests/core/test_batch.py tests/core/test_canvas.py tests/contrib/test_django.py
