@@ -47,7 +47,7 @@ run: setup
 # The scale tests (-m scale: minutes of one worker on two cores) are a command of their own, as the
 # soak and the benchmarks are: make test-scale.
 test: system-packages setup
-	$(call with-services,$(PYTHON) -m pytest $(PYTEST_XDIST) -m "not scale" $(PYTEST_ARGS))
+	$(call with-services,$(PYTHON) -m pytest $(PYTEST_XDIST) -m "not scale" --durations=15 $(PYTEST_ARGS))
 
 test-scale: system-packages setup
 	$(call with-services,$(PYTHON) -m pytest -m scale $(PYTEST_ARGS))
