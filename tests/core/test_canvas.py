@@ -39,16 +39,13 @@ from motir_celery.core.worker.canvas import CANVAS_JOB_ID, MAX_DEPTH, member_id
 from motir_celery.store.sql import worker as worker_sql
 from motir_celery.testing import Motir
 from motir_celery.testing.kit import DrainError
+from tests.fixtures import kit_workers
 
 
 @pytest.fixture(autouse=True)
 def effects(motir: Motir) -> None:
     """The side-effect ledger of tests/fixtures/jobs.py, in the kit's database, empty."""
-    with motir.engine.begin() as conn:
-        conn.execute(text(
-            "CREATE SCHEMA IF NOT EXISTS test; CREATE TABLE IF NOT EXISTS test.side_effect ("
-            " id bigserial PRIMARY KEY, run_id text NOT NULL, step text NOT NULL, attempt int, pid int,"
-            " at timestamptz NOT NULL DEFAULT now()); TRUNCATE test.side_effect"))
+    kit_workers.effects(motir)
 
 
 def effects_of(motir: Motir, step: str) -> list[str]:
