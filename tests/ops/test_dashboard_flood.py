@@ -261,8 +261,9 @@ def test_one_client_hammering_on_eight_connections_does_not_slow_another_clients
           f"{quiet.seconds * 1000:.0f} ms quiet, {flooded.seconds * 1000:.0f} ms under it; /healthz {_ms(healthz)}")
     assert flooded.status == 200 and "erin · ws-b" in flooded.body
     # It never waits behind the flood's verifications (one at a time, the other thread is free); what
-    # is left is sharing 2 cores with the flooder process itself. On d5e1222 it queued behind all 8.
-    assert flooded.seconds < max(4 * quiet.seconds, 1.5)
+    # is left is sharing 2 cores with the flooder process itself (and, in CI, with five other test
+    # sessions). On d5e1222 it queued behind all 8: 4-5 s.
+    assert flooded.seconds < max(4 * quiet.seconds, 3.0)
     assert max(healthz) < HEALTHZ_MAX
     assert counts.get("200", 0) == 0 and counts["429"] > counts["401"]
 

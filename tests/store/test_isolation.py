@@ -612,9 +612,15 @@ def _new_database(database_url: str) -> Iterator[str]:
     try:
         yield server.set(database=name).render_as_string(hide_password=False)
     finally:
-        with owner.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        owner.dispose()
+        # DROP DATABASE waits for an immediate checkpoint (a loaded CI server: up to a minute): in a
+        # thread of its own (not a daemon: the session's process waits for it as it exits), not in
+        # the test's teardown.
+        def drop() -> None:
+            with owner.connect() as conn:
+                conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+            owner.dispose()
+
+        threading.Thread(target=drop, name=f"drop {name}").start()
 
 
 @pytest.fixture
