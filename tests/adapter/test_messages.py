@@ -98,11 +98,12 @@ def test_a_message_pushed_the_short_way_is_the_message_send_task_writes(
     app: Celery, sent: list[str], broker: redis.Redis, job_id: str, countdown: float,
 ) -> None:
     publish = publisher(app)
+    queue = OWN_QUEUE if job_id == "test.msg-own-queue" else app.conf.task_default_queue
+    broker.delete(queue)  # what an earlier test of this session left on the session's queue is not ours
     first, second = uuid.uuid4(), uuid.uuid4()
     publish(first, job_id, countdown)   # the queue's first message here: send_task, which declares it
     publish(second, job_id, countdown)  # then the short way
     assert sent == [f"motir.{job_id}"]
-    queue = OWN_QUEUE if job_id == "test.msg-own-queue" else app.conf.task_default_queue
     # Redis inverts priority (0 first): 8 becomes 1, kombu's list of priority step 0 is the queue's own.
     by_send_task, by_lane = _drain(broker, queue)
     long_way, short_way = _shape(by_send_task, first), _shape(by_lane, second)
