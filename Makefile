@@ -7,7 +7,8 @@
 #              through a private PgBouncer in transaction pooling (tests/fixtures/pgbouncer.py) with
 #              MOTIR_PREPARED_STATEMENTS unset (the engine finds the pooler); a database error in any worker
 #              log fails the test
-# make test-scale - the scale tests make test leaves out (-m scale: a chord of 10,000 on real workers)
+# make test-scale - the long tests make test leaves out (-m scale: a chord of 10,000 on real workers, the
+#              chaos beats scenario)
 #
 # Unset service URLs are filled in by `python -m motir_celery.dev.embedded env`, which
 # starts embedded Postgres / Redis under $MOTIR_DATA_DIR (default .motir/) and
