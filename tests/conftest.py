@@ -267,12 +267,22 @@ def celery_worker(tmp_path: Path, *, broker: str, concurrency: int = 2, pool: st
             time.sleep(0.1)
         yield worker
     finally:
-        worker.kill(signal.SIGTERM)
+        stop_group(proc)
+
+
+def stop_group(proc: subprocess.Popen[bytes], grace: float = 15.0) -> None:
+    """Stop a process started with ``start_new_session=True`` and everything it forked: SIGTERM
+    to its process group, SIGKILL if it is still there after ``grace`` seconds."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
         try:
-            proc.wait(timeout=15)
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
         except subprocess.TimeoutExpired:
-            worker.kill(signal.SIGKILL)
-            proc.wait(timeout=10)
+            continue
 
 
 def wait_for(predicate, timeout: float = 30.0, interval: float = 0.1, what: str = "condition"):  # type: ignore[no-untyped-def]

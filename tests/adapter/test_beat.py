@@ -42,7 +42,7 @@ from motir_celery.settings import Settings
 from motir_celery.store.db import workspace_session
 from motir_celery.store.records import AlreadyQueued, Queued
 from motir_celery.store.sql import producer as producer_sql
-from tests.conftest import ROOT, celery_worker, run_state, wait_for
+from tests.conftest import ROOT, celery_worker, run_state, stop_group, wait_for
 
 UTC = timezone.utc
 
@@ -372,13 +372,7 @@ def celery_beat(tmp_path: Path, name: str, env: dict[str, str], app: str = "moti
         assert proc.poll() is None, log.read_text(errors="replace")[-4000:]
         yield proc, log
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
+        stop_group(proc)
 
 
 def _drop_queues(broker: str, *names: str) -> None:

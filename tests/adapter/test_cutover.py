@@ -37,7 +37,7 @@ from motir_celery.adapter.backend import MotirBackend, RunsFirst
 from motir_celery.adapter.celery_app import attach, create_app
 from motir_celery.core.jobs import CallStep, DirectCallUnsupported, job_for_task
 from motir_celery.settings import Settings
-from tests.conftest import ROOT, celery_worker, count_effects, wait_for
+from tests.conftest import ROOT, celery_worker, count_effects, stop_group, wait_for
 from tests.fixtures.browser import free_port
 
 FIXTURE = ROOT / "tests" / "cutover"
@@ -317,8 +317,7 @@ def _beat(tmp_path: Path, name: str, every: float) -> Iterator[Path]:
         assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
         yield log
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=15)
+        stop_group(proc)
 
 
 def _sent_ids(log: Path) -> list[str]:
@@ -402,14 +401,7 @@ def _flower(tmp_path: Path, app: str, database_url: str, broker_url: str, **extr
         assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
         yield base
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=10)
-        except ProcessLookupError:
-            pass
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+        stop_group(proc, grace=10.0)
 
 
 def _flower_result(base: str, task_id: Any) -> dict[str, Any]:

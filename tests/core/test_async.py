@@ -38,16 +38,9 @@ import tests.fixtures.direct_jobs as dj
 from motir_celery import JobRevoked, RunHandle, send_event, send_event_async
 from motir_celery.testing import Motir
 from tests.conftest import count_effects, run_state
-from tests.fixtures.kit_workers import effects, run_concurrently
+from tests.fixtures.kit_workers import run_concurrently
 
 BURST = 200
-
-
-@pytest.fixture
-def kit(motir: Motir) -> Motir:
-    """The test kit, with the side-effect ledger of tests/fixtures/jobs.py in its database, empty."""
-    effects(motir)
-    return motir
 
 
 def test_async_handler_with_coroutine_steps(kit: Motir) -> None:

@@ -22,21 +22,12 @@ from motir_celery import PayloadError, send_events
 from motir_celery.adapter.celery_app import create_app
 from motir_celery.settings import Settings
 from motir_celery.store.db import workspace_session
-from motir_celery.testing import Motir
 from tests.conftest import count_effects, run_state
-from tests.fixtures.kit_workers import effects
 
 
 @pytest.fixture
 def app(broker_url):  # type: ignore[no-untyped-def]
     return create_app(Settings.from_env())
-
-
-@pytest.fixture
-def kit(motir: Motir) -> Motir:
-    """The test kit, with the side-effect ledger of tests/fixtures/jobs.py in its database, empty."""
-    effects(motir)
-    return motir
 
 
 @pytest.fixture

@@ -15,14 +15,7 @@ import tests.fixtures.compose_jobs  # noqa: F401
 from motir_celery import cancel_run
 from motir_celery.testing import Motir
 from tests.conftest import count_effects, run_state
-from tests.fixtures.kit_workers import effects, run_concurrently
-
-
-@pytest.fixture
-def kit(motir: Motir) -> Motir:
-    """The test kit, with the side-effect ledger of tests/fixtures/jobs.py in its database, empty."""
-    effects(motir)
-    return motir
+from tests.fixtures.kit_workers import run_concurrently
 
 
 def _children(engine, parent):  # type: ignore[no-untyped-def]
@@ -218,7 +211,6 @@ def _claim(engine, run_id):  # type: ignore[no-untyped-def]
 
 
 def test_one_child_per_parent_step_across_reclaims_and_the_settle_wakes_the_parent(engine):  # type: ignore[no-untyped-def]
-    import pytest
     from sqlalchemy.exc import IntegrityError
 
     from motir_celery.core.producer import events

@@ -42,18 +42,10 @@ from motir_celery.store.sql import producer as producer_sql
 from motir_celery.testing import Motir
 from tests.conftest import celery_worker, wait_for
 from tests.fixtures.flow_jobs import LIMIT, PERIOD
-from tests.fixtures.kit_workers import effects, run_concurrently
+from tests.fixtures.kit_workers import run_concurrently
 
 A, B = "ws-a", "ws-b"
 WORKER_ENV = {"MOTIR_IMPORTS": "tests.fixtures.jobs,tests.fixtures.flow_jobs", "MOTIR_REPUBLISH_AFTER": "2"}
-
-
-@pytest.fixture
-def kit(motir: Motir) -> Motir:
-    """The test kit, with the side-effect ledger (``test.side_effect``) in its database, empty:
-    tests/fixtures/flow_jobs.py records each start there."""
-    effects(motir)
-    return motir
 
 
 def _rows(engine: Engine, sql: str, **params: Any) -> list[Any]:

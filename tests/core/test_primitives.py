@@ -33,7 +33,7 @@ from motir_celery.store import records
 from motir_celery.store.sql import worker as worker_sql
 from motir_celery.testing import Motir
 from tests.conftest import ROOT, celery_worker, count_effects, run_state, wait_for
-from tests.fixtures.kit_workers import effects, run_concurrently
+from tests.fixtures.kit_workers import run_concurrently
 
 
 def _final(engine, run_id, timeout=60.0):  # type: ignore[no-untyped-def]
@@ -49,13 +49,6 @@ def _ledger(engine, run_id) -> list[str]:  # type: ignore[no-untyped-def]
 
 def _suspended(engine, run_id) -> bool:  # type: ignore[no-untyped-def]
     return "suspended" in _ledger(engine, run_id) and run_state(engine, run_id) == "queued"
-
-
-@pytest.fixture
-def kit(motir: Motir) -> Motir:
-    """The test kit, with the side-effect ledger of tests/fixtures/jobs.py in its database, empty."""
-    effects(motir)
-    return motir
 
 
 def _drain_until_settled(kit: Motir, run_id: Any, *, step: float = 1.0, rounds: int = 10) -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 
-import pytest
 from click.testing import CliRunner
 from sqlalchemy import text
 
@@ -24,14 +23,6 @@ from motir_celery.ops.cli import main as cli
 from motir_celery.settings import Settings
 from motir_celery.testing import Motir
 from tests.conftest import count_effects, run_state
-from tests.fixtures.kit_workers import effects
-
-
-@pytest.fixture
-def kit(motir: Motir) -> Motir:
-    """The test kit, with the side-effect ledger of tests/fixtures/jobs.py in its database, empty."""
-    effects(motir)
-    return motir
 
 
 def _until_quiet(kit: Motir, *, step: float = 1.0, rounds: int = 5) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import textwrap
@@ -23,7 +22,7 @@ from typing import Any, Iterator
 
 from sqlalchemy import text
 
-from tests.conftest import ROOT, celery_worker, run_state, wait_for
+from tests.conftest import ROOT, celery_worker, run_state, stop_group, wait_for
 
 BIN = Path(sys.executable).parent
 
@@ -58,12 +57,7 @@ def console_worker(folder: Path, app: str, env: dict[str, str]) -> Iterator[Path
             time.sleep(0.1)
         yield log
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=5)
+        stop_group(proc)
 
 
 @contextmanager
