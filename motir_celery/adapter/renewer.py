@@ -1,24 +1,31 @@
-"""The worker's renewer: a process of its own that renews its worker's leases.
+"""The worker's renewer: where a worker's leases are renewed, away from every body.
 
 A step body that holds its process's GIL (a C call that never lets go of it)
 freezes every thread of that process, the heartbeat's too. So a worker's leases
-are renewed from here, one small process per worker that runs no body, started
-by the worker's bootstep (``Supervisor``, in ``adapter/worker.py``). Each process
-of the worker that holds runs (the main one under solo and threads, each child
-under prefork) keeps a connection to its Unix socket, in a directory only the
-worker's user may enter, and writes one line per claim it holds and releases
+are renewed from a process that runs no body, started by the worker's bootstep
+(``Supervisor``, in ``adapter/worker.py``). Under prefork that is the worker's
+main process itself (its pool children run the bodies): the renewer is a thread
+there, and a worker has no process more than Celery's (a process of its own cost
+~60 MB of RSS a worker: docs/performance.md). Under solo and threads, whose main
+process runs the bodies, it is a small process of its own. Each process of the
+worker that holds runs (the main one under solo and threads, each child under
+prefork) keeps a connection to its Unix socket, in a directory only the worker's
+user may enter, and writes one line per claim it holds and releases
 (``core/worker/leases.py``; no database round trip on a run's path).
 
 A connection per holding process, rather than a file or shared memory, because
 the kernel closes it when that process dies, however it dies: the renewer then
 forgets that process's claims at once (their leases run out and the sweeper
 reclaims the runs, as when nothing renewed them), with no pid to poll or to be
-reused, and no lock shared between processes. The rest it renews in one fenced
-statement per lease length (``worker_sql.renew_claims``), each claim until its
-bound. It ignores SIGINT and SIGTERM (a warm shutdown's runs still need their
-heartbeats) and ends when its worker's main process does. If it dies anyway,
-the holders renew their leases themselves (WARNING) until the worker's engine
-thread has started it again, and then tell it of their claims again.
+reused, and no lock shared between processes. (A pool child forked from the main
+process closes its copies of the renewer's sockets at once, so a holder's end is
+seen when that holder dies, whoever forked after it.) The rest it renews in one
+fenced statement per lease length (``worker_sql.renew_claims``), each claim until
+its bound. Its process ignores SIGINT and SIGTERM (a warm shutdown's runs still
+need their heartbeats) and ends when its worker's main process does; its thread
+ends with that process. If it dies anyway, the holders renew their leases
+themselves (WARNING) until the worker's engine thread has started it again, and
+then tell it of their claims again.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Callable
 
 from motir_celery.core.worker import leases
 from motir_celery.settings import get_settings
@@ -70,6 +78,7 @@ class Renewer:
     def __init__(self, path: str, worker_pid: int) -> None:
         self.path = path
         self.worker_pid = worker_pid
+        self.holders: list[_Holder] = []
         self.ledger = leases.Ledger()
         self.selector = selectors.DefaultSelector()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -84,11 +93,13 @@ class Renewer:
         self.listener.setblocking(False)
         self.selector.register(self.listener, selectors.EVENT_READ, None)
 
-    def serve(self) -> None:
+    def serve(self, alive: Callable[[], bool] | None = None) -> None:
+        """Renew until ``alive()`` is false (default: while the worker's main process is this
+        process's parent)."""
         threading.Thread(target=self._read, name="motir-renewer-reader", daemon=True).start()
         settings = get_settings()
         log.info("lease renewer for worker pid %d listening at %s", self.worker_pid, self.path)
-        while os.getppid() == self.worker_pid:
+        while (alive or self._parent_alive)():
             try:
                 self.ledger.renew_due(side_engine)
             except Exception:  # noqa: BLE001 — a database blip: next tick
@@ -100,6 +111,22 @@ class Renewer:
         try:
             os.unlink(self.path)
             os.rmdir(os.path.dirname(self.path))
+        except OSError:
+            pass
+
+    def _parent_alive(self) -> bool:
+        return os.getppid() == self.worker_pid
+
+    def close_sockets(self) -> None:
+        """Close its sockets without touching its state: in a pool child forked from the process
+        it runs in (the child's copies), or in that process when its thread has ended."""
+        for sock in [self.listener, *(holder.sock for holder in self.holders)]:
+            try:
+                sock.close()
+            except OSError:
+                pass
+        try:
+            self.selector.close()
         except OSError:
             pass
 
@@ -117,7 +144,9 @@ class Renewer:
         except BlockingIOError:
             return
         sock.setblocking(False)
-        self.selector.register(sock, selectors.EVENT_READ, _Holder(sock))
+        holder = _Holder(sock)
+        self.holders.append(holder)
+        self.selector.register(sock, selectors.EVENT_READ, holder)
 
     def _receive(self, holder: _Holder) -> None:
         try:
@@ -156,6 +185,7 @@ class Renewer:
     def _gone(self, holder: _Holder, why: str) -> None:
         self.selector.unregister(holder.sock)
         holder.sock.close()
+        self.holders.remove(holder)
         forgotten = [lease for token in holder.tokens if (lease := self.ledger.drop(token)) is not None]
         if forgotten:
             log.warning("lease renewer: holder pid %s is gone (%s): the leases of its %d run(s) are no longer "
@@ -183,23 +213,38 @@ def main(argv: list[str] | None = None) -> None:
 
 
 class Supervisor:
-    """Starts the worker's renewer, and starts it again when it has died."""
+    """Starts the worker's renewer, and starts it again when it has died: a process of its
+    own, or with ``in_main_process`` (prefork, whose main process runs no body) a thread of
+    the worker's main process."""
 
-    def __init__(self, log_file: str | None = None) -> None:
+    def __init__(self, log_file: str | None = None, *, in_main_process: bool = False) -> None:
         _remove_stale()
         self.directory = tempfile.mkdtemp(prefix=PREFIX)  # 0700: the worker's user only
         self.path = os.path.join(self.directory, "socket")
         self.log_file = log_file
+        self.in_main_process = in_main_process
         self._owner = os.getpid()
         self.proc: subprocess.Popen[bytes] | None = None
+        self.thread: threading.Thread | None = None
+        self._renewer: Renewer | None = None
         self._started_at = 0.0
         self._backoff = 1.0
         self._next_start = 0.0
         self._lock = threading.Lock()
+        if in_main_process and hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._forked)
 
     def spawn(self) -> None:
         """Start the renewer (``wait`` until it listens)."""
         with self._lock:
+            if self.in_main_process:
+                self._renewer = Renewer(self.path, os.getpid())  # listening once made
+                # Renews for as long as the main process lives (a daemon thread ends with it).
+                self.thread = threading.Thread(target=self._renewer.serve, kwargs={"alive": lambda: True},
+                                               name="motir-renewer", daemon=True)
+                self.thread.start()
+                self._started_at = time.monotonic()
+                return
             level = logging.getLevelName(logging.getLogger("motir_celery").getEffectiveLevel())
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "motir_celery.adapter.renewer", "--socket", self.path,
@@ -210,6 +255,11 @@ class Supervisor:
 
     def wait(self) -> bool:
         """Wait until the renewer listens; ``False`` (WARNING) if it does not."""
+        if self.in_main_process:
+            started = self.thread is not None and self.thread.is_alive()
+            if started:
+                log.info("lease renewer started in the worker's main process (pid %d)", os.getpid())
+            return started
         proc = self.proc
         if proc is None:
             return False
@@ -225,22 +275,41 @@ class Supervisor:
 
     def check(self) -> None:
         """The engine thread's tick in the main process: start the renewer again if it died."""
-        proc = self.proc
-        if proc is None or proc.poll() is None:
-            return
+        if self.in_main_process:
+            if self.thread is None or self.thread.is_alive():
+                return
+            what = "the lease renewer's thread ended"
+        else:
+            proc = self.proc
+            if proc is None or proc.poll() is None:
+                return
+            what = f"the lease renewer (pid {proc.pid}) exited with status {proc.returncode}"
         now = time.monotonic()
         if now < self._next_start:
             return
         # Started again at once the first time; a renewer that keeps dying, at most every minute.
         self._backoff = 1.0 if now - self._started_at > 60 else min(60.0, self._backoff * 2)
         self._next_start = now + self._backoff
-        log.warning("the lease renewer (pid %d) exited with status %s; starting it again (meanwhile this "
-                    "worker's processes renew their leases themselves)", proc.pid, proc.returncode)
+        log.warning("%s; starting it again (meanwhile this worker's processes renew their leases themselves)",
+                    what)
+        if self._renewer is not None:
+            self._renewer.close_sockets()  # its sockets: the holders see it gone and tell the new one
         self.spawn()
         self.wait()
 
     def pid(self) -> int | None:
+        """The renewer's process id (the main process's own under prefork)."""
+        if self.in_main_process:
+            return os.getpid() if self.thread is not None else None
         return None if self.proc is None else self.proc.pid
+
+    def _forked(self) -> None:
+        """In a pool child: the renewer's sockets are the main process's, never the child's."""
+        renewer = self._renewer
+        if renewer is not None:
+            renewer.close_sockets()
+        self._renewer = self.thread = None
+        self.in_main_process = False  # nothing to supervise here
 
     def cleanup(self) -> None:
         """At the worker's exit (never in a forked child, which inherits the ``atexit`` hook)."""

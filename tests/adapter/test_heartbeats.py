@@ -15,8 +15,11 @@ step body records each execution (``count_effects``).
 * a killed holder — a prefork pool child, then the worker's whole process group —
   loses its runs after the lease, as before (the renewer forgets the dead
   process's claims), while a live process's run in the same worker keeps its own;
-* the renewer killed: the holders renew in process meanwhile, the worker starts it
-  again, and the run in flight is not harmed; the new renewer carries a GIL holder;
+* under prefork the renewer is a thread of the worker's main process (no process more
+  than Celery's own);
+* the renewer killed (its own process, under threads): the holders renew in process
+  meanwhile, the worker starts it again, and the run in flight is not harmed; the new
+  renewer carries a GIL holder;
 * a run held past its bound (the job's ``time_limit=``, else ``MOTIR_MAX_HOLD_SECONDS``)
   is no longer renewed, and is reclaimed (in process: the renewer's ledger is the same).
 """
@@ -204,13 +207,47 @@ def test_a_killed_holder_loses_its_runs_when_their_leases_run_out_and_a_live_one
     assert count_effects(engine, first, "long") == 2 and count_effects(engine, second, "long") == 2
 
 
+# --- where the renewer runs -----------------------------------------------------------
+
+
+def _group(worker: Worker) -> dict[int, str]:
+    """The processes of ``worker``'s process group: pid -> command line."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry.name)) == worker.proc.pid:
+                found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (ProcessLookupError, OSError):
+            continue
+    return found
+
+
+def test_under_prefork_the_renewer_is_a_thread_of_the_main_process(  # type: ignore[no-untyped-def]
+        engine, broker_url, tmp_path):
+    """Its renewals are the GIL test's and the killed holder's above: here, where it runs."""
+    subject_queue = _queue()
+    with _subject(tmp_path, broker_url, "prefork", 2, subject_queue) as subject:
+        wait_for(lambda: "lease renewer started in the worker's main process" in subject.output(), timeout=30,
+                 what="the renewer's start")
+        assert f"lease renewer started in the worker's main process (pid {subject.proc.pid})" in subject.output()
+        group = _group(subject)
+        long_first.apply_async([0], queue=subject_queue).get(timeout=30)  # a run renewed from there
+        log = subject.output()
+    assert "cannot be reached" not in log and "renewer's thread ended" not in log, log
+    assert len(group) == 3, group  # the main process and its 2 pool children: no process more
+    assert not [cmd for cmd in group.values() if "motir_celery.adapter.renewer" in cmd], group
+
+
 # --- the renewer killed -------------------------------------------------------------
 
 
 def test_a_killed_renewer_is_started_again_and_the_runs_in_flight_keep_their_leases(  # type: ignore[no-untyped-def]
         engine, broker_url, second_worker, tmp_path):
     queue = _queue()
-    with _subject(tmp_path, broker_url, "prefork", 2, queue) as subject:
+    # Under threads, the renewer is a process of its own (under prefork, the main process's thread).
+    with _subject(tmp_path, broker_url, "threads", 2, queue) as subject:
         (old,) = map(int, re.findall(r"lease renewer started \(pid (\d+)\)", subject.output()))
         run = until_released.apply_async([120], queue=queue).id  # runs until released, below
         _holder_of(engine, run, subject)
