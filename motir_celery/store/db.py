@@ -26,10 +26,9 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from sqlalchemy import Connection, Engine, create_engine
-from sqlalchemy.orm import Session
 
 from motir_celery.errors import ConfigurationError, WorkspaceError
 from motir_celery.forks import per_process
@@ -37,6 +36,9 @@ from motir_celery.settings import Settings, get_settings
 from motir_celery.store import pooler
 from motir_celery.store.rls import ADMIN_ROLE
 from motir_celery.store.sql import session
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
 
 __all__ = [
     "get_engine",
@@ -188,7 +190,7 @@ def set_workspace_context(conn: Connection | Session, workspace_id: str | None, 
     with bound parameters; the setting vanishes at COMMIT or ROLLBACK.
     """
     workspace_id = validate_workspace_id(workspace_id)
-    session.workspace_context(conn.connection() if isinstance(conn, Session) else conn, workspace_id, admin=admin)
+    session.workspace_context(conn if isinstance(conn, Connection) else conn.connection(), workspace_id, admin=admin)
 
 
 def reader_login(settings: Settings, *, admin: bool) -> tuple[str, str | None]:
@@ -240,6 +242,10 @@ def workspace_session(
     settings = settings or get_settings()
     url, role = reader_login(settings, admin=admin)
     engine = get_engine(url, settings=settings)
+    # Imported here, not with the module: the ORM is ~6 MB of every worker process's memory,
+    # and no worker path opens a Session (docs/performance.md, "Memory left").
+    from sqlalchemy.orm import Session
+
     with Session(engine) as orm, orm.begin():
         if role is not None:
             # Same login as the engine: drop to the reading role for this transaction only.

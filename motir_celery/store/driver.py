@@ -23,16 +23,18 @@ import re
 import uuid
 import weakref
 import zlib
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import psycopg
 from psycopg import pq
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from motir_celery.settings import get_settings
 from motir_celery.store import pooler
+
+if TYPE_CHECKING:  # asyncio callers bring it: a worker never imports it (its memory)
+    from sqlalchemy.ext.asyncio import AsyncConnection
 
 __all__ = ["Statement", "rows", "first", "rows_async", "plan", "through_libpq_prepared"]
 

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from sqlalchemy import Connection
-from sqlalchemy.orm import Session
 
 from motir_celery.core.jobs import cancelled_by, subscribers
 from motir_celery.core.producer import events as _events
@@ -30,6 +29,9 @@ from motir_celery.settings import Settings, get_settings
 from motir_celery.store import records
 from motir_celery.store.db import get_engine
 from motir_celery.store.sql import producer as producer_sql
+
+if TYPE_CHECKING:  # the ORM only for a caller's own Session: a worker never imports it (its memory)
+    from sqlalchemy.orm import Session
 
 __all__ = ["send_events", "MAX_BATCH"]
 

@@ -55,10 +55,9 @@ import re
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from sqlalchemy import Connection
-from sqlalchemy.orm import Session
 
 from motir_celery.core.jobs import CanvasNotSupported, Job
 from motir_celery.core.producer.events import (
@@ -78,6 +77,9 @@ from motir_celery.store.driver import first
 from motir_celery.store.records import RunSpec
 from motir_celery.store.sql import adapter as adapter_sql
 from motir_celery.store.sql import producer as producer_sql
+
+if TYPE_CHECKING:  # the ORM only for a caller's own Session: a worker never imports it (its memory)
+    from sqlalchemy.orm import Session
 
 __all__ = ["DIRECT_PREFIX", "event_name", "DirectCall", "prepare", "apply_async", "arguments", "PublishFor",
            "APPLY_ASYNC_OPTIONS", "Adopted", "adopt", "refuse", "MAX_SHOWN"]

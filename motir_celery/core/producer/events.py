@@ -30,11 +30,10 @@ import json
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Sequence
 
 from sqlalchemy import Connection
 from sqlalchemy import event as sa_event
-from sqlalchemy.orm import Session
 
 from motir_celery.core.jobs import Job, cancelled_by, subscribers
 from motir_celery.core.producer.gather import gather_runs, gathers
@@ -47,6 +46,9 @@ from motir_celery.settings import Settings, get_settings
 from motir_celery.store import records
 from motir_celery.store.db import get_engine, validate_workspace_id
 from motir_celery.store.sql import producer as producer_sql
+
+if TYPE_CHECKING:  # the ORM only for a caller's own Session: a worker never imports it (its memory)
+    from sqlalchemy.orm import Session
 
 __all__ = ["SendResult", "send_event", "dispatch_event", "publish_after_commit", "MAX_IDEMPOTENCY_KEY",
            "Joined", "join_transactions", "joined_transaction", "validate_event", "write_event", "deduplicated",
