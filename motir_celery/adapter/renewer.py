@@ -297,12 +297,6 @@ class Supervisor:
         self.spawn()
         self.wait()
 
-    def pid(self) -> int | None:
-        """The renewer's process id (the main process's own under prefork)."""
-        if self.in_main_process:
-            return os.getpid() if self.thread is not None else None
-        return None if self.proc is None else self.proc.pid
-
     def _forked(self) -> None:
         """In a pool child: the renewer's sockets are the main process's, never the child's."""
         renewer = self._renewer

@@ -195,7 +195,7 @@ def test_a_killed_holder_loses_its_runs_when_their_leases_run_out_and_a_live_one
         assert _attempts(engine, second) == ["running"]  # the live child's run kept its lease all along
         assert re.search(rf"holder pid {first_pid} is gone .*1 run\(s\) are no longer renewed", subject.output())
 
-        subject.kill(signal.SIGKILL)  # the whole process group: main process, children, renewer
+        subject.kill(signal.SIGKILL)  # the whole process group: the main process (and its renewer), the children
         killed_at = _now(engine)
         group_lost_after = _lost_after(engine, second, killed_at)
         wait_for(lambda: _attempts(engine, second) == ["lost", "succeeded"], timeout=20,
