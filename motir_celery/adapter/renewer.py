@@ -18,8 +18,9 @@ the kernel closes it when that process dies, however it dies: the renewer then
 forgets that process's claims at once (their leases run out and the sweeper
 reclaims the runs, as when nothing renewed them), with no pid to poll or to be
 reused, and no lock shared between processes. (A pool child forked from the main
-process closes its copies of the renewer's sockets at once, so a holder's end is
-seen when that holder dies, whoever forked after it.) The rest it renews in one
+process closes its copies of the renewer's sockets at once: when the renewer's end
+of a connection closes, its thread started again or the main process gone, the
+holder sees it, with no child keeping it open.) The rest it renews in one
 fenced statement per lease length (``worker_sql.renew_claims``), each claim until
 its bound. Its process ignores SIGINT and SIGTERM (a warm shutdown's runs still
 need their heartbeats) and ends when its worker's main process does; its thread
@@ -132,7 +133,11 @@ class Renewer:
 
     def _read(self) -> None:
         while True:
-            for key, _ in self.selector.select(timeout=1.0):
+            try:
+                ready = self.selector.select(timeout=1.0)
+            except (OSError, ValueError):  # closed (close_sockets): this renewer is done
+                return
+            for key, _ in ready:
                 if key.data is None:
                     self._accept()
                 else:
