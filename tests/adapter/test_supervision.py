@@ -241,8 +241,11 @@ def test_with_runs_queued_and_no_live_consumer_doctor_fails_naming_the_queue_and
     check = _workers_check()
     assert check.failed and f"no live consumer on queue(s) {queue!r} (3 run(s) queued)" in check.detail, check
     assert f"-Q {queue}" in check.fix
-    samples = _samples(dashboard.get("/metrics").text)
-    assert samples[("motir_consumers_known", ())] == 1
+    # The broker answered: a scrape waits 1.5 s at most for the broadcast, which a loaded machine
+    # can miss (the scrape then says 0, "not known"); the answer is in the next one.
+    samples = wait_for(lambda: (found := _samples(dashboard.get("/metrics").text))
+                       .get(("motir_consumers_known", ())) == 1 and found, timeout=20, interval=0.5,
+                       what="a scrape with the broker's answer")
     assert samples[("motir_workers_live", ())] == 0
     assert samples[("motir_queue_consumers", (("queue", queue),))] == 0
 
