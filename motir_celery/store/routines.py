@@ -71,7 +71,8 @@ _BOTH = frozenset({APP_ROLE, ENGINE_ROLE})
 ROUTINES: tuple[Routine, ...] = (
     Routine("motir_write_event", _EVENT, "4c604f0e09c5dbf6f4f8250d5abe03a7", True, frozenset({ENGINE_ROLE})),
     Routine("motir_write_events", _EVENTS, "ce2799ff00b0b6a54612a9f13b5035fd", True, frozenset({ENGINE_ROLE})),
-    Routine("motir_write_direct", _DIRECT, "bc4ce12fdbdc0f29f867e852d2fc2084", True, frozenset({ENGINE_ROLE})),
+    # PL/pgSQL since 0013 (its plan kept a session; 0010's statement).
+    Routine("motir_write_direct", _DIRECT, "68a7a7ff693e3d70799ac7a69cb00ae7", True, frozenset({ENGINE_ROLE})),
     Routine("motir_enqueue_event", _EVENT, "585b94b8721b20a85772a2316553b994", True, frozenset({APP_ROLE})),
     Routine("motir_enqueue_events", _EVENTS, "2c03e00c3cac1a35446723bdef77715d", True, frozenset({APP_ROLE})),
     Routine("motir_enqueue_direct", _DIRECT, "fdfde43107847247662d3f4e575ed790", True, frozenset({APP_ROLE})),
