@@ -46,7 +46,6 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable
 
 from motir_celery.core.worker import leases
 from motir_celery.settings import get_settings
@@ -94,13 +93,13 @@ class Renewer:
         self.listener.setblocking(False)
         self.selector.register(self.listener, selectors.EVENT_READ, None)
 
-    def serve(self, alive: Callable[[], bool] | None = None) -> None:
-        """Renew until ``alive()`` is false (default: while the worker's main process is this
-        process's parent)."""
+    def serve(self, *, watch_parent: bool = True) -> None:
+        """Renew while the worker's main process is this process's parent (``watch_parent``),
+        or for as long as this process lives (a thread of that main process)."""
         threading.Thread(target=self._read, name="motir-renewer-reader", daemon=True).start()
         settings = get_settings()
         log.info("lease renewer for worker pid %d listening at %s", self.worker_pid, self.path)
-        while (alive or self._parent_alive)():
+        while not watch_parent or os.getppid() == self.worker_pid:
             try:
                 self.ledger.renew_due(side_engine)
             except Exception:  # noqa: BLE001 — a database blip: next tick
@@ -114,9 +113,6 @@ class Renewer:
             os.rmdir(os.path.dirname(self.path))
         except OSError:
             pass
-
-    def _parent_alive(self) -> bool:
-        return os.getppid() == self.worker_pid
 
     def close_sockets(self) -> None:
         """Close its sockets without touching its state: in a pool child forked from the process
@@ -245,7 +241,7 @@ class Supervisor:
             if self.in_main_process:
                 self._renewer = Renewer(self.path, os.getpid())  # listening once made
                 # Renews for as long as the main process lives (a daemon thread ends with it).
-                self.thread = threading.Thread(target=self._renewer.serve, kwargs={"alive": lambda: True},
+                self.thread = threading.Thread(target=self._renewer.serve, kwargs={"watch_parent": False},
                                                name="motir-renewer", daemon=True)
                 self.thread.start()
                 self._started_at = time.monotonic()
@@ -304,11 +300,8 @@ class Supervisor:
 
     def _forked(self) -> None:
         """In a pool child: the renewer's sockets are the main process's, never the child's."""
-        renewer = self._renewer
-        if renewer is not None:
-            renewer.close_sockets()
-        self._renewer = self.thread = None
-        self.in_main_process = False  # nothing to supervise here
+        if self._renewer is not None:
+            self._renewer.close_sockets()
 
     def cleanup(self) -> None:
         """At the worker's exit (never in a forked child, which inherits the ``atexit`` hook)."""
