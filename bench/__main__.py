@@ -29,9 +29,10 @@ from urllib.parse import urlsplit
 
 from bench import harness as h
 from bench import peersenv
+from bench.targets import PlainIO
 
 DB = "motir_bench"
-SECTIONS = ("throughput", "latency", "steps", "cpu", "depth", "fanout", "beat", "memory")
+SECTIONS = ("throughput", "io", "latency", "steps", "cpu", "depth", "fanout", "beat", "memory")
 Log = Callable[[str], None]
 SIDE_ORDER = ("motir", "motir_events", "baseline", "plain", "plain_noack", "procrastinate", "dbos")
 SIDE_NAMES = {"motir": "motir-celery (3 durable steps)",
@@ -54,6 +55,7 @@ def sizes(args: argparse.Namespace) -> dict[str, Any]:
         "depth": (10_000, 100_000) if q else (10_000, 1_000_000), "memory": (1000, 3000) if q else (1000, 10_000),
         "beat_slots": 500 if q else 2000, "fanout_rounds": 10 if q else 30, "step_rounds": 2 if q else 5,
         "pgbench_s": 5 if q else 10, "cpu_runs": 300 if q else 1000, "cpu_rounds": 1 if q else 2,
+        "io_runs": 600 if q else 2000,
     }
 
 
@@ -100,6 +102,26 @@ def section_throughput(db: h.Database, sz: dict[str, Any], args: argparse.Namesp
             entry["pgbench"] = pgbench(db, clients, sz["pgbench_s"])
             log(f"  throughput [{label}] pgbench -c {clients}: {entry['pgbench']['tps']:.0f} commits/s")
     return out
+
+
+#: Issue 28's I/O-like workload: its job (bench/io_jobs.py), the modules that define it, and the concurrency.
+IO_JOB, IO_IMPORTS, IO_CONCURRENCY = "bench.three_io", "bench.workload,bench.io_jobs", 8
+
+
+def section_io(db: h.Database, sz: dict[str, Any], args: argparse.Namespace, log: Log) -> dict:
+    """The I/O-like workload (three steps, each waiting 5 ms first: a job that mostly waits) drained as in
+    section 1 by one worker of 8, against plain Celery running the same in one task
+    (``bench/plain_io_app.py``), whose ceiling is 8 / 15 ms = 533 runs/s; the sides take turns."""
+    engines = {"motir": None}
+    if args.baseline and (Path(args.baseline) / "bench" / "io_jobs.py").is_file():
+        engines["baseline"] = args.baseline  # (a checkout older than the workload has no side here)
+    turns: dict[str, Callable[[], float]] = {
+        name: (lambda s=h.Motir(db, job=IO_JOB, imports=IO_IMPORTS, engine=engine):
+               h.drain(s, sz["io_runs"], 1, IO_CONCURRENCY).rate) for name, engine in engines.items()}
+    turns["plain"] = lambda: h.drain(PlainIO(), sz["io_runs"], 1, IO_CONCURRENCY).rate
+    sides = h.interleave(turns, sz["rounds"], lambda m: log(f"  io {m}"), lambda v: f"{v:7.1f} runs/s")
+    return {"runs": sz["io_runs"], "concurrency": IO_CONCURRENCY,
+            **{k: {"median": h.median(v), "rounds": v} for k, v in sides.items()}}
 
 
 def pgbench(db: h.Database, clients: int, seconds: int) -> dict[str, Any]:
@@ -399,6 +421,19 @@ def render(results: dict[str, Any], env: dict[str, str], command: str, elapsed: 
         if pgb:  # 1 flushed commit per run: the settle, which carries the three fast steps (the claim's is not flushed)
             md.append(_row("motir runs/s x 1 flushed commit / pgbench commits/s (share of the commit ceiling)", *(
                 f"{e['motir']['median'] / e['pgbench']['tps']:.2f}" if "pgbench" in e else "" for e in tp.values())))
+
+    if io := results.get("io"):
+        md += ["", f"## 1b. I/O-like workload (3 steps, each waiting 5 ms first; 1 worker x {io['concurrency']})", "",
+               f"runs/s over the 5%..95% span of a drain of {io['runs']:,} runs; plain Celery runs the same waits and "
+               f"functions in one task. Its ceiling: {io['concurrency']} / 15 ms = {io['concurrency'] / 0.015:.0f} runs/s.",
+               "", "| side | runs/s | per round |", "|---|---:|---|"]
+        md += [_row(SIDE_NAMES[s], f"**{io[s]['median']:.0f}**", ", ".join(f"{x:.0f}" for x in io[s]["rounds"]))
+               for s in SIDE_ORDER if s in io]
+        ratio = io["motir"]["median"] / io["plain"]["median"]
+        md += ["", _row("motir / plain Celery", f"{ratio:.2f}", "")]
+        if "baseline" in io:
+            md.append(_row("motir / baseline engine (before -> after)", f"{io['motir']['median'] / io['baseline']['median']:.2f}", ""))
+        targets.append(("I/O-like workload / plain Celery >= 0.9", f"{ratio:.2f}", _ok(ratio >= 0.9)))
 
     if lat := results.get("latency"):
         md += ["", f"## 2. Latency at low load (one event every {lat['interval'] * 1e3:.0f} ms, {lat['events']} events, "
