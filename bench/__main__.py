@@ -430,9 +430,9 @@ def render(results: dict[str, Any], env: dict[str, str], command: str, elapsed: 
         md += [_row(SIDE_NAMES[s], f"**{io[s]['median']:.0f}**", ", ".join(f"{x:.0f}" for x in io[s]["rounds"]))
                for s in SIDE_ORDER if s in io]
         ratio = io["motir"]["median"] / io["plain"]["median"]
-        md += ["", _row("motir / plain Celery", f"{ratio:.2f}", "")]
+        md += ["", "| ratio | |", "|---|---:|", _row("motir / plain Celery", f"{ratio:.2f}")]
         if "baseline" in io:
-            md.append(_row("motir / baseline engine (before -> after)", f"{io['motir']['median'] / io['baseline']['median']:.2f}", ""))
+            md.append(_row("motir / baseline engine (before -> after)", f"{io['motir']['median'] / io['baseline']['median']:.2f}"))
         targets.append(("I/O-like workload / plain Celery >= 0.9", f"{ratio:.2f}", _ok(ratio >= 0.9)))
 
     if lat := results.get("latency"):
