@@ -3,7 +3,7 @@
 ``messages.publisher`` sends one message per call: on the plain-Redis lane one LPUSH
 with its reply (~0.4-0.6 ms), which for a batch of 100 events is most of the time
 the batch takes. ``publish_many`` renders each message exactly as that lane does
-(``_RedisLane``'s plan for the job) and pipelines the LPUSHes: one round trip.
+(``RedisLane``'s plan for the job) and pipelines the LPUSHes: one round trip.
 Whatever the lane would not take (not eligible, an eta, sent from a task, no plan
 yet) goes through the single publisher, unchanged. If the pipeline fails, every
 message of it goes through the single publisher — a message that did reach Redis
@@ -41,7 +41,7 @@ def publish_many(app: Celery) -> PublishMany:
         if eligible and lane is not None:
             pipe = lane.client.pipeline(transaction=False)
             for run_id, job_id in runs:
-                plan = lane.plans[job_id] if job_id in lane.plans else lane._plan(job_id)
+                plan = lane.plan_of(job_id)
                 if plan is None:
                     rest.append((run_id, job_id))  # send_task (and, the first time, its queue declaration)
                     continue

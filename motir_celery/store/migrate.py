@@ -33,7 +33,7 @@ from motir_celery.store import rls, routines, schema
 from motir_celery.store.driver import first
 from motir_celery.store.sql import catalog
 
-__all__ = ["alembic_config", "upgrade", "check", "migrations_dir"]
+__all__ = ["alembic_config", "upgrade", "check", "migrations_dir", "rls_statements"]
 
 
 def migrations_dir() -> Path:
@@ -80,7 +80,8 @@ class DriftOp(MigrateOperation):
         return (self.kind, self.subject)
 
 
-def _rls_statements(kind: str, subject: Any) -> list[str]:
+def rls_statements(kind: str, subject: Any) -> list[str]:
+    """The statements that repair one drift of ``kind`` (RLS enabled, a policy, a grant) for ``subject``."""
     if kind == "enable_rls":
         return [rls.enable_sql(subject)]
     if kind == "add_policy":
@@ -132,9 +133,9 @@ def compare_extra(autogen_context: Any, upgrade_ops: Any, schemas: Any) -> None:
 
     conn = autogen_context.connection
     for kind, subject in rls.compare_policies(conn, Base.metadata):
-        upgrade_ops.ops.append(DriftOp(kind, subject, _rls_statements(kind, subject)))
+        upgrade_ops.ops.append(DriftOp(kind, subject, rls_statements(kind, subject)))
     for kind, grant in rls.compare_grants(conn, Base.metadata):
-        upgrade_ops.ops.append(DriftOp(kind, grant, _rls_statements(kind, grant)))
+        upgrade_ops.ops.append(DriftOp(kind, grant, rls_statements(kind, grant)))
     for kind, name, statements in compare_index_predicates(conn, Base.metadata):
         upgrade_ops.ops.append(DriftOp(kind, name, statements))
     for kind, subject in routines.compare_routines(conn):

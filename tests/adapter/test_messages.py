@@ -1,4 +1,4 @@
-"""A run's message on Redis: the short way (messages._RedisLane) writes what send_task writes."""
+"""A run's message on Redis: the short way (messages.RedisLane) writes what send_task writes."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from celery import Celery, signals
 import tests.fixtures.jobs  # noqa: F401  (test.three, for the worker)
 from motir_celery import define_job, send_event
 from motir_celery.adapter.celery_app import create_app
-from motir_celery.adapter.messages import _RedisLane, publisher
+from motir_celery.adapter.messages import RedisLane, publisher
 from motir_celery.settings import Settings
 from tests.conftest import celery_worker, run_state, wait_for
 
@@ -184,9 +184,9 @@ def test_a_broker_setting_that_changes_how_messages_are_written_rules_the_short_
 ) -> None:
     app = Celery("other", set_as_current=False)
     app.conf.broker_write_url = "redis://127.0.0.1:6379/0"
-    assert _RedisLane.for_app(app) is not None
+    assert RedisLane.for_app(app) is not None
     app.conf.update(change)
-    assert _RedisLane.for_app(app) is None
+    assert RedisLane.for_app(app) is None
 
 
 def test_motir_direct_publish_0_sends_every_message_through_send_task(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -197,11 +197,11 @@ def test_motir_direct_publish_0_sends_every_message_through_send_task(monkeypatc
     monkeypatch.setenv("MOTIR_DIRECT_PUBLISH", "0")
     reset_settings()
     try:
-        assert _RedisLane.for_app(app) is None
+        assert RedisLane.for_app(app) is None
     finally:
         monkeypatch.delenv("MOTIR_DIRECT_PUBLISH")
         reset_settings()
-    assert _RedisLane.for_app(app) is not None
+    assert RedisLane.for_app(app) is not None
 
 
 def test_runs_published_the_short_way_run_on_a_real_worker(

@@ -12,7 +12,7 @@ from typing import Any
 
 from motir_celery import define_job
 
-from .jobs import PATIENT, _body
+from .jobs import PATIENT, recorded_body
 
 #: Every second, catch-up over the last 30 s: each beat inserts every slot it
 #: has not seen answered, so three beats race on every slot, and a beat that
@@ -28,9 +28,9 @@ TICK_SKIP = "chaos.tick-skip"
 
 @define_job(TICK, cron="* * * * * *", catchup=30, retry_policy=PATIENT)
 def tick(event: Any, step: Any) -> Any:
-    return step.run("tick", _body, event, "tick", event.data["scheduled_for"])
+    return step.run("tick", recorded_body, event, "tick", event.data["scheduled_for"])
 
 
 @define_job(TICK_SKIP, cron="* * * * * *", overlap="skip", retry_policy=PATIENT)
 def tick_skip(event: Any, step: Any) -> Any:
-    return step.run("tick", _body, event, "tick", event.data["scheduled_for"], 1.5)
+    return step.run("tick", recorded_body, event, "tick", event.data["scheduled_for"], 1.5)

@@ -149,9 +149,9 @@ class PrivateRedis:
         found = shutil.which("redis-server")
         if found:
             return found
-        from motir_celery.dev.embedded import _redis_server_binary
+        from motir_celery.dev.embedded import redis_server_binary
 
-        return str(_redis_server_binary())
+        return str(redis_server_binary())
 
     def _ping(self) -> bool:
         import redis

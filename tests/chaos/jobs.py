@@ -40,7 +40,7 @@ def record(event: Any, step_name: str) -> None:
         )
 
 
-def _body(event: Any, name: str, value: Any, sleep: float = 0.0) -> Any:
+def recorded_body(event: Any, name: str, value: Any, sleep: float = 0.0) -> Any:
     record(event, name)
     if sleep > 0:
         time.sleep(sleep)
@@ -54,7 +54,7 @@ def work(event: Any, step: Any) -> Any:
     n, sleep = int(data.get("steps", 3)), float(data.get("sleep", 0.03))
     total = 0
     for i in range(n):
-        total += step.run(f"s{i}", _body, event, f"s{i}", i, sleep * random.uniform(0.5, 1.5))
+        total += step.run(f"s{i}", recorded_body, event, f"s{i}", i, sleep * random.uniform(0.5, 1.5))
     if data.get("fail_once") and event.attempt == 1:
         raise RuntimeError("chaos: first attempt fails after its steps (retried; steps are not redone)")
     return {"total": total}
@@ -63,7 +63,7 @@ def work(event: Any, step: Any) -> Any:
 @define_job("chaos.audit", event="chaos.work", retry_policy=PATIENT)
 def audit(event: Any, step: Any) -> Any:
     """A second subscriber of ``chaos.work``: each event fans out to two runs."""
-    return step.run("audit", _body, event, "audit", {"seen": event.data.get("i")})
+    return step.run("audit", recorded_body, event, "audit", {"seen": event.data.get("i")})
 
 
 @define_job("chaos.slow", event="chaos.slow", retry_policy=PATIENT, soft_time_limit=1.5, time_limit=4)
@@ -72,7 +72,7 @@ def slow(event: Any, step: Any) -> Any:
     it is interrupted by ``SoftTimeLimitExceeded``); ``stubborn``: the body swallows the
     soft limit and keeps sleeping until the hard limit kills the pool process."""
     data = event.data
-    step.run("before", _body, event, "before", 1)
+    step.run("before", recorded_body, event, "before", 1)
 
     def middle() -> int:
         record(event, "middle")
@@ -86,14 +86,14 @@ def slow(event: Any, step: Any) -> Any:
         return 2
 
     step.run("middle", middle)
-    step.run("after", _body, event, "after", 3)
+    step.run("after", recorded_body, event, "after", 3)
     return "done"
 
 
 @define_job("chaos.poison", event="chaos.poison", retry_policy=RetryPolicy(max_attempts=3, backoff=0, jitter=0, name="chaos-poison"))
 def poison(event: Any, step: Any) -> Any:
     """Kills the worker process that runs it, every attempt."""
-    step.run("ok", _body, event, "ok", 1)
+    step.run("ok", recorded_body, event, "ok", 1)
 
     def die() -> None:
         record(event, "die")
@@ -107,10 +107,10 @@ def clock(event: Any, step: Any) -> Any:
     """Asks for a retry ``delay`` seconds later on its first attempt (RetryAfterError),
     and sleeps ``sleep`` in its last step (long enough to be SIGKILLed there)."""
     data = event.data
-    step.run("a", _body, event, "a", 1)
+    step.run("a", recorded_body, event, "a", 1)
     if event.attempt == 1:
         raise RetryAfterError(float(data.get("delay", 1.0)))
-    step.run("b", _body, event, "b", 2, float(data.get("sleep", 0.0)) if event.attempt == 2 else 0.0)
+    step.run("b", recorded_body, event, "b", 2, float(data.get("sleep", 0.0)) if event.attempt == 2 else 0.0)
     return {"tz": os.environ.get("TZ", "")}
 
 
@@ -118,7 +118,7 @@ def clock(event: Any, step: Any) -> Any:
 def echo(event: Any, step: Any) -> Any:
     """Bad-input scenario: step ids, and a step output size, taken from the event."""
     data = event.data
-    out = [step.run(str(sid), _body, event, str(sid), data.get("value")) for sid in data.get("steps", ["x"])]
+    out = [step.run(str(sid), recorded_body, event, str(sid), data.get("value")) for sid in data.get("steps", ["x"])]
     if data.get("output_bytes"):
         step.run("big", lambda: "x" * int(data["output_bytes"]))
     return out
@@ -128,9 +128,9 @@ def echo(event: Any, step: Any) -> Any:
 def zombie(event: Any, step: Any) -> Any:
     """A worker frozen between two steps while another worker takes its run over
     (the forged reclaim below is what the sweeper and a second claim would do)."""
-    step.run("a", _body, event, "a", 1)
+    step.run("a", recorded_body, event, "a", 1)
     with psycopg.connect(_dsn(), autocommit=True) as conn:
         conn.execute("UPDATE job_queue SET claim_token = gen_random_uuid() WHERE id = %s", (event.run_id,))
     time.sleep(float(event.data.get("frozen", 0.0)))
-    step.run("b", _body, event, "b", 2)
+    step.run("b", recorded_body, event, "b", 2)
     return "should not get here"

@@ -19,7 +19,7 @@ from sqlalchemy import create_engine, make_url, text
 from sqlalchemy.engine import Engine
 
 from motir_celery.store import rls
-from motir_celery.store.migrate import _rls_statements, alembic_config, check, upgrade
+from motir_celery.store.migrate import alembic_config, check, rls_statements, upgrade
 from motir_celery.store.models import Base
 
 RLS_TABLES = ("job_event", "job_queue", "job_step", "job_run", "job_run_dlq", "job_batch_item", "job_stats_rollup")
@@ -158,7 +158,7 @@ def test_hand_made_drift_is_detected(drift: str, migrated_url: Shared, owner: En
         if undo is not None:
             conn.execute(text(undo))
         else:
-            ops = [_rls_statements(kind, subject) for kind, subject in rls.compare_policies(conn, Base.metadata)]
+            ops = [rls_statements(kind, subject) for kind, subject in rls.compare_policies(conn, Base.metadata)]
             assert ops
             for statement in (sql for op in ops for sql in op):
                 conn.execute(text(statement))

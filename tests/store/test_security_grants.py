@@ -21,7 +21,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.pool import NullPool
 
 from motir_celery.store import rls
-from motir_celery.store.migrate import _rls_statements, alembic_config, check, upgrade
+from motir_celery.store.migrate import alembic_config, check, rls_statements, upgrade
 from motir_celery.store.models import Base
 
 HAND_MADE = {
@@ -50,7 +50,7 @@ def test_a_hand_made_grant_or_revoke_is_drift_and_the_rendered_repair_clears_it(
         # What `alembic revision --autogenerate` would write for this drift.
         with engine.begin() as conn:
             for diff_kind, grant in rls.compare_grants(conn, Base.metadata):
-                for sql in _rls_statements(diff_kind, grant):
+                for sql in rls_statements(diff_kind, grant):
                     conn.execute(text(sql))
     check(database_url)
 
