@@ -459,6 +459,16 @@ def rss_tree(pid: int) -> list[tuple[int, int, int]]:
     return out
 
 
+def pss_kb(pid: int) -> int:
+    """Proportional set size of ``pid`` (kB; 0 once it is gone): its RSS with each page shared by n
+    processes counted 1/n (``/proc/<pid>/smaps_rollup``)."""
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return 0
+    return next((int(line.split()[1]) for line in text.splitlines() if line.startswith("Pss:")), 0)
+
+
 # --- sides: what is queued, run and settled ----------------------------------------------
 
 

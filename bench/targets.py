@@ -16,7 +16,8 @@ on), so nobody else's work is in the figures. Each round, every side takes its t
 * **I/O-like workload** (``bench/io_jobs.py``: 3 steps x 5 ms of waiting) at 1 worker x 8,
   against plain Celery running the same (``bench/plain_io_app.py``);
 * **worker RSS**: the sum over the worker's processes (main, pool children, the lease
-  renewer) after the trivial drain at ``-c 2`` and the I/O drain at ``-c 8``;
+  renewer) after the trivial drain at ``-c 2`` and the I/O drain at ``-c 8``; PSS beside it
+  (shared pages divided among the processes that map them), not a target;
 * **single calls**: ``send_event`` and a direct job's ``.delay()`` one at a time, and
   Procrastinate's ``defer``, calls/s.
 
@@ -64,17 +65,25 @@ class PlainIO(h.Plain):
         return h.workers("bench.plain_io_app", self.queue, n, concurrency, env=h.child_env(**self.env), tag=tag)
 
 
-def rss_mb(procs: h.Procs) -> float:
-    return sum(kb for pid in procs.pids for _, kb, _ in h.rss_tree(pid)) / 1024
+def memory_mb(procs: h.Procs) -> dict[str, float]:
+    """The workers' processes summed: RSS (each counts every page it maps) and PSS (a page shared by
+    n processes counts 1/n in each: pool children share what the main process imported before
+    forking them, which RSS counts in every one)."""
+    rss = pss = 0
+    for pid in procs.pids:
+        for p, kb, _ in h.rss_tree(pid):
+            rss += kb
+            pss += h.pss_kb(p)
+    return {"rss": rss / 1024, "pss": pss / 1024}
 
 
-def drain(side: Any, runs: int, workers: int, concurrency: int, tag: str) -> tuple[float, float]:
-    """(runs/s over the drain's 5..95 %, RSS MB of the workers once drained)."""
+def drain(side: Any, runs: int, workers: int, concurrency: int, tag: str) -> tuple[float, dict[str, float]]:
+    """(runs/s over the drain's 5..95 %, ``memory_mb`` of the workers once drained)."""
     side.reset()
     side.prequeue(runs)
     with side.workers(workers, concurrency, tag) as procs:
         procs.wait(lambda: side.settled() >= runs, 1200, poll=0.25)
-        mem = rss_mb(procs)
+        mem = memory_mb(procs)
     return h.drain_rate(side.finished().values()), mem
 
 
@@ -145,7 +154,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
             peers_db = cpu_profile.Procrastinate(server_url)  # its schema, for the CPU turn
             reuse: list[str] = []  # the peers' throughput database: made by its first call
             for r in range(args.rounds):
-                got: dict[str, Any] = {"cpu": {}, "trivial": {}, "p50": {}, "io": {}, "rss": {}, "calls": {}}
+                got: dict[str, Any] = {"cpu": {}, "trivial": {}, "p50": {}, "io": {}, "rss": {}, "pss": {}, "calls": {}}
                 for name, engine in engines.items():
                     got["cpu"][name] = cpu_profile.measure(motir(engine), server, args.cpu_runs, 200,
                                                            tag=f"t-cpu-{name}")["total"]
@@ -160,10 +169,12 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
                         rate, mem = drain(motir(engine), args.runs, workers, conc, f"t-{name}")
                         got["trivial"][label][name] = rate
                         if (workers, conc) == (1, 2):
-                            got["rss"].setdefault("c2", {})[name] = mem
+                            got["rss"].setdefault("c2", {})[name] = mem["rss"]
+                            got["pss"].setdefault("c2", {})[name] = mem["pss"]
                     if (workers, conc) == (1, 2):
                         rate, mem = drain(h.Plain(), args.runs, 1, 2, "t-plain")
-                        got["trivial"][label]["plain"], got["rss"]["c2"]["plain"] = rate, mem
+                        got["trivial"][label]["plain"], got["rss"]["c2"]["plain"] = rate, mem["rss"]
+                        got["pss"]["c2"]["plain"] = mem["pss"]
                     got["trivial"][label]["procrastinate"] = peer(
                         "throughput", admin_dsn, "--runs", args.runs, "--workers", workers, "--concurrency", conc,
                         "--rounds", 1, *reuse)["rounds"][0]
@@ -179,11 +190,14 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
                 log(f"round {r + 1}: p50 " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in got["p50"].items()))
                 for name, engine in engines.items():
                     rate, mem = drain(motir(engine, "bench.three_io"), args.io_runs, 1, 8, f"t-io-{name}")
-                    got["io"][name], got["rss"].setdefault("c8", {})[name] = rate, mem
+                    got["io"][name], got["rss"].setdefault("c8", {})[name] = rate, mem["rss"]
+                    got["pss"].setdefault("c8", {})[name] = mem["pss"]
                 rate, mem = drain(PlainIO(), args.io_runs, 1, 8, "t-io-plain")
-                got["io"]["plain"], got["rss"]["c8"]["plain"] = rate, mem
+                got["io"]["plain"], got["rss"]["c8"]["plain"] = rate, mem["rss"]
+                got["pss"]["c8"]["plain"] = mem["pss"]
                 log(f"round {r + 1}: io -c 8 " + ", ".join(f"{k} {v:.0f}" for k, v in got["io"].items())
-                    + "; rss " + json.dumps({k: {s: round(m) for s, m in v.items()} for k, v in got["rss"].items()}))
+                    + "; rss " + json.dumps({k: {s: round(m) for s, m in v.items()} for k, v in got["rss"].items()})
+                    + "; pss " + json.dumps({k: {s: round(m) for s, m in v.items()} for k, v in got["pss"].items()}))
                 motir(None)  # the sender's engine: this checkout's, at the bench database
                 got["calls"] = call_rates(args.calls)
                 got["calls"]["procrastinate defer"] = defer_rate(h.dsn(peers_db.db.url), args.calls)
@@ -262,6 +276,11 @@ def render(result: dict[str, Any], args: argparse.Namespace, meta: dict[str, Any
     fig("I/O-like 1 x 8, runs/s (Celery's ceiling 533)", lambda r, e: r["io"][e], peer_=False)
     fig("worker RSS MB at -c 2", lambda r, e: r["rss"]["c2"][e], peer_=False)
     fig("worker RSS MB at -c 8", lambda r, e: r["rss"]["c8"][e], peer_=False)
+    if all("pss" in r for r in rs):
+        for c in ("c2", "c8"):
+            fig(f"worker PSS MB at -{c[0]} {c[1:]}", lambda r, e, c=c: r["pss"][c][e], peer_=False)
+            fig(f"worker PSS at -{c[0]} {c[1:]} / plain Celery's", lambda r, e, c=c: r["pss"][c][e] / r["pss"][c]["plain"],
+                "{:.2f}", peer_=False)
     defer = _med(rs, "calls", "procrastinate defer")
     md += ["", f"Single calls, one at a time (calls/s, medians): send_event {_med(rs, 'calls', 'send_event'):.0f}, "
            f".delay() {_med(rs, 'calls', '.delay()'):.0f}, Procrastinate's defer {defer:.0f}: ratios "
