@@ -64,7 +64,7 @@ from motir_celery.core.worker.inline import Inline
 from motir_celery.forks import per_process
 from motir_celery.settings import get_settings
 
-__all__ = ["publisher", "GuardedRedisTransport", "MALFORMED_SUFFIX", "GUARDED_TRANSPORT", "task_options", "argsrepr", "redis_lane",
+__all__ = ["publisher", "RedisLane", "GuardedRedisTransport", "MALFORMED_SUFFIX", "GUARDED_TRANSPORT", "task_options", "argsrepr", "redis_lane",
            "routed_options"]
 
 log = logging.getLogger("motir_celery.adapter.messages")
