@@ -378,6 +378,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
     from tests.chaos.harness import PrivateRedis
 
     work = Path(tempfile.mkdtemp(prefix="motir-bench-cpu-"))
+    h.exit_on_sigterm()  # (before the first private server: a kill stops them all)
     redis = PrivateRedis(work / "redis").start()
     os.environ["CELERY_BROKER_URL"] = redis.url
     try:

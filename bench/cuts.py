@@ -278,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     from tests.chaos.harness import PrivatePostgres, PrivateRedis
 
     # Services of the bench's own: nobody else's statements or messages in the figures.
+    h.exit_on_sigterm()  # (before the first private server: a kill stops them all)
     redis = PrivateRedis(work / "redis").start()
     os.environ["CELERY_BROKER_URL"] = redis.url
     pg = PrivatePostgres(settings=SERVER_SETTINGS)

@@ -260,12 +260,21 @@ def private_postgres(*settings: str) -> Iterator[Any]:
     free port, with ``settings``; stopped and deleted afterwards, on error too."""
     from tests.chaos.harness import PrivatePostgres
 
+    exit_on_sigterm()
     pg = PrivatePostgres(settings=settings)
     try:
         pg.init()
         yield pg
     finally:
         pg.close()
+
+
+def exit_on_sigterm() -> None:
+    """A SIGTERM (``kill``, ``timeout``) unwinds this process as an exception would, so that the
+    ``finally`` blocks stop its private servers and workers; Python's default ends it where it
+    stands and leaves them running. Only from the main thread, and only over the default handler."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
 
 
 def postmaster(pg: Any) -> int:
