@@ -75,7 +75,9 @@ def rows(conn: Connection, statement: Statement, params: dict[str, Any]) -> list
     if cursor is None or cursor.closed:
         cursor = _cursors[raw] = raw.cursor()
     try:
-        if prepare and statement.libpq:
+        if prepare and statement.libpq and raw.autocommit:
+            # (Only in autocommit: psycopg begins a transaction when its cursor sends the first
+            # statement, and a statement sent past it would run, and commit, outside the caller's.)
             found = through_libpq_prepared(raw, statement, params)
             if found is not None:
                 return found
@@ -121,6 +123,7 @@ _columns: dict[str, tuple[str, ...]] = {}
 # parameters as text and their columns read by type (``_READ``). PQexecPrepared blocks in C
 # with the GIL released: other threads run, and a signal's Python handler (a soft time limit)
 # runs when the statement has returned, not while it waits. Errors come back as psycopg's.
+# Only on a connection in autocommit (the runner's), where each statement is its own transaction.
 
 #: Each connection's statements prepared here: SQL -> (name, parameter names), or None when a
 #: statement's columns are not ones ``_READ`` reads (then the cursor sends it).

@@ -304,6 +304,22 @@ def test_a_stored_step_keeps_its_value_and_a_cancelled_run_stores_nothing(engine
     assert stored == {"a": "first", "b": {"n": [1, 'x"y']}}
 
 
+def test_a_step_record_and_a_settle_in_a_transaction_that_rolls_back_are_not_kept(engine):  # type: ignore[no-untyped-def]
+    """The per-step statements go through libpq itself on the runner's autocommit connection
+    (store/driver.py); on a connection in a transaction they must stay in that transaction."""
+    (run_id,) = events.send_event("test.three", {}).run_ids
+    held = claim(engine, run_id, "test.three-steps")
+    assert held is not None
+    for _ in range(2):  # the second time, each statement is prepared on the connection already
+        with engine.connect() as conn:
+            tx = conn.begin()
+            assert worker_sql.store_step(conn, held, "a", '"rolled back"', 0.0) is True
+            assert worker_sql.settle_succeeded(conn, held, '"rolled back"') is True
+            tx.rollback()
+        assert one(engine, "SELECT count(*) FROM job_step WHERE run_id = :r", r=run_id)[0] == 0
+        assert run_state(engine, run_id) == "running"
+
+
 def test_a_reclaim_racing_a_step_write_never_loses_the_stored_step(engine):  # type: ignore[no-untyped-def]
     """The step write locks the run row (FOR SHARE): a concurrent reclaim skips the row
     (SKIP LOCKED) or, holding it first, makes the write re-check its fence and refuse.
