@@ -29,7 +29,8 @@ from urllib.parse import urlsplit
 
 from bench import harness as h
 from bench import peersenv
-from bench.targets import PlainIO
+from bench.targets import IMPORTS as IO_IMPORTS
+from bench.targets import IO_JOB, PlainIO
 
 DB = "motir_bench"
 SECTIONS = ("throughput", "io", "latency", "steps", "cpu", "depth", "fanout", "beat", "memory")
@@ -104,8 +105,8 @@ def section_throughput(db: h.Database, sz: dict[str, Any], args: argparse.Namesp
     return out
 
 
-#: Issue 28's I/O-like workload: its job (bench/io_jobs.py), the modules that define it, and the concurrency.
-IO_JOB, IO_IMPORTS, IO_CONCURRENCY = "bench.three_io", "bench.workload,bench.io_jobs", 8
+#: Issue 28's I/O-like workload (bench/targets.py's IO_JOB) runs at this concurrency.
+IO_CONCURRENCY = 8
 
 
 def section_io(db: h.Database, sz: dict[str, Any], args: argparse.Namespace, log: Log) -> dict:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 
 from bench import harness as h
-from bench.targets import PlainIO
+from bench.targets import IMPORTS, IO_JOB, PlainIO
 
 PER_CHILD = """
     WITH r AS (
@@ -60,7 +60,7 @@ def main() -> None:
     with h.Database.create("motir_bench_cycle") as db:
         app = "bench.motir_app" if args.late_acks else "motir_celery"
         if args.io:
-            motir = h.Motir(db, job="bench.three_io", imports="bench.workload,bench.io_jobs", app=app)
+            motir = h.Motir(db, job=IO_JOB, imports=IMPORTS, app=app)
             plain: h.Side = PlainIO()
         else:
             motir, plain = h.Motir(db, app=app), h.Plain()

@@ -46,7 +46,9 @@ from bench import harness as h
 MODULE = "bench.targets"
 DB = "motir_bench_targets"
 QUEUE = "bench-targets"
+#: The modules that define the benches' jobs, the trivial and the I/O-like (``bench/io_jobs.py``), and the latter.
 IMPORTS = "bench.workload,bench.io_jobs"
+IO_JOB = "bench.three_io"
 WORKER_ENV = dict(cpu_profile.WORKER_ENV)
 CONFIGS = ((1, 2), (2, 2))
 
@@ -190,7 +192,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
                 reuse = []  # (its latency run made that database again)
                 log(f"round {r + 1}: p50 " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in got["p50"].items()))
                 for name, engine in engines.items():
-                    rate, mem = drain(motir(engine, "bench.three_io"), args.io_runs, 1, 8, f"t-io-{name}")
+                    rate, mem = drain(motir(engine, IO_JOB), args.io_runs, 1, 8, f"t-io-{name}")
                     got["io"][name], got["rss"].setdefault("c8", {})[name] = rate, mem["rss"]
                     got["pss"].setdefault("c8", {})[name] = mem["pss"]
                 rate, mem = drain(PlainIO(), args.io_runs, 1, 8, "t-io-plain")
