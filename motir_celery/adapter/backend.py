@@ -43,13 +43,12 @@ from celery.app.backends import by_url
 from celery.backends.base import BaseBackend
 from celery.backends.rpc import RPCBackend
 from celery.exceptions import TimeoutError as CeleryTimeout
-from sqlalchemy.exc import DBAPIError
 
 from motir_celery.core.jobs import job_for_task
 from motir_celery.core.producer.results import FIRST_POLL, MAX_POLL, POLL_GROWTH, celery_state, read_result
 from motir_celery.settings import get_settings
-from motir_celery.store.db import caller_workspace, get_engine
-from motir_celery.store.driver import first
+from motir_celery.store.db import caller_workspace, get_pool
+from motir_celery.store.driver import database_errors, first
 from motir_celery.store.sql import adapter as adapter_sql
 
 __all__ = ["MotirBackend", "RunsFirst", "BACKEND", "runs_first"]
@@ -68,7 +67,7 @@ def run_meta(task_id: Any) -> dict[str, Any] | None:
     except ValueError:
         return None  # not a UUID: never a run id
     if get_settings().results_any_workspace:  # an operator's process (Flower): any workspace's run
-        with get_engine().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        with get_pool().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             row = first(conn, adapter_sql.RUN_META, {"run_id": run_id})
     else:  # the caller's workspace only, as a result handle reads: another's run is not found
         row = read_result(run_id, caller_workspace())
@@ -213,11 +212,11 @@ class RunsFirst(RunsTable):
     def run_meta(self, task_id: Any) -> dict[str, Any] | None:
         try:
             return run_meta(task_id)
-        except DBAPIError as exc:  # motir's database away: the app's own tasks still answer
+        except database_errors() as exc:  # motir's database away: the app's own tasks still answer
             if not RunsFirst._motir_warned:
                 RunsFirst._motir_warned = True
                 log.warning("the runs table could not be read for a result (%s); answering from the app's "
-                            "own result backend until it can", exc.orig or exc)
+                            "own result backend until it can", getattr(exc, "orig", None) or exc)
             return None
 
     def not_a_run(self, task_id: Any, cache: bool = True) -> dict[str, Any]:

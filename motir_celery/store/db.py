@@ -1,13 +1,16 @@
-"""Engines, sessions and the workspace context.
+"""Connections, sessions and the workspace context.
 
 Two ways in:
 
-* ``engine_connection()`` — the engine role: dispatcher, claim, step writes,
-  settle, sweeper. It may see every tenant's rows (a policy of its own, see
-  ``models.py``), because a worker must claim whatever run its message names.
+* ``get_pool()`` / ``engine_connection()`` — the engine role: dispatcher, claim, step
+  writes, settle, sweeper. It may see every tenant's rows (a policy of its own, see
+  ``models.py``), because a worker must claim whatever run its message names. Its
+  connections are psycopg's in a pool of ours (``store/pg.py``): a worker imports no
+  SQLAlchemy.
 * ``workspace_session(workspace_id, admin=...)`` — the app role with row-level
   security enforced (``motir_admin``, a member of it, for admin reads). CLI
-  reads, the dashboard and user code go through it.
+  reads, the dashboard and user code go through it: a SQLAlchemy ``Session`` over
+  ``get_engine()``.
 
 The workspace context is set with ``set_config(..., true)``: transaction-local,
 so it cannot leak to the next borrower of a pooled connection.
@@ -17,30 +20,32 @@ read-only transaction may (``set_config`` of the ``motir.*`` settings and SELECT
 and every write goes through the engine URL, the primary. ``primary_wal_lsn`` is the
 primary's WAL position after such a write, for a reader that waits to see it.
 
-Engines are created lazily per process and per URL (``forks.per_process``), so
-a prefork child never shares a socket with its parent.
+Pools and engines are created lazily per process and per URL (``forks.per_process``),
+so a prefork child never shares a socket with its parent.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Iterator
 
-from sqlalchemy import Connection, Engine, create_engine
-
 from motir_celery.errors import ConfigurationError, WorkspaceError
 from motir_celery.forks import per_process
 from motir_celery.settings import Settings, get_settings
 from motir_celery.store import pooler
+from motir_celery.store.pg import Pool, PooledConnection
 from motir_celery.store.rls import ADMIN_ROLE
 from motir_celery.store.sql import session
 
 if TYPE_CHECKING:
+    from sqlalchemy import Connection, Engine
     from sqlalchemy.orm import Session
 
 __all__ = [
+    "get_pool",
     "get_engine",
     "engine_connection",
     "workspace_session",
@@ -56,18 +61,47 @@ __all__ = [
 ]
 
 class _Engines:
-    """This process's engines by URL (``forks.per_process``: a forked child starts
-    with none, and its parent's pooled sockets are neither used nor closed there)."""
+    """This process's pools and SQLAlchemy engines by URL (``forks.per_process``: a forked
+    child starts with none, and its parent's pooled sockets are neither used nor closed there)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        self.pools: dict[str, Pool] = {}
         self.by_url: dict[str, Engine] = {}
 
 
 _engines = per_process(_Engines)
 
 
+def get_pool(url: str | None = None, *, settings: Settings | None = None) -> Pool:
+    """The engine role's connections to ``url`` (the engine URL): psycopg, no SQLAlchemy."""
+    settings = settings or get_settings()
+    url = url or settings.require_database_url()
+    engines = _engines()
+    pool = engines.pools.get(url)
+    if pool is None:
+        with engines.lock:
+            pool = engines.pools.get(url)
+            if pool is None:
+                size = max(settings.pool_size, _runs_per_process)
+                # A run holds one connection while it runs (and briefly a second for a wait's
+                # transaction or a step's send_event): `size` covers one per concurrent run of
+                # this process, the overflow the rest. No ping on checkout: a socket a database
+                # restart left dead fails its first statement, the pool replaces every older
+                # one (driver.rows), and the runner claims once more on a fresh one
+                # (runner.execute). Pinging bought nothing the ablation could measure
+                # (docs/performance.md) and would cost every run a round trip. Every timestamp
+                # is timestamptz compared with now(); the session TimeZone only changes how
+                # values print.
+                pool = Pool(url, size=size, overflow=size, connect_args=_connect_args(settings))
+                pooler.install(pool, settings)  # behind a transaction pooler: nothing prepared
+                engines.pools[url] = pool
+    return pool
+
+
 def get_engine(url: str | None = None, *, settings: Settings | None = None) -> Engine:
+    """A SQLAlchemy engine for ``url`` (the engine URL by default): for ORM sessions (the
+    RLS-enforced reads) and operator tools. The engine's own statements use ``get_pool``."""
     settings = settings or get_settings()
     url = url or settings.require_database_url()
     engines = _engines()
@@ -76,22 +110,13 @@ def get_engine(url: str | None = None, *, settings: Settings | None = None) -> E
         with engines.lock:
             engine = engines.by_url.get(url)
             if engine is None:
+                # Imported here, not with the module: SQLAlchemy is ~13 MB of a process's memory,
+                # and a worker never opens one (store/pg.py).
+                from sqlalchemy import create_engine
+
                 size = max(settings.pool_size, _runs_per_process)
-                engine = create_engine(
-                    url,
-                    # A run holds one connection while it runs (and briefly a second for a
-                    # wait's transaction or a step's send_event): `size` covers one per
-                    # concurrent run of this process, the overflow the rest.
-                    pool_size=size,
-                    max_overflow=size,
-                    # No ping on checkout (SQLAlchemy's default): a socket a database restart
-                    # left dead fails its first statement, SQLAlchemy invalidates the pool, and
-                    # the runner claims once more on a fresh one (runner.execute). Pinging
-                    # bought nothing the ablation could measure (docs/performance.md) and
-                    # would cost every run a round trip. Every timestamp is timestamptz
-                    # compared with now(); the session TimeZone only changes how values print.
-                    connect_args=_connect_args(settings),
-                )
+                engine = create_engine(url, pool_size=size, max_overflow=size,
+                                       connect_args=_connect_args(settings))
                 pooler.install(engine, settings)  # behind a transaction pooler: nothing prepared
                 engines.by_url[url] = engine
     return engine
@@ -110,43 +135,45 @@ _runs_per_process = 1
 
 
 def size_pool_for(runs: int) -> None:
-    """This process runs up to ``runs`` runs at once: size engines made from now on for them."""
+    """This process runs up to ``runs`` runs at once: size pools made from now on for them."""
     global _runs_per_process
     _runs_per_process = max(1, runs)
 
 
-def side_engine(settings: Settings | None = None) -> Engine:
-    """The engine of the worker's side duties (heartbeats, sweeps): one connection of its
-    own per process, so a busy run pool cannot starve them. Pinged before use (once a
-    second at most, so the cost is nothing)."""
+def side_engine(settings: Settings | None = None) -> Pool:
+    """The pool of the worker's side duties (heartbeats, sweeps): one connection of its own
+    per process, so a busy run pool cannot starve them. Pinged before each use (a round trip
+    once a second at most: the cost is nothing)."""
     settings = settings or get_settings()
     url = settings.require_database_url()
     engines = _engines()
-    engine = engines.by_url.get("side:" + url)
-    if engine is None:
+    pool = engines.pools.get("side:" + url)
+    if pool is None:
         with engines.lock:
-            engine = engines.by_url.get("side:" + url)
-            if engine is None:
-                engine = create_engine(url, pool_size=1, max_overflow=0, pool_pre_ping=True,
-                                       connect_args=_connect_args(settings))
-                pooler.install(engine, settings)
-                engines.by_url["side:" + url] = engine
-    return engine
+            pool = engines.pools.get("side:" + url)
+            if pool is None:
+                pool = Pool(url, size=1, overflow=0, pre_ping=True, connect_args=_connect_args(settings))
+                pooler.install(pool, settings)
+                engines.pools["side:" + url] = pool
+    return pool
 
 
 def dispose_engines() -> None:
     """Drop every pooled connection of this process (at shutdown, and in tests)."""
     engines = _engines()
     with engines.lock:
+        for pool in engines.pools.values():
+            pool.dispose()
         for engine in engines.by_url.values():
             engine.dispose()
+        engines.pools.clear()
         engines.by_url.clear()
 
 
 @contextmanager
-def engine_connection(settings: Settings | None = None) -> Iterator[Connection]:
+def engine_connection(settings: Settings | None = None) -> Iterator[PooledConnection]:
     """A connection in a transaction that commits on success, as the engine role."""
-    with get_engine(settings=settings).begin() as conn:
+    with get_pool(settings=settings).begin() as conn:
         yield conn
 
 
@@ -183,14 +210,18 @@ def in_workspace(workspace_id: str | None) -> Iterator[None]:
         _caller.reset(token)
 
 
-def set_workspace_context(conn: Connection | Session, workspace_id: str | None, *, admin: bool = False) -> None:
+def set_workspace_context(conn: Connection | PooledConnection | Session, workspace_id: str | None, *,
+                          admin: bool = False) -> None:
     """Scope the current transaction to one workspace (and optionally system rows).
 
     ``set_config(..., true)`` is the transaction-local form of SET LOCAL, usable
     with bound parameters; the setting vanishes at COMMIT or ROLLBACK.
     """
     workspace_id = validate_workspace_id(workspace_id)
-    session.workspace_context(conn if isinstance(conn, Connection) else conn.connection(), workspace_id, admin=admin)
+    # A Session (known without importing the ORM: there is none before it is imported) runs on its connection().
+    orm = sys.modules.get("sqlalchemy.orm")
+    on = conn.connection() if orm is not None and isinstance(conn, orm.Session) else conn
+    session.workspace_context(on, workspace_id, admin=admin)  # type: ignore[arg-type]  # not a Session any more
 
 
 def reader_login(settings: Settings, *, admin: bool) -> tuple[str, str | None]:

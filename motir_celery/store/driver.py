@@ -1,12 +1,15 @@
-"""How a catalogued statement reaches Postgres: the psycopg connection under a SQLAlchemy one.
+"""How a catalogued statement reaches Postgres: through psycopg, on a connection of either kind.
 
 ``store/sql/`` holds the SQL, one module per audience; this module only sends it
 (``rows``, ``first``; ``rows_async`` for an asyncio connection), inside whatever
-transaction the SQLAlchemy ``Connection`` is in (the runner's is in autocommit:
-one statement, one transaction, one round trip), and hands back rows read by
-column name. Errors come out as SQLAlchemy's ``DBAPIError`` family, as from
-``conn.execute``; a connection the error left unusable is invalidated first, so
-the pool replaces it and ``exc.connection_invalidated`` says so.
+transaction the connection is in (the runner's is in autocommit: one statement, one
+transaction, one round trip), and hands back rows read by column name. A ``Conn`` is
+the engine's own (``store/pg.py``'s ``PooledConnection``) or a caller's SQLAlchemy
+``Connection`` (a ``Session``'s). Errors come out as that connection's kind raises
+them: psycopg's own on the engine's, SQLAlchemy's ``DBAPIError`` family on a
+SQLAlchemy one. A connection the error left unusable is invalidated first, so its pool
+replaces it (and every older one): ``pg.ConnectionLost`` on the engine's,
+``exc.connection_invalidated`` on SQLAlchemy's.
 
 Hazard of ``MOTIR_PREPARED_STATEMENTS`` (on by default): a server-side prepared
 statement lives in the server session, so a transaction pooler (PgBouncer in
@@ -20,6 +23,7 @@ other statement with it (db.py).
 from __future__ import annotations
 
 import re
+import sys
 import uuid
 import weakref
 import zlib
@@ -27,16 +31,28 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import psycopg
 from psycopg import pq
-from sqlalchemy import Connection
-from sqlalchemy.exc import DBAPIError
 
 from motir_celery.settings import get_settings
 from motir_celery.store import pooler
+from motir_celery.store.pg import ConnectionLost, PooledConnection
 
-if TYPE_CHECKING:  # asyncio callers bring it: a worker never imports it (its memory)
+if TYPE_CHECKING:  # callers bring SQLAlchemy's: a worker never imports it (its memory; store/pg.py)
+    from typing import TypeAlias
+
+    from sqlalchemy import Connection
     from sqlalchemy.ext.asyncio import AsyncConnection
 
-__all__ = ["Statement", "rows", "first", "rows_async", "plan", "through_libpq_prepared"]
+    #: A connection a statement is sent on: the engine's own, or a caller's SQLAlchemy one.
+    Conn: TypeAlias = "PooledConnection | Connection"
+
+__all__ = ["Statement", "rows", "first", "rows_async", "plan", "through_libpq_prepared", "database_errors"]
+
+
+def database_errors() -> tuple[type[BaseException], ...]:
+    """What a statement fails with: psycopg's errors on the engine's connections, and
+    SQLAlchemy's ``DBAPIError`` on a SQLAlchemy one (when SQLAlchemy is imported at all)."""
+    sa = sys.modules.get("sqlalchemy.exc")
+    return (psycopg.Error,) if sa is None else (psycopg.Error, sa.DBAPIError)
 
 
 class Statement(NamedTuple):
@@ -58,11 +74,12 @@ class Statement(NamedTuple):
     libpq: bool = False
 
 
-def rows(conn: Connection, statement: Statement, params: dict[str, Any]) -> list[dict[str, Any]]:
+def rows(conn: Conn, statement: Statement, params: dict[str, Any]) -> list[dict[str, Any]]:
     """Every row of ``statement``, each a dict by column name."""
-    raw = conn.connection.driver_connection
+    raw = conn.raw if isinstance(conn, PooledConnection) else conn.connection.driver_connection
     if not isinstance(raw, psycopg.Connection):
         # A sync Connection over an asyncio driver (AsyncConnection.run_sync): SQLAlchemy sends it.
+        assert not isinstance(conn, PooledConnection)
         result = conn.exec_driver_sql(statement.sql, params)
         return [dict(r) for r in result.mappings()] if result.returns_rows else []
     # A connection made with prepare_threshold=None prepares nothing, whatever this process's
@@ -95,10 +112,19 @@ def rows(conn: Connection, statement: Statement, params: dict[str, Any]) -> list
             # statement ran, and this connection prepares nothing any more. Once more, unprepared.
             return rows(conn, statement, params)
         broken = raw.closed or raw.broken or raw.pgconn.status == pq.ConnStatus.BAD
+        if isinstance(conn, PooledConnection):
+            if not broken:
+                raise
+            # Every connection of the pool older than this one is replaced on its next
+            # checkout (a restart killed them all), then this one is dropped.
+            conn.engine.invalidate_older()
+            conn.invalidate()
+            raise ConnectionLost(f"{statement.name}: {exc}") from exc
+        # A SQLAlchemy connection: SQLAlchemy is imported already (it made the connection).
+        from sqlalchemy.exc import DBAPIError
+
         if broken:
-            # As SQLAlchemy does for a disconnect on its own path: every connection of the
-            # pool older than this one is replaced on its next checkout (a restart killed
-            # them all), then this one is dropped.
+            # As SQLAlchemy does for a disconnect on its own path.
             conn.engine.pool._invalidate(conn.connection, exc)
             conn.invalidate(exc)
         raise DBAPIError.instance(statement.sql, params, exc, psycopg.Error,
@@ -215,7 +241,7 @@ def _error(raw: psycopg.Connection[Any], answer: pq.abc.PGresult) -> psycopg.Err
     return cls(answer.error_message.decode(errors="replace").strip(), info=answer)
 
 
-def first(conn: Connection, statement: Statement, params: dict[str, Any]) -> dict[str, Any] | None:
+def first(conn: Conn, statement: Statement, params: dict[str, Any]) -> dict[str, Any] | None:
     """The first row of ``statement``, or None."""
     found = rows(conn, statement, params)
     return found[0] if found else None
@@ -227,7 +253,7 @@ async def rows_async(conn: AsyncConnection, statement: Statement, params: dict[s
     return [dict(r) for r in result.mappings().all()] if result.returns_rows else []
 
 
-def plan(conn: Connection, statement: Statement, params: dict[str, Any], *, analyze: bool = False) -> Any:
+def plan(conn: Conn, statement: Statement, params: dict[str, Any], *, analyze: bool = False) -> Any:
     """Postgres's plan of ``statement`` with these parameters (``EXPLAIN (FORMAT JSON)``; with
     ``analyze``, run too: inside a transaction the caller rolls back, for a write)."""
     options = "ANALYZE, BUFFERS, WAL, FORMAT JSON" if analyze else "FORMAT JSON"

@@ -36,13 +36,19 @@ import logging
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
 import psycopg
 from psycopg import errors, pq
-from sqlalchemy import Connection, Engine, event
 
 from motir_celery.settings import Settings
+from motir_celery.store.pg import Pool, PooledConnection, conninfo
+
+if TYPE_CHECKING:  # a worker's connections are Pool's: it never imports SQLAlchemy (store/pg.py)
+    from sqlalchemy import Connection, Engine
+
+#: What a statement's connection came from: the engine's ``Pool``, or a SQLAlchemy ``Engine``.
+Source = Union[Pool, "Engine"]
 
 __all__ = ["install", "probe", "probe_url", "describe", "found", "refused", "unprepared", "mode", "PROBE_SECONDS"]
 
@@ -67,19 +73,18 @@ class _State:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-_states: "weakref.WeakKeyDictionary[Engine, _State]" = weakref.WeakKeyDictionary()
+_states: "weakref.WeakKeyDictionary[Source, _State]" = weakref.WeakKeyDictionary()
 
 
-def install(engine: Engine, settings: Settings) -> None:
+def install(engine: Source, settings: Settings) -> None:
     """Decide, at ``engine``'s first connection, whether its connections prepare statements."""
     if not settings.prepared_statements:
         return  # db.py's connect_args: prepare_threshold=None on every connection already
     state = _states[engine] = _State(detect=settings.detect_pooler)
     if not state.detect:
         return  # MOTIR_PREPARED_STATEMENTS=1: prepared, whatever sits in between
-    args, kwargs = engine.dialect.create_connect_args(engine.url)
-    kwargs.pop("context", None)
-    where = engine.url.render_as_string(hide_password=True)
+    args, kwargs = _connect_args(engine)
+    where = _where(engine)
 
     def on_connect(dbapi_connection: Any, _record: Any) -> None:
         if state.pooled is None:
@@ -95,11 +100,31 @@ def install(engine: Engine, settings: Settings) -> None:
         if state.pooled:  # found after this connection was made (the backstop)
             unprepared(dbapi_connection)
 
+    if isinstance(engine, Pool):
+        engine.listen("connect", on_connect)
+        engine.listen("checkout", on_checkout)
+        return
+    from sqlalchemy import event  # a SQLAlchemy engine: SQLAlchemy is imported already
+
     event.listen(engine, "connect", on_connect)
     event.listen(engine, "checkout", on_checkout)
 
 
-def found(engine: Engine) -> bool:
+def _connect_args(engine: Source) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """psycopg.connect's arguments for ``engine``'s URL."""
+    if isinstance(engine, Pool):
+        return (engine.conninfo,), dict(engine.connect_args)
+    args, kwargs = engine.dialect.create_connect_args(engine.url)
+    kwargs.pop("context", None)
+    return tuple(args), dict(kwargs)
+
+
+def _where(engine: Source) -> str:
+    """``engine``'s URL with its password hidden, for the WARNING."""
+    return engine.where if isinstance(engine, Pool) else engine.url.render_as_string(hide_password=True)
+
+
+def found(engine: Source) -> bool:
     """A transaction pooler was found in front of ``engine``'s URL (probe or backstop)."""
     state = _states.get(engine)
     return state is not None and state.pooled is True
@@ -140,15 +165,8 @@ def probe(*args: Any, timeout: float = PROBE_SECONDS, **kwargs: Any) -> bool | N
 
 
 def probe_url(url: str, *, timeout: float = PROBE_SECONDS) -> bool | None:
-    """``probe`` for a SQLAlchemy URL (``motir doctor``)."""
-    from sqlalchemy import create_engine
-    from sqlalchemy.pool import NullPool
-
-    engine = create_engine(url, poolclass=NullPool)
-    args, kwargs = engine.dialect.create_connect_args(engine.url)
-    kwargs.pop("context", None)
-    engine.dispose()
-    return probe(*args, timeout=timeout, **kwargs)
+    """``probe`` for a SQLAlchemy-style URL (``motir doctor``)."""
+    return probe(conninfo(url), timeout=timeout)
 
 
 def describe(settings: Settings, pooled: bool | None) -> str:
@@ -164,7 +182,7 @@ def describe(settings: Settings, pooled: bool | None) -> str:
     return "statements prepared unless a transaction pooler is found (the probe could not connect)"
 
 
-def refused(conn: Connection, raw: psycopg.Connection[Any], exc: psycopg.Error) -> bool:
+def refused(conn: PooledConnection | Connection, raw: psycopg.Connection[Any], exc: psycopg.Error) -> bool:
     """After ``exc`` refused a prepared statement on ``raw``: if it is a pooler's doing (one of
     our names: psycopg's or driver.py's), prepare nothing more on this engine; True when the statement may be
     sent again unprepared (it was a transaction of its own: nothing of it ran)."""
@@ -175,13 +193,13 @@ def refused(conn: Connection, raw: psycopg.Connection[Any], exc: psycopg.Error) 
         return False  # not ours to decide: MOTIR_PREPARED_STATEMENTS=1 said prepare
     with state.lock:
         state.pooled = True
-        _warn(state, conn.engine.url.render_as_string(hide_password=True),
+        _warn(state, _where(conn.engine),
               f"a statement was refused for a name the pooler gave another client ({type(exc).__name__})")
     unprepared(raw)
     return raw.info.transaction_status == pq.TransactionStatus.IDLE
 
 
-def mode(engine: Engine) -> str:
+def mode(engine: Source) -> str:
     """What ``engine``'s connections do now, for ``motir doctor`` and logs."""
     state = _states.get(engine)
     if state is None:

@@ -38,13 +38,14 @@ module at run time.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
-
-from sqlalchemy import MetaData, text
-from sqlalchemy.engine import Connection
+from typing import TYPE_CHECKING, Any, Iterable
 
 from motir_celery.store.driver import rows
 from motir_celery.store.sql import catalog
+
+if TYPE_CHECKING:  # the models and Alembic's comparator bring them; a worker reads only the role names
+    from sqlalchemy import MetaData
+    from sqlalchemy.engine import Connection
 
 __all__ = [
     "APP_ROLE",
@@ -189,7 +190,7 @@ def _normalised(conn: Connection, policy: Policy) -> tuple[Any, ...]:
     directly would report drift for every difference in parentheses."""
     probe = "motir_drift_probe"
     with conn.begin_nested() as sp:
-        conn.execute(text(create_policy_sql(policy, name=probe)))  # DDL built from the declaration
+        conn.exec_driver_sql(create_policy_sql(policy, name=probe))  # DDL built from the declaration
         found = rows(conn, catalog.LIVE_POLICIES, {"tables": [policy.table]})
         sp.rollback()
     (match,) = [r for r in found if r["policyname"] == probe]

@@ -23,12 +23,14 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-
-from sqlalchemy import Connection
+from typing import TYPE_CHECKING
 
 from motir_celery.forks import per_process
 from motir_celery.store.driver import first
 from motir_celery.store.sql import catalog
+
+if TYPE_CHECKING:
+    from motir_celery.store.driver import Conn
 
 __all__ = ["Features", "features", "TTL", "forget"]
 
@@ -59,7 +61,7 @@ class _Cache:
 _cache = per_process(_Cache)
 
 
-def features(conn: Connection) -> Features:
+def features(conn: Conn) -> Features:
     """The features of the schema ``conn`` is on (cached ``TTL`` seconds per URL)."""
     cache = _cache()
     key = str(conn.engine.url)

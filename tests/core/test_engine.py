@@ -12,6 +12,7 @@ import time
 import uuid
 from typing import Any
 
+import psycopg
 import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
@@ -25,6 +26,8 @@ from motir_celery.core.worker import leases, runner, sweeper
 from motir_celery.errors import JobDefinitionError, PayloadError, RetryAfterError, StepOutputError
 from motir_celery.settings import reset_settings
 from motir_celery.store import records
+from motir_celery.store.db import get_pool
+from motir_celery.store.pg import ConnectionLost
 from motir_celery.store.sql import maintenance as maintenance_sql
 from motir_celery.store.sql import worker as worker_sql
 from tests.conftest import count_effects, run_state
@@ -125,7 +128,7 @@ def test_a_send_the_database_refuses_writes_nothing_and_leaves_the_pool_usable(e
     connection comes back clean for the next send."""
     published = Published()
     refusing["on"] = True
-    with pytest.raises(DBAPIError, match="ck_job_queue_attempts"):
+    with pytest.raises(psycopg.errors.CheckViolation, match="ck_job_queue_attempts"):
         events.send_event("test.three", {"n": "refused"}, publish=published)
     refusing["on"] = False
     assert published == []
@@ -466,17 +469,23 @@ def test_the_claim_and_a_succeeded_settle_commit_without_waiting_for_the_wal_flu
         reset_settings()
 
 
+def _pid(conn) -> int:  # type: ignore[no-untyped-def]
+    """The server process of one of the engine pool's connections."""
+    return int(conn.raw.execute("SELECT pg_backend_pid()").fetchone()[0])
+
+
 def _kill_the_pooled_connection(engine) -> int:  # type: ignore[no-untyped-def]
-    """Leave exactly one connection in the pool, with its server process terminated:
-    the next statement on it meets a dead socket."""
-    engine.dispose()
-    with engine.connect() as conn:
-        doomed = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
-    with engine.connect() as again:
-        assert again.execute(text("SELECT pg_backend_pid()")).scalar_one() == doomed  # the pool hands it back
-    with engine.pool._creator().cursor() as admin:  # a connection outside the pool
-        admin.execute("SELECT pg_terminate_backend(%s)", (doomed,))
-    return int(doomed)
+    """Leave exactly one connection in the engine's pool (the one runs use), with its server
+    process terminated: the next statement on it meets a dead socket."""
+    pool = get_pool()
+    pool.dispose()
+    with pool.connect() as conn:
+        doomed = _pid(conn)
+    with pool.connect() as again:
+        assert _pid(again) == doomed  # the pool hands it back
+    with engine.connect() as admin:  # a connection outside the pool
+        admin.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": doomed})
+    return doomed
 
 
 def test_a_hot_statement_on_a_dead_socket_raises_a_disconnect_that_invalidates_it(engine):  # type: ignore[no-untyped-def]
@@ -499,11 +508,27 @@ def test_a_hot_statement_on_a_dead_socket_raises_a_disconnect_that_invalidates_i
     engine.dispose()  # the next tests start from a fresh pool
 
 
+def test_a_statement_on_a_dead_socket_of_the_engines_pool_raises_connection_lost_and_replaces_it(engine):  # type: ignore[no-untyped-def]
+    """The engine's own pool (no SQLAlchemy): the error is ConnectionLost, the connection is
+    dropped, and the next checkout gets a live one; nothing of the claim happened."""
+    (run_id,) = events.send_event("test.three", {}).run_ids
+    doomed = _kill_the_pooled_connection(engine)
+    pool = get_pool()
+    with pool.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        with pytest.raises(ConnectionLost):
+            worker_sql.claim(conn, run_id, job_id="test.three-steps", worker="w", lease_seconds=30)
+    with pool.connect() as conn:
+        assert _pid(conn) != doomed
+    assert pool.checkedout() == 0
+    assert run_state(engine, run_id) == "queued"
+
+
 def test_a_pooled_socket_killed_under_the_worker_is_replaced_and_the_run_claimed(engine):  # type: ignore[no-untyped-def]
     (run_id,) = events.send_event("test.three", {}).run_ids
-    _kill_the_pooled_connection(engine)
+    doomed = _kill_the_pooled_connection(engine)
     assert execute(run_id, "test.three-steps").state == "succeeded"
-    engine.dispose()  # the next tests start from a fresh pool
+    with get_pool().connect() as conn:
+        assert _pid(conn) != doomed  # the run's statements went on a new connection
 
 
 def test_a_run_hands_its_connection_back_to_the_pool_when_it_ends(engine):  # type: ignore[no-untyped-def]
@@ -511,9 +536,9 @@ def test_a_run_hands_its_connection_back_to_the_pool_when_it_ends(engine):  # ty
     N never needs more than N connections, whatever happened before."""
     first, second = (events.send_event("test.three", {"i": i}).run_ids[0] for i in range(2))
     assert execute(first, "test.three-steps").state == "succeeded"
-    assert engine.pool.checkedout() == 0
+    assert get_pool().checkedout() == 0
     assert execute(second, "test.three-steps").state == "succeeded"
-    assert engine.pool.checkedout() == 0
+    assert get_pool().checkedout() == 0
 
 
 def test_retry_after_error_requeues_at_the_requested_time_on_the_database_clock(engine):  # type: ignore[no-untyped-def]

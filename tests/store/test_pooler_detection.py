@@ -29,7 +29,7 @@ from sqlalchemy.engine import Engine
 from motir_celery.core.worker import runner
 from motir_celery.settings import reset_settings
 from motir_celery.store import pooler
-from motir_celery.store.db import dispose_engines, get_engine
+from motir_celery.store.db import dispose_engines, get_pool
 from tests.fixtures.ops_helpers import emit
 from tests.fixtures.pgbouncer import PgBouncer, binary
 
@@ -150,7 +150,7 @@ def test_runs_behind_a_transaction_pooler_with_no_setting_all_succeed_first_time
     (warning,) = _warnings(caplog)
     assert "transaction pooler" in warning and "shared one server session" in warning
     assert "MOTIR_PREPARED_STATEMENTS=0" in warning and "prepared statement" not in warning  # (the log scan's words)
-    assert pooler.mode(get_engine()) == "unprepared (a transaction pooler was found)"
+    assert pooler.mode(get_pool()) == "unprepared (a transaction pooler was found)"
     dispose_engines()
     assert _prepared_in_the_one_session(through) == 0
 
@@ -164,7 +164,7 @@ def test_a_pooler_the_probe_missed_is_found_by_its_first_refused_name_and_no_att
     assert _attempts(engine, runs) == [(1, "succeeded", 1)] * 6
     (warning,) = _warnings(caplog)
     assert "refused for a name the pooler gave another client" in warning
-    assert pooler.mode(get_engine()) == "unprepared (a transaction pooler was found)"
+    assert pooler.mode(get_pool()) == "unprepared (a transaction pooler was found)"
     dispose_engines()
     _deallocate(through)  # what the connections prepared before the first refusal
 
@@ -179,9 +179,10 @@ def test_a_session_pooler_and_a_direct_connection_keep_statements_prepared(
     try:
         (run_id,) = _queued(1)
         assert runner.execute(run_id, job_id=JOB, worker="pooler-test/1").state == "succeeded"
-        assert pooler.mode(get_engine()) == "prepared (no transaction pooler found)"
-        with get_engine().connect() as conn:  # the pool's one connection, the run's: its statements stay
-            assert conn.execute(text("SELECT count(*) FROM pg_prepared_statements")).scalar_one() >= 3
+        assert pooler.mode(get_pool()) == "prepared (no transaction pooler found)"
+        with get_pool().connect() as conn:  # the pool's one connection, the run's: its statements stay
+            row = conn.raw.execute("SELECT count(*) FROM pg_prepared_statements").fetchone()
+            assert row is not None and row[0] >= 3
         assert _warnings(caplog) == []
     finally:
         dispose_engines()
@@ -200,7 +201,7 @@ def test_the_setting_overrides_the_probe(setting: str, mode: str, bouncer: PgBou
     try:
         (run_id,) = _queued(1)  # one client at a time: =1 works here too, by luck of the one session
         assert runner.execute(run_id, job_id=JOB, worker="pooler-test/1").state == "succeeded"
-        assert pooler.mode(get_engine()) == mode
+        assert pooler.mode(get_pool()) == mode
     finally:
         dispose_engines()
         _deallocate(url)

@@ -46,7 +46,7 @@ from motir_celery.core.worker.canvas import CANVAS_JOB_ID
 from motir_celery.core.worker.invoke import publish_woken
 from motir_celery.settings import Settings, get_settings
 from motir_celery.store import records
-from motir_celery.store.db import get_engine, workspace_session
+from motir_celery.store.db import get_pool, workspace_session
 from motir_celery.store.driver import Statement
 from motir_celery.store.sql import operator as operator_sql
 
@@ -80,7 +80,7 @@ def replay_dlq(
     check_actor(actor)
     dlq_uuid = uuid.UUID(str(dlq_id))
     settings = settings or get_settings()
-    engine = get_engine(settings=settings)
+    engine = get_pool(settings=settings)
     with engine.connect() as conn:
         with conn.begin() as tx:
             row = operator_sql.replay_stamp(conn, dlq_uuid, actor)
@@ -121,7 +121,7 @@ def replay_dlq(
 def dismiss_dlq(dlq_id: uuid.UUID | str, *, actor: str, settings: Settings | None = None) -> bool:
     """Close an entry without replaying it (purge may then delete it)."""
     check_actor(actor)
-    with get_engine(settings=settings).begin() as conn:
+    with get_pool(settings=settings).begin() as conn:
         return operator_sql.dismiss(conn, uuid.UUID(str(dlq_id)), actor)
 
 
@@ -189,7 +189,7 @@ def cancel_run(run_id: uuid.UUID | str, *, publish: Publish | None = None, setti
     unfinished children are cancelled with it). If it was a child, the parent its settle woke
     is published after the commit (``invoke.publish_woken``), not a sweep later."""
     rid = uuid.UUID(str(run_id))
-    with get_engine(settings=settings).connect() as conn:
+    with get_pool(settings=settings).connect() as conn:
         with conn.begin():
             done = operator_sql.cancel(conn, rid)
         if done:

@@ -41,15 +41,16 @@ import logging
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
-
-from sqlalchemy import Connection
+from typing import TYPE_CHECKING, Any, Literal
 
 from motir_celery.core.operator.dlq import Caller, check_actor, parse_id, visible
 from motir_celery.core.publish import Publish, publish_or_log
 from motir_celery.settings import Settings
-from motir_celery.store.db import get_engine
+from motir_celery.store.db import get_pool
 from motir_celery.store.sql import operator as operator_sql
+
+if TYPE_CHECKING:
+    from motir_celery.store.driver import Conn
 
 __all__ = ["ResumeResult", "resume_dlq", "resume_as", "failing_child", "MAX_FAMILY"]
 
@@ -111,7 +112,7 @@ def resume_dlq(dlq_id: uuid.UUID | str, *, actor: str, publish: Publish | None =
     check_actor(actor)
     did = uuid.UUID(str(dlq_id))
     queued: list[tuple[uuid.UUID, str]] = []
-    with get_engine(settings=settings).connect() as conn:
+    with get_pool(settings=settings).connect() as conn:
         with conn.begin() as tx:
             entry = operator_sql.entry_run(conn, did)
             if entry is None or not entry["open"] or entry["run_id"] is None:
@@ -140,7 +141,7 @@ def resume_dlq(dlq_id: uuid.UUID | str, *, actor: str, publish: Publish | None =
     return ResumeResult("resumed", entry["run_id"], resumed=tuple(r for r, _ in queued))
 
 
-def _closed(conn: Connection, did: uuid.UUID) -> ResumeResult:
+def _closed(conn: Conn, did: uuid.UUID) -> ResumeResult:
     status = operator_sql.entry_status(conn, did)
     if status is None:
         return ResumeResult("not_found")
@@ -153,7 +154,7 @@ def _closed(conn: Connection, did: uuid.UUID) -> ResumeResult:
     return ResumeResult("purged")
 
 
-def _plan(conn: Connection, did: uuid.UUID, run_id: uuid.UUID) -> list[_Planned]:
+def _plan(conn: Conn, did: uuid.UUID, run_id: uuid.UUID) -> list[_Planned]:
     """Every (entry, run, superseded step) this resume acts on: up to the highest parent that
     failed because of this run, then down from it through each failed child."""
     top, top_entry = run_id, did
@@ -174,7 +175,7 @@ def _plan(conn: Connection, did: uuid.UUID, run_id: uuid.UUID) -> list[_Planned]
     return plan
 
 
-def _down(conn: Connection, dlq_id: uuid.UUID, run_id: uuid.UUID, plan: list[_Planned], seen: set[uuid.UUID]) -> None:
+def _down(conn: Conn, dlq_id: uuid.UUID, run_id: uuid.UUID, plan: list[_Planned], seen: set[uuid.UUID]) -> None:
     if run_id in seen or len(plan) >= MAX_FAMILY:
         if len(plan) >= MAX_FAMILY:
             raise _NotResumable(run_id, f"more than {MAX_FAMILY} runs would be resumed at once")
@@ -195,7 +196,7 @@ def _down(conn: Connection, dlq_id: uuid.UUID, run_id: uuid.UUID, plan: list[_Pl
         raise _NotResumable(kid["run_id"], _why_not(kid))
 
 
-def _failed_step(conn: Connection, run_id: uuid.UUID, failure: Any) -> str | None:
+def _failed_step(conn: Conn, run_id: uuid.UUID, failure: Any) -> str | None:
     """The composition step a run failed at because of a child (its record is superseded), or None."""
     child = failure.get("child") if isinstance(failure, dict) else None
     named = child.get("step") if isinstance(child, dict) else None

@@ -17,8 +17,6 @@ import logging
 import uuid
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from sqlalchemy import Connection
-
 from motir_celery.core.jobs import cancelled_by, subscribers
 from motir_celery.core.producer import events as _events
 from motir_celery.core.producer.gather import gather_runs, gathers
@@ -27,11 +25,13 @@ from motir_celery.core.tracing import current_traceparent
 from motir_celery.errors import PayloadError, WorkspaceError
 from motir_celery.settings import Settings, get_settings
 from motir_celery.store import records
-from motir_celery.store.db import get_engine
+from motir_celery.store.db import get_pool
 from motir_celery.store.sql import producer as producer_sql
 
 if TYPE_CHECKING:  # the ORM only for a caller's own Session: a worker never imports it (its memory)
     from sqlalchemy.orm import Session
+
+    from motir_celery.store.driver import Conn
 
 __all__ = ["send_events", "MAX_BATCH"]
 
@@ -94,7 +94,7 @@ def send_events(
     cancelling = {name for name in {r[0] for r in rows_in} if cancelled_by(name)}  # cancel_on rules listen
     gathering = any(gathers(subscribers(name)) for name in {r[0] for r in rows_in})  # debounce= / batch=
 
-    def write(conn: Connection) -> list[_events.SendResult]:
+    def write(conn: Conn) -> list[_events.SendResult]:
         return _write(conn, rows_in, specs, raw, traceparent, cancelling)
 
     if session is not None:
@@ -108,7 +108,7 @@ def send_events(
             pending = _pending(results)
             on_commit(lambda: _events.publish_runs(pending, publish))
         return results
-    engine = get_engine(settings=settings)
+    engine = get_pool(settings=settings)
     if cancelling or gathering:
         with engine.begin() as conn:
             results = write(conn)
@@ -133,7 +133,7 @@ def _pending(results: Sequence[_events.SendResult]) -> list[records.Queued | rec
     return [run for r in results for run in (*r.runs, *r.woken)]
 
 
-def _write(conn: Connection, rows_in: list[tuple[str, str, str | None, str | None]],
+def _write(conn: Conn, rows_in: list[tuple[str, str, str | None, str | None]],
            specs: list[list[records.RunSpec]], raw: list[Any],
            traceparent: str | None, cancelling: set[str]) -> list[_events.SendResult]:
     found = producer_sql.record_events(conn, rows_in, specs, traceparent=traceparent)

@@ -57,8 +57,6 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from sqlalchemy import Connection
-
 from motir_celery.core.jobs import CanvasNotSupported, Job
 from motir_celery.core.producer.events import (
     MAX_IDEMPOTENCY_KEY,
@@ -72,7 +70,7 @@ from motir_celery.core.tracing import current_traceparent
 from motir_celery.errors import PayloadError, checked_delay
 from motir_celery.settings import Settings, get_settings
 from motir_celery.store import records, schema
-from motir_celery.store.db import get_engine
+from motir_celery.store.db import get_pool
 from motir_celery.store.driver import first
 from motir_celery.store.records import RunSpec
 from motir_celery.store.sql import adapter as adapter_sql
@@ -80,6 +78,8 @@ from motir_celery.store.sql import producer as producer_sql
 
 if TYPE_CHECKING:  # the ORM only for a caller's own Session: a worker never imports it (its memory)
     from sqlalchemy.orm import Session
+
+    from motir_celery.store.driver import Conn
 
 __all__ = ["DIRECT_PREFIX", "event_name", "DirectCall", "prepare", "apply_async", "arguments", "PublishFor",
            "APPLY_ASYNC_OPTIONS", "Adopted", "adopt", "refuse", "MAX_SHOWN"]
@@ -212,7 +212,7 @@ def existing(call: DirectCall, row: Mapping[str, Any] | None) -> Written:
     return Written(row["run_id"] if row else None, True)
 
 
-def write(conn: Connection, call: DirectCall, settings: Settings) -> Written:
+def write(conn: Conn, call: DirectCall, settings: Settings) -> Written:
     """The event and its run, in ``conn``'s transaction (in autocommit: one statement, committed)."""
     statement = producer_sql.DIRECT_RUN if schema.features(conn).checked_enqueue else producer_sql.DIRECT_RUN_BEFORE_0008
     written = interpret(call, first(conn, statement, call.params(settings)))
@@ -287,7 +287,7 @@ def apply_async(job: Job, args: Sequence[Any], kwargs: Mapping[str, Any], option
                 run = records.Queued(written.run_id, job.id)  # type: ignore[arg-type]
                 on_commit(lambda: _committed(gate, late, run))  # one callback: the handle, then the message
         return handle(call, written, settings, gate)
-    with get_engine(settings=settings).connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+    with get_pool(settings=settings).connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         written = write(conn, call, settings)
     if publish is not None and should_publish(written, settings):
         publish_or_log(publish, written.run_id, job.id, max(written.due_in, 0.0))  # type: ignore[arg-type]
@@ -324,7 +324,7 @@ def adopt(job: Job, args: Any, kwargs: Any, task_id: str, *, task_name: str, sho
         call = prepare(job, args, kwargs, {"task_id": task_id}, settings)
     except Exception as exc:  # noqa: BLE001 — whatever the checks (or a key function) refuse: not adoptable
         return refuse(job, task_id, task_name, shown, exc, settings)
-    with get_engine(settings=settings).connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+    with get_pool(settings=settings).connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         written = write(conn, call, settings)
     return Adopted(written.run_id, written.deduplicated)
 
@@ -342,7 +342,7 @@ def refuse(job: Job, task_id: str, task_name: str, shown: Mapping[str, str], exc
     params = {"name": event_name(job.id), "data": json.dumps(data), "key": key, "job_id": job.id,
               "run_id": task_id if key is not None and _UUID_TEXT.fullmatch(task_id) else None,
               "policy": job.retry_policy.name, "failure": json.dumps(failure)}
-    with get_engine(settings=settings).connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+    with get_pool(settings=settings).connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         row = first(conn, adapter_sql.ADOPT_REFUSED, params)
     if row is None:  # this message's key was refused (or used) before: nothing more to keep
         return Adopted(None, deduplicated=True, reason=reason)

@@ -32,9 +32,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Sequence
 
-from sqlalchemy import Connection
-from sqlalchemy import event as sa_event
-
 from motir_celery.core.jobs import Job, cancelled_by, subscribers
 from motir_celery.core.producer.gather import gather_runs, gathers
 from motir_celery.core.producer.results import RunHandle
@@ -44,11 +41,13 @@ from motir_celery.core.tracing import current_traceparent
 from motir_celery.errors import PayloadError
 from motir_celery.settings import Settings, get_settings
 from motir_celery.store import records
-from motir_celery.store.db import get_engine, validate_workspace_id
+from motir_celery.store.db import get_pool, validate_workspace_id
 from motir_celery.store.sql import producer as producer_sql
 
 if TYPE_CHECKING:  # the ORM only for a caller's own Session: a worker never imports it (its memory)
     from sqlalchemy.orm import Session
+
+    from motir_celery.store.driver import Conn
 
 __all__ = ["SendResult", "send_event", "dispatch_event", "publish_after_commit", "MAX_IDEMPOTENCY_KEY",
            "Joined", "join_transactions", "joined_transaction", "validate_event", "write_event", "deduplicated",
@@ -63,7 +62,7 @@ MAX_IDEMPOTENCY_KEY = 255
 #: A framework's open transaction that a write without ``session=`` joins: the connection
 #: to write on (in that transaction), and ``on_commit(fn)``, which calls ``fn`` once it has
 #: committed and never if it rolls back.
-Joined = tuple[Connection, Callable[[Callable[[], None]], None]]
+Joined = tuple["Conn", Callable[[Callable[[], None]], None]]
 
 _join: Callable[[str | None], ContextManager[Joined] | None] | None = None
 
@@ -148,7 +147,7 @@ def validate_event(name: Any, data: Any, workspace_id: Any, idempotency_key: Any
     return encoded, workspace_id
 
 
-def write_event(conn: Connection, name: str, data: Any, encoded: str, workspace_id: str | None,
+def write_event(conn: Conn, name: str, data: Any, encoded: str, workspace_id: str | None,
                 idempotency_key: str | None, jobs: Sequence[Job], *, priority: int | None = None,
                 traceparent: str | None = None) -> SendResult:
     """The event, its runs, and what it does to runs already there — in ``conn``'s
@@ -166,7 +165,7 @@ def write_event(conn: Connection, name: str, data: Any, encoded: str, workspace_
     return SendResult(event_id, runs, woken=woken, cancelled=cancelled, workspace_id=workspace_id)
 
 
-def deduplicated(conn: Connection, name: str, encoded: str, workspace_id: str | None,
+def deduplicated(conn: Conn, name: str, encoded: str, workspace_id: str | None,
                  idempotency_key: str | None) -> SendResult:
     """The result of an event its idempotency key refused: what the key stands for in this
     workspace, and a warning when the stored event's data differ (one key, two meanings)."""
@@ -179,7 +178,7 @@ def deduplicated(conn: Connection, name: str, encoded: str, workspace_id: str | 
                       workspace_id=workspace_id)
 
 
-def cancel_on(conn: Connection, name: str, data: Any, workspace_id: str | None) -> list[uuid.UUID]:
+def cancel_on(conn: Conn, name: str, data: Any, workspace_id: str | None) -> list[uuid.UUID]:
     """Jobs with a cancel_on rule for this event: cancel the runs it matches in its workspace."""
     cancelled: list[uuid.UUID] = []
     for job in cancelled_by(name):
@@ -227,7 +226,7 @@ def send_event(
             pending = [*result.runs, *result.woken]
             on_commit(lambda: publish_runs(pending, publish))
         return result
-    engine = get_engine(settings=settings)
+    engine = get_pool(settings=settings)
     if cancelled_by(name) or gathers(targets):  # statements of their own: one transaction
         with engine.begin() as conn:
             result = write_event(conn, *args, **extra)
@@ -246,7 +245,7 @@ def send_event(
 def dispatch_event(event_id: uuid.UUID, *, publish: Publish | None = None,
                    settings: Settings | None = None) -> list[records.Queued | records.AlreadyQueued]:
     """Fan an already-recorded event out to its subscribers again (idempotent)."""
-    with get_engine(settings=settings).begin() as conn:
+    with get_pool(settings=settings).begin() as conn:
         row = producer_sql.event_of(conn, event_id)
         if row is None:
             raise LookupError(f"no event {event_id}")
@@ -290,6 +289,8 @@ def publish_after_commit(session: Session, runs: Sequence[records.Queued | recor
         # Only the outermost rollback discards the rows (a savepoint rollback may not).
         if previous_transaction.parent is None:
             sess.info.pop(_PENDING, None)
+
+    from sqlalchemy import event as sa_event  # a Session is SQLAlchemy's: imported already
 
     sa_event.listen(session, "after_commit", after_commit)
     sa_event.listen(session, "after_soft_rollback", after_soft_rollback)

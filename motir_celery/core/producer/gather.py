@@ -17,14 +17,15 @@ run already set to come.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
-
-from sqlalchemy import Connection
+from typing import TYPE_CHECKING, Any, Sequence
 
 from motir_celery.core.jobs import Job, find_job
 from motir_celery.core.runspec import gather_of
 from motir_celery.store import records, schema
 from motir_celery.store.sql import flow as flow_sql
+
+if TYPE_CHECKING:
+    from motir_celery.store.driver import Conn
 
 __all__ = ["gathers", "gather_runs"]
 
@@ -36,7 +37,7 @@ def gathers(jobs: Sequence[Job]) -> bool:
     return any(job.run_options.gathers for job in jobs)
 
 
-def gather_runs(conn: Connection, runs: Sequence[records.Queued | records.AlreadyQueued], data: Any,
+def gather_runs(conn: Conn, runs: Sequence[records.Queued | records.AlreadyQueued], data: Any,
                 workspace_id: str | None) -> Runs:
     """``runs`` of one event, with those of debounce / batch jobs gathered (in ``conn``'s transaction)."""
     todo = []

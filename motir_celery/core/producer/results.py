@@ -57,7 +57,7 @@ from typing import Any
 
 from motir_celery.errors import MotirError
 from motir_celery.settings import Settings
-from motir_celery.store.db import get_engine, validate_workspace_id, workspace_session
+from motir_celery.store.db import get_pool, validate_workspace_id, workspace_session
 from motir_celery.store.driver import first
 from motir_celery.store.sql import producer as producer_sql
 
@@ -140,7 +140,7 @@ def read_result(run_id: uuid.UUID, workspace_id: str | None, *,
     if workspace_id is not None:
         with workspace_session(workspace_id, settings=settings) as session:
             return first(session.connection(), producer_sql.RUN_RESULT, params)
-    with get_engine(settings=settings).connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+    with get_pool(settings=settings).connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         return first(conn, producer_sql.RUN_RESULT, params)
 
 

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import logging
 import uuid
-
-from sqlalchemy import Engine
+from typing import TYPE_CHECKING
 
 from motir_celery.core.jobs import get_job
 from motir_celery.core.publish import Publish, publish_or_log
 from motir_celery.errors import UnknownJobError
 from motir_celery.store import records
 from motir_celery.store.sql import worker as worker_sql
+
+if TYPE_CHECKING:
+    from motir_celery.store.pg import Pool
 
 __all__ = ["limit_of", "claim_limited", "free_slot"]
 
@@ -33,7 +35,7 @@ def limit_of(job_id: str) -> int | None:
         return None  # claimed normally; the attempt then fails with the clear error
 
 
-def claim_limited(engine: Engine, run_id: uuid.UUID, job_id: str, worker: str, lease_seconds: float,
+def claim_limited(engine: Pool, run_id: uuid.UUID, job_id: str, worker: str, lease_seconds: float,
                   limit: int, token: uuid.UUID | None = None) -> records.Claim | None:
     with engine.begin() as tx:
         worker_sql.lock_concurrency(tx, run_id)
@@ -41,7 +43,7 @@ def claim_limited(engine: Engine, run_id: uuid.UUID, job_id: str, worker: str, l
                                 concurrency_limit=limit, token=token)
 
 
-def free_slot(engine: Engine, claim: records.Claim, publish: Publish | None) -> None:
+def free_slot(engine: Pool, claim: records.Claim, publish: Publish | None) -> None:
     """This run no longer holds its slot: hand it to the next queued run of the key."""
     try:
         with engine.begin() as tx:

@@ -30,9 +30,7 @@ from __future__ import annotations
 import logging
 import uuid
 from datetime import datetime, timedelta
-from typing import Any
-
-from sqlalchemy import Connection, Engine
+from typing import TYPE_CHECKING, Any
 
 from motir_celery.core.jobs import get_job
 from motir_celery.core.publish import Publish, publish_or_log
@@ -42,6 +40,10 @@ from motir_celery.settings import Settings
 from motir_celery.store import records, schema
 from motir_celery.store.sql import flow as flow_sql
 from motir_celery.store.sql import worker as worker_sql
+
+if TYPE_CHECKING:
+    from motir_celery.store.driver import Conn
+    from motir_celery.store.pg import Pool
 
 __all__ = ["options_of", "claim", "turn", "event_data", "batch_events", "GATHERING"]
 
@@ -81,7 +83,7 @@ def turn(at: datetime, recent: list[datetime], ahead: int, limit: int, period: f
     return max(slot, at + timedelta(seconds=min(1.0, period / limit)))
 
 
-def claim(engine: Engine, run_id: uuid.UUID, job_id: str, opts: RunOptions, *, worker: str,
+def claim(engine: Pool, run_id: uuid.UUID, job_id: str, opts: RunOptions, *, worker: str,
           lease_seconds: float, limit: int | None, token: uuid.UUID | None, publish: Publish | None,
           settings: Settings) -> records.Claim | None:
     """Claim a run of a flow-controlled job, or leave it queued with its turn set (None)."""
@@ -96,7 +98,7 @@ def claim(engine: Engine, run_id: uuid.UUID, job_id: str, opts: RunOptions, *, w
     return found
 
 
-def _decide(tx: Connection, run_id: uuid.UUID, job_id: str, opts: RunOptions, worker: str, lease_seconds: float,
+def _decide(tx: Conn, run_id: uuid.UUID, job_id: str, opts: RunOptions, worker: str, lease_seconds: float,
             limit: int | None, token: uuid.UUID | None, settings: Settings,
             later: list[tuple[uuid.UUID, float]]) -> records.Claim | None:
     row = flow_sql.flow_run(tx, run_id, job_id)
@@ -128,7 +130,7 @@ def _decide(tx: Connection, run_id: uuid.UUID, job_id: str, opts: RunOptions, wo
     return _claim(tx, run_id, job_id, worker, lease_seconds, limit, token)
 
 
-def _gather_now(tx: Connection, run_id: uuid.UUID, job_id: str, opts: RunOptions, data: Any,
+def _gather_now(tx: Conn, run_id: uuid.UUID, job_id: str, opts: RunOptions, data: Any,
                 workspace: str | None, later: list[tuple[uuid.UUID, float]]) -> dict[str, Any] | None:
     """Gather a run its producer did not (dispatch_event, a previous release): the row after it,
     or None when the run was folded into its key's open run (and is gone)."""
@@ -142,13 +144,13 @@ def _gather_now(tx: Connection, run_id: uuid.UUID, job_id: str, opts: RunOptions
     return flow_sql.flow_run(tx, run_id, job_id)  # its flow columns and run_at as gathering left them
 
 
-def _schedule(tx: Connection, run_id: uuid.UUID, settings: Settings, later: list[tuple[uuid.UUID, float]]) -> None:
+def _schedule(tx: Conn, run_id: uuid.UUID, settings: Settings, later: list[tuple[uuid.UUID, float]]) -> None:
     due_in = flow_sql.schedule_early(tx, run_id, settings.republish_after)
     if due_in is not None:
         later.append((run_id, due_in))
 
 
-def _throttled(tx: Connection, run_id: uuid.UUID, job_id: str, opts: RunOptions, data: Any, workspace: str | None,
+def _throttled(tx: Conn, run_id: uuid.UUID, job_id: str, opts: RunOptions, data: Any, workspace: str | None,
                worker: str, lease_seconds: float, limit: int | None, token: uuid.UUID | None, settings: Settings,
                later: list[tuple[uuid.UUID, float]]) -> records.Claim | None:
     throttle = opts.throttle
@@ -171,7 +173,7 @@ def _throttled(tx: Connection, run_id: uuid.UUID, job_id: str, opts: RunOptions,
     return None
 
 
-def _claim(tx: Connection, run_id: uuid.UUID, job_id: str, worker: str, lease_seconds: float, limit: int | None,
+def _claim(tx: Conn, run_id: uuid.UUID, job_id: str, worker: str, lease_seconds: float, limit: int | None,
            token: uuid.UUID | None) -> records.Claim | None:
     if limit is not None:
         worker_sql.lock_concurrency(tx, run_id)
@@ -179,6 +181,6 @@ def _claim(tx: Connection, run_id: uuid.UUID, job_id: str, worker: str, lease_se
                             concurrency_limit=limit, token=token)
 
 
-def batch_events(conn: Connection, run_id: uuid.UUID) -> list[dict[str, Any]]:
+def batch_events(conn: Conn, run_id: uuid.UUID) -> list[dict[str, Any]]:
     """batch=: the events a run gathered, in order (``id``, ``name``, ``data``, ``workspace_id``)."""
     return flow_sql.batch_events(conn, run_id)

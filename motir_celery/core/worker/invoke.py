@@ -54,9 +54,7 @@ import logging
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Callable, Sequence
-
-from sqlalchemy import Connection
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from motir_celery.core.jobs import Job, get_job
 from motir_celery.core.publish import Publish, publish_or_log
@@ -65,6 +63,9 @@ from motir_celery.errors import NonRetriableError, PayloadError, Suspended, chec
 from motir_celery.store import records
 from motir_celery.store.records import RunSpec
 from motir_celery.store.sql import worker as worker_sql
+
+if TYPE_CHECKING:
+    from motir_celery.store.driver import Conn
 
 __all__ = ["ChildFailed", "invoke", "gather", "after_settle", "publish_woken", "Member", "await_members", "Route",
            "CHILD_EVENT_PREFIX", "MAX_CHILDREN", "MEMBER_BATCH"]
@@ -344,7 +345,7 @@ def _outcome(key: str, kid: dict[str, Any] | None, timed_out: bool, timeout: Any
     return {**base, "error": error}
 
 
-def after_settle(conn: Connection, claim: records.Claim, state: str, publish: Publish | None) -> None:
+def after_settle(conn: Conn, claim: records.Claim, state: str, publish: Publish | None) -> None:
     """The runner's hook after an attempt settled: a child that reached a final state may
     have woken its parent (the trigger did, in the settle's transaction) — publish it.
     One string test for every other run."""
@@ -353,7 +354,7 @@ def after_settle(conn: Connection, claim: records.Claim, state: str, publish: Pu
     publish_woken(conn, [claim.run_id], publish)
 
 
-def publish_woken(conn: Connection, settled: Sequence[uuid.UUID], publish: Publish | None) -> int:
+def publish_woken(conn: Conn, settled: Sequence[uuid.UUID], publish: Publish | None) -> int:
     """After the commit that settled ``settled`` (a worker's settle, the sweeper's reclaim, a
     cancel): publish the parents those settles woke, each claimed first (``claim_wakes``) so
     that of several callers one publishes. Never raises: the settle is committed, and a parent

@@ -36,9 +36,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
-
-from sqlalchemy import Engine
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from motir_celery.core.jobs import get_job
 from motir_celery.errors import UnknownJobError
@@ -46,6 +44,9 @@ from motir_celery.forks import per_process
 from motir_celery.settings import Settings, get_settings
 from motir_celery.store.db import side_engine
 from motir_celery.store.sql import worker as worker_sql
+
+if TYPE_CHECKING:
+    from motir_celery.store.pg import Pool
 
 __all__ = ["Lease", "Ledger", "hold", "renew_due", "held_count", "use_renewer", "delegated", "parse", "HOLD",
            "RELEASE", "HOLDER"]
@@ -114,7 +115,7 @@ class Ledger:
         with self.lock:
             return self.leases.pop(token, None)
 
-    def renew_due(self, engine: Callable[[], Engine], now: float | None = None) -> None:
+    def renew_due(self, engine: Callable[[], Pool], now: float | None = None) -> None:
         """Renew every lease that is due, one statement per lease length; forget the
         ones past their bound and the ones refused after a renewal."""
         now = time.monotonic() if now is None else now

@@ -20,11 +20,13 @@ is purged. A run resumed and finished again is counted again: it ended twice.
 from __future__ import annotations
 
 import logging
-
-from sqlalchemy import Engine
+from typing import TYPE_CHECKING
 
 from motir_celery.store import schema
 from motir_celery.store.sql import maintenance as maintenance_sql
+
+if TYPE_CHECKING:
+    from motir_celery.store.pg import Pool
 
 __all__ = ["fold", "BATCH", "MARGIN"]
 
@@ -36,7 +38,7 @@ BATCH = 2000
 MARGIN = 60.0
 
 
-def fold(engine: Engine, *, batches: int = 10, batch: int = BATCH, margin: float = MARGIN) -> int:
+def fold(engine: Pool, *, batches: int = 10, batch: int = BATCH, margin: float = MARGIN) -> int:
     """Fold up to ``batches`` × ``batch`` finished runs into the rollup and prune old buckets;
     how many runs were folded. Nothing on a schema before migration 0012."""
     with engine.connect() as conn:

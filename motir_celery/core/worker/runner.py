@@ -23,8 +23,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, Engine
-from sqlalchemy.exc import DBAPIError
+import psycopg
 
 from motir_celery.core.jobs import Job, get_job
 from motir_celery.core.producer.direct import arguments
@@ -45,7 +44,8 @@ from motir_celery.errors import (
 )
 from motir_celery.settings import Settings, get_settings
 from motir_celery.store import records
-from motir_celery.store.db import get_engine
+from motir_celery.store.db import get_pool
+from motir_celery.store.pg import ConnectionLost, Pool, PooledConnection
 from motir_celery.store.sql import worker as worker_sql
 
 __all__ = ["Event", "Outcome", "execute"]
@@ -85,20 +85,18 @@ def execute(run_id: uuid.UUID | str, *, job_id: str, worker: str, publish: Publi
         shown = repr(run_id)[:100]
         log.warning("dropping message with a malformed run id %s for job %s", shown, job_id)
         return Outcome(shown, "skipped", "malformed run id")
-    engine = get_engine(settings=settings)
+    engine = get_pool(settings=settings)
     try:
         return _execute(engine, run_uuid, job_id, worker, publish, settings)
-    except DBAPIError as exc:
-        if not exc.connection_invalidated:
-            raise
-        # The pooled socket died under us (a database restart): SQLAlchemy invalidated
-        # the pool. Once more on a fresh socket: a claim that never reached the server
+    except ConnectionLost:
+        # The pooled socket died under us (a database restart): the pool replaces every
+        # connection it had. Once more on a fresh socket: a claim that never reached the server
         # claims now; a run already claimed is refused here and left to its lease.
         log.info("run %s: connection lost; trying once more on a new one", run_uuid)
         return _execute(engine, run_uuid, job_id, worker, publish, settings)
 
 
-def _execute(engine: Engine, run_uuid: uuid.UUID, job_id: str, worker: str, publish: Publish | None,
+def _execute(engine: Pool, run_uuid: uuid.UUID, job_id: str, worker: str, publish: Publish | None,
              settings: Settings) -> Outcome:
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         limit = concurrency.limit_of(job_id)
@@ -129,7 +127,7 @@ def _execute(engine: Engine, run_uuid: uuid.UUID, job_id: str, worker: str, publ
                     concurrency.free_slot(engine, claim, publish)
 
 
-def _attempt(claim: records.Claim, conn: Connection, engine: Engine, publish: Publish | None,
+def _attempt(claim: records.Claim, conn: PooledConnection, engine: Pool, publish: Publish | None,
              settings: Settings) -> Outcome:
     when = claim.scheduled_for
     event_data = claim.event_data if claim.event_id else {"scheduled_for": when.isoformat() if when else None}
@@ -167,7 +165,7 @@ def _attempt(claim: records.Claim, conn: Connection, engine: Engine, publish: Pu
     return replace(outcome, result=result) if outcome.state == "succeeded" else outcome
 
 
-def _batch_of(conn: Connection, claim: records.Claim, event: Event) -> list[Event]:
+def _batch_of(conn: PooledConnection, claim: records.Claim, event: Event) -> list[Event]:
     """A batch run's events, in order of arrival (a run no producer gathered: its own one)."""
     return [replace(event, name=e["name"], data=e["data"], id=str(e["id"]))
             for e in flow.batch_events(conn, claim.run_id)] or [event]
@@ -187,36 +185,36 @@ def call_handler(job: Job, event: Any, step: Any) -> Any:
     return result
 
 
-def _settle_success(claim: records.Claim, conn: Connection, publish: Publish | None, settings: Settings,
+def _settle_success(claim: records.Claim, conn: PooledConnection, publish: Publish | None, settings: Settings,
                     encoded: str) -> Outcome:
     try:
         if not worker_sql.settle_succeeded(conn, claim, encoded):
             return Outcome(str(claim.run_id), _fenced_state(conn, claim))
-    except DBAPIError as refused:
+    except psycopg.Error as refused:
         return _settle(claim, conn, publish, settings, _refusal(claim, refused), _backoff(claim))
     return Outcome(str(claim.run_id), "succeeded")
 
 
-def _settle(claim: records.Claim, conn: Connection, publish: Publish | None, settings: Settings,
+def _settle(claim: records.Claim, conn: PooledConnection, publish: Publish | None, settings: Settings,
             exc: BaseException, delay: float | None, *, defer: bool = False) -> Outcome:
     """A failed (``delay`` None, or no attempts left) or deferred attempt, settled. If
     Postgres refuses that too, the attempt fails with the database's own message."""
     try:
         return _write_settle(claim, conn, publish, settings, exc, delay, defer)
-    except DBAPIError as refused:
+    except psycopg.Error as refused:
         return _write_settle(claim, conn, publish, settings, _refusal(claim, refused), _backoff(claim), False)
 
 
-def _refusal(claim: records.Claim, refused: DBAPIError) -> BaseException:
+def _refusal(claim: records.Claim, refused: psycopg.Error) -> BaseException:
     """The database's own error for a refused settle; a lost connection is re-raised
     (the database is away: the lease and the sweeper take over)."""
-    if refused.connection_invalidated:
+    if isinstance(refused, ConnectionLost):
         raise refused
-    log.error("run %s: the database refused its settle: %s", claim.run_id, describe(refused.orig or refused))
-    return refused.orig or refused
+    log.error("run %s: the database refused its settle: %s", claim.run_id, describe(refused))
+    return refused
 
 
-def _write_settle(claim: records.Claim, conn: Connection, publish: Publish | None, settings: Settings,
+def _write_settle(claim: records.Claim, conn: PooledConnection, publish: Publish | None, settings: Settings,
                   exc: BaseException, delay: float | None, defer: bool) -> Outcome:
     run, error = str(claim.run_id), storable_error(exc)
     with conn.begin():
@@ -250,6 +248,6 @@ def _backoff(claim: records.Claim) -> float:
         return 0.0
 
 
-def _fenced_state(conn: Connection, claim: records.Claim) -> str:
+def _fenced_state(conn: PooledConnection, claim: records.Claim) -> str:
     with conn.begin():
         return "cancelled" if worker_sql.why_fenced(conn, claim) == "cancelled" else "lost"

@@ -20,9 +20,7 @@ import json
 import re
 import time
 from datetime import datetime, timedelta
-from typing import Any, Callable, ContextManager, TypeVar
-
-from sqlalchemy import Connection
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, TypeVar
 
 from motir_celery.core.producer import events
 from motir_celery.core.publish import Publish
@@ -33,6 +31,9 @@ from motir_celery.core.worker.handlers import coroutine_step, is_coroutine_funct
 from motir_celery.errors import LostClaim, RunCancelled, StepIdError, StepOutputError, Suspended, checked_delay
 from motir_celery.store.records import Claim
 from motir_celery.store.sql import worker as worker_sql
+
+if TYPE_CHECKING:
+    from motir_celery.store.driver import Conn
 
 __all__ = ["Step", "StepRun", "SEPARATOR", "MAX_STEP_ID", "encode_json"]
 
@@ -65,7 +66,7 @@ def encode_json(value: Any, *, what: str, limit: int) -> str:
 class StepRun:
     """The run path of ``Step``: the memo, the fenced store, the step id rules."""
 
-    def __init__(self, claim: Claim, conn: Connection, *, max_bytes: int, lease_seconds: float) -> None:
+    def __init__(self, claim: Claim, conn: Conn, *, max_bytes: int, lease_seconds: float) -> None:
         self._claim = claim
         self._conn = conn  # the attempt's connection, in autocommit: one statement, one commit
         self._memo: dict[str, Any] = dict(claim.steps)
@@ -167,8 +168,8 @@ class StepRun:
 class Step(StepRun):
     """Handed to every handler as its second argument: ``run`` and the waits and events."""
 
-    def __init__(self, claim: Claim, conn: Connection, *, max_bytes: int, lease_seconds: float,
-                 transaction: Callable[[], ContextManager[Connection]], event_data: Any = None,
+    def __init__(self, claim: Claim, conn: Conn, *, max_bytes: int, lease_seconds: float,
+                 transaction: Callable[[], ContextManager[Conn]], event_data: Any = None,
                  publish: Publish | None = None, republish_after: float = 60.0) -> None:
         super().__init__(claim, conn, max_bytes=max_bytes, lease_seconds=lease_seconds)
         self._event_data = event_data

@@ -39,7 +39,7 @@ from motir_celery.core.worker import rollup
 from motir_celery.core.worker.invoke import publish_woken
 from motir_celery.settings import Settings, get_settings
 from motir_celery.store import schema
-from motir_celery.store.db import get_engine
+from motir_celery.store.db import get_pool
 from motir_celery.store.sql import maintenance as maintenance_sql
 
 __all__ = ["SweepReport", "sweep"]
@@ -69,7 +69,7 @@ class SweepReport:
 def sweep(publish: Publish | None, *, settings: Settings | None = None, batch: int = 500,
           once_per_period: bool = False) -> SweepReport:
     settings = settings or get_settings()
-    engine = get_engine(settings=settings)
+    engine = get_pool(settings=settings)
     batches = 1
     if once_per_period:
         with engine.begin() as conn:

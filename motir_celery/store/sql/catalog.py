@@ -8,11 +8,12 @@ tenant's row.
 
 from __future__ import annotations
 
-from typing import Sequence
-
-from sqlalchemy import Connection
+from typing import TYPE_CHECKING, Sequence
 
 from motir_celery.store.driver import Statement, first, rows
+
+if TYPE_CHECKING:
+    from motir_celery.store.driver import Conn
 
 AUDIENCE = "catalog"
 ROLES = ("owner", "motir_engine")
@@ -128,7 +129,7 @@ SERVER_VERSION = Statement(
 )
 
 
-def server_version(conn: Connection) -> str:
+def server_version(conn: Conn) -> str:
     row = first(conn, SERVER_VERSION, {})
     assert row is not None
     return str(row["version"])
@@ -140,7 +141,7 @@ PRESENT_ROLES = Statement(
 )
 
 
-def present_roles(conn: Connection, roles: Sequence[str]) -> set[str]:
+def present_roles(conn: Conn, roles: Sequence[str]) -> set[str]:
     return {r["rolname"] for r in rows(conn, PRESENT_ROLES, {"roles": list(roles)})}
 
 SERVER_PORT = Statement(
@@ -150,18 +151,18 @@ SERVER_PORT = Statement(
 )
 
 
-def server_port(conn: Connection) -> int | None:
+def server_port(conn: Conn) -> int | None:
     row = first(conn, SERVER_PORT, {})
     assert row is not None
     port: int | None = row["port"]
     return port
 
 
-def rls_flags(conn: Connection, tables: Sequence[str]) -> dict[str, bool]:
+def rls_flags(conn: Conn, tables: Sequence[str]) -> dict[str, bool]:
     """``RLS_FLAGS`` by table: whether row-level security is enabled on it."""
     return {r["relname"]: bool(r["relrowsecurity"]) for r in rows(conn, RLS_FLAGS, {"tables": list(tables)})}
 
 
-def policy_names(conn: Connection, tables: Sequence[str]) -> set[str]:
+def policy_names(conn: Conn, tables: Sequence[str]) -> set[str]:
     """``LIVE_POLICIES`` as ``table.policy`` names."""
     return {f"{r['tablename']}.{r['policyname']}" for r in rows(conn, LIVE_POLICIES, {"tables": list(tables)})}

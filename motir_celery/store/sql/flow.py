@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
-from typing import Any, Sequence
-
-from sqlalchemy import Connection
+from typing import TYPE_CHECKING, Any, Sequence
 
 from motir_celery.store.driver import Statement, first, rows
+
+if TYPE_CHECKING:
+    from motir_celery.store.driver import Conn
 
 AUDIENCE = "flow"
 ROLES = ("motir_engine", "motir_app")
@@ -42,7 +43,7 @@ FLOW_RUN = Statement(
 )
 
 
-def flow_run(conn: Connection, run_id: uuid.UUID, job_id: str) -> dict[str, Any] | None:
+def flow_run(conn: Conn, run_id: uuid.UUID, job_id: str) -> dict[str, Any] | None:
     return first(conn, FLOW_RUN, {"run_id": run_id, "job_id": job_id})
 
 
@@ -58,7 +59,7 @@ LOCK_FLOW_KEY = Statement(
 )
 
 
-def lock_flow_key(conn: Connection, kind: str, job_id: str, workspace_id: str | None, key: str) -> None:
+def lock_flow_key(conn: Conn, kind: str, job_id: str, workspace_id: str | None, key: str) -> None:
     """``kind``: ``throttle`` or ``gather``. ``workspace_id`` None for a key that spans workspaces."""
     rows(conn, LOCK_FLOW_KEY, {"kind": kind, "job_id": job_id, "workspace_id": workspace_id, "key": key})
 
@@ -74,7 +75,7 @@ GATHER = Statement(
 )
 
 
-def gather(conn: Connection, runs: Sequence[tuple[uuid.UUID, str, str, float, float]]) -> list[dict[str, Any]]:
+def gather(conn: Conn, runs: Sequence[tuple[uuid.UUID, str, str, float, float]]) -> list[dict[str, Any]]:
     """``runs``: (run id, kind, key, wait, limit). Per run gathered: the run that carries its event
     (``into_run``: itself when it opened the key's gathering), and whether that run is due now."""
     params = {"run_ids": [r[0] for r in runs], "kinds": [r[1] for r in runs], "keys": [r[2] for r in runs],
@@ -96,7 +97,7 @@ CLOSE_GATHER = Statement(
 )
 
 
-def close_gather(conn: Connection, run_id: uuid.UUID) -> bool:
+def close_gather(conn: Conn, run_id: uuid.UUID) -> bool:
     return first(conn, CLOSE_GATHER, {"run_id": run_id}) is not None
 
 
@@ -118,7 +119,7 @@ SCHEDULE_EARLY = Statement(
 )
 
 
-def schedule_early(conn: Connection, run_id: uuid.UUID, republish_after: float) -> float | None:
+def schedule_early(conn: Conn, run_id: uuid.UUID, republish_after: float) -> float | None:
     """Seconds until the run is due when this caller should send its countdown message; None when
     one is set already (an earlier message did it) or the sweeper will publish it."""
     row = first(conn, SCHEDULE_EARLY, {"run_id": run_id, "after": republish_after})
@@ -153,7 +154,7 @@ THROTTLE_STATE = Statement(
 )
 
 
-def throttle_state(conn: Connection, run_id: uuid.UUID, job_id: str, key: str, workspace_id: str | None,
+def throttle_state(conn: Conn, run_id: uuid.UUID, job_id: str, key: str, workspace_id: str | None,
                    limit: int, period: float) -> dict[str, Any]:
     row = first(conn, THROTTLE_STATE, {"run_id": run_id, "job_id": job_id, "key": key,
                                        "workspace_id": workspace_id, "limit": limit, "period": period})
@@ -173,7 +174,7 @@ THROTTLE_ADMIT = Statement(
 )
 
 
-def throttle_admit(conn: Connection, run_id: uuid.UUID, token: uuid.UUID, key: str, at: datetime) -> bool:
+def throttle_admit(conn: Conn, run_id: uuid.UUID, token: uuid.UUID, key: str, at: datetime) -> bool:
     return first(conn, THROTTLE_ADMIT, {"run_id": run_id, "token": token, "key": key, "at": at}) is not None
 
 
@@ -195,7 +196,7 @@ THROTTLE_PARK = Statement(
 )
 
 
-def throttle_park(conn: Connection, run_id: uuid.UUID, key: str, until: datetime, republish_after: float) -> float | None:
+def throttle_park(conn: Conn, run_id: uuid.UUID, key: str, until: datetime, republish_after: float) -> float | None:
     """Seconds until the parked run's turn; None when it was not queued any more."""
     row = first(conn, THROTTLE_PARK, {"run_id": run_id, "key": key, "until": until, "after": republish_after})
     return None if row is None else float(row["due_in"])
@@ -213,5 +214,5 @@ BATCH_EVENTS = Statement(
 )
 
 
-def batch_events(conn: Connection, run_id: uuid.UUID) -> list[dict[str, Any]]:
+def batch_events(conn: Conn, run_id: uuid.UUID) -> list[dict[str, Any]]:
     return rows(conn, BATCH_EVENTS, {"run_id": run_id})

@@ -8,12 +8,14 @@ and what ``motir purge`` deletes (ops/purge.py). Any number of sweepers or purge
 from __future__ import annotations
 
 import uuid
-
-from sqlalchemy import Connection
+from typing import TYPE_CHECKING
 
 from motir_celery.store.driver import Statement, first, rows
 from motir_celery.store.records import DURATION_BOUNDS_MS
 from motir_celery.store.sql.worker import DLQ_ROW
+
+if TYPE_CHECKING:
+    from motir_celery.store.driver import Conn
 
 AUDIENCE = "maintenance"
 ROLES = ("motir_engine",)
@@ -53,7 +55,7 @@ RECLAIM_EXPIRED = Statement(
 )
 
 
-def reclaim_expired(conn: Connection, *, batch: int = 500) -> list[tuple[uuid.UUID, str, str]]:
+def reclaim_expired(conn: Conn, *, batch: int = 500) -> list[tuple[uuid.UUID, str, str]]:
     """Requeue (or fail into the DLQ) runs whose lease expired; returns (run_id, job_id, new_state)."""
     return [(r["id"], r["job_id"], r["state"]) for r in rows(conn, RECLAIM_EXPIRED, {"batch": batch})]
 
@@ -78,7 +80,7 @@ REPUBLISH_DUE = Statement(
 )
 
 
-def republish_due(conn: Connection, *, after_seconds: float, batch: int = 500) -> list[tuple[uuid.UUID, str]]:
+def republish_due(conn: Conn, *, after_seconds: float, batch: int = 500) -> list[tuple[uuid.UUID, str]]:
     """Runs due whose message is older than ``after_seconds``: publish each again after commit."""
     return [(r["id"], r["job_id"]) for r in rows(conn, REPUBLISH_DUE, {"after": after_seconds, "batch": batch})]
 
@@ -96,7 +98,7 @@ TAKE_SWEEP_SLOT = Statement(
 )
 
 
-def take_sweep_slot(conn: Connection, *, worker: str, period_seconds: float) -> bool:
+def take_sweep_slot(conn: Conn, *, worker: str, period_seconds: float) -> bool:
     """Whether this sweeper does this period's sweep: true for the first caller per
     ``period_seconds`` fleet-wide; the others write nothing."""
     return first(conn, TAKE_SWEEP_SLOT, {"worker": worker, "period": period_seconds}) is not None
@@ -198,7 +200,7 @@ FOLD_FINISHED = Statement(
 )
 
 
-def fold_finished(conn: Connection, *, batch: int, margin_seconds: float) -> int:
+def fold_finished(conn: Conn, *, batch: int, margin_seconds: float) -> int:
     """Fold one batch of finished runs into the rollup; how many (fewer than ``batch``: caught up)."""
     row = first(conn, FOLD_FINISHED, {"batch": batch, "margin": margin_seconds})
     assert row is not None
@@ -219,7 +221,7 @@ PRUNE_ROLLUP = Statement(
 )
 
 
-def prune_rollup(conn: Connection, *, batch: int) -> int:
+def prune_rollup(conn: Conn, *, batch: int) -> int:
     return len(rows(conn, PRUNE_ROLLUP, {"batch": batch}))
 
 
@@ -305,7 +307,7 @@ PURGE_RUNS_BEFORE_0012 = Statement(
 )
 
 
-def purge_runs(conn: Connection, *, age: float, batch: int, fold: bool = True) -> dict[str, int]:
+def purge_runs(conn: Conn, *, age: float, batch: int, fold: bool = True) -> dict[str, int]:
     """One batch of ``PURGE_RUNS``: how many runs, steps, attempts and events it deleted, and how many
     of those runs it folded into the stats rollup (``fold=False``: the schema has no rollup yet)."""
     row = first(conn, PURGE_RUNS if fold else PURGE_RUNS_BEFORE_0012, {"age": age, "batch": batch})
@@ -331,7 +333,7 @@ PURGE_DLQ = Statement(
 )
 
 
-def purge_dlq(conn: Connection, *, age: float, batch: int) -> int:
+def purge_dlq(conn: Conn, *, age: float, batch: int) -> int:
     """One batch of ``PURGE_DLQ``: how many entries it deleted."""
     return len(rows(conn, PURGE_DLQ, {"age": age, "batch": batch}))
 
@@ -364,7 +366,7 @@ PURGE_EVENTS_BEFORE_0012 = Statement(
 )
 
 
-def purge_events(conn: Connection, *, age: float, batch: int, batches: bool = True) -> int:
+def purge_events(conn: Conn, *, age: float, batch: int, batches: bool = True) -> int:
     """One batch of ``PURGE_EVENTS``: how many events it deleted (``batches=False``: before 0012)."""
     return len(rows(conn, PURGE_EVENTS if batches else PURGE_EVENTS_BEFORE_0012, {"age": age, "batch": batch}))
 
@@ -387,7 +389,7 @@ PURGE_COUNTS = Statement(
 )
 
 
-def purge_counts(conn: Connection, *, age: float) -> dict[str, int]:
+def purge_counts(conn: Conn, *, age: float) -> dict[str, int]:
     """``PURGE_COUNTS``: what a purge with this cutoff would delete, by kind."""
     row = first(conn, PURGE_COUNTS, {"age": age})
     assert row is not None
@@ -406,7 +408,7 @@ PURGE_KEPT = Statement(
 )
 
 
-def purge_kept(conn: Connection, *, age: float) -> int:
+def purge_kept(conn: Conn, *, age: float) -> int:
     row = first(conn, PURGE_KEPT, {"age": age})
     assert row is not None
     return int(row["n"])

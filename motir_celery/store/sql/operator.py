@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
-from typing import Any
-
-from sqlalchemy import Connection
+from typing import TYPE_CHECKING, Any
 
 from motir_celery.store.driver import Statement, first, rows
+
+if TYPE_CHECKING:
+    from motir_celery.store.driver import Conn
 
 AUDIENCE = "operator"
 ROLES = ("motir_engine", "motir_app", "motir_admin")
@@ -35,7 +36,7 @@ DLQ_VISIBLE = Statement(
 )
 
 
-def visible(conn: Connection, statement: Statement, row_id: uuid.UUID) -> bool:
+def visible(conn: Conn, statement: Statement, row_id: uuid.UUID) -> bool:
     return first(conn, statement, {"id": row_id}) is not None
 
 
@@ -55,7 +56,7 @@ REPLAY_STAMP = Statement(
 )
 
 
-def replay_stamp(conn: Connection, dlq_id: uuid.UUID, actor: str) -> dict[str, Any] | None:
+def replay_stamp(conn: Conn, dlq_id: uuid.UUID, actor: str) -> dict[str, Any] | None:
     return first(conn, REPLAY_STAMP, {"id": dlq_id, "actor": actor})
 
 
@@ -70,7 +71,7 @@ ENTRY_STATUS = Statement(
 )
 
 
-def entry_status(conn: Connection, dlq_id: uuid.UUID) -> dict[str, Any] | None:
+def entry_status(conn: Conn, dlq_id: uuid.UUID) -> dict[str, Any] | None:
     return first(conn, ENTRY_STATUS, {"id": dlq_id})
 
 
@@ -81,7 +82,7 @@ REPLAY_LINK = Statement(
 )
 
 
-def replay_link(conn: Connection, dlq_id: uuid.UUID, run_id: uuid.UUID) -> None:
+def replay_link(conn: Conn, dlq_id: uuid.UUID, run_id: uuid.UUID) -> None:
     rows(conn, REPLAY_LINK, {"id": dlq_id, "run_id": run_id})
 
 
@@ -97,7 +98,7 @@ DISMISS = Statement(
 )
 
 
-def dismiss(conn: Connection, dlq_id: uuid.UUID, actor: str) -> bool:
+def dismiss(conn: Conn, dlq_id: uuid.UUID, actor: str) -> bool:
     return first(conn, DISMISS, {"id": dlq_id, "actor": actor}) is not None
 
 
@@ -123,7 +124,7 @@ CANCEL = Statement(
 )
 
 
-def cancel(conn: Connection, run_id: uuid.UUID) -> bool:
+def cancel(conn: Conn, run_id: uuid.UUID) -> bool:
     """Cancel a queued or running run. A running one stops at its next step
     boundary: the claim token is cleared, so its next write is refused."""
     row = first(conn, CANCEL, {"run_id": run_id})
@@ -163,7 +164,7 @@ RESUME = Statement(
 )
 
 
-def resume(conn: Connection, dlq_id: uuid.UUID, actor: str) -> dict[str, Any]:
+def resume(conn: Conn, dlq_id: uuid.UUID, actor: str) -> dict[str, Any]:
     row = first(conn, RESUME, {"id": dlq_id, "actor": actor})
     assert row is not None
     return row
@@ -180,7 +181,7 @@ ENTRY_RUN = Statement(
 )
 
 
-def entry_run(conn: Connection, dlq_id: uuid.UUID) -> dict[str, Any] | None:
+def entry_run(conn: Conn, dlq_id: uuid.UUID) -> dict[str, Any] | None:
     return first(conn, ENTRY_RUN, {"id": dlq_id})
 
 
@@ -199,7 +200,7 @@ RUN_FAILURE = Statement(
 )
 
 
-def run_failure(conn: Connection, run_id: uuid.UUID) -> dict[str, Any] | None:
+def run_failure(conn: Conn, run_id: uuid.UUID) -> dict[str, Any] | None:
     return first(conn, RUN_FAILURE, {"id": run_id})
 
 
@@ -219,7 +220,7 @@ STEP_CHILDREN = Statement(
 )
 
 
-def step_children(conn: Connection, run_id: uuid.UUID, step: str) -> list[dict[str, Any]]:
+def step_children(conn: Conn, run_id: uuid.UUID, step: str) -> list[dict[str, Any]]:
     return rows(conn, STEP_CHILDREN, {"run_id": run_id, "step": step})
 
 
@@ -235,7 +236,7 @@ SUPERSEDE_STEP = Statement(
 )
 
 
-def supersede_step(conn: Connection, run_id: uuid.UUID, step: str, tag: str) -> int:
+def supersede_step(conn: Conn, run_id: uuid.UUID, step: str, tag: str) -> int:
     return len(rows(conn, SUPERSEDE_STEP, {"run_id": run_id, "step": step, "tag": tag}))
 
 
@@ -259,7 +260,7 @@ COPY_COMPLETED_LINKS = Statement(
 )
 
 
-def copy_completed_links(conn: Connection, old: uuid.UUID, new: uuid.UUID) -> int:
+def copy_completed_links(conn: Conn, old: uuid.UUID, new: uuid.UUID) -> int:
     return len(rows(conn, COPY_COMPLETED_LINKS, {"old": old, "new": new}))
 
 
@@ -286,7 +287,7 @@ OPEN_ENTRIES = Statement(
 )
 
 
-def open_entries(conn: Connection, *, job: str | None, workspace: str | None, error_like: str | None,
+def open_entries(conn: Conn, *, job: str | None, workspace: str | None, error_like: str | None,
                  since: datetime | None, until: datetime | None, limit: int) -> list[dict[str, Any]]:
     return rows(conn, OPEN_ENTRIES, {"job": job, "workspace": workspace, "error": error_like, "since": since,
                                      "until": until, "limit": limit})

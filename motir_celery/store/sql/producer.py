@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
-from typing import Any, Sequence
-
-from sqlalchemy import Connection
+from typing import TYPE_CHECKING, Any, Sequence
 
 from motir_celery.store.driver import Statement, first, rows
 from motir_celery.store.records import AlreadyQueued, OverlapSkipped, Queued, RunSpec
+
+if TYPE_CHECKING:
+    from motir_celery.store.driver import Conn
 
 AUDIENCE = "producer"
 ROLES = ("motir_engine", "motir_app")
@@ -84,7 +85,7 @@ def runs_of(specs: Sequence[RunSpec], created_rows: Sequence[dict[str, Any]]) ->
 
 
 def record_event(
-    conn: Connection, name: str, data_json: str, workspace_id: str | None, idempotency_key: str | None,
+    conn: Conn, name: str, data_json: str, workspace_id: str | None, idempotency_key: str | None,
     specs: Sequence[RunSpec], *, traceparent: str | None = None,
 ) -> tuple[uuid.UUID | None, list[Queued | AlreadyQueued], list[Queued]]:
     """Write the event and one run per spec, and make due the runs suspended
@@ -116,7 +117,7 @@ EXISTING_EVENT = Statement(
 )
 
 
-def existing_event(conn: Connection, name: str, data_json: str, workspace_id: str | None,
+def existing_event(conn: Conn, name: str, data_json: str, workspace_id: str | None,
                    key: str | None) -> dict[str, Any] | None:
     """The event an idempotency key already made in ``workspace_id`` (``id``, ``same``), or None."""
     return first(conn, EXISTING_EVENT, {"name": name, "data": data_json, "workspace_id": workspace_id, "key": key})
@@ -132,7 +133,7 @@ FAN_OUT = Statement(
 
 
 def fan_out(
-    conn: Connection, event_id: uuid.UUID, specs: Sequence[RunSpec], *, traceparent: str | None = None
+    conn: Conn, event_id: uuid.UUID, specs: Sequence[RunSpec], *, traceparent: str | None = None
 ) -> list[Queued | AlreadyQueued]:
     """One run per spec for a recorded event, deduplicated by the database."""
     if not specs:
@@ -165,7 +166,7 @@ CANCEL_BY_KEY = Statement(
 
 
 
-def cancel_by_key(conn: Connection, job_id: str, key: str, within_seconds: float | None,
+def cancel_by_key(conn: Conn, job_id: str, key: str, within_seconds: float | None,
                   workspace_id: str | None) -> list[uuid.UUID]:
     """cancel_on: cancel the job's active runs in ``workspace_id`` whose triggering event carried ``key``."""
     params = {"job_id": job_id, "key": key, "within": within_seconds, "workspace_id": workspace_id}
@@ -179,7 +180,7 @@ EVENT_OF = Statement(
 )
 
 
-def event_of(conn: Connection, event_id: uuid.UUID) -> dict[str, Any] | None:
+def event_of(conn: Conn, event_id: uuid.UUID) -> dict[str, Any] | None:
     return first(conn, EVENT_OF, {"id": event_id})
 
 
@@ -248,7 +249,7 @@ RECORD_SKIP = Statement(
 
 
 def enqueue_scheduled(
-    conn: Connection, job_id: str, scheduled_for: datetime, *, max_attempts: int, policy: str,
+    conn: Conn, job_id: str, scheduled_for: datetime, *, max_attempts: int, policy: str,
     priority: int = 0, concurrency_key: str | None = None, skip_overlap: bool = False,
 ) -> Queued | AlreadyQueued:
     """The run of one cron slot: ``Queued``, ``AlreadyQueued`` or (skip_overlap) ``OverlapSkipped``."""
@@ -277,7 +278,7 @@ DB_NOW = Statement(
 )
 
 
-def db_now(conn: Connection) -> datetime:
+def db_now(conn: Conn) -> datetime:
     row = first(conn, DB_NOW, {})
     assert row is not None
     now: datetime = row["now"]
@@ -395,7 +396,7 @@ RECORD_EVENTS = Statement(
 )
 
 
-def record_events(conn: Connection, events: Sequence[tuple[str, str, str | None, str | None]],
+def record_events(conn: Conn, events: Sequence[tuple[str, str, str | None, str | None]],
                   specs: Sequence[Sequence[RunSpec]], *, traceparent: str | None) -> list[dict[str, Any]]:
     """``events``: (name, data as JSON, workspace, key); ``specs[i]``: the runs of event i.
     Rows: (woken, idx 1-based, event_id, run_id, job_id); an event deduplicated by its key has none."""
@@ -424,7 +425,7 @@ EXISTING_EVENTS = Statement(
 )
 
 
-def existing_events(conn: Connection, events: Sequence[tuple[str, str, str | None, str | None]]) -> list[dict[str, Any]]:
+def existing_events(conn: Conn, events: Sequence[tuple[str, str, str | None, str | None]]) -> list[dict[str, Any]]:
     params = {"names": [e[0] for e in events], "datas": [e[1] for e in events],
               "workspace_ids": [e[2] for e in events], "keys": [e[3] for e in events]}
     return rows(conn, EXISTING_EVENTS, params)

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
-from typing import Any, Sequence
-
-from sqlalchemy import Connection
+from typing import TYPE_CHECKING, Any, Sequence
 
 from motir_celery.store.driver import Statement, first, rows
+
+if TYPE_CHECKING:
+    from motir_celery.store.driver import Conn
 
 AUDIENCE = "reads"
 ROLES = ("motir_app", "motir_admin", "motir_engine")
@@ -44,7 +45,7 @@ FRESHNESS = Statement(
 )
 
 
-def freshness(conn: Connection) -> dict[str, Any]:
+def freshness(conn: Conn) -> dict[str, Any]:
     row = first(conn, FRESHNESS, {})
     assert row is not None
     return row
@@ -58,7 +59,7 @@ REPLAYED = Statement(
 )
 
 
-def replayed(conn: Connection, lsn: str) -> bool:
+def replayed(conn: Conn, lsn: str) -> bool:
     row = first(conn, REPLAYED, {"lsn": lsn})
     assert row is not None
     return bool(row["replayed"])
@@ -92,7 +93,7 @@ LIST_RUNS = Statement(
 )
 
 
-def list_runs(conn: Connection, *, job: str | None, state: str | None, workspace: str | None,
+def list_runs(conn: Conn, *, job: str | None, state: str | None, workspace: str | None,
               since: datetime | None, limit: int) -> list[dict[str, Any]]:
     return rows(conn, LIST_RUNS, {"job": job, "state": state, "workspace": workspace, "since": since,
                                   "limit": limit})
@@ -110,7 +111,7 @@ RUN = Statement(
 )
 
 
-def run(conn: Connection, run_id: uuid.UUID) -> dict[str, Any] | None:
+def run(conn: Conn, run_id: uuid.UUID) -> dict[str, Any] | None:
     return first(conn, RUN, {"id": run_id})
 
 
@@ -125,7 +126,7 @@ RUN_STEPS = Statement(
 )
 
 
-def run_steps(conn: Connection, run_id: uuid.UUID) -> list[dict[str, Any]]:
+def run_steps(conn: Conn, run_id: uuid.UUID) -> list[dict[str, Any]]:
     return rows(conn, RUN_STEPS, {"id": run_id})
 
 
@@ -140,7 +141,7 @@ RUN_ATTEMPTS = Statement(
 )
 
 
-def run_attempts(conn: Connection, run_id: uuid.UUID) -> list[dict[str, Any]]:
+def run_attempts(conn: Conn, run_id: uuid.UUID) -> list[dict[str, Any]]:
     return rows(conn, RUN_ATTEMPTS, {"id": run_id})
 
 
@@ -162,7 +163,7 @@ RUN_DLQ = Statement(
 )
 
 
-def run_dlq(conn: Connection, run_id: uuid.UUID) -> list[dict[str, Any]]:
+def run_dlq(conn: Conn, run_id: uuid.UUID) -> list[dict[str, Any]]:
     return rows(conn, RUN_DLQ, {"id": run_id})
 
 
@@ -180,7 +181,7 @@ RUN_FAMILY = Statement(
 )
 
 
-def run_family(conn: Connection, run_id: uuid.UUID) -> list[dict[str, Any]]:
+def run_family(conn: Conn, run_id: uuid.UUID) -> list[dict[str, Any]]:
     return rows(conn, RUN_FAMILY, {"id": run_id})
 
 
@@ -214,11 +215,11 @@ CHILD_STATES = Statement(
 )
 
 
-def run_tree(conn: Connection, run_id: uuid.UUID, *, depth: int, limit: int) -> list[dict[str, Any]]:
+def run_tree(conn: Conn, run_id: uuid.UUID, *, depth: int, limit: int) -> list[dict[str, Any]]:
     return rows(conn, RUN_TREE, {"id": run_id, "depth": depth, "limit": limit})
 
 
-def child_states(conn: Connection, run_id: uuid.UUID) -> dict[str, int]:
+def child_states(conn: Conn, run_id: uuid.UUID) -> dict[str, int]:
     return {r["state"]: int(r["n"]) for r in rows(conn, CHILD_STATES, {"id": run_id})}
 
 
@@ -233,7 +234,7 @@ RUN_RESUMES = Statement(
 )
 
 
-def run_resumes(conn: Connection, run_id: uuid.UUID) -> list[dict[str, Any]]:
+def run_resumes(conn: Conn, run_id: uuid.UUID) -> list[dict[str, Any]]:
     return rows(conn, RUN_RESUMES, {"id": run_id})
 
 
@@ -255,7 +256,7 @@ LIST_EVENTS = Statement(
 )
 
 
-def list_events(conn: Connection, *, name: str | None, workspace: str | None, path: list[str] | None,
+def list_events(conn: Conn, *, name: str | None, workspace: str | None, path: list[str] | None,
                 value: str, limit: int) -> list[dict[str, Any]]:
     return rows(conn, LIST_EVENTS, {"name": name, "workspace": workspace, "path": path, "value": value,
                                     "limit": limit})
@@ -272,7 +273,7 @@ EVENT_RUNS = Statement(
 )
 
 
-def event_runs(conn: Connection, event_ids: Sequence[uuid.UUID]) -> list[dict[str, Any]]:
+def event_runs(conn: Conn, event_ids: Sequence[uuid.UUID]) -> list[dict[str, Any]]:
     return rows(conn, EVENT_RUNS, {"ids": list(event_ids)})
 
 
@@ -294,7 +295,7 @@ LIST_DLQ = Statement(
 )
 
 
-def list_dlq(conn: Connection, *, include_closed: bool, job: str | None, workspace: str | None,
+def list_dlq(conn: Conn, *, include_closed: bool, job: str | None, workspace: str | None,
              limit: int) -> list[dict[str, Any]]:
     return rows(conn, LIST_DLQ, {"include_closed": include_closed, "job": job, "workspace": workspace,
                                  "limit": limit})
@@ -307,7 +308,7 @@ DLQ_ENTRY = Statement(
 )
 
 
-def dlq_entry(conn: Connection, dlq_id: uuid.UUID) -> dict[str, Any] | None:
+def dlq_entry(conn: Conn, dlq_id: uuid.UUID) -> dict[str, Any] | None:
     return first(conn, DLQ_ENTRY, {"id": dlq_id})
 
 
@@ -320,7 +321,7 @@ QUEUE_DEPTH = Statement(
 )
 
 
-def queue_depth(conn: Connection) -> list[dict[str, Any]]:
+def queue_depth(conn: Conn) -> list[dict[str, Any]]:
     return rows(conn, QUEUE_DEPTH, {})
 
 
@@ -335,7 +336,7 @@ OLDEST_DUE = Statement(
 )
 
 
-def oldest_due(conn: Connection) -> dict[str, float]:
+def oldest_due(conn: Conn) -> dict[str, float]:
     return {r["job_id"]: float(r["age"]) for r in rows(conn, OLDEST_DUE, {})}
 
 
@@ -350,7 +351,7 @@ EXPIRED_LEASES = Statement(
 )
 
 
-def expired_leases(conn: Connection) -> dict[str, int]:
+def expired_leases(conn: Conn) -> dict[str, int]:
     return {r["job_id"]: int(r["n"]) for r in rows(conn, EXPIRED_LEASES, {})}
 
 
@@ -361,7 +362,7 @@ DLQ_OPEN = Statement(
 )
 
 
-def dlq_open(conn: Connection) -> int:
+def dlq_open(conn: Conn) -> int:
     row = first(conn, DLQ_OPEN, {})
     assert row is not None
     return int(row["n"])
@@ -381,7 +382,7 @@ DLQ_BY_JOB = Statement(
 )
 
 
-def dlq_by_job(conn: Connection, *, window: float) -> list[dict[str, Any]]:
+def dlq_by_job(conn: Conn, *, window: float) -> list[dict[str, Any]]:
     return rows(conn, DLQ_BY_JOB, {"window": window})
 
 
@@ -399,7 +400,7 @@ RUNS_RECENT = Statement(
 )
 
 
-def runs_recent(conn: Connection, *, window: float, quantiles: Sequence[float]) -> list[dict[str, Any]]:
+def runs_recent(conn: Conn, *, window: float, quantiles: Sequence[float]) -> list[dict[str, Any]]:
     return rows(conn, RUNS_RECENT, {"window": window, "q": list(quantiles)})
 
 
@@ -414,7 +415,7 @@ ATTEMPTS_RECENT = Statement(
 )
 
 
-def attempts_recent(conn: Connection, *, window: float) -> list[dict[str, Any]]:
+def attempts_recent(conn: Conn, *, window: float) -> list[dict[str, Any]]:
     return rows(conn, ATTEMPTS_RECENT, {"window": window})
 
 
@@ -432,7 +433,7 @@ STEPS_RECENT = Statement(
 )
 
 
-def steps_recent(conn: Connection, *, window: float, quantiles: Sequence[float]) -> list[dict[str, Any]]:
+def steps_recent(conn: Conn, *, window: float, quantiles: Sequence[float]) -> list[dict[str, Any]]:
     return rows(conn, STEPS_RECENT, {"window": window, "q": list(quantiles)})
 
 
@@ -445,7 +446,7 @@ QUEUED_BY_JOB = Statement(
 )
 
 
-def queued_by_job(conn: Connection) -> dict[str, int]:
+def queued_by_job(conn: Conn) -> dict[str, int]:
     return {r["job_id"]: int(r["n"]) for r in rows(conn, QUEUED_BY_JOB, {})}
 
 
@@ -463,7 +464,7 @@ SWEEPER_OVERDUE = Statement(
 )
 
 
-def sweeper_overdue(conn: Connection, *, grace: float, republish_after: float) -> dict[str, Any]:
+def sweeper_overdue(conn: Conn, *, grace: float, republish_after: float) -> dict[str, Any]:
     row = first(conn, SWEEPER_OVERDUE, {"grace": grace, "republish": republish_after})
     assert row is not None
     return row
@@ -485,7 +486,7 @@ QUEUE_SUMMARY = Statement(
 )
 
 
-def queue_summary(conn: Connection) -> dict[str, Any]:
+def queue_summary(conn: Conn) -> dict[str, Any]:
     row = first(conn, QUEUE_SUMMARY, {})
     assert row is not None
     return row
@@ -501,7 +502,7 @@ RLS_PROBE = Statement(
 )
 
 
-def rls_probe(conn: Connection) -> dict[str, Any]:
+def rls_probe(conn: Conn) -> dict[str, Any]:
     row = first(conn, RLS_PROBE, {})
     assert row is not None
     return row
@@ -529,7 +530,7 @@ LOGIN_ESCAPES = Statement(
 )
 
 
-def login_escapes(conn: Connection, *, engine_role: str, admin_role: str) -> tuple[str, list[str]]:
+def login_escapes(conn: Conn, *, engine_role: str, admin_role: str) -> tuple[str, list[str]]:
     row = first(conn, LOGIN_ESCAPES, {"engine": engine_role, "admin": admin_role})
     assert row is not None
     return row["login"], list(row["exits"])
@@ -566,7 +567,7 @@ INSIGHTS_WINDOW = Statement(
 )
 
 
-def insights_window(conn: Connection, *, since: datetime, job: str | None = None,
+def insights_window(conn: Conn, *, since: datetime, job: str | None = None,
                     workspace: str | None = None) -> list[dict[str, Any]]:
     return rows(conn, INSIGHTS_WINDOW, {"since": since, "job": job, "workspace": workspace})
 
@@ -589,7 +590,7 @@ INSIGHTS_SERIES = Statement(
 )
 
 
-def insights_series(conn: Connection, *, since: datetime, step: float, job: str | None = None,
+def insights_series(conn: Conn, *, since: datetime, step: float, job: str | None = None,
                     workspace: str | None = None) -> list[dict[str, Any]]:
     return rows(conn, INSIGHTS_SERIES, {"since": since, "step": step, "job": job, "workspace": workspace})
 
@@ -617,7 +618,7 @@ STATS_TOTALS = Statement(
 )
 
 
-def stats_totals(conn: Connection, *, by_workspace: bool = False) -> list[dict[str, Any]]:
+def stats_totals(conn: Conn, *, by_workspace: bool = False) -> list[dict[str, Any]]:
     return rows(conn, STATS_TOTALS, {"by_workspace": by_workspace})
 
 
@@ -637,7 +638,7 @@ FLAKY_RUNS = Statement(
 )
 
 
-def flaky_runs(conn: Connection, *, since: datetime, job: str | None = None, limit: int = 20) -> list[dict[str, Any]]:
+def flaky_runs(conn: Conn, *, since: datetime, job: str | None = None, limit: int = 20) -> list[dict[str, Any]]:
     return rows(conn, FLAKY_RUNS, {"since": since, "job": job, "limit": limit})
 
 
@@ -659,7 +660,7 @@ SLOWEST_RUNS = Statement(
 )
 
 
-def slowest_runs(conn: Connection, *, job: str, since: datetime, limit: int = 10) -> list[dict[str, Any]]:
+def slowest_runs(conn: Conn, *, job: str, since: datetime, limit: int = 10) -> list[dict[str, Any]]:
     return rows(conn, SLOWEST_RUNS, {"job": job, "since": since, "limit": limit})
 
 
@@ -681,7 +682,7 @@ FLOW_WAITING = Statement(
 )
 
 
-def flow_waiting(conn: Connection) -> list[dict[str, Any]]:
+def flow_waiting(conn: Conn) -> list[dict[str, Any]]:
     return rows(conn, FLOW_WAITING, {})
 
 
@@ -704,5 +705,5 @@ RUN_FLOW = Statement(
 )
 
 
-def run_flow(conn: Connection, run_id: uuid.UUID) -> dict[str, Any] | None:
+def run_flow(conn: Conn, run_id: uuid.UUID) -> dict[str, Any] | None:
     return first(conn, RUN_FLOW, {"run_id": run_id})

@@ -8,9 +8,12 @@ Postgres checks the membership exactly as for the command.
 
 from __future__ import annotations
 
-from sqlalchemy import Connection
+from typing import TYPE_CHECKING
 
 from motir_celery.store.driver import Statement, first, rows
+
+if TYPE_CHECKING:
+    from motir_celery.store.driver import Conn
 
 AUDIENCE = "session"
 ROLES = ("motir_engine", "motir_app", "motir_admin")
@@ -23,7 +26,7 @@ WORKSPACE_CONTEXT = Statement(
 )
 
 
-def workspace_context(conn: Connection, workspace_id: str | None, *, admin: bool) -> None:
+def workspace_context(conn: Conn, workspace_id: str | None, *, admin: bool) -> None:
     rows(conn, WORKSPACE_CONTEXT, {"ws": workspace_id or "", "admin": "true" if admin else "false"})
 
 
@@ -34,7 +37,7 @@ READER_ROLE = Statement(
 )
 
 
-def reader_role(conn: Connection, role: str) -> None:
+def reader_role(conn: Conn, role: str) -> None:
     rows(conn, READER_ROLE, {"role": role})
 
 
@@ -45,7 +48,7 @@ PRIMARY_WAL_LSN = Statement(
 )
 
 
-def primary_wal_lsn(conn: Connection) -> str:
+def primary_wal_lsn(conn: Conn) -> str:
     row = first(conn, PRIMARY_WAL_LSN, {})
     assert row is not None
     lsn: str = row["lsn"]

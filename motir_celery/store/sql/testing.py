@@ -9,11 +9,12 @@ statement of production needs a clock of its own).
 from __future__ import annotations
 
 import uuid
-from typing import Any
-
-from sqlalchemy import Connection
+from typing import TYPE_CHECKING, Any
 
 from motir_celery.store.driver import Statement, first, rows
+
+if TYPE_CHECKING:
+    from motir_celery.store.driver import Conn
 
 AUDIENCE = "testing"
 ROLES = ("owner", "motir_engine")
@@ -30,7 +31,7 @@ DUE_RUNS = Statement(
 )
 
 
-def due_runs(conn: Connection, limit: int = 1000) -> list[tuple[uuid.UUID, str]]:
+def due_runs(conn: Conn, limit: int = 1000) -> list[tuple[uuid.UUID, str]]:
     return [(r["id"], r["job_id"]) for r in rows(conn, DUE_RUNS, {"limit": limit})]
 
 
@@ -45,7 +46,7 @@ EXPIRE_LEASE = Statement(
 )
 
 
-def expire_lease(conn: Connection, run_id: uuid.UUID) -> bool:
+def expire_lease(conn: Conn, run_id: uuid.UUID) -> bool:
     return first(conn, EXPIRE_LEASE, {"run_id": run_id}) is not None
 
 
@@ -100,7 +101,7 @@ SHIFT_BUCKETS = Statement(
 _APART = 1000 * 366 * 86400.0
 
 
-def advance(conn: Connection, seconds: float) -> None:
+def advance(conn: Conn, seconds: float) -> None:
     rows(conn, ADVANCE, {"seconds": seconds})
     rows(conn, SHIFT_BUCKETS, {"seconds": -seconds - _APART})
     rows(conn, SHIFT_BUCKETS, {"seconds": _APART})
@@ -113,7 +114,7 @@ STEPS_OF = Statement(
 )
 
 
-def steps_of(conn: Connection, run_id: uuid.UUID) -> list[dict[str, Any]]:
+def steps_of(conn: Conn, run_id: uuid.UUID) -> list[dict[str, Any]]:
     return rows(conn, STEPS_OF, {"run_id": run_id})
 
 
@@ -128,7 +129,7 @@ RUN_OF = Statement(
 )
 
 
-def run_of(conn: Connection, run_id: uuid.UUID) -> dict[str, Any] | None:
+def run_of(conn: Conn, run_id: uuid.UUID) -> dict[str, Any] | None:
     return first(conn, RUN_OF, {"run_id": run_id})
 
 
@@ -142,7 +143,7 @@ DLQ_ENTRIES = Statement(
 )
 
 
-def dlq_entries(conn: Connection) -> list[dict[str, Any]]:
+def dlq_entries(conn: Conn) -> list[dict[str, Any]]:
     return rows(conn, DLQ_ENTRIES, {})
 
 
@@ -159,6 +160,6 @@ FREE_SWEEP_SLOT = Statement(
 )
 
 
-def empty_tables(conn: Connection) -> None:
+def empty_tables(conn: Conn) -> None:
     rows(conn, EMPTY_TABLES, {})
     rows(conn, FREE_SWEEP_SLOT, {})

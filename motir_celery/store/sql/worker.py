@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
-from typing import Any, Sequence
-
-from sqlalchemy import Connection
+from typing import TYPE_CHECKING, Any, Sequence
 
 from motir_celery.settings import get_settings
 from motir_celery.store.driver import Statement, first, rows
 from motir_celery.store.records import Claim, RunSpec
+
+if TYPE_CHECKING:
+    from motir_celery.store.driver import Conn
 
 AUDIENCE = "worker"
 ROLES = ("motir_engine",)
@@ -85,7 +86,7 @@ CLAIM = Statement(
 )
 
 
-def claim(conn: Connection, run_id: uuid.UUID, *, job_id: str, worker: str, lease_seconds: float,
+def claim(conn: Conn, run_id: uuid.UUID, *, job_id: str, worker: str, lease_seconds: float,
           concurrency_limit: int | None = None, token: uuid.UUID | None = None) -> Claim | None:
     """Move a queued, due run to running for this worker; ``None`` if it is not ours to run."""
     row = first(conn, CLAIM, {"run_id": run_id, "job_id": job_id, "worker": worker, "lease": lease_seconds,
@@ -109,7 +110,7 @@ LOCK_CONCURRENCY = Statement(
 )
 
 
-def lock_concurrency(conn: Connection, run_id: uuid.UUID) -> None:
+def lock_concurrency(conn: Conn, run_id: uuid.UUID) -> None:
     """Serialise claims of one (job, concurrency key) until this transaction ends, so
     two workers cannot both count the last free slot (cold path: jobs with concurrency=).
     The lock spans workspaces (coarser than the count, so never wrong)."""
@@ -135,7 +136,7 @@ NEXT_IN_LINE = Statement(
 )
 
 
-def next_in_line(conn: Connection, job_id: str, key: str, workspace_id: str | None) -> uuid.UUID | None:
+def next_in_line(conn: Conn, job_id: str, key: str, workspace_id: str | None) -> uuid.UUID | None:
     """The queued run that should take a concurrency slot just freed (publish it after commit)."""
     row = first(conn, NEXT_IN_LINE, {"job_id": job_id, "key": key, "workspace_id": workspace_id})
     return None if row is None else row["id"]
@@ -167,7 +168,7 @@ STORE_STEP = Statement(
 )
 
 
-def store_step(conn: Connection, claim_: Claim, step_id: str, output_json: str, elapsed: float) -> bool:
+def store_step(conn: Conn, claim_: Claim, step_id: str, output_json: str, elapsed: float) -> bool:
     """Store one step; ``False`` when nothing was written (fenced, or stored already)."""
     params = {"run_id": claim_.run_id, "token": claim_.token, "step_id": step_id, "output": output_json,
               "elapsed": elapsed}
@@ -181,7 +182,7 @@ STORED_OUTPUT = Statement(
 )
 
 
-def stored_output(conn: Connection, claim_: Claim, step_id: str) -> Any:
+def stored_output(conn: Conn, claim_: Claim, step_id: str) -> Any:
     row = first(conn, STORED_OUTPUT, {"run_id": claim_.run_id, "step_id": step_id})
     assert row is not None, "stored_output: the step has no record"
     return row["output"]
@@ -201,18 +202,18 @@ RENEW_LEASES = Statement(
 )
 
 
-def renew_claims(conn: Connection, held: Sequence[tuple[uuid.UUID, uuid.UUID]], lease_seconds: float) -> set[uuid.UUID]:
+def renew_claims(conn: Conn, held: Sequence[tuple[uuid.UUID, uuid.UUID]], lease_seconds: float) -> set[uuid.UUID]:
     """Renew the leases of ``held`` (run id, claim token) pairs in one statement; the run ids still held."""
     params = {"lease": lease_seconds, "run_ids": [run_id for run_id, _ in held], "tokens": [token for _, token in held]}
     return {r["id"] for r in rows(conn, RENEW_LEASES, params)}
 
 
-def renew_leases(conn: Connection, claims: Sequence[Claim], lease_seconds: float) -> set[uuid.UUID]:
+def renew_leases(conn: Conn, claims: Sequence[Claim], lease_seconds: float) -> set[uuid.UUID]:
     """The heartbeat of every run a process holds, in one statement; the run ids still held."""
     return renew_claims(conn, [(c.run_id, c.token) for c in claims], lease_seconds)
 
 
-def renew_lease(conn: Connection, claim_: Claim, lease_seconds: float) -> bool:
+def renew_lease(conn: Conn, claim_: Claim, lease_seconds: float) -> bool:
     return claim_.run_id in renew_claims(conn, [(claim_.run_id, claim_.token)], lease_seconds)
 
 
@@ -223,7 +224,7 @@ RUN_STATE = Statement(
 )
 
 
-def why_fenced(conn: Connection, claim_: Claim) -> str:
+def why_fenced(conn: Conn, claim_: Claim) -> str:
     """Cold path after a refused write: 'cancelled', 'lost' (reclaimed) or 'held' (still ours)."""
     row = first(conn, RUN_STATE, {"run_id": claim_.run_id, "token": claim_.token})
     if row is None:
@@ -255,7 +256,7 @@ STORE_CLOCK_STEP = Statement(
 )
 
 
-def store_clock_step(conn: Connection, claim_: Claim, step_id: str, *, seconds: float | None = None,
+def store_clock_step(conn: Conn, claim_: Claim, step_id: str, *, seconds: float | None = None,
                      until: datetime | None = None) -> tuple[Any, datetime] | None:
     """Memoize {"since": now(), "until": now() + seconds | until} for step.sleep / waits.
     Returns (output, db_now), or None when fenced."""
@@ -291,7 +292,7 @@ SUSPEND = Statement(
 )
 
 
-def suspend(conn: Connection, claim_: Claim, *, outcome: str, until: datetime | None = None,
+def suspend(conn: Conn, claim_: Claim, *, outcome: str, until: datetime | None = None,
             delay: float | None = None, republish_after: float, error_json: str | None = None,
             wait: tuple[str, list[str], str | None] | None = None) -> datetime | None:
     """Give the worker back without charging the attempt: queued again at ``until``
@@ -311,7 +312,7 @@ LOCK_WAIT = Statement(
 )
 
 
-def lock_wait(conn: Connection, name: str) -> None:
+def lock_wait(conn: Conn, name: str) -> None:
     """Exclusive twin of record_event's shared lock: after it, every event of ``name``
     committed so far is visible, and every later one will see this transaction's waiter."""
     rows(conn, LOCK_WAIT, {"name": name})
@@ -332,7 +333,7 @@ FIND_EVENT = Statement(
 )
 
 
-def find_event(conn: Connection, name: str, path: list[str], value: str | None, since: datetime,
+def find_event(conn: Conn, name: str, path: list[str], value: str | None, since: datetime,
                workspace_id: str | None) -> dict[str, Any] | None:
     """The event a waiter of ``workspace_id`` looks back for (``id``, ``name``, ``data``), or None."""
     if value is None:
@@ -387,7 +388,7 @@ START_CHILDREN = Statement(
 )
 
 
-def start_children(conn: Connection, claim_: Claim, children_: Sequence[tuple[str, str, str, str, RunSpec]],
+def start_children(conn: Conn, claim_: Claim, children_: Sequence[tuple[str, str, str, str, RunSpec]],
                    *, traceparent: str | None, detach: bool = False) -> tuple[bool, list[tuple[uuid.UUID, str]]]:
     """``children_``: (step key, event name, data as JSON, idempotency key, spec).
     Returns (parent still held, [(run_id, job_id) created now]) — publish those after commit."""
@@ -412,7 +413,7 @@ LOCK_PARENT = Statement(
 )
 
 
-def lock_parent(conn: Connection, run_id: uuid.UUID) -> None:
+def lock_parent(conn: Conn, run_id: uuid.UUID) -> None:
     """After it, every child settle committed so far is visible, and every later one
     sees this transaction's suspension (and wakes it)."""
     rows(conn, LOCK_PARENT, {"run_id": run_id})
@@ -433,7 +434,7 @@ CHILDREN = Statement(
 )
 
 
-def children(conn: Connection, run_id: uuid.UUID, steps: Sequence[str]) -> dict[str, dict[str, Any]]:
+def children(conn: Conn, run_id: uuid.UUID, steps: Sequence[str]) -> dict[str, dict[str, Any]]:
     return {r["step_id"]: r for r in rows(conn, CHILDREN, {"run_id": run_id, "steps": list(steps)})}
 
 
@@ -457,7 +458,7 @@ CANCEL_CHILDREN = Statement(
 )
 
 
-def cancel_children(conn: Connection, run_id: uuid.UUID, steps: Sequence[str]) -> list[uuid.UUID]:
+def cancel_children(conn: Conn, run_id: uuid.UUID, steps: Sequence[str]) -> list[uuid.UUID]:
     return [r["run_id"] for r in rows(conn, CANCEL_CHILDREN, {"run_id": run_id, "steps": list(steps)})]
 
 
@@ -480,7 +481,7 @@ CLAIM_WAKES = Statement(
 )
 
 
-def claim_wakes(conn: Connection, run_ids: Sequence[uuid.UUID]) -> list[tuple[uuid.UUID, str]]:
+def claim_wakes(conn: Conn, run_ids: Sequence[uuid.UUID]) -> list[tuple[uuid.UUID, str]]:
     """The parents the settles of ``run_ids`` woke, claimed for publishing (publish them after commit)."""
     if not run_ids:
         return []
@@ -541,7 +542,7 @@ START_MEMBERS = Statement(
 )
 
 
-def start_members(conn: Connection, claim_: Claim, members: Sequence[tuple[str, str, str, str, RunSpec,
+def start_members(conn: Conn, claim_: Claim, members: Sequence[tuple[str, str, str, str, RunSpec,
                                                                           uuid.UUID, float | None, datetime | None]],
                   *, traceparent: str | None, republish_after: float) -> tuple[bool, list[tuple[uuid.UUID, str, float]]]:
     """``members``: (step key, event name, data as JSON, idempotency key, spec, run id, delay, eta).
@@ -575,7 +576,7 @@ MEMBERS_WAITING = Statement(
 )
 
 
-def members_waiting(conn: Connection, run_id: uuid.UUID) -> bool:
+def members_waiting(conn: Conn, run_id: uuid.UUID) -> bool:
     row = first(conn, MEMBERS_WAITING, {"run_id": run_id})
     return bool(row and row["waiting"])
 
@@ -596,7 +597,7 @@ STEP_MEMBERS = Statement(
 )
 
 
-def step_members(conn: Connection, run_id: uuid.UUID, step: str) -> dict[str, dict[str, Any]]:
+def step_members(conn: Conn, run_id: uuid.UUID, step: str) -> dict[str, dict[str, Any]]:
     return {r["step_id"]: r for r in rows(conn, STEP_MEMBERS, {"run_id": run_id, "step": step})}
 
 
@@ -637,7 +638,7 @@ SETTLE_SUCCEEDED = Statement(
 )
 
 
-def settle_succeeded(conn: Connection, claim_: Claim, result_json: str) -> bool:
+def settle_succeeded(conn: Conn, claim_: Claim, result_json: str) -> bool:
     """Settle a run that succeeded; ``False`` when fenced (cancelled or reclaimed)."""
     row = first(conn, SETTLE_SUCCEEDED, {"run_id": claim_.run_id, "token": claim_.token, "result": result_json,
                                          "async_commit": get_settings().settle_async_commit})
@@ -664,7 +665,7 @@ SETTLE_RETRY = Statement(
 )
 
 
-def settle_retry(conn: Connection, claim_: Claim, error_json: str, delay: float) -> bool:
+def settle_retry(conn: Conn, claim_: Claim, error_json: str, delay: float) -> bool:
     params = {"run_id": claim_.run_id, "token": claim_.token, "error": error_json, "delay": delay}
     return first(conn, SETTLE_RETRY, params) is not None
 
@@ -710,7 +711,7 @@ SETTLE_FAILED = Statement(
 )
 
 
-def settle_failed(conn: Connection, claim_: Claim, error_json: str) -> uuid.UUID | None:
+def settle_failed(conn: Conn, claim_: Claim, error_json: str) -> uuid.UUID | None:
     """Mark the run failed and write its DLQ row; returns the DLQ id (None if fenced)."""
     row = first(conn, SETTLE_FAILED, {"run_id": claim_.run_id, "token": claim_.token, "error": error_json})
     return None if row is None else row["id"]
