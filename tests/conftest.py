@@ -270,6 +270,12 @@ def celery_worker(tmp_path: Path, *, broker: str, concurrency: int = 2, pool: st
         stop_group(proc)
 
 
+def children(pid: int) -> list[int]:
+    """The processes ``pid`` forked (a prefork worker's pool children)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
 def stop_group(proc: subprocess.Popen[bytes], grace: float = 15.0) -> None:
     """Stop a process started with ``start_new_session=True`` and everything it forked: SIGTERM
     to its process group, SIGKILL if it is still there after ``grace`` seconds."""

@@ -117,7 +117,8 @@ def rows(conn: Conn, statement: Statement, params: dict[str, Any]) -> list[dict[
                 raise
             # Every connection of the pool older than this one is replaced on its next
             # checkout (a restart killed them all), then this one is dropped.
-            conn.engine.invalidate_older()
+            if conn.engine is not None:
+                conn.engine.invalidate_older()
             conn.invalidate()
             raise ConnectionLost(f"{statement.name}: {exc}") from exc
         # A SQLAlchemy connection: SQLAlchemy is imported already (it made the connection).

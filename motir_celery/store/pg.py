@@ -25,7 +25,8 @@ from urllib.parse import SplitResult, urlsplit, urlunsplit
 import psycopg
 from psycopg import pq
 
-__all__ = ["Pool", "PooledConnection", "Transaction", "ConnectionLost", "PoolTimeout", "conninfo", "hide_password"]
+__all__ = ["Pool", "PooledConnection", "BorrowedConnection", "Transaction", "ConnectionLost", "PoolTimeout",
+           "conninfo", "hide_password"]
 
 #: Listener of a new connection (``"connect"``: raw, None) or of each checkout (``"checkout"``:
 #: raw, None, None): the signatures of SQLAlchemy's pool events, so store/pooler.py serves both.
@@ -195,7 +196,8 @@ class PooledConnection:
     """One connection checked out of a ``Pool``: SQLAlchemy ``Connection``'s ``begin()``,
     ``execution_options(isolation_level=…)``, ``invalidate()``, ``close()`` and ``in_transaction()``."""
 
-    def __init__(self, pool: Pool, raw: psycopg.Connection[Any], made: float) -> None:
+    def __init__(self, pool: Pool | None, raw: psycopg.Connection[Any], made: float) -> None:
+        #: The pool it goes back to (None: a ``BorrowedConnection``, nobody's).
         self.engine = pool
         self.raw = raw
         self._made = made
@@ -223,7 +225,7 @@ class PooledConnection:
         self.raw.close()
 
     def close(self) -> None:
-        if not self._closed:
+        if not self._closed and self.engine is not None:
             self._closed = True
             self.engine.checkin(self.raw, self._made)
 
@@ -234,13 +236,34 @@ class PooledConnection:
         self.close()
 
 
+class BorrowedConnection(PooledConnection):
+    """A psycopg connection its owner keeps (Django's, inside ``transaction.atomic()``): statements
+    go on it in whatever transaction it is in, and its owner alone ends that transaction and the
+    connection — ``begin()`` groups nothing, ``close()`` and ``invalidate()`` leave it be."""
+
+    def __init__(self, raw: psycopg.Connection[Any]) -> None:
+        super().__init__(None, raw, 0.0)
+
+    def execution_options(self, *, isolation_level: str) -> PooledConnection:
+        raise RuntimeError("a borrowed connection's transaction is its owner's")
+
+    def begin(self) -> Transaction:
+        return Transaction(self.raw, owned=False)
+
+    def invalidate(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class Transaction:
     """``PooledConnection.begin()``'s transaction: commits at its block's end, rolls back on an error
     (or when ``rollback()`` is called in it)."""
 
-    def __init__(self, raw: psycopg.Connection[Any]) -> None:
+    def __init__(self, raw: psycopg.Connection[Any], *, owned: bool = True) -> None:
         self._raw = raw
-        self._done = False
+        self._done = not owned  # a borrowed connection's transaction: its owner ends it
 
     def commit(self) -> None:
         if not self._done:

@@ -124,9 +124,10 @@ def _where(engine: Source) -> str:
     return engine.where if isinstance(engine, Pool) else engine.url.render_as_string(hide_password=True)
 
 
-def found(engine: Source) -> bool:
-    """A transaction pooler was found in front of ``engine``'s URL (probe or backstop)."""
-    state = _states.get(engine)
+def found(engine: Source | None) -> bool:
+    """A transaction pooler was found in front of ``engine``'s URL (probe or backstop); None: a
+    connection someone else owns (Django's), whose preparing is theirs."""
+    state = None if engine is None else _states.get(engine)
     return state is not None and state.pooled is True
 
 
@@ -188,9 +189,9 @@ def refused(conn: PooledConnection | Connection, raw: psycopg.Connection[Any], e
     sent again unprepared (it was a transaction of its own: nothing of it ran)."""
     if not isinstance(exc, _REFUSALS) or not any(name in str(exc) for name in PREPARED_NAMES):
         return False
-    state = _states.get(conn.engine)
-    if state is None or not state.detect:
-        return False  # not ours to decide: MOTIR_PREPARED_STATEMENTS=1 said prepare
+    state = None if conn.engine is None else _states.get(conn.engine)
+    if conn.engine is None or state is None or not state.detect:
+        return False  # not ours to decide: MOTIR_PREPARED_STATEMENTS=1 said prepare, or someone else's connection
     with state.lock:
         state.pooled = True
         _warn(state, _where(conn.engine),

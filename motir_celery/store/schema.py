@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from motir_celery.forks import per_process
 from motir_celery.store.driver import first
+from motir_celery.store.pg import PooledConnection
 from motir_celery.store.sql import catalog
 
 if TYPE_CHECKING:
@@ -64,7 +65,10 @@ _cache = per_process(_Cache)
 def features(conn: Conn) -> Features:
     """The features of the schema ``conn`` is on (cached ``TTL`` seconds per URL)."""
     cache = _cache()
-    key = str(conn.engine.url)
+    if isinstance(conn, PooledConnection):  # the engine's own (its URL), or one Django lends (its DSN)
+        key = conn.engine.url if conn.engine is not None else conn.raw.info.dsn
+    else:
+        key = str(conn.engine.url)
     now = time.monotonic()
     hit = cache.by_url.get(key)
     if hit is not None and hit[0] > now:

@@ -14,12 +14,7 @@ from pathlib import Path
 from sqlalchemy import Engine, text
 
 import tests.fixtures.lean_jobs as lean
-from tests.conftest import celery_worker
-
-
-def _children(pid: int) -> list[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(p) for p in f.read().split()]
+from tests.conftest import celery_worker, children
 
 
 def test_a_prefork_worker_runs_a_job_and_sweeps_without_importing_sqlalchemy(
@@ -28,12 +23,12 @@ def test_a_prefork_worker_runs_a_job_and_sweeps_without_importing_sqlalchemy(
                        sweep_interval=0.2) as worker:
         reports = [lean.imports.delay().get(timeout=30) for _ in range(4)]
         time.sleep(1.0)  # a few sweeps and heartbeats on the main process's side pool
-        children = _children(worker.proc.pid)
-        assert len(children) == 2, worker.output()[-2000:]
-        mapped = {pid: lean.mapped(pid) for pid in [worker.proc.pid, *children]}
+        pool = children(worker.proc.pid)
+        assert len(pool) == 2, worker.output()[-2000:]
+        mapped = {pid: lean.mapped(pid) for pid in [worker.proc.pid, *pool]}
         output = worker.output()
     assert all(r["step"] == 1 for r in reports)
-    assert {r["pid"] for r in reports} <= set(children)  # the runs ran in the pool's children
+    assert {r["pid"] for r in reports} <= set(pool)  # the runs ran in the pool's children
     assert [r["modules"] for r in reports] == [[]] * 4 and not any(r["mapped"] for r in reports)
     assert mapped == {pid: False for pid in mapped}, output[-3000:]
     with engine.connect() as conn:  # the sweeper ran meanwhile (the test's own reads use SQLAlchemy)

@@ -27,7 +27,8 @@ import pytest
 import redis
 from sqlalchemy import make_url, text
 
-from tests.conftest import ROOT, celery_worker, run_state, wait_for
+from tests.conftest import ROOT, celery_worker, children, run_state, wait_for
+from tests.fixtures import lean_jobs
 
 PROJECT = ROOT / "examples" / "django_project"
 
@@ -169,9 +170,12 @@ def test_a_commit_publishes_one_run_that_sees_the_committed_order(  # type: igno
     assert sorted(str(r.id) for r in runs_of(engine)) == sorted([run_id, receipt])
     assert run_state(engine, run_id) == run_state(engine, receipt) == "queued"
     assert queued_messages(broker_url) == 2  # published once the view's transaction committed
-    with django_worker(tmp_path, broker_url, django_env):
+    with django_worker(tmp_path, broker_url, django_env) as worker:
         wait_for(lambda: run_state(engine, run_id) == run_state(engine, receipt) == "succeeded",
                  what="the runs on the Django worker")
+        processes = [worker.proc.pid, *children(worker.proc.pid)]
+        with_sqlalchemy = [pid for pid in processes if lean_jobs.mapped(pid)]
+    assert len(processes) == 3 and with_sqlalchemy == []  # a Django-hosted worker's memory has none either
     result = {str(r.id): r.result for r in runs_of(engine)}
     assert result[run_id]["order_id"] == body["order_id"] and result[run_id]["item"] == item
     assert result[run_id]["quantity"] == 2 and result[receipt] == f"receipt: 2 x {item}"
@@ -306,8 +310,9 @@ def sender(workspace):
                 return JsonResponse({"runs": len(send_event("order.placed", {"order_id": 0},
                                                             workspace_id=workspace).run_ids)})
         except Exception as exc:
-            # Postgres refuses it (insufficient_privilege): the checked write of migration 0008
-            return JsonResponse({"refused": getattr(getattr(exc, "orig", None), "sqlstate", None) == "42501"})
+            # Postgres refuses it (insufficient_privilege): the checked write of migration 0008,
+            # raised as psycopg raises it on Django's connection
+            return JsonResponse({"refused": getattr(exc, "sqlstate", None) == "42501"})
     return view
 
 request = lambda: RequestFactory().post("/", HTTP_X_SHOP_TENANT="acme")

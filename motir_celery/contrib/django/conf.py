@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import os
 from typing import Any
-
-from sqlalchemy import URL, make_url
+from urllib.parse import parse_qs, quote, urlencode, urlsplit
 
 from motir_celery.errors import ConfigurationError
 from motir_celery.settings import get_settings, reset_settings
@@ -80,12 +79,17 @@ def database_url_of(db_alias: str) -> str:
                                  "(django.db.backends.postgresql)")
     query = {str(k): str(v) for k, v in (db.get("OPTIONS") or {}).items()
              if k not in _DJANGO_ONLY_OPTIONS and isinstance(v, (str, int)) and not isinstance(v, bool)}
-    host = db.get("HOST") or None
-    if host and host.startswith("/"):  # a socket directory: libpq takes it as a parameter
-        query["host"], host = host, None
-    return URL.create("postgresql+psycopg", username=db.get("USER") or None, password=db.get("PASSWORD") or None,
-                      host=host, port=int(db["PORT"]) if db.get("PORT") else None, database=db.get("NAME") or None,
-                      query=query).render_as_string(hide_password=False)
+    host = db.get("HOST") or ""
+    if host.startswith("/"):  # a socket directory: libpq takes it as a parameter
+        query["host"], host = host, ""
+    login = quote(db.get("USER") or "", safe="")
+    if login and db.get("PASSWORD"):
+        login += ":" + quote(db["PASSWORD"], safe="")
+    where = (login + "@" if login else "") + (f"[{host}]" if ":" in host else host)
+    if db.get("PORT"):
+        where += f":{int(db['PORT'])}"
+    name = "/" + quote(db["NAME"], safe="") if db.get("NAME") else ""
+    return f"postgresql+psycopg://{where}{name}" + (f"?{urlencode(query)}" if query else "")
 
 
 def import_jobs() -> None:
@@ -97,8 +101,11 @@ def import_jobs() -> None:
         import_from_cwd(module)
 
 
-def _where(url: URL) -> tuple[object, int, str | None]:
-    return url.host or url.query.get("host"), url.port or 5432, url.database
+def _where(url: str) -> tuple[object, int, str | None]:
+    """(host or socket directory, port, database) a URL reaches."""
+    parts = urlsplit(url)
+    socket = next(iter(parse_qs(parts.query).get("host") or []), None)
+    return parts.hostname or socket, parts.port or 5432, parts.path.lstrip("/") or None
 
 
 def check_database(app_configs: Any = None, **kwargs: Any) -> list[Any]:
@@ -107,8 +114,8 @@ def check_database(app_configs: Any = None, **kwargs: Any) -> list[Any]:
     from django.core.checks import Warning
 
     try:
-        motir = make_url(get_settings().require_database_url())
-        django = make_url(database_url_of(alias()))
+        motir = get_settings().require_database_url()
+        django = database_url_of(alias())
     except ConfigurationError as exc:
         return [Warning(str(exc), id="motir.W002")]
     if _where(motir) != _where(django):

@@ -1,30 +1,17 @@
 """motir's writes on Django's own connection, in Django's transaction.
 
-The choice: **a SQLAlchemy Connection over Django's DBAPI connection**, so the core
-(``core/events.write_event``, ``store/statements``, ``store/driver``: all of which
-take a SQLAlchemy ``Connection`` and reach the psycopg connection under it) runs
-unchanged on it. The engine behind it (one per Django alias and process) has
+The choice: **the psycopg connection Django holds, lent to the store as it is**
+(``store/pg.py``'s ``BorrowedConnection``): ``core/events.write_event``, the store's
+statements and ``store/driver`` take it like the engine's own connections, and it stays
+Django's — ``connection_for`` hands out this thread's ``connections[alias].connection``
+whatever Django did to it (pool, reconnect, ``CONN_MAX_AGE``); nothing of motir begins,
+commits, rolls back or closes it; no SQLAlchemy is imported (a Django-hosted worker's
+memory, issue 28).
 
-* a ``creator`` that hands out this thread's ``connections[alias].connection`` —
-  the psycopg 3 connection Django holds, whatever Django did to it (pool,
-  reconnect, ``CONN_MAX_AGE``);
-* a dialect, psycopg's, whose begin/commit/rollback/close do nothing
-  (``DjangoOwnedDialect``): the transaction and the connection's life are Django's.
-  SQLAlchemy rolls back whatever it believes it began when a Connection closes,
-  and after reading the server version on its first connect: on Django's
-  connection that would be the user's transaction. No ``on_connect`` either
-  (Django configured the connection; a notice handler per checkout would pile up);
-* ``NullPool`` with ``pool_reset_on_return=None``: nothing is kept, nothing reset.
-
-REJECTED: teaching ``store/driver`` to take a raw psycopg connection — every
-statement function, ``write_event``'s own query and the other writers would change
-type, for one caller. REJECTED: ``StaticPool`` — it keeps the first connection it
-saw, and Django replaces its connection (per thread, per request by default).
-
-On Django's connection, Django's cursor (client-side binding by default) is used:
-nothing is prepared server-side there whatever ``MOTIR_PREPARED_STATEMENTS`` says
-(safe behind PgBouncer, as Django's own default is), and ``jsonb`` comes back as
-text (Django's loader). The write path reads neither.
+On Django's connection, Django's cursor class (client-side binding by default) is used:
+nothing is prepared server-side there whatever ``MOTIR_PREPARED_STATEMENTS`` says (safe
+behind PgBouncer, as Django's own default is), and ``jsonb`` comes back as text
+(Django's loader). The write path reads neither.
 
 ``join`` is the hook ``core/events.join_transactions`` is given (apps.py):
 
@@ -41,77 +28,26 @@ text (Django's loader). The write path reads neither.
 
 from __future__ import annotations
 
-import threading
 from contextlib import contextmanager
-from typing import Any, Callable, ContextManager, Iterator
-
-from sqlalchemy import Engine, create_engine
-from sqlalchemy.dialects import registry
-from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
-from sqlalchemy.pool import NullPool
+from typing import Callable, ContextManager, Iterator
 
 from motir_celery.contrib.django import conf
 from motir_celery.contrib.django.middleware import request_workspace
 from motir_celery.core.producer.events import Joined
 from motir_celery.errors import ConfigurationError
 from motir_celery.store.db import set_workspace_context
+from motir_celery.store.pg import BorrowedConnection
 
-__all__ = ["DjangoOwnedDialect", "join", "connection_for", "engine_for"]
-
-
-class DjangoOwnedDialect(PGDialect_psycopg):
-    """psycopg on a connection Django owns: SQLAlchemy never ends its transaction or closes it."""
-
-    supports_statement_cache = True
-
-    def on_connect(self) -> None:
-        return None
-
-    def do_begin(self, dbapi_connection: Any) -> None:
-        pass  # psycopg begins implicitly; Django's atomic() decides when the transaction ends
-
-    def do_commit(self, dbapi_connection: Any) -> None:
-        pass
-
-    def do_rollback(self, dbapi_connection: Any) -> None:
-        pass
-
-    def do_close(self, dbapi_connection: Any) -> None:
-        pass
-
-    def do_terminate(self, dbapi_connection: Any) -> None:
-        pass
+__all__ = ["join", "connection_for", "scope_transaction"]
 
 
-registry.register("postgresql.motir_django", __name__, "DjangoOwnedDialect")
+def connection_for(db_alias: str | None = None) -> BorrowedConnection:
+    """Django's connection ``db_alias`` (this thread's), lent to the store in whatever transaction it is in."""
+    from django.db import connections
 
-_engines: dict[str, Engine] = {}
-_lock = threading.Lock()
-
-
-def engine_for(db_alias: str) -> Engine:
-    """The engine whose connections are this thread's Django connection ``db_alias``."""
-    engine = _engines.get(db_alias)
-    if engine is None:
-        with _lock:
-            engine = _engines.get(db_alias)
-            if engine is None:
-                def creator() -> Any:
-                    from django.db import connections
-
-                    wrapper = connections[db_alias]
-                    wrapper.ensure_connection()
-                    return wrapper.connection
-
-                engine = create_engine("postgresql+motir_django://", creator=creator, poolclass=NullPool,
-                                       pool_reset_on_return=None, use_native_hstore=False)
-                _engines[db_alias] = engine
-    return engine
-
-
-def connection_for(db_alias: str | None = None) -> ContextManager[Any]:
-    """A SQLAlchemy Connection on Django's connection ``db_alias``, in whatever transaction it is in."""
-    return engine_for(db_alias or conf.alias()).connect()
+    wrapper = connections[db_alias or conf.alias()]
+    wrapper.ensure_connection()
+    return BorrowedConnection(wrapper.connection)
 
 
 def join(workspace_id: str | None) -> ContextManager[Joined] | None:
