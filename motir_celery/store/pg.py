@@ -11,6 +11,12 @@ the engine's code uses — ``connect()``, ``begin()``, ``execution_options(isola
 "AUTOCOMMIT")``, ``invalidate()``, ``dispose()`` — with the same meaning, so one store function
 serves a connection of either kind. Errors are psycopg's own; a connection a statement found
 broken is invalidated and the statement raises ``ConnectionLost`` (``driver.rows``).
+
+Hazards, as with SQLAlchemy's pool configured as store/db.py did: a connection is not pinged
+when lent (the side pool's are), so a socket a restart killed fails its first statement; a
+connection is kept however old it is; one its borrower never closes is never taken back. A
+connection comes back rolled back and out of autocommit; session state a borrower set with
+``SET`` (not ``set_config(..., true)``) would stay, and no statement of the engine's does that.
 """
 
 from __future__ import annotations
