@@ -30,7 +30,7 @@ import sys
 import threading
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
 from motir_celery.errors import ConfigurationError, WorkspaceError
 from motir_celery.forks import per_process
@@ -60,6 +60,9 @@ __all__ = [
     "primary_wal_lsn",
 ]
 
+T = TypeVar("T")
+
+
 class _Engines:
     """This process's pools and SQLAlchemy engines by URL (``forks.per_process``: a forked
     child starts with none, and its parent's pooled sockets are neither used nor closed there)."""
@@ -69,6 +72,16 @@ class _Engines:
         self.pools: dict[str, Pool] = {}
         self.by_url: dict[str, Engine] = {}
 
+    def once(self, table: dict[str, T], key: str, make: Callable[[], T]) -> T:
+        """``table[key]``, made by ``make()`` the first time (once, whatever the threads)."""
+        found = table.get(key)
+        if found is None:
+            with self.lock:
+                found = table.get(key)
+                if found is None:
+                    found = table[key] = make()
+        return found
+
 
 _engines = per_process(_Engines)
 
@@ -77,26 +90,22 @@ def get_pool(url: str | None = None, *, settings: Settings | None = None) -> Poo
     """The engine role's connections to ``url`` (the engine URL): psycopg, no SQLAlchemy."""
     settings = settings or get_settings()
     url = url or settings.require_database_url()
+
+    def make() -> Pool:
+        size = max(settings.pool_size, _runs_per_process)
+        # A run holds one connection while it runs (and briefly a second for a wait's transaction
+        # or a step's send_event): `size` covers one per concurrent run of this process, the
+        # overflow the rest. No ping on checkout: a socket a database restart left dead fails its
+        # first statement, the pool replaces every older one (driver.rows), and the runner claims
+        # once more on a fresh one (runner.execute). Pinging bought nothing the ablation could
+        # measure (docs/performance.md) and would cost every run a round trip. Every timestamp is
+        # timestamptz compared with now(); the session TimeZone only changes how values print.
+        pool = Pool(url, size=size, overflow=size, connect_args=_connect_args(settings))
+        pooler.install(pool, settings)  # behind a transaction pooler: nothing prepared
+        return pool
+
     engines = _engines()
-    pool = engines.pools.get(url)
-    if pool is None:
-        with engines.lock:
-            pool = engines.pools.get(url)
-            if pool is None:
-                size = max(settings.pool_size, _runs_per_process)
-                # A run holds one connection while it runs (and briefly a second for a wait's
-                # transaction or a step's send_event): `size` covers one per concurrent run of
-                # this process, the overflow the rest. No ping on checkout: a socket a database
-                # restart left dead fails its first statement, the pool replaces every older
-                # one (driver.rows), and the runner claims once more on a fresh one
-                # (runner.execute). Pinging bought nothing the ablation could measure
-                # (docs/performance.md) and would cost every run a round trip. Every timestamp
-                # is timestamptz compared with now(); the session TimeZone only changes how
-                # values print.
-                pool = Pool(url, size=size, overflow=size, connect_args=_connect_args(settings))
-                pooler.install(pool, settings)  # behind a transaction pooler: nothing prepared
-                engines.pools[url] = pool
-    return pool
+    return engines.once(engines.pools, url, make)
 
 
 def get_engine(url: str | None = None, *, settings: Settings | None = None) -> Engine:
@@ -104,22 +113,19 @@ def get_engine(url: str | None = None, *, settings: Settings | None = None) -> E
     RLS-enforced reads) and operator tools. The engine's own statements use ``get_pool``."""
     settings = settings or get_settings()
     url = url or settings.require_database_url()
-    engines = _engines()
-    engine = engines.by_url.get(url)
-    if engine is None:
-        with engines.lock:
-            engine = engines.by_url.get(url)
-            if engine is None:
-                # Imported here, not with the module: SQLAlchemy is ~13 MB of a process's memory,
-                # and a worker never opens one (store/pg.py).
-                from sqlalchemy import create_engine
 
-                size = max(settings.pool_size, _runs_per_process)
-                engine = create_engine(url, pool_size=size, max_overflow=size,
-                                       connect_args=_connect_args(settings))
-                pooler.install(engine, settings)  # behind a transaction pooler: nothing prepared
-                engines.by_url[url] = engine
-    return engine
+    def make() -> Engine:
+        # Imported here, not with the module: SQLAlchemy is ~13 MB of a process's memory, and a
+        # worker never opens one (store/pg.py).
+        from sqlalchemy import create_engine
+
+        size = max(settings.pool_size, _runs_per_process)
+        engine = create_engine(url, pool_size=size, max_overflow=size, connect_args=_connect_args(settings))
+        pooler.install(engine, settings)  # behind a transaction pooler: nothing prepared
+        return engine
+
+    engines = _engines()
+    return engines.once(engines.by_url, url, make)
 
 
 def _connect_args(settings: Settings) -> dict[str, Any]:
@@ -146,16 +152,14 @@ def side_engine(settings: Settings | None = None) -> Pool:
     once a second at most: the cost is nothing)."""
     settings = settings or get_settings()
     url = settings.require_database_url()
+
+    def make() -> Pool:
+        pool = Pool(url, size=1, overflow=0, pre_ping=True, connect_args=_connect_args(settings))
+        pooler.install(pool, settings)
+        return pool
+
     engines = _engines()
-    pool = engines.pools.get("side:" + url)
-    if pool is None:
-        with engines.lock:
-            pool = engines.pools.get("side:" + url)
-            if pool is None:
-                pool = Pool(url, size=1, overflow=0, pre_ping=True, connect_args=_connect_args(settings))
-                pooler.install(pool, settings)
-                engines.pools["side:" + url] = pool
-    return pool
+    return engines.once(engines.pools, "side:" + url, make)
 
 
 def dispose_engines() -> None:
