@@ -24,13 +24,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import event, text
+from sqlalchemy import text
 
 from bench import workload
 from bench.harness import median
 from motir_celery.core.producer import events
 from motir_celery.core.worker import runner
-from motir_celery.store.db import dispose_engines, get_engine
+from motir_celery.store.db import dispose_engines, get_engine, get_pool
 
 #: Seconds each body of the "slow" runs sleeps: longer than steps.MAX_LAG (1 ms), so
 #: every step but the last is stored on its own before the next body starts.
@@ -107,15 +107,15 @@ def analyse_trace(window: str, prelude: str = "") -> Protocol:
 
 
 class Tracer:
-    """Trace every connection this process's engine makes from now on into one file; ``since``
-    returns what was sent after a ``mark``."""
+    """Trace every connection this process's engine pool (the runner's, store/pg.py) makes from now
+    on into one file; ``since`` returns what was sent after a ``mark``."""
 
     def __init__(self) -> None:
         self._fh = tempfile.NamedTemporaryFile("w+", prefix="bench-trace-", suffix=".txt", delete=False)
         self._conns: list[Any] = []
         dispose_engines()  # every connection (the runner's kept ones too) is made again, traced
-        self._engine = get_engine()
-        event.listen(self._engine, "connect", self._connected)
+        self._pool = get_pool()
+        self._pool.listen("connect", self._connected)
 
     def _connected(self, dbapi_conn: Any, _record: Any) -> None:
         self._conns.append(dbapi_conn)
@@ -145,7 +145,7 @@ class Tracer:
         for c in self._conns:
             if not c.closed:
                 c.pgconn.untrace()
-        event.remove(self._engine, "connect", self._connected)
+        self._pool.unlisten("connect", self._connected)
         dispose_engines()
         os.unlink(self._fh.name)
 
@@ -161,7 +161,13 @@ def measure(k_values: tuple[int, ...] = (0, 1, 3, 10), hits_k: int = 100, rounds
                 conn.execute(text("UPDATE job_queue SET run_at = now() WHERE id = :id"), {"id": run_id})
         mark = tracer.mark() if tracer else 0
         assert runner.execute(run_id, job_id="bench.steps", worker="bench/stepcost", publish=None).state == "succeeded"
-        return analyse_trace(*tracer.since(mark)) if tracer else None
+        if tracer is None:
+            return None
+        sent = analyse_trace(*tracer.since(mark))
+        if sent.round_trips < 2:  # a claim and a settle at least: else the trace missed the runner's connection
+            raise SystemExit(f"bench.stepcost: the trace saw {sent.round_trips} round trips for a run; "
+                             "it no longer follows the runner's connections")
+        return sent
 
     for _ in range(6):  # warm the pool and psycopg's prepared statements (a worker that has run a few jobs)
         execute({"k": 3})

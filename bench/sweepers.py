@@ -45,11 +45,9 @@ class Row:
 def measure(db: h.Database, state: str, sweeps: int, interval: float, slotted: bool) -> Row:
     """The transactions (``pg_stat_database``, flushed), the backends' CPU, the wall time and the runs
     re-published of ``sweeps`` calls in one period."""
-    from sqlalchemy import text
-
     from motir_celery.core.worker import sweeper
     from motir_celery.settings import Settings
-    from motir_celery.store.db import dispose_engines, get_engine
+    from motir_celery.store.db import dispose_engines, get_pool
 
     db.truncate()
     db.rows("UPDATE job_sweep SET swept_at = '-infinity'")  # a new period
@@ -62,8 +60,8 @@ def measure(db: h.Database, state: str, sweeps: int, interval: float, slotted: b
     with h.connect(h.server_url()) as admin:  # on another database: its reads are not counted
 
         def flushed_xacts() -> int:
-            with get_engine(settings=settings).connect() as conn:  # the pool's connection, made before measuring
-                conn.execute(text("SELECT pg_stat_force_next_flush()"))
+            with get_pool(settings=settings).connect() as conn:  # the sweeper's connection, made before measuring
+                conn.raw.execute("SELECT pg_stat_force_next_flush()")
             time.sleep(0.6)  # flushed at the end of that statement's transaction
             return int(admin.execute("SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = %s",
                                      (db.name,)).fetchone()[0])  # type: ignore[index]

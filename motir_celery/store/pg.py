@@ -89,6 +89,10 @@ class Pool:
         """Call ``listener`` at each new connection (``"connect"``) or each checkout (``"checkout"``)."""
         self._listeners[name].append(listener)
 
+    def unlisten(self, name: str, listener: Listener) -> None:
+        """Stop calling ``listener`` (``listen``'s)."""
+        self._listeners[name].remove(listener)
+
     def connect(self) -> PooledConnection:
         """A connection of the pool, checked out until its ``close()`` (or its ``with`` block's end)."""
         raw, made = self._checkout()
