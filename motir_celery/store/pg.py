@@ -133,7 +133,7 @@ class Pool:
                 while not self._idle and self._count >= self.size + self.overflow:
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        raise PoolTimeout(f"no connection to {self.where} came free in {self.timeout:.0f}s "
+                        raise PoolTimeout(f"no connection to {self.where} came free in {self.timeout:g}s "
                                           f"({self._count} checked out)")
                     self._cond.wait(left)
                 if self._idle:
@@ -151,6 +151,7 @@ class Pool:
             return raw, made
 
     def _new(self) -> psycopg.Connection[Any]:
+        raw = None
         try:
             raw = psycopg.connect(self.conninfo, **self.connect_args)
             for listener in self._listeners["connect"]:
@@ -161,6 +162,8 @@ class Pool:
             with self._cond:
                 self._count -= 1
                 self._cond.notify()
+            if raw is not None:
+                raw.close()
             raise
         return raw
 
