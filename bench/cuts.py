@@ -68,11 +68,11 @@ class Cut:
 CUTS = (
     Cut("kept_cursor", "one kept cursor per connection, tuple rows with cached column names (not a dict_row "
         "cursor per statement)",
-        (Undo("store/driver.py", """    cursor = _cursors.get(raw)
-    if cursor is None or cursor.closed:
-        cursor = _cursors[raw] = raw.cursor()
+        (Undo("store/driver.py", """    kept = _kept_with(raw)
+    cursor = kept.cursor
     try:
-""", """    try:
+""", """    kept = None
+    try:
 """),
          Undo("store/driver.py", """        cursor.execute(statement.sql, params, prepare=prepare)
         answer = cursor.pgresult

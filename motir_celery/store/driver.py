@@ -25,12 +25,12 @@ from __future__ import annotations
 import re
 import sys
 import uuid
-import weakref
 import zlib
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import psycopg
 from psycopg import pq
+from psycopg.adapt import Transformer
 
 from motir_celery.settings import get_settings
 from motir_celery.store import pooler
@@ -70,7 +70,7 @@ class Statement(NamedTuple):
     sql: str
     prepare: bool = True
     #: Sent through libpq itself when prepared (``through_libpq_prepared``): for the statements a run
-    #: sends per step, whose answer is a count or a flag.
+    #: sends per step (each parameter cast in the SQL: it is sent as text).
     libpq: bool = False
 
 
@@ -88,14 +88,13 @@ def rows(conn: Conn, statement: Statement, params: dict[str, Any]) -> list[dict[
     if prepare and pooler.found(conn.engine):  # a connection made before the pooler was found
         pooler.unprepared(raw)
         prepare = False
-    cursor = _cursors.get(raw)
-    if cursor is None or cursor.closed:
-        cursor = _cursors[raw] = raw.cursor()
+    kept = _kept_with(raw)
+    cursor = kept.cursor
     try:
         if prepare and statement.libpq and raw.autocommit:
             # (Only in autocommit: psycopg begins a transaction when its cursor sends the first
             # statement, and a statement sent past it would run, and commit, outside the caller's.)
-            found = through_libpq_prepared(raw, statement, params)
+            found = through_libpq_prepared(raw, statement, params, kept)
             if found is not None:
                 return found
         cursor.execute(statement.sql, params, prepare=prepare)
@@ -132,11 +131,38 @@ def rows(conn: Conn, statement: Statement, params: dict[str, Any]) -> list[dict[
                                   connection_invalidated=broken) from exc
 
 
-#: One cursor per psycopg connection, kept with it: making one per statement (its adapters,
-#: its row maker) was a tenth of a pool child's CPU (docs/performance.md, "Where a run's CPU
-#: goes"). A pooled connection serves one caller at a time, so its cursor does too; it holds
-#: its last result until the next statement.
-_cursors: "weakref.WeakKeyDictionary[psycopg.Connection[Any], psycopg.Cursor[Any]]" = weakref.WeakKeyDictionary()
+class Kept:
+    """What the driver keeps with one psycopg connection while it is open.
+
+    Its cursor: making one per statement (its adapters, its row maker) was a tenth of a pool
+    child's CPU (docs/performance.md, "Where a run's CPU goes"). A pooled connection serves one
+    caller at a time, so its cursor does too; it holds its last result until the next statement.
+    Its loaders and its statements prepared through libpq (``through_libpq_prepared``)."""
+
+    __slots__ = ("cursor", "loaders", "prepared")
+
+    def __init__(self, raw: psycopg.Connection[Any]) -> None:
+        self.cursor = raw.cursor()
+        #: psycopg's own loaders for this connection (its adapters, its time zone).
+        self.loaders = Transformer(raw)
+        #: The statements prepared under a name of ours on this connection, by SQL.
+        self.prepared: dict[str, Prepared] = {}
+
+
+#: By connection. Not a WeakKeyDictionary: a cursor refers to its connection, which would then
+#: never be collected; a closed connection's entry is dropped when a new connection is first seen.
+_kept: dict[psycopg.Connection[Any], Kept] = {}
+
+
+def _kept_with(raw: psycopg.Connection[Any]) -> Kept:
+    kept = _kept.get(raw)
+    if kept is None or kept.cursor.closed:
+        for old in [c for c in list(_kept) if c.closed]:
+            _kept.pop(old, None)
+        kept = _kept[raw] = Kept(raw)
+    return kept
+
+
 #: Each statement's column names, read from its first result (a statement's columns are fixed).
 _columns: dict[str, tuple[str, ...]] = {}
 
@@ -144,50 +170,46 @@ _columns: dict[str, tuple[str, ...]] = {}
 # --- the per-step statements, through libpq ------------------------------------------------
 #
 # psycopg's cursor spends ~30 us of Python on each statement around libpq's own work (its
-# query conversion, parameter dumpers, result loaders and generators); a run sends four
-# whose answer is a count or a flag (three step records, the settle). Those (``libpq=True``)
-# are prepared under a name of ours on each connection and sent with PQexecPrepared, their
-# parameters as text and their columns read by type (``_READ``). PQexecPrepared blocks in C
-# with the GIL released: other threads run, and a signal's Python handler (a soft time limit)
-# runs when the statement has returned, not while it waits. Errors come back as psycopg's.
-# Only on a connection in autocommit (the runner's), where each statement is its own transaction.
+# query conversion, parameter dumpers and generators); a run sends four whose answer is a
+# count or a flag (three step records, the settle). Those (``libpq=True``) are prepared under
+# a name of ours on each connection and sent with PQexecPrepared, their parameters as text
+# (the server infers each one's type from the statement: cast it there), their columns read by
+# psycopg's own loaders (``Kept.loaders``: the values its cursor would give). PQexecPrepared
+# blocks in C with the GIL released: other threads run, and a signal's Python handler (a soft
+# time limit) runs when the statement has returned, not while it waits. Errors come back as
+# psycopg's. Only on a connection in autocommit (the runner's), where each statement is its
+# own transaction.
 
-#: Each connection's statements prepared here: SQL -> (name, parameter names), or None when a
-#: statement's columns are not ones ``_READ`` reads (then the cursor sends it).
-_named: "weakref.WeakKeyDictionary[psycopg.Connection[Any], dict[str, tuple[bytes, tuple[str, ...]] | None]]" = (
-    weakref.WeakKeyDictionary())
+class Prepared(NamedTuple):
+    """One statement prepared on one connection under a name of ours."""
+
+    name: bytes
+    params: tuple[str, ...]  #: the parameters' names, in $1, $2... order
+    columns: tuple[str, ...]  #: the result's column names
+
+
 _PARAM = re.compile(r"%\((\w+)\)s")
-#: Column types read from text: int2, int4, int8, bool, text, varchar, void (set_config's CASE is text).
-_READ: dict[int, Callable[[bytes], Any]] = {21: int, 23: int, 20: int, 16: lambda v: v == b"t",
-                                           25: bytes.decode, 1043: bytes.decode, 2278: bytes.decode}
 
 
-def through_libpq_prepared(raw: psycopg.Connection[Any], statement: Statement,
-                           params: dict[str, Any]) -> list[dict[str, Any]] | None:
+def through_libpq_prepared(raw: psycopg.Connection[Any], statement: Statement, params: dict[str, Any],
+                           kept: Kept | None = None) -> list[dict[str, Any]] | None:
     """The statement's rows, sent prepared with PQexecPrepared; None: the cursor must send it."""
-    named = _named.get(raw)
-    if named is None:
-        named = _named[raw] = {}
-    entry = named[statement.sql] if statement.sql in named else _prepare(raw, statement, named)
-    if entry is None:
-        return None
-    name, order = entry
-    values = [_text(params[k]) for k in order]
+    kept = kept or _kept_with(raw)
+    entry = kept.prepared.get(statement.sql) or _prepare(raw, statement, kept.prepared)
+    values = [_text(params[k]) for k in entry.params]
     if any(v is _NOT_TEXT for v in values):
         return None
-    answer = raw.pgconn.exec_prepared(name, values)  # type: ignore[arg-type]
+    answer = raw.pgconn.exec_prepared(entry.name, values)  # type: ignore[arg-type]
     if answer.status == pq.ExecStatus.TUPLES_OK:
-        names = tuple((answer.fname(i) or b"").decode() for i in range(answer.nfields))
-        reads = [_READ[answer.ftype(i)] for i in range(answer.nfields)]
-        return [{n: (None if answer.get_value(r, i) is None else reads[i](answer.get_value(r, i)))  # type: ignore[arg-type]
-                 for i, n in enumerate(names)} for r in range(answer.ntuples)]
+        # psycopg's own loaders (the connection's adapters, its time zone): the values its cursor gives.
+        kept.loaders.set_pgresult(answer)
+        return [dict(zip(entry.columns, values)) for values in kept.loaders.load_rows(0, answer.ntuples, tuple)]
     if answer.status == pq.ExecStatus.COMMAND_OK:
         return []
     raise _error(raw, answer)
 
 
-def _prepare(raw: psycopg.Connection[Any], statement: Statement,
-             named: dict[str, tuple[bytes, tuple[str, ...]] | None]) -> tuple[bytes, tuple[str, ...]] | None:
+def _prepare(raw: psycopg.Connection[Any], statement: Statement, prepared: dict[str, Prepared]) -> Prepared:
     order: list[str] = []
 
     def number(m: re.Match[str]) -> str:
@@ -199,14 +221,14 @@ def _prepare(raw: psycopg.Connection[Any], statement: Statement,
     # One name per statement and SQL, the same on every connection: a pooler that handed one client's
     # session to another (store/pooler.py) can only clash by name, never run another statement.
     name = f"motir_{statement.name}_{zlib.crc32(sql.encode()):08x}".encode()
-    prepared = raw.pgconn.prepare(name, sql.encode(), None)
-    if prepared.status != pq.ExecStatus.COMMAND_OK:
-        raise _error(raw, prepared)
+    made = raw.pgconn.prepare(name, sql.encode(), None)
+    if made.status != pq.ExecStatus.COMMAND_OK:
+        raise _error(raw, made)
     described = raw.pgconn.describe_prepared(name)
     if described.status != pq.ExecStatus.COMMAND_OK:
         raise _error(raw, described)
-    readable = all(described.ftype(i) in _READ for i in range(described.nfields))
-    entry = named[statement.sql] = (name, tuple(order)) if readable else None
+    columns = tuple((described.fname(i) or b"").decode() for i in range(described.nfields))
+    entry = prepared[statement.sql] = Prepared(name, tuple(order), columns)
     return entry
 
 

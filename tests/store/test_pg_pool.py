@@ -5,18 +5,23 @@ concurrent checkouts, and a borrower beyond that waits, then times out with a cl
 connection comes back to the next borrower rolled back and out of autocommit; a transaction
 commits at its block's end and rolls back on an error; ``dispose`` closes what is idle at once and
 what is lent when it returns; the side pool's ping replaces a connection whose server process died.
+And what the driver keeps with a connection (store/driver.py: its cursor, its loaders, its
+statements prepared through libpq) goes with it, and reads every column as psycopg's cursor does.
 """
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 from typing import Any
 
 import psycopg
 import pytest
 from sqlalchemy import Engine, text
 
+from motir_celery.store import driver
 from motir_celery.store.pg import Pool, PooledConnection, PoolTimeout, conninfo, hide_password
 from tests.conftest import wait_for
 
@@ -161,3 +166,45 @@ def test_a_url_becomes_libpq_s_and_its_password_is_hidden_in_messages() -> None:
     assert hide_password("postgresql://motir@db/jobs") == "postgresql://motir@db/jobs"
     with pytest.raises(ValueError, match="not a PostgreSQL URL: mysql://u:\\*\\*\\*@h/d"):
         conninfo("mysql://u:pw@h/d")
+
+
+TYPED = driver.Statement("typed", "One column of each kind a statement of the engine's returns.", """
+    SELECT CAST(%(id)s AS uuid) AS id, timestamptz '2026-12-02 12:00:00+00' AS at, CAST(%(data)s AS jsonb) AS data,
+           CAST(%(n)s AS int) AS n, CAST(%(flag)s AS bool) AS flag, CAST(%(name)s AS text) AS name, CAST(NULL AS text) AS nothing
+    """, libpq=True)
+
+
+def test_a_statement_through_libpq_reads_every_column_as_psycopg_s_cursor_does(database_url: str) -> None:
+    params = {"id": "6f1c2d8e-0b7a-4e3f-9a51-3c2b1d0e9f87", "data": '{"a": [1, 2]}', "n": 7, "flag": True,
+              "name": "x"}
+    pool = _pool(database_url, connect_args={"options": "-c TimeZone=Asia/Kolkata"})
+    try:
+        with pool.connect() as conn:
+            conn.execution_options(isolation_level="AUTOCOMMIT")  # the libpq path's condition (the runner's)
+            by_cursor = driver.first(conn, TYPED._replace(libpq=False), params)
+            by_libpq = driver.through_libpq_prepared(conn.raw, TYPED, params)
+    finally:
+        pool.dispose()
+    assert by_libpq == [by_cursor]
+    assert by_cursor is not None and by_cursor["at"].utcoffset().total_seconds() == 5.5 * 3600  # the session's zone
+
+
+def test_a_connection_the_pool_closes_is_not_kept_alive_by_the_driver(database_url: str) -> None:
+    """The driver keeps a cursor and prepared statements with each connection; a connection the pool
+    closed (one given back beyond its size) must still be freed, not held by what was kept with it."""
+    pool = _pool(database_url, size=1, overflow=1)
+    ping = driver.Statement("ping", "A round trip.", "SELECT 1 AS one", libpq=True)
+    seen: list[weakref.ref[Any]] = []
+    try:
+        for _ in range(5):  # each time one connection new, and one closed on return
+            with pool.connect() as first, pool.connect() as second:
+                for conn in (first, second):
+                    conn.execution_options(isolation_level="AUTOCOMMIT")
+                    assert driver.first(conn, ping, {}) == {"one": 1}
+                    seen.append(weakref.ref(conn.raw))
+        gc.collect()
+        alive = {id(raw): raw for raw in (ref() for ref in seen) if raw is not None}
+        # the idle one, and the one closed last (forgotten when the driver next meets a new one)
+        assert len(alive) <= 2 and sum(raw.closed for raw in alive.values()) <= 1, alive
+    finally:
+        pool.dispose()
