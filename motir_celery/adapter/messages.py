@@ -15,7 +15,7 @@ So on a plain Redis broker the message is built by Celery (``create_task_message
 the same headers ``send_task`` writes) and pushed by this module: kombu's Redis
 envelope, then one LPUSH on a client held per app and process (0.4-0.6 ms with
 its reply). A job's message is built once, with stand-ins for its ids, and
-each run's is rendered from it (``_Plan``); one with an eta, or sent from
+each run's is rendered from it (``Plan``); one with an eta, or sent from
 within a task (Celery then names the task as parent), is built afresh. The
 envelope is kombu's wire format, which publishers and workers of different
 kombu versions already share; a test decodes what we push next to what
@@ -162,12 +162,12 @@ def redis_lane(app: Celery) -> "RedisLane | None":
         return lanes.by_app[app]
 
 
-# Stand-ins for what differs between two messages of a job (_Plan.render).
+# Stand-ins for what differs between two messages of a job (Plan.render).
 _TASK_ID, _RUN_ID, _REPLY_TO, _TAG, _BODY = (f"<motir-{part}-3f9c1e>" for part in ("task", "run", "reply", "tag", "body"))
 
 
 @dataclass(frozen=True)
-class _Plan:
+class Plan:
     """What every message of one job has in common on this lane: where it goes,
     and the message itself with stand-ins for its ids (built once by Celery)."""
 
@@ -208,7 +208,7 @@ class RedisLane:
         self.client = redis.Redis.from_url(url, **options)
         self.origin = f"gen{os.getpid()}@{os.uname().nodename}"
         self.declared: set[str] = set()  # queues send_task has published to (and declared) here
-        self.plans: dict[str, _Plan | None] = {}  # per job; None: never this way
+        self.plans: dict[str, Plan | None] = {}  # per job; None: never this way
         self.sent_events = bool(app.conf.task_send_sent_event)  # read once: conf lookups cost ~0.1 ms cold
 
     @classmethod
@@ -245,11 +245,11 @@ class RedisLane:
             return False
         return True
 
-    def plan_of(self, job_id: str) -> _Plan | None:
+    def plan_of(self, job_id: str) -> Plan | None:
         """The job's plan (``None``: its messages go through send_task); made on its first message."""
         return self.plans[job_id] if job_id in self.plans else self._plan(job_id)
 
-    def _plan(self, job_id: str) -> _Plan | None:
+    def _plan(self, job_id: str) -> Plan | None:
         """The job's plan, kept once its queue has been declared; ``None`` (kept): send_task always."""
         app, name, options = self.app, publish_name(job_id), task_options(job_id)
         # As send_task routes: the job's own queue if it has one, else task_routes (for the job's
@@ -264,14 +264,14 @@ class RedisLane:
             self.declared.add(queue.name)
             return None  # send_task declares it; the job's next message comes this way
         priority = _message_priority(app, job_id)
-        stand_in = _Plan(job_id, name, queue.name, _key(queue.name, priority), priority, options, "", "")
+        stand_in = Plan(job_id, name, queue.name, _key(queue.name, priority), priority, options, "", "")
         message = self._message(stand_in, _RUN_ID, task_id=_TASK_ID, reply_to=_REPLY_TO, tag=_TAG)
         body = base64.b64decode(message["body"]).decode()
         envelope = json.dumps({**message, "body": _BODY})
         plan = self.plans[job_id] = replace(stand_in, envelope=envelope, body=body)
         return plan
 
-    def built(self, plan: _Plan, run_id: uuid.UUID, countdown: float) -> str:
+    def built(self, plan: Plan, run_id: uuid.UUID, countdown: float) -> str:
         """The message of ``run_id`` built afresh: with an eta, or sent from within a task."""
         parent = self.app.current_worker_task  # as send_task: a message sent from a task names it as parent
         root_id = parent_id = None
@@ -281,7 +281,7 @@ class RedisLane:
                                         tag=str(uuid.uuid4()), countdown=countdown, root_id=root_id,
                                         parent_id=parent_id))
 
-    def _message(self, plan: _Plan, run: str, *, task_id: str, reply_to: str, tag: str, countdown: float = 0.0,
+    def _message(self, plan: Plan, run: str, *, task_id: str, reply_to: str, tag: str, countdown: float = 0.0,
                  root_id: str | None = None, parent_id: str | None = None) -> dict[str, Any]:
         """Celery's task message for ``run`` in kombu's Redis envelope, as send_task would push it."""
         message = self.app.amqp.create_task_message(
