@@ -80,12 +80,16 @@ def database_url() -> Iterator[str]:
     motir_settings.reset_settings()
     from motir_celery.store.migrate import upgrade
 
-    with admin.connect() as lock:
+    # On the server itself: through a transaction pooler (make test-pgbouncer) a session lock is
+    # no lock; the next client's statements may run in the session that holds it, and take it again.
+    locker = create_engine(os.environ.get("MOTIR_DIRECT_DATABASE_URL") or server, isolation_level="AUTOCOMMIT")
+    with locker.connect() as lock:
         lock.execute(text("SELECT pg_advisory_lock(:k)"), {"k": _MIGRATE_LOCK})
         try:
             upgrade(url)
         finally:
             lock.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _MIGRATE_LOCK})
+    locker.dispose()
     # The tests' own ledger of executed step bodies, in a schema Alembic does not compare.
     with create_engine(url).begin() as conn:
         conn.execute(text(

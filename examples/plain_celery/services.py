@@ -30,9 +30,11 @@ def load_order(order_id: int) -> dict[str, object]:
 
 
 def charge_card(order_id: int, cents: int, *, idempotency_key: str) -> dict[str, object]:
-    marker = _ledger().with_suffix(f".timeout-{order_id}")
-    if not marker.exists():
-        marker.touch()
+    try:  # O_EXCL: of two runs charging the same order at once, only the first times out
+        _ledger().with_suffix(f".timeout-{order_id}").touch(exist_ok=False)
+    except FileExistsError:
+        pass
+    else:
         _write(f"charge-timeout {order_id}")
         raise GatewayTimeout(f"gateway timed out charging order {order_id}")
     _write(f"charge {order_id} {cents} key={idempotency_key}")

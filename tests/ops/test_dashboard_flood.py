@@ -396,12 +396,12 @@ def mixed_dashboard(database_url: str, tmp_path_factory: pytest.TempPathFactory)
     yield from _serve(database_url, users)
 
 
-#: Medians within 25% (or 5 ms): sized for a shared 2-core machine under load, where two groups that
-#: run the very same code (the typical users and unknown names) have measured up to 15% apart. What it
-#: guards against is far larger: on d5e1222 an unknown name cost an argon2id verification at
-#: argon2-cffi's defaults, 13x the typical user's here; without the padding the minority's names cost
-#: ~3x an unknown one.
-TIMING_TOLERANCE, TIMING_SLACK = 0.25, 0.005
+#: Medians within 50% (or 5 ms): sized for a shared 2-core machine under load. Alone, the three groups
+#: measure within 3% (25.5, 26.1, 25.7 ms); under CI's three passes at once the same run measured 49.9,
+#: 55.9 and 43.1 ms (30% apart), failing the 25% this first had. What it guards against is far larger:
+#: on d5e1222 an unknown name cost an argon2id verification at argon2-cffi's defaults, 13x the typical
+#: user's here; without the padding the minority's names cost ~3x an unknown one.
+TIMING_TOLERANCE, TIMING_SLACK = 0.5, 0.005
 
 
 def test_an_unknown_name_costs_what_a_known_one_costs_with_mixed_hash_kinds(mixed_dashboard: int) -> None:

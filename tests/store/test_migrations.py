@@ -4,12 +4,17 @@ Nothing here touches the session's database. The from-empty test creates and
 migrates a database of its own; the drift tests share one more throwaway
 database (creating one costs ~0.5 s), and each drift test puts back what it
 broke and proves it with a clean ``check`` — otherwise the ``migrated_url``
-fixture rebuilds the schema from base, so no drift reaches the next test.
+fixture rebuilds the schema from base, so no drift reaches the next test. The
+concurrent-migration test runs on a private server of its own (a new cluster has no
+roles yet: the machine's has had them since its first migration).
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import uuid
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -21,6 +26,9 @@ from sqlalchemy.engine import Engine
 from motir_celery.store import rls
 from motir_celery.store.migrate import alembic_config, check, rls_statements, upgrade
 from motir_celery.store.models import Base
+from tests.chaos.harness import PrivatePostgres
+
+ROOT = Path(__file__).resolve().parents[2]
 
 RLS_TABLES = ("job_event", "job_queue", "job_step", "job_run", "job_run_dlq", "job_batch_item", "job_stats_rollup")
 
@@ -206,3 +214,29 @@ def test_upgrade_head_twice_is_a_no_op(migrated_url: Shared) -> None:
     upgrade(migrated_url)
     check(migrated_url)
     migrated_url.clean = True
+
+
+def test_databases_migrated_at_once_on_a_new_server_all_reach_head() -> None:
+    """The roles are the cluster's: on a server that has none yet, every database migrated at once
+    finds them missing and creates them; the second CREATE ROLE waits for the first's commit and
+    fails on the name. Each migration must take that as the role made, not fail (test sessions of
+    pytest-xdist, the test kit's, a database per tenant all migrate at once)."""
+    server = PrivatePostgres().init()  # a new cluster: no motir roles yet
+    try:
+        admin = create_engine(server.url(), isolation_level="AUTOCOMMIT")
+        names = [f"motir_mig_{i}" for i in range(4)]
+        with admin.connect() as conn:
+            for name in names:
+                conn.execute(text(f'CREATE DATABASE "{name}"'))
+        admin.dispose()
+        migrate = "import sys; from motir_celery.store.migrate import upgrade; upgrade(sys.argv[1])"
+        procs = [subprocess.Popen([sys.executable, "-c", migrate, server.url(name)], cwd=ROOT,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for name in names]
+        outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+        failed = [f"{name}: {out[-1500:]}" for name, proc, out in zip(names, procs, outputs) if proc.returncode]
+        assert not failed, "\n".join(failed)
+        for name in names:
+            check(server.url(name))  # each at head, no drift
+    finally:
+        server.close()
