@@ -7,6 +7,7 @@ transaction under the advisory lock of its key — ``motir.throttle:`` / ``motir
 job, workspace, key — taken in its own statement first, so every statement after it reads a
 snapshot that includes the previous holder's commit. A worker killed mid-decision rolls the
 whole decision back. Keys are per workspace; a job-wide throttle (key ``''``) spans them.
+A run found by its id has its state checked as ``(state = 'queued') IS TRUE`` (worker.py says why).
 
 ``gather`` goes through ``motir_gather`` (migration 0012): the engine role to the writer,
 the app role (a user's own transaction) to the checked function. Everything else here is
@@ -90,7 +91,7 @@ CLOSE_GATHER = Statement(
     UPDATE job_queue SET flow_wait = NULL
     WHERE id = %(run_id)s
       AND flow_wait IN ('debounce', 'batch')   -- still gathering
-      AND state = 'queued'
+      AND (state = 'queued') IS TRUE           -- not claimed (IS TRUE: found by id, worker.py's docstring)
       AND run_at <= now()                      -- quiet long enough / timed out (a sender may just have moved it)
     RETURNING id
     """,
@@ -112,7 +113,7 @@ SCHEDULE_EARLY = Statement(
           -- too far off for a countdown: the sweeper publishes it once due
           ELSE run_at - make_interval(secs => %(after)s) END
     WHERE id = %(run_id)s
-      AND state = 'queued' AND run_at > now()                          -- queued and not due yet
+      AND (state = 'queued') IS TRUE AND run_at > now()                -- queued and not due yet
       AND dispatched_at < run_at - make_interval(secs => %(after)s)    -- nothing set for this run_at yet: once
     RETURNING extract(epoch FROM run_at - now()) AS due_in
     """,
@@ -190,7 +191,7 @@ THROTTLE_PARK = Statement(
                              THEN CAST(%(until)s AS timestamptz)
                              ELSE CAST(%(until)s AS timestamptz) - make_interval(secs => %(after)s) END
     WHERE id = %(run_id)s
-      AND state = 'queued' AND claim_token IS NULL   -- not claimed meanwhile (its duplicate waits on the same lock)
+      AND (state = 'queued') IS TRUE AND claim_token IS NULL   -- not claimed meanwhile (its duplicate waits on the same lock)
     RETURNING greatest(extract(epoch FROM run_at - now()), 0) AS due_in
     """,
 )

@@ -40,7 +40,7 @@ EXPIRE_LEASE = Statement(
     "A crashed attempt's lease runs out at once (the sweeper then reclaims the run, as after a worker's death).",
     """
     UPDATE job_queue SET lease_expires_at = now() - interval '1 second'
-    WHERE id = %(run_id)s AND state = 'running'   -- the attempt that died still holds it
+    WHERE id = %(run_id)s AND (state = 'running') IS TRUE   -- the attempt that died still holds it
     RETURNING id
     """,
 )

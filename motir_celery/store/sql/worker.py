@@ -11,6 +11,13 @@ before the next body starts), the settle. Rules that hold for every statement he
   ``claim_token``; a worker whose lease was reclaimed writes nothing.
 * **One clock.** "Due", "expired" and every stored instant use the database's
   ``now()``; Python only ever binds *durations* (lease length, backoff).
+* **Found by id, through the primary key.** A statement that finds a run by its id
+  writes its state check as ``(state = 'queued') IS TRUE`` (the same test: ``state``
+  is never NULL), so the planner cannot prove a partial index's predicate from it.
+  Written ``state = 'queued'``, it may read the run through ``ix_job_queue_stale`` or
+  ``_due`` (``_leases`` for ``'running'``): with statistics taken while nothing was
+  queued, those cost ~0 rows, and each claim scanned every queued run for its own
+  (1,700 index entries a claim in a drain of 3,000; tests/store/test_schema.py).
 
 Run by the engine role. Functions take a ``Connection`` and leave the transaction
 to the caller.
@@ -55,7 +62,7 @@ CLAIM = Statement(
           wait_event = NULL, wait_path = NULL, wait_value = NULL   -- a woken waiter waits no more
       WHERE id = %(run_id)s
         AND job_id = %(job_id)s                -- a message for another job's run (misrouted, forged) claims nothing
-        AND state = 'queued'                   -- running: someone holds it; final: done. Either way a stale message.
+        AND (state = 'queued') IS TRUE         -- running: someone holds it; final: done. Either way a stale message.
         AND run_at <= now()                    -- not due yet (backoff): the sweeper publishes it again when it is
         AND (CAST(%(limit)s AS int) IS NULL    -- concurrency=(limit, key): a free slot, counted under
              OR (SELECT count(*) FROM job_queue r          -- lock_concurrency's advisory lock
@@ -152,7 +159,7 @@ STORE_STEP = Statement(
       SELECT id, workspace_id, attempts FROM job_queue
       WHERE id = %(run_id)s
         AND claim_token = %(token)s            -- fence: only the current holder writes
-        AND state = 'running'                  -- a cancelled run stops at its next step boundary
+        AND (state = 'running') IS TRUE        -- a cancelled run stops at its next step boundary
       -- FOR SHARE: a concurrent reclaim or cancel waits for this insert to commit, or
       -- this statement re-checks the fence against the reclaimed row and writes nothing.
       FOR SHARE
@@ -248,7 +255,7 @@ STORE_CLOCK_STEP = Statement(
                                                 now() + make_interval(secs => CAST(%(secs)s AS float8)))),
            q.attempts, now()
     FROM job_queue q
-    WHERE q.id = %(run_id)s AND q.claim_token = %(token)s AND q.state = 'running'   -- fence
+    WHERE q.id = %(run_id)s AND q.claim_token = %(token)s AND (q.state = 'running') IS TRUE   -- fence
     FOR SHARE OF q
     ON CONFLICT (run_id, step_id) DO NOTHING
     RETURNING output, now() AS db_now
@@ -281,7 +288,7 @@ SUSPEND = Statement(
                           - make_interval(secs => CAST(%(after)s AS float8)),
           wait_event = %(wait_event)s, wait_path = CAST(%(wait_path)s AS text[]), wait_value = %(wait_value)s,
           claim_token = NULL, claimed_by = NULL, lease_expires_at = NULL
-      WHERE id = %(run_id)s AND claim_token = %(token)s AND state = 'running'   -- fence
+      WHERE id = %(run_id)s AND claim_token = %(token)s AND (state = 'running') IS TRUE   -- fence
       RETURNING id, run_at
     ), ledger AS (
       UPDATE job_run r SET outcome = %(outcome)s, finished_at = now(), error = CAST(%(error)s AS jsonb)
@@ -352,7 +359,7 @@ START_CHILDREN = Statement(
       SELECT id, workspace_id FROM job_queue
       WHERE id = %(run_id)s
         AND claim_token = %(token)s            -- fence: only the parent's current holder starts children
-        AND state = 'running'
+        AND (state = 'running') IS TRUE
       FOR SHARE                                -- a concurrent cancel of the parent waits, then cancels them
     ), spec AS (
       SELECT * FROM unnest(CAST(%(steps)s AS text[]), CAST(%(names)s AS text[]), CAST(%(datas)s AS jsonb[]),
@@ -470,7 +477,7 @@ CLAIM_WAKES = Statement(
     FROM job_queue c
     WHERE c.id = ANY(CAST(%(run_ids)s AS uuid[]))    -- the children that settled (primary key)
       AND p.id = c.parent_run_id
-      AND p.state = 'queued' AND p.wait_event = 'motir.children'   -- suspended for its children
+      AND (p.state = 'queued') IS TRUE AND p.wait_event = 'motir.children'   -- suspended for its children
       AND p.run_at <= now()                                         -- and due: its last child settled
       -- woken and not yet published: the trigger leaves dispatched_at at or before run_at
       -- ('-infinity' since 0011, now() before); the first caller to get here stamps it
@@ -498,7 +505,7 @@ START_MEMBERS = Statement(
       SELECT id, workspace_id FROM job_queue
       WHERE id = %(run_id)s
         AND claim_token = %(token)s            -- fence: only the canvas run's current holder starts members
-        AND state = 'running'
+        AND (state = 'running') IS TRUE
       FOR SHARE                                -- a concurrent cancel of the canvas waits, then cancels them
     ), spec AS (
       SELECT * FROM unnest(CAST(%(steps)s AS text[]), CAST(%(names)s AS text[]), CAST(%(datas)s AS jsonb[]),
@@ -613,7 +620,7 @@ SETTLE_SUCCEEDED = Statement(
           claim_token = NULL, lease_expires_at = NULL
       WHERE id = %(run_id)s
         AND claim_token = %(token)s            -- fence: only the current holder settles
-        AND state = 'running'                  -- a cancelled run stays cancelled
+        AND (state = 'running') IS TRUE        -- a cancelled run stays cancelled
       RETURNING id
     ), ledger AS (
       UPDATE job_run r SET outcome = 'succeeded', finished_at = now()
@@ -655,7 +662,7 @@ SETTLE_RETRY = Statement(
           run_at = now() + make_interval(secs => %(delay)s),   -- the backoff, on the database's clock
           dispatched_at = now(),                               -- the caller publishes right after commit
           claim_token = NULL, claimed_by = NULL, lease_expires_at = NULL
-      WHERE id = %(run_id)s AND claim_token = %(token)s AND state = 'running'   -- fence
+      WHERE id = %(run_id)s AND claim_token = %(token)s AND (state = 'running') IS TRUE   -- fence
       RETURNING id, attempts
     )
     UPDATE job_run r SET outcome = 'retrying', finished_at = now(), error = CAST(%(error)s AS jsonb)
@@ -693,7 +700,7 @@ SETTLE_FAILED = Statement(
     WITH failed AS (
       UPDATE job_queue
       SET state = 'failed', finished_at = now(), claim_token = NULL, lease_expires_at = NULL
-      WHERE id = %(run_id)s AND claim_token = %(token)s AND state = 'running'   -- fence
+      WHERE id = %(run_id)s AND claim_token = %(token)s AND (state = 'running') IS TRUE   -- fence
       RETURNING id, workspace_id, job_id, event_id, event_name, scheduled_for, attempts,
                 CAST(%(error)s AS jsonb) AS failure
     ), ledger AS (
