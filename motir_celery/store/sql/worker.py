@@ -17,7 +17,8 @@ before the next body starts), the settle. Rules that hold for every statement he
   Written ``state = 'queued'``, it may read the run through ``ix_job_queue_stale`` or
   ``_due`` (``_leases`` for ``'running'``): with statistics taken while nothing was
   queued, those cost ~0 rows, and each claim scanned every queued run for its own
-  (1,700 index entries a claim in a drain of 3,000; tests/store/test_schema.py).
+  (1,700 index entries a claim in a drain of 3,000), each step record, settle and
+  lease renewal every running one (tests/store/test_schema.py).
 
 Run by the engine role. Functions take a ``Connection`` and leave the transaction
 to the caller.
@@ -203,7 +204,7 @@ RENEW_LEASES = Statement(
     FROM unnest(CAST(%(run_ids)s AS uuid[]), CAST(%(tokens)s AS uuid[])) AS h(run_id, token)
     WHERE q.id = h.run_id
       AND q.claim_token = h.token              -- fence: each holder renews only its own claim
-      AND q.state = 'running'                  -- a settled or cancelled run is not renewed
+      AND (q.state = 'running') IS TRUE        -- a settled or cancelled run is not renewed
     RETURNING q.id
     """,
 )
