@@ -69,8 +69,9 @@ _GATHER = "uuid[], text[], text[], double precision[], double precision[]"
 _BOTH = frozenset({APP_ROLE, ENGINE_ROLE})
 
 ROUTINES: tuple[Routine, ...] = (
-    Routine("motir_write_event", _EVENT, "4c604f0e09c5dbf6f4f8250d5abe03a7", True, frozenset({ENGINE_ROLE})),
-    Routine("motir_write_events", _EVENTS, "ce2799ff00b0b6a54612a9f13b5035fd", True, frozenset({ENGINE_ROLE})),
+    # motir_write_event(s), motir_on_run_settled, motir_write_gather: 0014 (a run found by id, IS TRUE).
+    Routine("motir_write_event", _EVENT, "4834d1b98ee0d3507ad2d9c99e4239a0", True, frozenset({ENGINE_ROLE})),
+    Routine("motir_write_events", _EVENTS, "6417a553af924fbd723237bd855db0da", True, frozenset({ENGINE_ROLE})),
     # PL/pgSQL since 0013 (its plan kept a session; 0010's statement).
     Routine("motir_write_direct", _DIRECT, "68a7a7ff693e3d70799ac7a69cb00ae7", True, frozenset({ENGINE_ROLE})),
     Routine("motir_enqueue_event", _EVENT, "585b94b8721b20a85772a2316553b994", True, frozenset({APP_ROLE})),
@@ -79,9 +80,9 @@ ROUTINES: tuple[Routine, ...] = (
     Routine("motir_record_event", _EVENT, "bf735b3b58ca6deff16ff5df44724687", False, _BOTH),
     Routine("motir_record_events", _EVENTS, "fca985c94bc4ce22acfdf3e76b2e40be", False, _BOTH),
     Routine("motir_direct_run", _DIRECT, "a76790aa09645a99063f4f846ce34ca7", False, _BOTH),
-    Routine("motir_on_run_settled", "", "6b2346fbd867386ca250ea9553055a05", False, frozenset({"PUBLIC"})),
+    Routine("motir_on_run_settled", "", "df73305bca6b2776ba4321f690771228", False, frozenset({"PUBLIC"})),
     # debounce= / batch= at send (migration 0012): writer, checked function, dispatcher.
-    Routine("motir_write_gather", _GATHER, "05215dd015a898531f874f1ecd1babaa", True, frozenset({ENGINE_ROLE})),
+    Routine("motir_write_gather", _GATHER, "c1f3863fc4941ca9f0b7c85244fa8b8b", True, frozenset({ENGINE_ROLE})),
     Routine("motir_enqueue_gather", _GATHER, "9b07f6915ca928d7338d31f5ccbc84df", True, frozenset({APP_ROLE})),
     Routine("motir_gather", _GATHER, "f7ddb1ef70302f187edd7678009ad75f", False, _BOTH),
 )
