@@ -15,9 +15,12 @@ test (``state`` is never NULL) from which no partial index's predicate is proven
 is found through the primary key, a waiter through ``ix_job_queue_waiting``. The statements
 of the code follow the same rule (store/sql/worker.py's docstring).
 
-Each body is its frozen revision's, word for word, but that one line (asserted), and
-replaced in place: the signatures, results, owner's rights, search_path and grants stay,
-so the previous release runs against this schema as before and nothing is to contract.
+A child's settle finds its parent by id and checks ``p.wait_event = 'motir.children'``
+too, from which ``ix_job_queue_waiting`` (every suspended parent) is usable: that check is
+written the same way. Each body is its frozen revision's, word for word, but those lines
+(asserted), and replaced in place: the signatures, results, owner's rights, search_path
+and grants stay, so the previous release runs against this schema as before and nothing
+is to contract.
 """
 from alembic import context, op
 from sqlalchemy import text
@@ -27,21 +30,24 @@ down_revision = '0013'
 branch_labels = None
 depends_on = None
 
-#: (revision, its constant, the line as it stands, the line as it becomes)
-EDITS = (
-    ("0008", "WRITE_EVENT",
-     "      AND q.state = 'queued'                       -- suspended waiting (not cancelled, not running)",
-     "      AND (q.state = 'queued') IS TRUE             -- suspended waiting (not cancelled, not running)"),
-    ("0008", "WRITE_EVENTS",
-     "      AND q.state = 'queued'                         -- suspended waiting (not cancelled, not running)",
-     "      AND (q.state = 'queued') IS TRUE               -- suspended waiting (not cancelled, not running)"),
-    ("0011", "ON_RUN_SETTLED",
-     "      AND p.state = 'queued'                         -- suspended (a running parent checks for itself)",
-     "      AND (p.state = 'queued') IS TRUE               -- suspended (a running parent checks for itself)"),
-    ("0012", "WRITE_GATHER",
-     "      AND q.state = 'queued' AND q.flow_key IS NULL   -- not gathered yet: a second call for it does nothing",
-     "      AND (q.state = 'queued') IS TRUE AND q.flow_key IS NULL   -- not gathered yet: a second call does nothing"),
-)
+#: (revision, its constant) -> each line as it stands, and as it becomes
+EDITS = {
+    ("0008", "WRITE_EVENT"): (
+        ("      AND q.state = 'queued'                       -- suspended waiting (not cancelled, not running)",
+         "      AND (q.state = 'queued') IS TRUE             -- suspended waiting (not cancelled, not running)"),),
+    ("0008", "WRITE_EVENTS"): (
+        ("      AND q.state = 'queued'                         -- suspended waiting (not cancelled, not running)",
+         "      AND (q.state = 'queued') IS TRUE               -- suspended waiting (not cancelled, not running)"),),
+    # The parent by its id: through the primary key, not ix_job_queue_waiting (every suspended parent) either.
+    ("0011", "ON_RUN_SETTLED"): (
+        ("      AND p.state = 'queued'                         -- suspended (a running parent checks for itself)",
+         "      AND (p.state = 'queued') IS TRUE               -- suspended (a running parent checks for itself)"),
+        ("      AND p.wait_event = 'motir.children'            -- waiting for its children, not sleeping",
+         "      AND (p.wait_event = 'motir.children') IS TRUE  -- waiting for its children, not sleeping"),),
+    ("0012", "WRITE_GATHER"): (
+        ("      AND q.state = 'queued' AND q.flow_key IS NULL   -- not gathered yet: a second call for it does nothing",
+         "      AND (q.state = 'queued') IS TRUE AND q.flow_key IS NULL   -- not gathered yet: a second call does nothing"),),
+}
 
 
 def _body(revision_: str, name: str) -> str:
@@ -52,10 +58,13 @@ def _body(revision_: str, name: str) -> str:
 
 def _apply(forward: bool) -> None:
     schema = op.get_bind().execute(text("SELECT quote_ident(current_schema())")).scalar_one()
-    for revision_, name, before, after in EDITS:
+    for (revision_, name), lines in EDITS.items():
         sql = _body(revision_, name)
-        assert sql.count(before) == 1, f"{revision_}.{name}: the line to edit is not there once"
-        op.execute((sql.replace(before, after) if forward else sql).replace("{schema}", schema))
+        for before, after in lines:
+            assert sql.count(before) == 1, f"{revision_}.{name}: the line to edit is not there once"
+            if forward:
+                sql = sql.replace(before, after)
+        op.execute(sql.replace("{schema}", schema))
 
 
 def upgrade() -> None:

@@ -80,7 +80,7 @@ ROUTINES: tuple[Routine, ...] = (
     Routine("motir_record_event", _EVENT, "bf735b3b58ca6deff16ff5df44724687", False, _BOTH),
     Routine("motir_record_events", _EVENTS, "fca985c94bc4ce22acfdf3e76b2e40be", False, _BOTH),
     Routine("motir_direct_run", _DIRECT, "a76790aa09645a99063f4f846ce34ca7", False, _BOTH),
-    Routine("motir_on_run_settled", "", "df73305bca6b2776ba4321f690771228", False, frozenset({"PUBLIC"})),
+    Routine("motir_on_run_settled", "", "6a1f0b0c2cb0413fabeb63220abfb0f4", False, frozenset({"PUBLIC"})),
     # debounce= / batch= at send (migration 0012): writer, checked function, dispatcher.
     Routine("motir_write_gather", _GATHER, "c1f3863fc4941ca9f0b7c85244fa8b8b", True, frozenset({ENGINE_ROLE})),
     Routine("motir_enqueue_gather", _GATHER, "9b07f6915ca928d7338d31f5ccbc84df", True, frozenset({APP_ROLE})),

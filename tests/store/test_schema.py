@@ -274,10 +274,11 @@ def test_a_run_found_by_its_id_is_read_through_the_primary_key_when_statistics_s
     # (throttle_state and run_flow find their run by id too, then count the throttled runs queued
     # ahead of it: a scan by state, which these statistics send through ix_job_queue_stale too
     # instead of ix_job_queue_throttle_waiting; noticed and left, docs/performance.md.)
-    by_id = [e for e in sql.catalogue() if re.search(r"\bid = (%\(run_id\)s|h\.run_id)", e.statement.sql)
+    by_id = [e for e in sql.catalogue()
+             if re.search(r"\bid = (%\(run_id\)s|h\.run_id|c\.parent_run_id)", e.statement.sql)
              and e.name not in ("throttle_state", "run_flow")]
-    assert {"claim", "store_step", "settle_succeeded", "settle_retry", "settle_failed", "renew_leases"} <= {
-        e.name for e in by_id}
+    assert {"claim", "store_step", "settle_succeeded", "settle_retry", "settle_failed", "renew_leases",
+            "claim_wakes"} <= {e.name for e in by_id}
     with engine.connect() as conn, conn.begin() as tx:  # rolled back: the rows never leave this test
         conn.execute(text(
             "INSERT INTO job_queue (job_id, event_name, state, attempts, max_attempts, retry_policy, finished_at) "
@@ -300,7 +301,8 @@ def test_a_run_found_by_its_id_is_read_through_the_primary_key_when_statistics_s
             params = {"run_id": run_id, "token": token, "run_ids": [run_id], "tokens": [token],
                       **{n: BY_ID_PARAMS[n] for n in names}}
             scans = _index_scans(conn, entry.statement, params)
-            assert "pk_job_queue" in scans and not set(scans) & set(STATE_INDEXES), (entry.name, scans)
+            assert "pk_job_queue" in scans and not set(scans) & {*STATE_INDEXES, "ix_job_queue_waiting"}, (
+                entry.name, scans)
         tx.rollback()
 
 
@@ -361,9 +363,12 @@ def test_the_functions_find_waiters_and_parents_without_reading_the_backlog(engi
         # Each lookup, by the text of its statement: the waiters (two writers), the parent, the gathered run.
         # (The gather's next statement, the key's open run, counts on uq_job_queue_gathering, and
         # these statistics send it through ix_job_queue_stale too: noticed and left, docs/performance.md.)
-        for lookup, count in (("q.wait_event =", 2), ("p.id = NEW.parent_run_id", 1), ("q.id = g.run_id", 1)):
+        for lookup, count, index in (("q.wait_event =", 2, "ix_job_queue_waiting on job_queue q"),
+                                     ("p.id = NEW.parent_run_id", 1, "pk_job_queue on job_queue p"),
+                                     ("q.id = g.run_id", 1, "pk_job_queue on job_queue q")):
             found = [p for p in plans if lookup in p]
             assert len(found) == count, (lookup, plans)
+            assert all(index in p for p in found), (index, found)
             assert not [p for p in found if "ix_job_queue_stale" in p or "ix_job_queue_due" in p], found
         tx.rollback()
 

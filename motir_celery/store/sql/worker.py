@@ -18,7 +18,9 @@ before the next body starts), the settle. Rules that hold for every statement he
   ``_due`` (``_leases`` for ``'running'``): with statistics taken while nothing was
   queued, those cost ~0 rows, and each claim scanned every queued run for its own
   (1,700 index entries a claim in a drain of 3,000), each step record, settle and
-  lease renewal every running one (tests/store/test_schema.py).
+  lease renewal every running one (tests/store/test_schema.py). A parent found by id
+  checks ``(wait_event = 'motir.children') IS TRUE`` for the same reason
+  (``ix_job_queue_waiting``: every suspended parent).
 
 Run by the engine role. Functions take a ``Connection`` and leave the transaction
 to the caller.
@@ -478,7 +480,7 @@ CLAIM_WAKES = Statement(
     FROM job_queue c
     WHERE c.id = ANY(CAST(%(run_ids)s AS uuid[]))    -- the children that settled (primary key)
       AND p.id = c.parent_run_id
-      AND (p.state = 'queued') IS TRUE AND p.wait_event = 'motir.children'   -- suspended for its children
+      AND (p.state = 'queued') IS TRUE AND (p.wait_event = 'motir.children') IS TRUE   -- suspended for its children
       AND p.run_at <= now()                                         -- and due: its last child settled
       -- woken and not yet published: the trigger leaves dispatched_at at or before run_at
       -- ('-infinity' since 0011, now() before); the first caller to get here stamps it
