@@ -195,6 +195,30 @@ class JobQueue(Base):
         # sender that adds an event to it (motir_gather, under the key's advisory lock) and closed
         # by the claim; this index is that lookup and the database's own guarantee of "one". NULLS
         # NOT DISTINCT: system runs share one key space, relied upon. Column list of its own.
+        # Its state written ``(state = 'queued') IS TRUE`` (migration 0015), as the lookup writes
+        # it: that form proves this predicate and no index's of a state alone (ix_job_queue_stale,
+        # _due), which statistics of a quiet queue made the planner prefer, a scan of the backlog.
+        Index(
+            "uq_job_queue_gathering_open",
+            "job_id",
+            "workspace_id",
+            "flow_key",
+            unique=True,
+            postgresql_nulls_not_distinct=True,
+            postgresql_where=text("flow_wait IN ('debounce', 'batch') AND (state = 'queued') IS TRUE"),
+        ),
+        # throttle=: the runs of a key waiting for a start slot, oldest first — the claim's "is
+        # anyone ahead of me?" and the estimate of a newcomer's turn. Only waiting runs are indexed;
+        # their state written as above (0015).
+        Index(
+            "ix_job_queue_throttle_queued",
+            "job_id",
+            "throttle_key",
+            "created_at",
+            postgresql_where=text("flow_wait = 'throttle' AND (state = 'queued') IS TRUE"),
+        ),
+        # The two above as 0012 made them, read by the previous release's statements only (they
+        # check ``state = 'queued'``): kept by 0015 (expand), dropped by a later release's contract.
         Index(
             "uq_job_queue_gathering",
             "job_id",
@@ -204,8 +228,6 @@ class JobQueue(Base):
             postgresql_nulls_not_distinct=True,
             postgresql_where=text("flow_wait IN ('debounce', 'batch') AND state = 'queued'"),
         ),
-        # throttle=: the runs of a key waiting for a start slot, oldest first — the claim's "is
-        # anyone ahead of me?" and the estimate of a newcomer's turn. Only waiting runs are indexed.
         Index(
             "ix_job_queue_throttle_waiting",
             "job_id",

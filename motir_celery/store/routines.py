@@ -69,7 +69,7 @@ _GATHER = "uuid[], text[], text[], double precision[], double precision[]"
 _BOTH = frozenset({APP_ROLE, ENGINE_ROLE})
 
 ROUTINES: tuple[Routine, ...] = (
-    # motir_write_event(s), motir_on_run_settled, motir_write_gather: 0014 (a run found by id, IS TRUE).
+    # motir_write_event(s), motir_on_run_settled: 0014 (a run found by id, IS TRUE); motir_write_gather: 0015.
     Routine("motir_write_event", _EVENT, "4834d1b98ee0d3507ad2d9c99e4239a0", True, frozenset({ENGINE_ROLE})),
     Routine("motir_write_events", _EVENTS, "6417a553af924fbd723237bd855db0da", True, frozenset({ENGINE_ROLE})),
     # PL/pgSQL since 0013 (its plan kept a session; 0010's statement).
@@ -82,7 +82,7 @@ ROUTINES: tuple[Routine, ...] = (
     Routine("motir_direct_run", _DIRECT, "a76790aa09645a99063f4f846ce34ca7", False, _BOTH),
     Routine("motir_on_run_settled", "", "6a1f0b0c2cb0413fabeb63220abfb0f4", False, frozenset({"PUBLIC"})),
     # debounce= / batch= at send (migration 0012): writer, checked function, dispatcher.
-    Routine("motir_write_gather", _GATHER, "c1f3863fc4941ca9f0b7c85244fa8b8b", True, frozenset({ENGINE_ROLE})),
+    Routine("motir_write_gather", _GATHER, "01706a2d46409c564924d5eca383a874", True, frozenset({ENGINE_ROLE})),
     Routine("motir_enqueue_gather", _GATHER, "9b07f6915ca928d7338d31f5ccbc84df", True, frozenset({APP_ROLE})),
     Routine("motir_gather", _GATHER, "f7ddb1ef70302f187edd7678009ad75f", False, _BOTH),
 )

@@ -22,6 +22,8 @@ from sqlalchemy.exc import IntegrityError
 from motir_celery.store.driver import Statement, plan
 from motir_celery.store.records import AlreadyQueued, Queued
 from motir_celery.store.sql import catalogue
+from motir_celery.store.sql import flow as flow_sql
+from motir_celery.store.sql import reads as reads_sql
 from motir_celery.store.sql.maintenance import RECLAIM_EXPIRED, REPUBLISH_DUE
 from motir_celery.store.sql.producer import enqueue_scheduled
 
@@ -282,14 +284,11 @@ def test_a_run_found_by_its_id_is_read_through_the_primary_key_when_statistics_s
     """Statistics taken while nothing was queued or running (the usual quiet moment), then a
     backlog: a lookup by id that checks ``state = 'queued'`` as it stands lets the planner read
     the run through a partial index on state, costed at ~0 rows, scanning the whole backlog."""
-    # (throttle_state and run_flow find their run by id too, then count the throttled runs queued
-    # ahead of it: a scan by state, which these statistics send through ix_job_queue_stale too
-    # instead of ix_job_queue_throttle_waiting; noticed and left, docs/performance.md.)
+    # (throttle_state and run_flow count the throttled runs of the run's key too: the next test.)
     by_id = [e for e in catalogue()
-             if re.search(r"\bid = (%\(run_id\)s|h\.run_id|c\.parent_run_id)", e.statement.sql)
-             and e.name not in ("throttle_state", "run_flow")]
+             if re.search(r"\bid = (%\(run_id\)s|h\.run_id|c\.parent_run_id)", e.statement.sql)]
     assert {"claim", "store_step", "settle_succeeded", "settle_retry", "settle_failed", "renew_leases",
-            "claim_wakes"} <= {e.name for e in by_id}
+            "claim_wakes", "throttle_state", "run_flow"} <= {e.name for e in by_id}
     with engine.connect() as conn, conn.begin() as tx:  # rolled back: the rows never leave this test
         queued = _quiet_statistics_then_a_backlog(conn)
         running, token = conn.execute(text(
@@ -314,8 +313,43 @@ def test_a_run_found_by_its_id_is_read_through_the_primary_key_when_statistics_s
         tx.rollback()
 
 
+#: Flow control's lookups by key, each with the indexes it must read (migration 0015).
+BY_KEY = {
+    "throttle_state": (flow_sql.THROTTLE_STATE, {"ix_job_queue_throttle_queued"}),
+    "run_flow": (reads_sql.RUN_FLOW, {"ix_job_queue_throttle_queued"}),
+    "flow_waiting": (reads_sql.FLOW_WAITING, {"ix_job_queue_throttle_queued", "uq_job_queue_gathering_open"}),
+}
+
+
+def test_flow_controls_lookups_by_key_read_their_keys_index_when_statistics_saw_no_backlog(
+        engine: Engine) -> None:
+    """The count of a throttle key's runs waiting ahead (each throttled claim, and the run's page)
+    and the flow listing, under the statistics above: each reads the key's own index, never one
+    of a state alone (those scan the whole backlog)."""
+    with engine.connect() as conn, conn.begin() as tx:  # rolled back: the rows never leave this test
+        _quiet_statistics_then_a_backlog(conn)
+        waiting = conn.execute(text(
+            "INSERT INTO job_queue (job_id, event_name, max_attempts, retry_policy, flow_wait, throttle_key) "
+            "SELECT 'job.t', 'e', 3, 'transient', 'throttle', 'k' FROM generate_series(1, 20) RETURNING id"
+        )).scalars().all()[-1]
+        # Control: the trap is set. The count as 0012 wrote it reads a partial index of a state alone.
+        as_it_was = Statement("as_it_was", "A throttle key's waiting runs, their state checked plainly.",
+                              "SELECT count(*) FROM job_queue WHERE job_id = 'job.t' AND throttle_key = 'k' "
+                              "AND flow_wait = 'throttle' AND state = 'queued'")
+        assert set(_index_scans(conn, as_it_was, {})) & set(STATE_INDEXES)
+        params = {"run_id": waiting, "job_id": "job.t", "key": "k", "workspace_id": None, "limit": 5,
+                  "period": 60.0}
+        wrong = {}
+        for name, (statement, indexes) in BY_KEY.items():
+            scans = _index_scans(conn, statement, params)
+            if not indexes <= set(scans) or set(scans) & set(STATE_INDEXES):
+                wrong[name] = scans
+        assert not wrong, f"read otherwise than by the key's index: {wrong}"
+        tx.rollback()
+
+
 def test_the_functions_find_waiters_and_parents_without_reading_the_backlog(engine: Engine) -> None:
-    """The statements inside the schema's functions (migration 0014), under the statistics
+    """The statements inside the schema's functions (migrations 0014, 0015), under the statistics
     above: an event's wake-up of its waiters, a child's settle waking its parent and the
     gather of a debounce run, each plan read from auto_explain as the function runs it."""
     with engine.connect() as conn, conn.begin() as tx:  # rolled back: the rows never leave this test
@@ -358,12 +392,12 @@ def test_the_functions_find_waiters_and_parents_without_reading_the_backlog(engi
         conn.execute(text("SELECT * FROM motir_write_gather(ARRAY[CAST(:r AS uuid)], '{debounce}', '{k}', '{1}', "
                           "'{NULL}')"), {"r": gathered})
         assert conn.execute(text("SELECT flow_wait FROM job_queue WHERE id = :r"), {"r": gathered}).scalar_one()
-        # Each lookup, by the text of its statement: the waiters (two writers), the parent, the gathered run.
-        # (The gather's next statement, the key's open run, counts on uq_job_queue_gathering, and
-        # these statistics send it through ix_job_queue_stale too: noticed and left, docs/performance.md.)
+        # Each lookup, by the text of its statement: the waiters (two writers), the parent, the gathered
+        # run, and the gather's key's open run (migration 0015).
         for lookup, count, index in (("q.wait_event =", 2, "ix_job_queue_waiting on job_queue q"),
                                      ("p.id = NEW.parent_run_id", 1, "pk_job_queue on job_queue p"),
-                                     ("q.id = g.run_id", 1, "pk_job_queue on job_queue q")):
+                                     ("q.id = g.run_id", 1, "pk_job_queue on job_queue q"),
+                                     ("q.flow_key = g.key", 1, "uq_job_queue_gathering_open on job_queue q")):
             found = [p for p in plans if lookup in p]
             assert len(found) == count, (lookup, plans)
             assert all(index in p for p in found), (index, found)

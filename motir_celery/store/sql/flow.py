@@ -7,7 +7,10 @@ transaction under the advisory lock of its key — ``motir.throttle:`` / ``motir
 job, workspace, key — taken in its own statement first, so every statement after it reads a
 snapshot that includes the previous holder's commit. A worker killed mid-decision rolls the
 whole decision back. Keys are per workspace; a job-wide throttle (key ``''``) spans them.
-A run found by its id has its state checked as ``(state = 'queued') IS TRUE`` (worker.py says why).
+A run found by its id has its state checked as ``(state = 'queued') IS TRUE`` (worker.py says why),
+and so do a key's queued runs: the key's indexes (``ix_job_queue_throttle_queued``,
+``uq_job_queue_gathering_open``) are declared with that form, which proves their predicates
+and no predicate of a state alone (``ix_job_queue_stale``, ``_due``: migration 0015).
 
 ``gather`` goes through ``motir_gather`` (migration 0012): the engine role to the writer,
 the app role (a user's own transaction) to the checked function. Everything else here is
@@ -90,9 +93,9 @@ CLOSE_GATHER = Statement(
     """
     UPDATE job_queue SET flow_wait = NULL
     WHERE id = %(run_id)s
-      AND flow_wait IN ('debounce', 'batch')   -- still gathering
-      AND (state = 'queued') IS TRUE           -- not claimed (IS TRUE: found by id, worker.py's docstring)
-      AND run_at <= now()                      -- quiet long enough / timed out (a sender may just have moved it)
+      AND (flow_wait IN ('debounce', 'batch')) IS TRUE   -- still gathering
+      AND (state = 'queued') IS TRUE                     -- not claimed (IS TRUE: found by id, worker.py's docstring)
+      AND run_at <= now()                                -- quiet long enough / timed out (a sender may just have moved it)
     RETURNING id
     """,
 )
@@ -143,8 +146,8 @@ THROTTLE_STATE = Statement(
                    AND s.throttle_at > t.at - make_interval(secs => %(period)s)     -- within the period
                  ORDER BY s.throttle_at DESC LIMIT %(limit)s) AS recent,
            (SELECT count(*) FROM job_queue w, me
-            WHERE w.job_id = %(job_id)s AND w.throttle_key = %(key)s               -- ix_job_queue_throttle_waiting
-              AND w.flow_wait = 'throttle' AND w.state = 'queued'                  -- waiting for a slot
+            WHERE w.job_id = %(job_id)s AND w.throttle_key = %(key)s               -- ix_job_queue_throttle_queued
+              AND w.flow_wait = 'throttle' AND (w.state = 'queued') IS TRUE        -- waiting for a slot
               AND (%(key)s = '' OR w.workspace_id IS NOT DISTINCT FROM %(workspace_id)s)
               AND w.id <> me.id
               -- ahead of this run: higher priority, or as urgent and older

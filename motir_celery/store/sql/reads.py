@@ -670,12 +670,12 @@ FLOW_WAITING = Statement(
     """
     SELECT job_id, flow_wait, count(*) AS n, min(run_at) AS next_at, sum(coalesce(gathered, 0)) AS gathered
     FROM job_queue
-    WHERE flow_wait = 'throttle' AND state = 'queued'               -- ix_job_queue_throttle_waiting
+    WHERE flow_wait = 'throttle' AND (state = 'queued') IS TRUE               -- ix_job_queue_throttle_queued
     GROUP BY job_id, flow_wait
     UNION ALL
     SELECT job_id, flow_wait, count(*), min(run_at), sum(coalesce(gathered, 0))
     FROM job_queue
-    WHERE flow_wait IN ('debounce', 'batch') AND state = 'queued'   -- uq_job_queue_gathering
+    WHERE flow_wait IN ('debounce', 'batch') AND (state = 'queued') IS TRUE   -- uq_job_queue_gathering_open
     GROUP BY job_id, flow_wait
     ORDER BY job_id, flow_wait
     """,
@@ -691,10 +691,10 @@ RUN_FLOW = Statement(
     "Why one run waits on flow control: its reason, key, gathering, throttle start, and the runs of its key ahead of it.",
     """
     SELECT q.flow_wait, q.flow_key, q.flow_since, q.gathered, q.throttle_key, q.throttle_at, q.run_at,
-           (SELECT count(*) FROM job_queue w                        -- ix_job_queue_throttle_waiting
+           (SELECT count(*) FROM job_queue w                        -- ix_job_queue_throttle_queued
             WHERE q.flow_wait = 'throttle'
               AND w.job_id = q.job_id AND w.throttle_key = q.throttle_key
-              AND w.flow_wait = 'throttle' AND w.state = 'queued' AND w.id <> q.id
+              AND w.flow_wait = 'throttle' AND (w.state = 'queued') IS TRUE AND w.id <> q.id
               AND (q.throttle_key = '' OR w.workspace_id IS NOT DISTINCT FROM q.workspace_id)
               AND (w.priority > q.priority
                    OR (w.priority = q.priority AND (w.created_at, w.id) < (q.created_at, q.id)))) AS ahead

@@ -20,7 +20,9 @@ before the next body starts), the settle. Rules that hold for every statement he
   (1,700 index entries a claim in a drain of 3,000), each step record, settle and
   lease renewal every running one (tests/store/test_schema.py). A parent found by id
   checks ``(wait_event = 'motir.children') IS TRUE`` for the same reason
-  (``ix_job_queue_waiting``: every suspended parent).
+  (``ix_job_queue_waiting``: every suspended parent), and a run checked for its flow
+  control ``(flow_wait IN (...)) IS TRUE``: flow control's key indexes are declared on
+  ``(state = 'queued') IS TRUE`` (flow.py), which a lookup by id would prove otherwise.
 
 Run by the engine role. Functions take a ``Connection`` and leave the transaction
 to the caller.
