@@ -232,7 +232,7 @@ def depth_timings(runs: int = 300, sweeps: int = 20) -> dict[str, float]:
     from motir_celery.store.sql import flow, maintenance, worker
 
     t: dict[str, list[float]] = {"send_ms": [], "claim_ms": [], "settle_ms": [], "throttle_ms": [], "gather_ms": [],
-                                 "reclaim_ms": [], "republish_ms": []}
+                                 "next_ms": [], "reclaim_ms": [], "republish_ms": []}
     ids = []
     for i in range(runs):
         t0 = time.perf_counter()
@@ -253,6 +253,15 @@ def depth_timings(runs: int = 300, sweeps: int = 20) -> dict[str, float]:
             flow.gather(conn, [(run_id, "debounce", "k", 60.0, 600.0)])
             t["throttle_ms"].append(t1 - t0)
             t["gather_ms"].append(time.perf_counter() - t1)
+        # concurrency=: a freed slot's next run of the key (each then claimed, as its worker would).
+        conn.exec_driver_sql(
+            "INSERT INTO job_queue (job_id, event_name, max_attempts, retry_policy, concurrency_key) "
+            f"SELECT 'bench.limited', 'e', 3, 'transient', '' FROM generate_series(1, {runs})")
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            picked = worker.next_in_line(conn, "bench.limited", "", None)
+            t["next_ms"].append(time.perf_counter() - t0)
+            conn.exec_driver_sql("UPDATE job_queue SET state = 'running' WHERE id = %(id)s", {"id": picked})
     with get_engine().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         for run_id in ids:
             t0 = time.perf_counter()
@@ -536,6 +545,7 @@ def render(results: dict[str, Any], env: dict[str, str], command: str, elapsed: 
         for k, name in {"send_ms": "send_event (one subscriber)", "claim_ms": "claim (+ memo preload)",
                         "settle_ms": "settle (succeeded)", "throttle_ms": "throttle=: the runs of a key waiting ahead",
                         "gather_ms": "debounce=: a new run gathered into its key's open one",
+                        "next_ms": "concurrency=: a freed slot's next run of the key",
                         "reclaim_ms": "sweeper: reclaim expired leases",
                         "republish_ms": "sweeper: re-publish lost messages"}.items():
             md.append(_row(name, f"{dp['shallow'][k]:.2f}", f"{dp['deep'][k]:.2f}", f"{dp['ratio'][k]:.2f}",

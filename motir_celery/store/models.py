@@ -177,6 +177,17 @@ class JobQueue(Base):
             "job_id",
             postgresql_where=text("concurrency_key IS NOT NULL AND state = 'running'"),
         ),
+        # concurrency=: when a slot frees, the key's next run — queued, highest priority, oldest
+        # first (next_in_line) — is the first entry here, not a sort of every due run. State as the
+        # statement writes it, ``(state = 'queued') IS TRUE`` (store/sql/worker.py; migration 0016).
+        Index(
+            "ix_job_queue_concurrency_queued",
+            "job_id",
+            "concurrency_key",
+            text("priority DESC"),
+            "run_at",
+            postgresql_where=text("concurrency_key IS NOT NULL AND (state = 'queued') IS TRUE"),
+        ),
         # step.wait_for_event: send_event wakes the runs waiting for its event
         # name; only waiting runs are indexed.
         Index("ix_job_queue_waiting", "wait_event", postgresql_where=text("wait_event IS NOT NULL")),

@@ -26,6 +26,7 @@ from motir_celery.store.sql import flow as flow_sql
 from motir_celery.store.sql import reads as reads_sql
 from motir_celery.store.sql.maintenance import RECLAIM_EXPIRED, REPUBLISH_DUE
 from motir_celery.store.sql.producer import enqueue_scheduled
+from motir_celery.store.sql.worker import NEXT_IN_LINE
 
 SLOT = datetime(2030, 1, 1, 9, 0, tzinfo=timezone.utc)
 
@@ -345,6 +346,31 @@ def test_flow_controls_lookups_by_key_read_their_keys_index_when_statistics_saw_
             if not indexes <= set(scans) or set(scans) & set(STATE_INDEXES):
                 wrong[name] = scans
         assert not wrong, f"read otherwise than by the key's index: {wrong}"
+        tx.rollback()
+
+
+def test_the_next_run_of_a_concurrency_key_is_the_first_of_its_index_not_a_sort_of_the_backlog(
+        engine: Engine) -> None:
+    """When a run of a ``concurrency=`` job frees its slot, the key's next run (highest priority,
+    oldest) is read from ix_job_queue_concurrency_queued in that order: no sort of every due run,
+    whether the statistics saw the backlog or only the job's history (migration 0016)."""
+    with engine.connect() as conn, conn.begin() as tx:  # rolled back: the rows never leave this test
+        conn.execute(text(
+            "INSERT INTO job_queue (job_id, event_name, state, attempts, max_attempts, retry_policy, finished_at, "
+            "concurrency_key) SELECT 'job.c', 'e', 'succeeded', 1, 3, 'transient', now(), '' "
+            "FROM generate_series(1, 20000)"))
+        conn.execute(text("ANALYZE job_queue"))  # nothing queued
+        conn.execute(text(
+            "INSERT INTO job_queue (job_id, event_name, max_attempts, retry_policy, concurrency_key, priority) "
+            "SELECT 'job.c', 'e', 3, 'transient', '', g % 3 FROM generate_series(1, 2000) g"))
+        params = {"job_id": "job.c", "key": "", "workspace_id": None}
+        for statistics in ("of the job's history, nothing queued", "of the backlog"):
+            (found,) = plan(conn, NEXT_IN_LINE, params)
+            nodes = list(_plan_nodes(found))
+            read = {str(n["Index Name"]) for n in nodes if "Index Name" in n}
+            sorted_ = [n for n in nodes if n["Node Type"] == "Sort"]
+            assert "ix_job_queue_concurrency_queued" in read and not sorted_, (statistics, read, sorted_)
+            conn.execute(text("ANALYZE job_queue"))
         tx.rollback()
 
 

@@ -21,8 +21,12 @@ before the next body starts), the settle. Rules that hold for every statement he
   lease renewal every running one (tests/store/test_schema.py). A parent found by id
   checks ``(wait_event = 'motir.children') IS TRUE`` for the same reason
   (``ix_job_queue_waiting``: every suspended parent), and a run checked for its flow
-  control ``(flow_wait IN (...)) IS TRUE``: flow control's key indexes are declared on
-  ``(state = 'queued') IS TRUE`` (flow.py), which a lookup by id would prove otherwise.
+  control ``(flow_wait IN (...)) IS TRUE``: the key indexes below are declared on
+  ``(state = 'queued') IS TRUE``, which a lookup by id would prove otherwise.
+* **Found by key, through the key's index.** A lookup of a key's queued runs
+  (``next_in_line`` here, flow control's in flow.py) checks ``(state = 'queued') IS TRUE``,
+  as its index is declared (migrations 0015, 0016): that form proves the key index's
+  predicate and no predicate of a state alone.
 
 Run by the engine role. Functions take a ``Connection`` and leave the transaction
 to the caller.
@@ -135,9 +139,9 @@ NEXT_IN_LINE = Statement(
     """
     WITH next AS (
       SELECT id FROM job_queue
-      WHERE job_id = %(job_id)s AND concurrency_key = %(key)s
+      WHERE job_id = %(job_id)s AND concurrency_key = %(key)s   -- ix_job_queue_concurrency_queued, in its order
         AND (%(key)s = '' OR workspace_id IS NOT DISTINCT FROM %(workspace_id)s)   -- the freed slot's workspace
-        AND state = 'queued' AND run_at <= now()   -- waiting for a slot, due
+        AND (state = 'queued') IS TRUE AND run_at <= now()   -- waiting for a slot (as the index writes it), due
       ORDER BY priority DESC, run_at               -- priority decides who gets a freed slot
       LIMIT 1
       FOR UPDATE SKIP LOCKED
