@@ -229,10 +229,10 @@ def depth_timings(runs: int = 300, sweeps: int = 20) -> dict[str, float]:
     worker does, and the sweeper's two statements in their own transactions; medians, ms."""
     from motir_celery.core.producer.events import send_event
     from motir_celery.store.db import get_engine
-    from motir_celery.store.sql import flow, maintenance, worker
+    from motir_celery.store.sql import flow, maintenance, producer, worker
 
     t: dict[str, list[float]] = {"send_ms": [], "claim_ms": [], "settle_ms": [], "throttle_ms": [], "gather_ms": [],
-                                 "next_ms": [], "reclaim_ms": [], "republish_ms": []}
+                                 "next_ms": [], "cancel_ms": [], "reclaim_ms": [], "republish_ms": []}
     ids = []
     for i in range(runs):
         t0 = time.perf_counter()
@@ -262,6 +262,12 @@ def depth_timings(runs: int = 300, sweeps: int = 20) -> dict[str, float]:
             picked = worker.next_in_line(conn, "bench.limited", "", None)
             t["next_ms"].append(time.perf_counter() - t0)
             conn.exec_driver_sql("UPDATE job_queue SET state = 'running' WHERE id = %(id)s", {"id": picked})
+        # cancel_on: an event's cancel of the depth job's active runs that carry its key (the lookup is
+        # the cost: none carries one), with the job's whole history (DEPTH_SEED) behind it.
+        for i in range(runs):
+            t0 = time.perf_counter()
+            producer.cancel_by_key(conn, "bench.depth", f"key-{i}", None, None)
+            t["cancel_ms"].append(time.perf_counter() - t0)
     with get_engine().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         for run_id in ids:
             t0 = time.perf_counter()
@@ -546,6 +552,7 @@ def render(results: dict[str, Any], env: dict[str, str], command: str, elapsed: 
                         "settle_ms": "settle (succeeded)", "throttle_ms": "throttle=: the runs of a key waiting ahead",
                         "gather_ms": "debounce=: a new run gathered into its key's open one",
                         "next_ms": "concurrency=: a freed slot's next run of the key",
+                        "cancel_ms": "cancel_on: an event's cancel of its key's active runs",
                         "reclaim_ms": "sweeper: reclaim expired leases",
                         "republish_ms": "sweeper: re-publish lost messages"}.items():
             md.append(_row(name, f"{dp['shallow'][k]:.2f}", f"{dp['deep'][k]:.2f}", f"{dp['ratio'][k]:.2f}",

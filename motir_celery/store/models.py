@@ -177,6 +177,15 @@ class JobQueue(Base):
             "job_id",
             postgresql_where=text("concurrency_key IS NOT NULL AND state = 'running'"),
         ),
+        # cancel_on: an event cancels the job's active runs carrying its key (cancel_by_key, in the
+        # send); only active runs with a key are here, so it never reads the job's history.
+        # Column list of its own. Migration 0017.
+        Index(
+            "ix_job_queue_cancel_active",
+            "job_id",
+            "cancel_key",
+            postgresql_where=text("cancel_key IS NOT NULL AND state IN ('queued', 'running')"),
+        ),
         # concurrency=: when a slot frees, the key's next run — queued, highest priority, oldest
         # first (next_in_line) — is the first entry here, not a sort of every due run. State as the
         # statement writes it, ``(state = 'queued') IS TRUE`` (store/sql/worker.py; migration 0016).

@@ -25,7 +25,7 @@ from motir_celery.store.sql import catalogue
 from motir_celery.store.sql import flow as flow_sql
 from motir_celery.store.sql import reads as reads_sql
 from motir_celery.store.sql.maintenance import RECLAIM_EXPIRED, REPUBLISH_DUE
-from motir_celery.store.sql.producer import enqueue_scheduled
+from motir_celery.store.sql.producer import CANCEL_BY_KEY, enqueue_scheduled
 from motir_celery.store.sql.worker import NEXT_IN_LINE
 
 SLOT = datetime(2030, 1, 1, 9, 0, tzinfo=timezone.utc)
@@ -370,6 +370,27 @@ def test_the_next_run_of_a_concurrency_key_is_the_first_of_its_index_not_a_sort_
             read = {str(n["Index Name"]) for n in nodes if "Index Name" in n}
             sorted_ = [n for n in nodes if n["Node Type"] == "Sort"]
             assert "ix_job_queue_concurrency_queued" in read and not sorted_, (statistics, read, sorted_)
+            conn.execute(text("ANALYZE job_queue"))
+        tx.rollback()
+
+
+def test_a_cancel_on_event_reads_the_active_runs_of_its_key_not_the_jobs_history(engine: Engine) -> None:
+    """An event a ``cancel_on`` rule listens to finds the job's active runs carrying its key through
+    ix_job_queue_cancel_active, behind statistics of the job's history alone and behind analyzed
+    ones: never the job's finished runs (migration 0017)."""
+    with engine.connect() as conn, conn.begin() as tx:  # rolled back: the rows never leave this test
+        conn.execute(text(
+            "INSERT INTO job_queue (job_id, event_name, state, attempts, max_attempts, retry_policy, finished_at, "
+            "cancel_key) SELECT 'job.k', 'e', 'succeeded', 1, 3, 'transient', now(), 'order-' || g "
+            "FROM generate_series(1, 20000) g"))
+        conn.execute(text("ANALYZE job_queue"))  # nothing active
+        conn.execute(text(
+            "INSERT INTO job_queue (job_id, event_name, max_attempts, retry_policy, cancel_key) "
+            "SELECT 'job.k', 'e', 3, 'transient', 'order-q' || g FROM generate_series(1, 200) g"))
+        params = {"job_id": "job.k", "key": "order-q7", "within": None, "workspace_id": None}
+        for statistics in ("of the job's history, nothing active", "of the active runs too"):
+            scans = _index_scans(conn, CANCEL_BY_KEY, params)
+            assert "ix_job_queue_cancel_active" in scans, (statistics, scans)
             conn.execute(text("ANALYZE job_queue"))
         tx.rollback()
 

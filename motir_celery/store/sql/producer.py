@@ -150,7 +150,7 @@ CANCEL_BY_KEY = Statement(
       SET state = 'cancelled', finished_at = now(), claim_token = NULL, lease_expires_at = NULL,
           wait_event = NULL
       WHERE job_id = %(job_id)s
-        AND cancel_key = %(key)s                                -- the cancel_on rule's field matched
+        AND cancel_key = %(key)s                                -- the cancel_on rule's field matched (ix_job_queue_cancel_active)
         AND workspace_id IS NOT DISTINCT FROM %(workspace_id)s  -- the event's own workspace (system: system runs)
         AND state IN ('queued', 'running')                      -- a finished run stays as it ended
         AND (CAST(%(within)s AS float8) IS NULL
