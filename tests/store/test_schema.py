@@ -349,28 +349,41 @@ def test_flow_controls_lookups_by_key_read_their_keys_index_when_statistics_saw_
         tx.rollback()
 
 
+def _a_jobs_history_then_active_runs(conn: Connection, job: str, column: str, active: int) -> None:
+    """ANALYZE sees 20,000 finished runs of ``job``, each with a key in ``column`` ('' or 'order-<n>'),
+    and nothing active; then ``active`` runs of it are queued with keys of their own, of priorities 0-2."""
+    key = "''" if column == "concurrency_key" else "'order-' || g"
+    conn.execute(text(
+        f"INSERT INTO job_queue (job_id, event_name, state, attempts, max_attempts, retry_policy, finished_at, {column}) "
+        f"SELECT :job, 'e', 'succeeded', 1, 3, 'transient', now(), {key} FROM generate_series(1, 20000) g"),
+        {"job": job})
+    conn.execute(text("ANALYZE job_queue"))
+    key = "''" if column == "concurrency_key" else "'order-q' || g"
+    conn.execute(text(
+        f"INSERT INTO job_queue (job_id, event_name, max_attempts, retry_policy, priority, {column}) "
+        f"SELECT :job, 'e', 3, 'transient', g % 3, {key} FROM generate_series(1, :n) g"), {"job": job, "n": active})
+
+
+def _behind_both_statistics(conn: Connection) -> Iterator[str]:
+    """Plan behind the statistics as they stand (the job's history only), then behind analyzed ones."""
+    yield "statistics of the job's history, nothing active"
+    conn.execute(text("ANALYZE job_queue"))
+    yield "analyzed statistics"
+
+
 def test_the_next_run_of_a_concurrency_key_is_the_first_of_its_index_not_a_sort_of_the_backlog(
         engine: Engine) -> None:
     """When a run of a ``concurrency=`` job frees its slot, the key's next run (highest priority,
     oldest) is read from ix_job_queue_concurrency_queued in that order: no sort of every due run,
     whether the statistics saw the backlog or only the job's history (migration 0016)."""
     with engine.connect() as conn, conn.begin() as tx:  # rolled back: the rows never leave this test
-        conn.execute(text(
-            "INSERT INTO job_queue (job_id, event_name, state, attempts, max_attempts, retry_policy, finished_at, "
-            "concurrency_key) SELECT 'job.c', 'e', 'succeeded', 1, 3, 'transient', now(), '' "
-            "FROM generate_series(1, 20000)"))
-        conn.execute(text("ANALYZE job_queue"))  # nothing queued
-        conn.execute(text(
-            "INSERT INTO job_queue (job_id, event_name, max_attempts, retry_policy, concurrency_key, priority) "
-            "SELECT 'job.c', 'e', 3, 'transient', '', g % 3 FROM generate_series(1, 2000) g"))
-        params = {"job_id": "job.c", "key": "", "workspace_id": None}
-        for statistics in ("of the job's history, nothing queued", "of the backlog"):
-            (found,) = plan(conn, NEXT_IN_LINE, params)
+        _a_jobs_history_then_active_runs(conn, "job.c", "concurrency_key", 2000)
+        for statistics in _behind_both_statistics(conn):
+            (found,) = plan(conn, NEXT_IN_LINE, {"job_id": "job.c", "key": "", "workspace_id": None})
             nodes = list(_plan_nodes(found))
             read = {str(n["Index Name"]) for n in nodes if "Index Name" in n}
             sorted_ = [n for n in nodes if n["Node Type"] == "Sort"]
             assert "ix_job_queue_concurrency_queued" in read and not sorted_, (statistics, read, sorted_)
-            conn.execute(text("ANALYZE job_queue"))
         tx.rollback()
 
 
@@ -379,19 +392,11 @@ def test_a_cancel_on_event_reads_the_active_runs_of_its_key_not_the_jobs_history
     ix_job_queue_cancel_active, behind statistics of the job's history alone and behind analyzed
     ones: never the job's finished runs (migration 0017)."""
     with engine.connect() as conn, conn.begin() as tx:  # rolled back: the rows never leave this test
-        conn.execute(text(
-            "INSERT INTO job_queue (job_id, event_name, state, attempts, max_attempts, retry_policy, finished_at, "
-            "cancel_key) SELECT 'job.k', 'e', 'succeeded', 1, 3, 'transient', now(), 'order-' || g "
-            "FROM generate_series(1, 20000) g"))
-        conn.execute(text("ANALYZE job_queue"))  # nothing active
-        conn.execute(text(
-            "INSERT INTO job_queue (job_id, event_name, max_attempts, retry_policy, cancel_key) "
-            "SELECT 'job.k', 'e', 3, 'transient', 'order-q' || g FROM generate_series(1, 200) g"))
+        _a_jobs_history_then_active_runs(conn, "job.k", "cancel_key", 200)
         params = {"job_id": "job.k", "key": "order-q7", "within": None, "workspace_id": None}
-        for statistics in ("of the job's history, nothing active", "of the active runs too"):
+        for statistics in _behind_both_statistics(conn):
             scans = _index_scans(conn, CANCEL_BY_KEY, params)
             assert "ix_job_queue_cancel_active" in scans, (statistics, scans)
-            conn.execute(text("ANALYZE job_queue"))
         tx.rollback()
 
 
