@@ -369,6 +369,11 @@ _registry: dict[str, Job] = {}
 _names: dict[str, str] = {}
 _listeners: list[Callable[[Job], None]] = []
 _lock = threading.RLock()
+#: Event name -> its subscribing jobs (by id), and -> the jobs a cancel_on rule of it cancels: what
+#: every send_event asks, built again from _registry at each definition (under _lock), so a call
+#: costs the same with 5 jobs defined as with 500 (a scan of the registry cost ~0.4 us a job a call).
+_subscribers: dict[str, tuple[Job, ...]] = {}
+_cancelled_by: dict[str, tuple[Job, ...]] = {}
 
 
 def define_job(
@@ -454,12 +459,29 @@ def define_job(
                 _names.pop(existing.task_name, None)
             _registry[id] = job
             _names[job.task_name] = id
+            _index_events()
             listeners = list(_listeners)
         for listener in listeners:
             listener(job)
         return job
 
     return decorate
+
+
+def _index_events() -> None:
+    """Build the event indexes again from the registry (the caller holds _lock); each is replaced
+    whole, so a reader without the lock sees the old one or the new one."""
+    global _subscribers, _cancelled_by
+    jobs = sorted(_registry.values(), key=lambda j: j.id)
+    subscribing: dict[str, list[Job]] = {}
+    cancelling: dict[str, list[Job]] = {}
+    for job in jobs:
+        for name in job.events:
+            subscribing.setdefault(name, []).append(job)
+        for name in dict.fromkeys(r.event for r in job.run_options.cancel_on):
+            cancelling.setdefault(name, []).append(job)
+    _subscribers = {name: tuple(js) for name, js in subscribing.items()}
+    _cancelled_by = {name: tuple(js) for name, js in cancelling.items()}
 
 
 def _origin(fn: Callable[..., Any]) -> str:
@@ -494,14 +516,13 @@ def all_jobs() -> list[Job]:
 
 
 def subscribers(event_name: str) -> list[Job]:
-    with _lock:
-        return [j for j in sorted(_registry.values(), key=lambda j: j.id) if event_name in j.events]
+    """The jobs ``event_name`` starts a run of, by id."""
+    return list(_subscribers.get(event_name, ()))
 
 
 def cancelled_by(event_name: str) -> list[Job]:
-    """Jobs with a cancel_on rule for ``event_name`` (send_event asks on every event)."""
-    with _lock:
-        return [j for j in _registry.values() if any(r.event == event_name for r in j.run_options.cancel_on)]
+    """Jobs with a cancel_on rule for ``event_name`` (send_event asks on every event), by id."""
+    return list(_cancelled_by.get(event_name, ()))
 
 
 def on_job_defined(listener: Callable[[Job], None]) -> None:

@@ -74,6 +74,27 @@ def test_event_with_two_subscribers_makes_two_runs_and_redispatch_makes_none(eng
     assert one(engine, "SELECT count(*) FROM job_queue")[0] == 2
 
 
+def _late(event: Any, step: Any) -> None:
+    return None
+
+
+def test_jobs_defined_after_the_first_send_subscribe_to_and_cancel_on_the_next_one(engine):  # type: ignore[no-untyped-def]
+    from motir_celery import CancelOn
+
+    tag = uuid.uuid4().hex[:8]
+    event, stop = f"test.late-{tag}", f"test.late-stop-{tag}"
+    early, late = f"test.late-b-{tag}", f"test.late-a-{tag}"
+    define_job(early, event=event, retry_policy="none")(_late)
+    first = events.send_event(event, {"k": "x"}, publish=Published())
+    assert [r.job_id for r in first.runs] == [early] and first.cancelled == []
+    define_job(late, event=event, retry_policy="none", cancel_on=[CancelOn(event=stop, match="data.k")])(_late)
+    define_job(early, event=event, retry_policy="none")(_late)  # its module imported again: still one subscriber
+    second = events.send_event(event, {"k": "x"}, publish=Published())
+    assert [r.job_id for r in second.runs] == [late, early]  # by job id
+    stopped = events.send_event(stop, {"k": "x"}, publish=Published())
+    assert stopped.runs == [] and stopped.cancelled == [r.run_id for r in second.runs if r.job_id == late]
+
+
 def test_workspace_comes_from_the_payload_when_not_given(engine):  # type: ignore[no-untyped-def]
     result = events.send_event("test.three", {"workspace_id": "acme"})
     assert one(engine, "SELECT workspace_id FROM job_queue WHERE id = :id", id=result.run_ids[0])[0] == "acme"
