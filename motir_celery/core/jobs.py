@@ -370,8 +370,8 @@ _names: dict[str, str] = {}
 _listeners: list[Callable[[Job], None]] = []
 _lock = threading.RLock()
 #: Event name -> its subscribing jobs (by id), and -> the jobs a cancel_on rule of it cancels: what
-#: every send_event asks, built again from _registry at each definition (under _lock), so a call
-#: costs the same with 5 jobs defined as with 500 (a scan of the registry cost ~0.4 us a job a call).
+#: every send_event asks, built again from _registry at each definition (under _lock), so a send
+#: costs the same with 5 jobs defined as with 500 (docs/performance.md, issue 28's eighth session).
 _subscribers: dict[str, tuple[Job, ...]] = {}
 _cancelled_by: dict[str, tuple[Job, ...]] = {}
 

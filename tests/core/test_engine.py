@@ -19,6 +19,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 import tests.fixtures.jobs  # noqa: F401  (registers the test jobs)
+from motir_celery import CancelOn
 from motir_celery.core.jobs import define_job
 from motir_celery.core.operator import dlq
 from motir_celery.core.producer import events
@@ -79,8 +80,6 @@ def _late(event: Any, step: Any) -> None:
 
 
 def test_jobs_defined_after_the_first_send_subscribe_to_and_cancel_on_the_next_one(engine):  # type: ignore[no-untyped-def]
-    from motir_celery import CancelOn
-
     tag = uuid.uuid4().hex[:8]
     event, stop = f"test.late-{tag}", f"test.late-stop-{tag}"
     early, late = f"test.late-b-{tag}", f"test.late-a-{tag}"
