@@ -33,10 +33,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
+import psycopg
 import pytest
 from celery.utils.nodenames import default_nodename, host_format
 from sqlalchemy import create_engine, make_url, text
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import OperationalError
 
 from motir_celery import settings as motir_settings
 from motir_celery.store.db import dispose_engines
@@ -154,11 +156,22 @@ def _clean_tables(request: pytest.FixtureRequest) -> Iterator[None]:
             # tests, and the workers they start from os.environ, use this session's database.
             os.environ["MOTIR_DATABASE_URL"] = url
             motir_settings.reset_settings()
-        with get_engine(url).begin() as conn:
-            conn.execute(text(
-                "TRUNCATE job_run_dlq, job_step, job_run, job_queue, job_event, job_stats_rollup, test.side_effect CASCADE;"
-                " UPDATE job_sweep SET swept_at = '-infinity', swept_by = NULL"  # the next sweep may run
-            ))
+        for attempt in range(5):
+            try:
+                with get_engine(url).begin() as conn:
+                    conn.execute(text(
+                        "TRUNCATE job_run_dlq, job_step, job_run, job_queue, job_event, job_stats_rollup,"
+                        " test.side_effect CASCADE;"
+                        " UPDATE job_sweep SET swept_at = '-infinity', swept_by = NULL"  # the next sweep may run
+                    ))
+                break
+            except OperationalError as exc:
+                # A process of the test before (a worker finishing its warm shutdown) may still be
+                # in a statement that locks job_queue, then job_run: TRUNCATE takes them the other
+                # way round, and Postgres ends the deadlock by aborting one side. Ours: again.
+                if not isinstance(exc.orig, psycopg.errors.DeadlockDetected) or attempt == 4:
+                    raise
+                time.sleep(0.2)
     yield
 
 
