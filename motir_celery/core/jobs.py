@@ -370,8 +370,8 @@ _names: dict[str, str] = {}
 _listeners: list[Callable[[Job], None]] = []
 _lock = threading.RLock()
 #: Event name -> its subscribing jobs (by id), and -> the jobs a cancel_on rule of it cancels: what
-#: every send_event asks, built again from _registry at each definition (under _lock), so a send
-#: costs the same with 5 jobs defined as with 500 (docs/performance.md, issue 28's eighth session).
+#: every send_event asks, kept by each definition (_index_events, under _lock), so a send costs the
+#: same with 5 jobs defined as with 500 (docs/performance.md, issue 28's eighth session).
 _subscribers: dict[str, tuple[Job, ...]] = {}
 _cancelled_by: dict[str, tuple[Job, ...]] = {}
 
@@ -459,7 +459,7 @@ def define_job(
                 _names.pop(existing.task_name, None)
             _registry[id] = job
             _names[job.task_name] = id
-            _index_events()
+            _index_events(job, existing)
             listeners = list(_listeners)
         for listener in listeners:
             listener(job)
@@ -468,20 +468,32 @@ def define_job(
     return decorate
 
 
-def _index_events() -> None:
-    """Build the event indexes again from the registry (the caller holds _lock); each is replaced
-    whole, so a reader without the lock sees the old one or the new one."""
-    global _subscribers, _cancelled_by
-    jobs = sorted(_registry.values(), key=lambda j: j.id)
-    subscribing: dict[str, list[Job]] = {}
-    cancelling: dict[str, list[Job]] = {}
-    for job in jobs:
-        for name in job.events:
-            subscribing.setdefault(name, []).append(job)
-        for name in dict.fromkeys(r.event for r in job.run_options.cancel_on):
-            cancelling.setdefault(name, []).append(job)
-    _subscribers = {name: tuple(js) for name, js in subscribing.items()}
-    _cancelled_by = {name: tuple(js) for name, js in cancelling.items()}
+def _index_events(job: Job, existing: Job | None) -> None:
+    """Put ``job`` in the event indexes in place of ``existing`` (its id's previous definition, if
+    any); the caller holds _lock. Each entry is replaced whole, in job-id order, so a reader without
+    the lock sees the old one or the new one; a definition costs its own events, not the registry's."""
+    for index, events_of in ((_subscribers, _events), (_cancelled_by, _cancel_events)):
+        names = events_of(job)
+        for name in events_of(existing) if existing is not None else ():
+            if name in names:
+                continue  # replaced below, never left without the job in between
+            kept = tuple(j for j in index.get(name, ()) if j.id != job.id)
+            if kept:
+                index[name] = kept
+            else:
+                index.pop(name, None)
+        for name in names:
+            others = [j for j in index.get(name, ()) if j.id != job.id]
+            index[name] = tuple(sorted([*others, job], key=lambda j: j.id))
+
+
+def _events(job: Job) -> tuple[str, ...]:
+    return job.events
+
+
+def _cancel_events(job: Job) -> tuple[str, ...]:
+    """The events a cancel_on rule of ``job`` listens to, each once."""
+    return tuple(dict.fromkeys(r.event for r in job.run_options.cancel_on))
 
 
 def _origin(fn: Callable[..., Any]) -> str:

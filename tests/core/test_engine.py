@@ -92,6 +92,10 @@ def test_jobs_defined_after_the_first_send_subscribe_to_and_cancel_on_the_next_o
     assert [r.job_id for r in second.runs] == [late, early]  # by job id
     stopped = events.send_event(stop, {"k": "x"}, publish=Published())
     assert stopped.runs == [] and stopped.cancelled == [r.run_id for r in second.runs if r.job_id == late]
+    define_job(late, event=stop, retry_policy="none")(_late)  # defined again: another event, no cancel_on rule
+    assert [r.job_id for r in events.send_event(event, {"k": "y"}, publish=Published()).runs] == [early]
+    moved = events.send_event(stop, {"k": "y"}, publish=Published())
+    assert [r.job_id for r in moved.runs] == [late] and moved.cancelled == []
 
 
 def test_workspace_comes_from_the_payload_when_not_given(engine):  # type: ignore[no-untyped-def]
