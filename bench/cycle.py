@@ -24,7 +24,6 @@ sender's clock, one host. Plain Celery's p50 of the same job in the same rounds 
 from __future__ import annotations
 
 import os
-import time
 
 from bench import harness as h
 from bench.targets import IMPORTS, IO_JOB, PlainIO
@@ -123,22 +122,14 @@ def legs(events: int, rounds: int) -> None:
 
         def durable() -> list[float]:
             motir.reset()
-            sent: dict[str, tuple[float, float]] = {}
+            calls: dict[str, float] = {}
             with motir.workers(1, 2, "latency") as procs:
-                motir.send(-1)  # the workers are up
-                procs.wait(lambda: motir.settled() >= 1, 120)
-                start = time.perf_counter()
-                for i in range(events):
-                    before = time.time()
-                    run_id = motir.send(i)
-                    sent[run_id] = (before, time.time())
-                    time.sleep(max(0.0, start + (i + 1) * 0.02 - time.perf_counter()))
-                procs.wait(lambda: motir.settled() >= events + 1, 120)
+                sent = h.send_paced(motir, procs, events, 0.02, calls=calls)
             times: list[list[float]] = [[] for _ in LEGS]
             for run_id, written, claimed, first, last, settled in db.rows(PER_RUN):
                 if run_id in sent:
-                    before, after = sent[run_id]
-                    for leg, x in zip(times, (after - before, written - before, claimed - written, first - claimed,
+                    before = sent[run_id]
+                    for leg, x in zip(times, (calls[run_id], written - before, claimed - written, first - claimed,
                                              last - first, settled - last, settled - before)):
                         leg.append(x)
             return [h.median(leg) for leg in times]

@@ -658,10 +658,10 @@ def drain(side: Side, runs: int, workers: int = 1, concurrency: int = 2, *, cpu:
 
 
 def send_paced(side: Side, procs: Procs, events: int, interval: float, *, before: int = 0,
-               warm: bool = True) -> dict[str, float]:
+               warm: bool = True, calls: dict[str, float] | None = None) -> dict[str, float]:
     """One send every ``interval`` s (after a first one that shows the workers are up, unless
     ``warm`` is off), then wait until all settled (``before``: runs settled already). Returns
-    key -> the instant just before its send."""
+    key -> the instant just before its send; ``calls``, when given, gets key -> the send's seconds."""
     if warm:
         side.send(-1)
         before += 1
@@ -670,7 +670,10 @@ def send_paced(side: Side, procs: Procs, events: int, interval: float, *, before
     start = time.perf_counter()
     for i in range(events):
         t = time.time()
-        sent[side.send(i)] = t
+        key = side.send(i)
+        sent[key] = t
+        if calls is not None:
+            calls[key] = time.time() - t
         time.sleep(max(0.0, start + (i + 1) * interval - time.perf_counter()))
     procs.wait(lambda: side.settled() >= before + events, 120)
     return sent
