@@ -459,7 +459,12 @@ def test_a_users_own_app_keeps_its_beat_entries_beside_the_cron_jobs(engine, bro
         assert "scheduler -> motir_celery.adapter.beat.MotirScheduler" in banner
     finally:
         _drop_queues(broker_url, queue_name, f"{queue_name}.user")
-    _assert_every_slot_once(engine, bj.EVERY_2S)
+    # "None missing" is the catch-up job's promise: a lone beat whose pass comes more than a
+    # period late (a starved 2-core CI host once held it 4 s at start-up) skips a slot of a
+    # latest-slot-only job by design, so that job is held to "never twice" only.
+    _assert_every_slot_once(engine, bj.EVERY_3S_CATCHUP)
+    every2 = [r.scheduled_for for r in rows(engine, bj.EVERY_2S)]
+    assert len(every2) >= 3 and max(Counter(every2).values()) == 1, every2
 
 
 def test_health_check_and_a_failing_cron_job_run_end_to_end_on_a_real_worker(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
