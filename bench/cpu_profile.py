@@ -209,6 +209,13 @@ class Server:
             pollers.add(side.db.monitor_pid)
         return h.read_cpu([self.postmaster], exclude=pollers)
 
+    def split(self, a: h.Reading, b: h.Reading) -> tuple[float, float]:
+        """The server's CPU ms between two ``pg_reading``s: (client backends, the rest: WAL writer,
+        checkpointer, autovacuum, the postmaster and the children it reaped in between)."""
+        background = [pid for pid, t in titles(b.ticks).items() if t.startswith(BACKGROUND) or pid == self.postmaster]
+        rest = h.cpu_ms(a, b, only=background) + (b.reaped - a.reaped) * 1000 / h.TICKS
+        return h.cpu_ms(a, b) - rest, rest
+
     def redis_reading(self) -> h.Reading:
         assert self.redis.proc is not None
         return h.read_cpu([self.redis.proc.pid], tree=False)
@@ -234,7 +241,8 @@ class Server:
                 if not r[0].startswith(POLLS)]
 
 
-def _titles(pids: Iterable[int]) -> dict[int, str]:
+def titles(pids: Iterable[int]) -> dict[int, str]:
+    """Each process's command line (a Postgres process's title), by pid."""
     out = {}
     for pid in pids:
         try:
@@ -271,18 +279,12 @@ def measure(side: Any, server: Server, runs: int, warmup: int, *, tag: str, spy:
                 raise RuntimeError(f"py-spy failed ({spying.returncode}): {err.decode(errors='replace')[-2000:]}")
         found = server.statements() if statements else []
     n = max(1, n1 - n0)
-    titles = _titles(w1.ticks)
-    renewer = [pid for pid, t in titles.items() if "motir_celery.adapter.renewer" in t]
+    renewer = [pid for pid, t in titles(w1.ticks).items() if "motir_celery.adapter.renewer" in t]
     main = h.cpu_ms(w0, w1, only=procs.pids)
     ren = h.cpu_ms(w0, w1, only=renewer) if renewer else 0.0
-    pg_titles = _titles(p1.ticks)
-    background = [pid for pid, t in pg_titles.items() if t.startswith(BACKGROUND) or pid == server.postmaster]
-    pg_all = h.cpu_ms(p0, p1)
-    pg_bg = h.cpu_ms(p0, p1, only=background)
-    # Reaped children (autovacuum workers, short backends) are in the postmaster's cutime: background.
-    pg_bg += (p1.reaped - p0.reaped) * 1000 / h.TICKS
+    pg_clients, pg_bg = server.split(p0, p1)
     out = {"main": main / n, "children": (h.cpu_ms(w0, w1) - main - ren) / n, "renewer": ren / n,
-           "pg_clients": (pg_all - pg_bg) / n, "pg_background": pg_bg / n, "redis": h.cpu_ms(r0, r1) / n}
+           "pg_clients": pg_clients / n, "pg_background": pg_bg / n, "redis": h.cpu_ms(r0, r1) / n}
     out["total"] = sum(out.values())
     out["runs"] = n
     if found:
