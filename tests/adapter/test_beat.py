@@ -386,13 +386,17 @@ def _drop_queues(broker: str, *names: str) -> None:
                 pass
 
 
-def _assert_every_slot_once(engine: Engine, job_id: str) -> list[datetime]:
+def _assert_every_slot_once(engine: Engine, job_id: str, *, may_miss: int = 0) -> list[datetime]:
+    """Each slot of ``job_id`` between its first run and its last has one run; ``may_miss``: a
+    latest-slot-only job's slots a beat may skip by design, when a starved host holds its pass
+    past the next slot (a slot on the schedule all the same, and never twice)."""
     job = get_job(job_id)
     seen = [r.scheduled_for for r in rows(engine, job_id)]
     assert seen, f"no rows for {job_id}"
     assert max(Counter(seen).values()) == 1
     expected = slots_between(job.cron or "", job.timezone, seen[0] - timedelta(microseconds=1), seen[-1])
-    assert seen == expected, f"{job_id}: missing {sorted(set(expected) - set(seen))}"
+    missing = sorted(set(expected) - set(seen))
+    assert set(seen) <= set(expected) and len(missing) <= may_miss, f"{job_id}: missing {missing}"
     return seen
 
 
@@ -425,9 +429,9 @@ def test_three_real_beats_make_exactly_one_run_per_slot_none_missing(engine, bro
         assert "scheduler -> motir_celery.adapter.beat.MotirScheduler" in text_
         assert "could not enqueue" not in text_ and "cron pass failed" not in text_, text_[-4000:]
 
-    every2 = _assert_every_slot_once(engine, bj.EVERY_2S)
+    every2 = _assert_every_slot_once(engine, bj.EVERY_2S, may_miss=1)  # (all three beats starved at once)
     catchup = _assert_every_slot_once(engine, bj.EVERY_3S_CATCHUP)
-    skip = _assert_every_slot_once(engine, bj.EVERY_1S_SKIP)
+    skip = _assert_every_slot_once(engine, bj.EVERY_1S_SKIP, may_miss=1)
     # The slots cover the whole minute the beats ran, up to its last slot or so.
     for seen, period in ((every2, 2), (catchup, 3), (skip, 1)):
         assert seen[0] <= started + timedelta(seconds=period + 3) and seen[-1] >= ended - timedelta(seconds=period + 3)
@@ -452,19 +456,18 @@ def test_a_users_own_app_keeps_its_beat_entries_beside_the_cron_jobs(engine, bro
     queue_name = f"{os.environ['MOTIR_QUEUE']}.userbeat"
     try:
         with celery_beat(tmp_path, "user", _beat_env(queue_name), app="tests.fixtures.beat_jobs") as (_, log):
-            wait_for(lambda: len(rows(engine, bj.EVERY_2S)) >= 3
+            # Five slots: one skipped in a stall is tolerated below, a beat skipping every other one is not.
+            wait_for(lambda: len(rows(engine, bj.EVERY_2S)) >= 5
                      and log.read_text().count("Sending due task user-heartbeat (user.heartbeat)") >= 3,
                      timeout=30, what="user entries and cron runs")
         banner = log.read_text(errors="replace")
         assert "scheduler -> motir_celery.adapter.beat.MotirScheduler" in banner
     finally:
         _drop_queues(broker_url, queue_name, f"{queue_name}.user")
-    # "None missing" is the catch-up job's promise: a lone beat whose pass comes more than a
-    # period late (a starved 2-core CI host once held it 4 s at start-up) skips a slot of a
-    # latest-slot-only job by design, so that job is held to "never twice" only.
+    # "None missing" is the catch-up job's promise; a lone beat's pass that comes more than a
+    # period late skips a slot of the latest-slot-only job by design.
     _assert_every_slot_once(engine, bj.EVERY_3S_CATCHUP)
-    every2 = [r.scheduled_for for r in rows(engine, bj.EVERY_2S)]
-    assert len(every2) >= 3 and max(Counter(every2).values()) == 1, every2
+    assert len(_assert_every_slot_once(engine, bj.EVERY_2S, may_miss=1)) >= 5
 
 
 def test_health_check_and_a_failing_cron_job_run_end_to_end_on_a_real_worker(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
