@@ -55,7 +55,10 @@ import psycopg
 
 from bench import cpu_profile as cp
 from bench import harness as h
+from motir_celery.settings import get_settings
 from motir_celery.store.driver import Statement
+from motir_celery.store.driver import through_libpq_prepared as send
+from motir_celery.store.sql import worker as worker_sql
 
 MODULE, DB = "bench.floor", "motir_bench_floor"
 QUEUE, FLOOR_QUEUE = "bench-floor-motir", "bench-floor"
@@ -101,10 +104,6 @@ def one_run(conn: psycopg.Connection[Any], which: str, run_id: uuid.UUID, n: int
             io_seconds: float = 0.0) -> bool:
     """One run's statements of set ``which`` on an autocommit connection (each body first waits
     ``io_seconds``); False when one of them wrote nothing."""
-    from motir_celery.settings import get_settings
-    from motir_celery.store.driver import through_libpq_prepared as send
-    from motir_celery.store.sql import worker as worker_sql
-
     if which == "premise":
         return all(send(conn, st, {"v": n}) for st in (PREMISE_ASYNC, *[PREMISE_FLUSHED] * 3, PREMISE_ASYNC))
     settings, token = get_settings(), uuid.uuid4()
@@ -124,7 +123,7 @@ def one_run(conn: psycopg.Connection[Any], which: str, run_id: uuid.UUID, n: int
             return False
     settled = send(conn, settle, {"run_id": run_id, "token": token, "result": RESULT % n,
                                   "async_commit": settings.settle_async_commit})
-    return settled is not None and bool(settled) and settled[0]["settled"] == 1
+    return settled is not None and any(row["settled"] == 1 for row in settled)
 
 
 # --- the floor on Celery -------------------------------------------------------------------
