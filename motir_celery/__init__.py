@@ -13,19 +13,21 @@ Public surface::
 
 ``celery -A motir_celery worker`` runs the default app, built on first access
 from the environment. ``attach(app)`` hosts the engine on your own app instead.
+``current_engine()`` is the engine either way (``core/engine.py``).
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-from motir_celery.core.jobs import CanvasNotSupported, Job, define_job, use_invoker
+from motir_celery.core import current as _current
+from motir_celery.core.engine import Engine
+from motir_celery.core.jobs import CanvasNotSupported, Job, define_job
 from motir_celery.core.producer.canvas import CanvasHandle, Signature, chain, chord, group, signature
 from motir_celery.core.producer.results import JobFailed, JobRevoked, ResultTimeout, RunHandle, RunNotCommitted
 from motir_celery.core.retries import RetryPolicy
 from motir_celery.core.runspec import Batch, CancelOn, Debounce, Throttle
-from motir_celery.core.worker import canvas as canvas_worker
 from motir_celery.core.worker.invoke import ChildFailed
 from motir_celery.errors import (
     ConfigurationError,
@@ -50,9 +52,7 @@ if TYPE_CHECKING:
 
     from motir_celery.core.operator.dlq import ReplayResult
     from motir_celery.core.operator.resume import ResumeResult
-    from motir_celery.core.producer.direct import PublishFor
     from motir_celery.core.producer.events import SendResult
-    from motir_celery.core.publish import Publish
     from motir_celery.store.records import AlreadyQueued, Queued
 
 __all__ = [
@@ -79,6 +79,9 @@ __all__ = [
     "cancel_run",
     "enqueue_scheduled",
     "attach",
+    "current_engine",
+    "Engine",
+    "Job",
     "RetryPolicy",
     "CancelOn",
     "Throttle",
@@ -99,10 +102,23 @@ __all__ = [
 ]
 
 
-def _publish(app: "Celery | None" = None):  # type: ignore[no-untyped-def]
-    from motir_celery.adapter.celery_app import default_app, publisher
+def current_engine() -> Engine:
+    """The engine ``job.delay()`` and ``send_event()`` go through: the one the last ``attach(app)``
+    made current, else the default (its Celery app built from the environment on first use)."""
+    return _current.current()
 
-    return publisher(app or default_app())
+
+def _engine(app: "Celery | None") -> Engine:
+    if app is None:
+        return _current.current()
+    from motir_celery.adapter.hosting import hosts
+
+    found = hosts(app)
+    if found is None:  # an app never attached: host an engine on it now
+        attach(app)
+        found = hosts(app)
+        assert found is not None
+    return found
 
 
 def send_event(
@@ -117,75 +133,55 @@ def send_event(
 ) -> "SendResult":
     """Record an event and start one run per subscribing job (see ``events.send_event``).
 
-    Messages go through ``app`` (default: the engine's own Celery app), after commit.
+    Messages go through ``app``'s engine (default: the current one), after commit.
     """
-    from motir_celery.core.producer import events
-
-    return events.send_event(
-        name, data, workspace_id=workspace_id, idempotency_key=idempotency_key, session=session,
-        priority=priority, publish=_publish(app),
-    )
+    return _engine(app).send_event(name, data, workspace_id=workspace_id, idempotency_key=idempotency_key,
+                                   session=session, priority=priority)
 
 
 def send_events(events: Sequence[Any], *, session: "Session | None" = None,
                 app: "Celery | None" = None) -> "list[SendResult]":
     """Record N events and all their runs in one statement, publish after commit; one
-    ``SendResult`` per event, in order (see ``core/batch.py``). Each item is a
+    ``SendResult`` per event, in order (see ``core/producer/batch.py``). Each item is a
     ``(name, data)`` pair or a mapping with ``name``, ``data`` and optionally
     ``workspace_id``, ``idempotency_key``, ``priority``."""
-    from motir_celery.adapter.batch_publish import publish_many
-    from motir_celery.adapter.celery_app import default_app
-    from motir_celery.core.producer import batch
-
-    return batch.send_events(events, session=session, publish=_publish(app),
-                             publish_many=publish_many(app or default_app()))
+    return _engine(app).send_events(events, session=session)
 
 
 def replay_dlq(dlq_id: "uuid.UUID | str", *, actor: str, idempotency_key: str | None = None,
                app: "Celery | None" = None) -> "ReplayResult":
     """Replay a dead-lettered run for its job only; audited as ``actor``."""
-    from motir_celery.core.operator import dlq
-
-    return dlq.replay_dlq(dlq_id, actor=actor, idempotency_key=idempotency_key, publish=_publish(app))
+    return _engine(app).replay_dlq(dlq_id, actor=actor, idempotency_key=idempotency_key)
 
 
 def resume_dlq(dlq_id: "uuid.UUID | str", *, actor: str, app: "Celery | None" = None) -> "ResumeResult":
     """Queue a dead-lettered run again from its failed step (its stored steps kept, a fresh
-    attempt budget); audited as ``actor`` (see ``core/resume.py``)."""
-    from motir_celery.core.operator import resume
-
-    return resume.resume_dlq(dlq_id, actor=actor, publish=_publish(app))
+    attempt budget); audited as ``actor`` (see ``core/operator/resume.py``)."""
+    return _engine(app).resume_dlq(dlq_id, actor=actor)
 
 
 def cancel_run(run_id: "uuid.UUID | str", *, app: "Celery | None" = None) -> bool:
     """Cancel a queued or running run; a running one stops at its next step boundary, its
     unfinished children (a canvas's members) are cancelled with it, and a parent waiting
-    for it is woken and published at once (through ``app``, default: the engine's app)."""
-    from motir_celery.core.operator import dlq
-
-    try:
-        publish = _publish(app)
-    except ConfigurationError:  # no broker configured here: the parent's message comes from the sweeper
-        publish = None
-    return dlq.cancel_run(run_id, publish=publish)
+    for it is woken and published at once (through ``app``'s engine, default: the current one;
+    with no broker here, by a worker's sweeper)."""
+    return _engine(app).cancel_run(run_id)
 
 
 def enqueue_scheduled(job_id: str, scheduled_for: Any, *, app: "Celery | None" = None) -> "Queued | AlreadyQueued":
     """Create the run of cron job ``job_id`` for slot ``scheduled_for`` (once, however often called)."""
     from motir_celery.adapter.beat import enqueue_slot
 
-    return enqueue_slot(job_id, scheduled_for, publish=_publish(app))
+    return enqueue_slot(_engine(app), job_id, scheduled_for)
 
 
 def attach(app: "Celery") -> "Celery":
     """Host the engine on your own Celery app (each job a task under its Celery name and
-    ``motir.<job_id>``, the sweeper, imports, the result backend reading the runs table);
-    ``send_event`` and ``replay_dlq`` then publish through it."""
+    ``motir.<job_id>``, the sweeper, imports, the result backend reading the runs table) and make
+    that engine current: ``job.delay()``, ``send_event`` and ``replay_dlq`` then publish through it."""
     from motir_celery.adapter.celery_app import attach as _attach
-    from motir_celery.adapter.celery_app import use_as_default
 
-    use_as_default(_attach(app))
-    return app
+    return _attach(app)
 
 
 async def send_event_async(
@@ -200,58 +196,18 @@ async def send_event_async(
 ) -> "SendResult":
     """``send_event`` for asyncio code: psycopg's async connection, the publish in a
     thread executor; ``session`` is SQLAlchemy's ``AsyncSession`` (see ``core/aio.py``)."""
-    from motir_celery.core.producer import aio
-
-    return await aio.send_event_async(
-        name, data, workspace_id=workspace_id, idempotency_key=idempotency_key, session=session,
-        priority=priority, publish=_publish(app),
-    )
+    return await _engine(app).send_event_async(name, data, workspace_id=workspace_id,
+                                               idempotency_key=idempotency_key, session=session, priority=priority)
 
 
-def _publish_for(queue: str | None, priority: int | None):  # type: ignore[no-untyped-def]
-    from motir_celery.adapter.celery_app import default_app
-    from motir_celery.adapter.routing import publisher_for
+def _default_engine() -> Engine:
+    from motir_celery.adapter.celery_app import default_engine
 
-    return publisher_for(default_app(), queue, priority)
-
-
-class _DirectRuns:
-    """``job.delay()`` / ``apply_async()`` and their async twins (core/direct.py, core/aio.py),
-    published through the default app: the one ``attach()`` was given, else ours."""
-
-    def apply_async(self, job: Job, args: Sequence[Any], kwargs: Mapping[str, Any],
-                    options: dict[str, Any]) -> RunHandle:
-        from motir_celery.core.producer import direct
-
-        publish_for: "PublishFor" = _publish_for
-        return direct.apply_async(job, args, kwargs, options, publish_for=publish_for)
-
-    async def apply_async_async(self, job: Job, args: Sequence[Any], kwargs: Mapping[str, Any],
-                                options: dict[str, Any]) -> RunHandle:
-        from motir_celery.core.producer import aio
-
-        publish_for: "PublishFor" = _publish_for
-        return await aio.apply_async_async(job, args, kwargs, options, publish_for=publish_for)
-
-    def apply(self, job: Job, args: Sequence[Any], kwargs: Mapping[str, Any], options: dict[str, Any]) -> RunHandle:
-        """``job.apply()``: the run written as ``apply_async`` writes it, and executed here at
-        once, through the real runner (core/worker/inline.py), before the handle is returned."""
-        from motir_celery.core.producer import direct
-        from motir_celery.core.worker.inline import Inline
-
-        inline = Inline()
-        return direct.apply_async(job, args, kwargs, options, publish_for=lambda queue, priority: inline)
+    return default_engine()
 
 
-use_invoker(_DirectRuns())
-
-
-def _member_route(publish: "Publish", queue: str | None, priority: int | None) -> "Publish":
-    """A canvas member with its own queue= / priority=: its message through the default app's router."""
-    return _publish_for(queue, priority)  # type: ignore[no-any-return]
-
-
-canvas_worker.use_route(_member_route)
+# The one lookup: where no code attached an app, current() builds the default engine.
+_current.use_default(_default_engine)
 
 
 def __getattr__(name: str) -> Any:

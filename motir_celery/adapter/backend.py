@@ -44,10 +44,11 @@ from celery.backends.base import BaseBackend
 from celery.backends.rpc import RPCBackend
 from celery.exceptions import TimeoutError as CeleryTimeout
 
+from motir_celery.adapter.hosting import engine_of
+from motir_celery.core.engine import Engine
 from motir_celery.core.jobs import job_for_task
 from motir_celery.core.producer.results import FIRST_POLL, MAX_POLL, POLL_GROWTH, celery_state, read_result
-from motir_celery.settings import get_settings
-from motir_celery.store.db import caller_workspace, get_pool
+from motir_celery.store.db import caller_workspace
 from motir_celery.store.driver import database_errors, first
 from motir_celery.store.sql import adapter as adapter_sql
 
@@ -60,17 +61,17 @@ BACKEND = f"{__name__}:MotirBackend"
 _DISABLED = ("", "disabled", "disabled://")
 
 
-def run_meta(task_id: Any) -> dict[str, Any] | None:
+def run_meta(engine: Engine, task_id: Any) -> dict[str, Any] | None:
     """Celery's task meta for the run whose id is ``task_id``; None when no run has that id."""
     try:
         run_id = task_id if isinstance(task_id, uuid.UUID) else uuid.UUID(str(task_id))
     except ValueError:
         return None  # not a UUID: never a run id
-    if get_settings().results_any_workspace:  # an operator's process (Flower): any workspace's run
-        with get_pool().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+    if engine.settings.results_any_workspace:  # an operator's process (Flower): any workspace's run
+        with engine.pool().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             row = first(conn, adapter_sql.RUN_META, {"run_id": run_id})
     else:  # the caller's workspace only, as a result handle reads: another's run is not found
-        row = read_result(run_id, caller_workspace())
+        row = read_result(engine, run_id, caller_workspace())
     if row is None:
         return None
     state = celery_state(row["state"], row["last_outcome"])
@@ -110,7 +111,7 @@ class RunsTable:
         return meta if meta is not None else self.not_a_run(task_id, cache)
 
     def run_meta(self, task_id: Any) -> dict[str, Any] | None:
-        return run_meta(task_id)
+        return run_meta(engine_of(self.app), task_id)
 
     def wait_for(self, task_id: Any, timeout: float | None = None, interval: float = 0.5, no_ack: bool = True,
                  on_interval: Callable[[], Any] | None = None) -> dict[str, Any]:
@@ -211,7 +212,7 @@ class RunsFirst(RunsTable):
 
     def run_meta(self, task_id: Any) -> dict[str, Any] | None:
         try:
-            return run_meta(task_id)
+            return run_meta(engine_of(self.app), task_id)
         except database_errors() as exc:  # motir's database away: the app's own tasks still answer
             if not RunsFirst._motir_warned:
                 RunsFirst._motir_warned = True

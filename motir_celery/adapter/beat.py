@@ -2,7 +2,7 @@
 
 Two pieces:
 
-* ``enqueue_slot(job_id, scheduled_for, publish=...)`` — create the run of one
+* ``enqueue_slot(engine, job_id, scheduled_for)`` — create the run of one
   cron slot: one transaction around ``producer_sql.enqueue_scheduled`` (``INSERT … ON
   CONFLICT (job_id, scheduled_for) DO NOTHING``), then publish **after the
   commit** and only for ``Queued``. Behind ``motir_celery.enqueue_scheduled``.
@@ -40,12 +40,11 @@ from typing import Any
 from celery.beat import PersistentScheduler, ScheduleEntry
 from celery.schedules import crontab, schedule
 
+from motir_celery.adapter.hosting import engine_of
+from motir_celery.core.engine import Engine
 from motir_celery.core.jobs import Job, all_jobs, get_job, job_for_task
-from motir_celery.core.publish import Publish
 from motir_celery.core.schedule import ScheduleOptions, is_slot, latest_slot, newest_slots, next_slot, schedule_options
 from motir_celery.errors import JobDefinitionError
-from motir_celery.settings import Settings
-from motir_celery.store.db import engine_connection
 from motir_celery.store.records import AlreadyQueued, OverlapSkipped, Queued
 from motir_celery.store.sql import producer as producer_sql
 
@@ -64,13 +63,7 @@ MAX_SLOTS_PER_PASS = 1000
 # --- enqueue ------------------------------------------------------------------------
 
 
-def enqueue_slot(
-    job_id: str,
-    scheduled_for: datetime | str,
-    *,
-    publish: Publish | None,
-    settings: Settings | None = None,
-) -> Queued | AlreadyQueued:
+def enqueue_slot(engine: Engine, job_id: str, scheduled_for: datetime | str) -> Queued | AlreadyQueued:
     """Create the run of cron job ``job_id`` for slot ``scheduled_for``, once.
 
     ``scheduled_for`` must be one of the job's slots (``schedule.latest_slot``
@@ -89,13 +82,12 @@ def enqueue_slot(
             f"{slot.isoformat()} is not a slot of job {job_id!r} (cron {job.cron!r}, {job.timezone}); "
             f"the latest slot at that instant is {latest_slot(job.cron, job.timezone, slot)}"
         )
-    return _enqueue(job, schedule_options(job.id, job.options), slot, publish, settings)
+    return _enqueue(engine, job, schedule_options(job.id, job.options), slot)
 
 
-def _enqueue(job: Job, opts: ScheduleOptions, slot: datetime, publish: Publish | None,
-             settings: Settings | None) -> Queued | AlreadyQueued:
+def _enqueue(engine: Engine, job: Job, opts: ScheduleOptions, slot: datetime) -> Queued | AlreadyQueued:
     spec = job.spec({"scheduled_for": slot.isoformat()}, None)
-    with engine_connection(settings) as conn:  # commits on exit, before the publish below
+    with engine.pool().begin() as conn:  # commits on exit, before the publish below
         result = producer_sql.enqueue_scheduled(
             conn, job.id, slot, max_attempts=spec.max_attempts, policy=spec.policy, priority=spec.priority,
             concurrency_key=spec.concurrency_key, skip_overlap=opts.overlap == "skip",
@@ -103,8 +95,8 @@ def _enqueue(job: Job, opts: ScheduleOptions, slot: datetime, publish: Publish |
     if isinstance(result, OverlapSkipped):
         log.info("motir: %s slot %s skipped: run %s of the job is still queued or running",
                  job.id, slot.isoformat(), result.blocking_run_id)
-    if isinstance(result, Queued) and publish is not None:
-        publish(result.run_id, result.job_id, 0.0)
+    if isinstance(result, Queued):
+        engine.publish(result.run_id, result.job_id, 0.0)
     return result
 
 
@@ -168,7 +160,6 @@ class MotirCronMixin:
         # database (Queued, AlreadyQueued or skipped). Only spares re-sending
         # INSERTs that would conflict; a fresh beat has none and is still right.
         self._motir_fired: dict[str, datetime] = {}
-        self._motir_publish: Any = None
         super().__init__(*args, **kwargs)
 
     def apply_async(self, entry: ScheduleEntry, producer: Any = None, advance: bool = True, **kwargs: Any) -> Any:
@@ -218,17 +209,14 @@ class MotirCronMixin:
         jobs = self._motir_jobs()
         if not jobs:
             return self.motir_max_sleep
-        with engine_connection() as conn:
+        engine = engine_of(self.app)
+        with engine.pool().begin() as conn:
             db_now = producer_sql.db_now(conn)
         read_at = time.monotonic()
-        if self._motir_publish is None:
-            from motir_celery.adapter.celery_app import publisher  # the adapter's publish; imported late (no cycle)
-
-            self._motir_publish = publisher(self.app)
         for job, opts in jobs:
             for slot in self._motir_due_slots(job, opts, db_now):
                 try:
-                    result = _enqueue(job, opts, slot, self._motir_publish, None)
+                    result = _enqueue(engine, job, opts, slot)
                 except Exception:  # noqa: BLE001 — one job's failure must not starve the others
                     log.warning("motir: could not enqueue %s slot %s", job.id, slot.isoformat(), exc_info=True)
                     break  # this slot and later ones are retried next pass

@@ -57,8 +57,11 @@ default ``--enable_events``) switches them on in the workers it sees while it
 runs; ``-E`` or ``worker_send_task_events = True`` keeps them on always, and
 ``task_send_sent_event = True`` adds ``task-sent`` from the publisher.
 
-The default app is built on first use (``motir_celery.app``), never at import,
-and reads everything from the environment (``settings.py``).
+**Engines.** ``attach(app)`` hosts an engine (``core/engine.py``) on the app — a new one, or
+the one it is given — and makes it current: the app's tasks run their runs through it
+(``engine_of(app)``), and ``job.delay()`` publishes through the app. The default engine (what
+``current()`` builds when no code attached an app) gets the default app on its first message:
+built from the environment (``settings.py``) by ``create_app``, never at import.
 """
 
 from __future__ import annotations
@@ -76,50 +79,65 @@ from celery.exceptions import Retry
 
 from motir_celery.adapter.backend import BACKEND
 from motir_celery.adapter.guard import GUARDED_AMQP_TRANSPORT
-from motir_celery.adapter.messages import GUARDED_TRANSPORT, publisher
+from motir_celery.adapter.hosting import engine_of, host, hosts
+from motir_celery.adapter.messages import GUARDED_TRANSPORT, CeleryHost
 from motir_celery.adapter.protocol import run_to_execute
 from motir_celery.adapter.worker import EngineStep, engine_thread
+from motir_celery.core.current import current, make_current, peek
+from motir_celery.core.engine import Engine, Tuning
 from motir_celery.core.jobs import TASK_OPTIONS, Job, find_job, on_job_defined
-from motir_celery.core.worker import runner
+from motir_celery.core.publish import Host
 from motir_celery.errors import ConfigurationError, RunFailed
-from motir_celery.settings import Settings, get_settings
+from motir_celery.settings import Settings
 
-__all__ = ["create_app", "attach", "default_app", "publisher", "import_jobs"]
+__all__ = ["create_app", "control_app", "attach", "default_app", "default_engine", "engine_of", "import_jobs", "run_job"]
 
 log = logging.getLogger("motir_celery.celery")
 
-_default: Celery | None = None
-_default_lock = threading.Lock()
+def default_engine(settings: Settings | None = None) -> Engine:
+    """An engine whose Celery app is built by ``create_app`` on its first message: what
+    ``current()`` builds when no code attached an app (the package's face names it, with the
+    environment's settings), and an operator tool's (the dashboard's) with its own settings."""
+    return Engine(settings, host_factory=_default_host)
+
+
+def _default_host(engine: Engine) -> Host:
+    return _host_of(create_app(engine=engine))
+
+
+def _host_of(app: Celery) -> CeleryHost:
+    found = engine_of(app).host
+    assert isinstance(found, CeleryHost)
+    return found
 
 
 def default_app() -> Celery:
-    """The app ``send_event`` & co. publish through: the one given to
-    ``motir_celery.attach``, else ours, built from the environment on first use —
-    with its job modules imported (a producer fans an event out to the jobs it knows)."""
-    global _default
-    with _default_lock:
-        if _default is None:
-            _default = create_app()
-        app = _default
-    import_jobs(app)  # outside the lock: a job module may ask for motir_celery.app
+    """The app the current engine publishes through — the one given to ``motir_celery.attach``,
+    else ours, built from the environment on first use — with its job modules imported (a
+    producer fans an event out to the jobs it knows)."""
+    hosted = current().host
+    if not isinstance(hosted, CeleryHost):
+        raise ConfigurationError(f"the current motir engine publishes through {hosted!r}, not a Celery app")
+    import_jobs(hosted.app)
+    return hosted.app
+
+
+def control_app(settings: Settings) -> Celery:
+    """A Celery app on ``settings``' broker for asking the workers (``control.ping``, ``inspect``):
+    no engine, no tasks, nothing published (doctor, the metrics' probe)."""
+    app = Celery("motir-control", set_as_current=False)
+    url = settings.broker_url
+    # As create_app: explicit read/write URLs, or $CELERY_BROKER_URL would win over broker_url.
+    app.conf.update(broker_url=url, broker_read_url=url, broker_write_url=url)
     return app
 
 
-def use_as_default(app: Celery | None) -> None:
-    """Publish through ``app`` from now on (``motir_celery.attach`` calls this); None: through
-    ours again, built from the environment on its next use."""
-    global _default
-    with _default_lock:
-        _default = app
-
-
-def publishing_app() -> Celery | None:
-    """The app ``default_app`` returns now, without building one (None before its first use)."""
-    return _default
-
-
-def create_app(settings: Settings | None = None, *, main: str = "motir_celery") -> Celery:
-    settings = settings or get_settings()
+def create_app(settings: Settings | None = None, *, main: str = "motir_celery",
+               engine: Engine | None = None) -> Celery:
+    """A Celery app of the engine's own, configured from ``settings`` (those of ``engine`` when
+    given, else the environment's), with the engine attached."""
+    engine = engine if engine is not None else Engine(settings)
+    settings = engine.settings
     if not settings.broker_url:
         raise ConfigurationError(
             "CELERY_BROKER_URL is not set: point it at Redis or RabbitMQ, or run through "
@@ -140,9 +158,10 @@ def create_app(settings: Settings | None = None, *, main: str = "motir_celery") 
         timezone="UTC",
         enable_utc=True,
     )
-    if settings.broker_url.startswith(("redis://", "rediss://", "redis+socket://")) and not settings.redis_ack_emulation:
-        # No unacknowledged-message bookkeeping in Redis: see the module docstring.
-        # REJECTED: in attach(), where the user's own tasks may rely on it.
+    if settings.broker_url.startswith(("redis://", "rediss://", "redis+socket://")) \
+            and not engine.tuning.redis_ack_emulation:
+        # No unacknowledged-message bookkeeping in Redis: see the module docstring. Not in
+        # attach(): the user's own tasks may rely on it.
         app.conf.broker_transport_options = {"ack_emulation": False}
     if settings.broker_url.startswith("redis://"):
         # A malformed item on a queue's list is moved aside, not fatal (guard.py).
@@ -150,11 +169,13 @@ def create_app(settings: Settings | None = None, *, main: str = "motir_celery") 
     elif settings.broker_url.startswith(("amqp://", "pyamqp://")):
         # The same on RabbitMQ: a message a worker cannot take goes to <queue>.malformed (guard.py).
         app.conf.broker_transport = GUARDED_AMQP_TRANSPORT
-    return attach(app, settings=settings)
+    return attach(app, engine=engine)
 
 
-def attach(app: Celery, *, settings: Settings | None = None) -> Celery:
-    """Host the engine on ``app``: register every job (and every later one) as a task,
+def attach(app: Celery, *, settings: Settings | None = None, engine: Engine | None = None,
+           tuning: Tuning | None = None) -> Celery:
+    """Host an engine on ``app`` (``engine``, else a new one with ``settings``, else the
+    environment's) and make it current: register every job (and every later one) as a task,
     run the sweeper in its workers, and import ``MOTIR_IMPORTS`` there.
 
     The job modules are not imported here but when Celery imports the app's own
@@ -165,11 +186,18 @@ def attach(app: Celery, *, settings: Settings | None = None) -> Celery:
     job modules may import models (Celery sets Django up first). Each is imported the
     way Celery imports ``-A proj``: from the current folder too.
     """
-    if app.conf.get("motir_attached"):
+    attached = hosts(app)
+    if attached is not None:
+        make_current(attached)
         return app
-    app.conf.motir_attached = True
-    if settings is not None:
-        _attach_settings[app] = settings
+    if engine is None:
+        engine = Engine(settings, tuning=tuning)
+        before = peek()
+        if before is not None and before.transactions is not None:
+            engine.join_transactions(before.transactions)  # Django's app was ready before this attach
+    engine.host_on(CeleryHost(app, engine))
+    host(app, engine)
+    make_current(engine)
     for key, value in {
         "worker_prefetch_multiplier": 1,
         # Not task_acks_late, nor task events: Celery's defaults (off); see the module docstring.
@@ -192,8 +220,6 @@ def attach(app: Celery, *, settings: Settings | None = None) -> Celery:
     return app
 
 
-#: Settings given to attach() explicitly (create_app's); otherwise read when the jobs are imported.
-_attach_settings: "weakref.WeakKeyDictionary[Celery, Settings]" = weakref.WeakKeyDictionary()
 _imported: "weakref.WeakSet[Celery]" = weakref.WeakSet()
 _import_lock = threading.RLock()
 
@@ -205,9 +231,8 @@ def import_jobs(app: Celery) -> None:
         if app in _imported:
             return
         _imported.add(app)  # first: a job module that publishes while being imported does not loop
-        settings = _attach_settings.get(app) or get_settings()
         try:
-            for module in settings.imports:
+            for module in engine_of(app).settings.imports:
                 app.loader.import_task_module(module)
         except BaseException:
             _imported.discard(app)
@@ -229,8 +254,9 @@ def run_job(task: Any, job_id: str, run_id: str) -> Any:
     in Celery's own terms (FAILURE, RETRY), the settle being committed already. Returns what the
     handler returned when the run succeeded (Flower's result column), else how it ended."""
     worker = f"{task.request.hostname or 'worker'}/{os.getpid()}"
-    engine_thread().ensure()  # this process's heartbeats (a prefork child's first run starts them)
-    outcome = runner.execute(run_id, job_id=job_id, worker=worker, publish=publisher(task.app))
+    engine = engine_of(task.app)
+    engine_thread().ensure(engine)  # this process's heartbeats (a prefork child's first run starts them)
+    outcome = engine.execute(run_id, job_id=job_id, worker=worker)
     if outcome.state == "failed":
         # Settled already (failed + DLQ row, committed). Raising only makes the
         # task show as FAILURE in Flower and Celery's events; the message is
@@ -268,7 +294,7 @@ def _task_of(defined: Job) -> Any:
         job = find_job(defined.id) or defined  # the current definition (a module imported again)
         if self.request.called_directly:  # app.tasks[name](...): no message, the body inline
             return job(*args, **kwargs)
-        run_id = run_to_execute(self.request, job, args, kwargs)
+        run_id = run_to_execute(engine_of(self.app), self.request, job, args, kwargs)
         if run_id is None:
             return {"run_id": None, "state": "skipped", "detail": "nothing to run (see the log line above)"}
         return run_job(self, job.id, run_id)

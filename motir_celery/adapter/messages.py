@@ -1,4 +1,4 @@
-"""A run's message: the ``publish`` callable the core is handed, and its short way onto Redis.
+"""A run's message: the engine's host on a Celery app (``CeleryHost``), and its short way onto Redis.
 
 A run's message is a Celery task message (protocol 2) for the job's task
 (``Job.task_name``: its Celery name, else ``motir.<job_id>``) with one argument, the
@@ -20,7 +20,7 @@ within a task (Celery then names the task as parent), is built afresh. The
 envelope is kombu's wire format, which publishers and workers of different
 kombu versions already share; a test decodes what we push next to what
 ``send_task`` pushes. The short way is taken only where it writes what
-``send_task`` would, and not with ``MOTIR_DIRECT_PUBLISH=0``; otherwise, and
+``send_task`` would (``Tuning.direct_publish``: on); otherwise, and
 whenever the push fails, ``send_task`` does the work (with Celery's publish
 retries):
 
@@ -34,8 +34,14 @@ retries):
 - the queue has had its first message in this process through ``send_task``,
   which declares it (kombu's bindings, for anyone who routes by exchange).
 
-REJECTED: a held kombu producer and ``send_task(producer=...)``: it keeps every
-per-call cost above except the pool acquire (measured 1.36 ms against 1.44).
+A held kombu producer and ``send_task(producer=...)`` keep every per-call cost above
+except the pool acquire (measured 1.36 ms against 1.44), so they are not used.
+
+A batch (``send_events``) pushes its messages in one pipelined round trip
+(``CeleryHost.publish_many``). A call with its own ``queue=`` / ``priority=`` goes through
+``send_task`` with that queue and the priority spelled for the broker (``routed``); the
+run's row holds the priority too, the queue is that message's only: a message the
+sweeper re-publishes follows the job's route.
 
 The reading side's guard (``GuardedRedisTransport``, moving an item a worker
 cannot take to ``<queue>.malformed``) lives in ``guard.py``; it is importable from
@@ -53,45 +59,121 @@ import threading
 import uuid
 import weakref
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from celery import Celery, signals
 
 from motir_celery.adapter.guard import GUARDED_REDIS_TRANSPORT, MALFORMED_SUFFIX, GuardedRedisTransport
-from motir_celery.core.jobs import TASK_OPTIONS, find_job, publish_name, task_name
+from motir_celery.core.jobs import TASK_OPTIONS, alias_name, find_job, task_name
 from motir_celery.core.publish import Publish
 from motir_celery.core.worker.inline import Inline
 from motir_celery.forks import per_process
-from motir_celery.settings import get_settings
 
-__all__ = ["publisher", "RedisLane", "GuardedRedisTransport", "MALFORMED_SUFFIX", "GUARDED_TRANSPORT", "task_options", "argsrepr", "redis_lane",
-           "routed_options"]
+if TYPE_CHECKING:
+    from motir_celery.core.engine import Engine
+
+__all__ = ["CeleryHost", "RedisLane", "GuardedRedisTransport", "MALFORMED_SUFFIX", "GUARDED_TRANSPORT",
+           "task_options", "argsrepr", "redis_lane", "routed_options", "publish_name"]
 
 log = logging.getLogger("motir_celery.adapter.messages")
 
 
-def publisher(app: Celery) -> Publish:
-    """The publish callable the core is handed: one message per run, by task name.
+class CeleryHost:
+    """The engine's host on a Celery app: one message per run, by task name (the module docstring).
 
-    Cheap to make (a worker makes one per run, before its claim); the lane is
-    looked up when a message is sent. An app in Celery's eager mode
-    (``task_always_eager``) gets ``Inline``: each run is executed in this process, at once,
-    through the engine (core/worker/inline.py; docs/testing.md)."""
-    if app.conf.task_always_eager:
-        return Inline()
+    An app in Celery's eager mode (``task_always_eager``, read at each message) runs each run
+    in this process, at once, through the engine (``Inline``, one per thread: a run published
+    while one of the thread's runs executes waits for it, as the next message would)."""
 
-    def publish(run_id: uuid.UUID, job_id: str, countdown: float = 0.0) -> None:
-        lane = redis_lane(app)
-        if lane is not None and lane.push(run_id, job_id, countdown):
+    def __init__(self, app: Celery, engine: Engine) -> None:
+        self.app = app
+        self.engine = engine
+        self._inline = threading.local()
+
+    def __repr__(self) -> str:
+        return f"<CeleryHost {self.app.main}>"
+
+    @property
+    def eager(self) -> bool:
+        return bool(self.app.conf.task_always_eager)
+
+    def _here(self) -> Inline:
+        inline: Inline | None = getattr(self._inline, "runner", None)
+        if inline is None:
+            inline = self._inline.runner = Inline(self.engine)
+        return inline
+
+    def publish(self, run_id: uuid.UUID, job_id: str, countdown: float = 0.0) -> None:
+        if self.eager:
+            self._here().publish(run_id, job_id, countdown)
             return
-        options = routed_options(app, job_id)
+        app, alias = self.app, self.engine.settings.publish_alias
+        lane = redis_lane(app, self.engine.tuning.direct_publish)
+        if lane is not None and lane.push(run_id, job_id, countdown, alias):
+            return
+        options = routed_options(app, job_id, alias)
         priority = _message_priority(app, job_id)
         if priority is not None:
             options["priority"] = priority
-        app.send_task(publish_name(job_id), args=[str(run_id)], countdown=countdown or None, task_id=str(run_id),
-                      argsrepr=argsrepr(job_id, run_id), **options)
+        app.send_task(publish_name(job_id, alias), args=[str(run_id)], countdown=countdown or None,
+                      task_id=str(run_id), argsrepr=argsrepr(job_id, run_id), **options)
 
-    return publish
+    def publish_many(self, runs: Sequence[tuple[uuid.UUID, str]]) -> None:
+        """Every run of a batch, due now: pipelined onto Redis where the lane takes them (one round
+        trip); the rest one by one. If the pipeline fails, every message of it goes one by one — a
+        message that did reach Redis is then sent twice, which the claim makes harmless."""
+        app, alias = self.app, self.engine.settings.publish_alias
+        lane = None if self.eager else redis_lane(app, self.engine.tuning.direct_publish)
+        eligible = (lane is not None and not lane.sent_events and not signals.before_task_publish.receivers
+                    and not signals.after_task_publish.receivers
+                    and not (app.current_task is not None and app.current_worker_task is not None))
+        rest: list[tuple[uuid.UUID, str]] = []
+        piped: list[tuple[uuid.UUID, str]] = []
+        if eligible and lane is not None:
+            pipe = lane.client.pipeline(transaction=False)
+            for run_id, job_id in runs:
+                plan = lane.plan_of(job_id, alias)
+                if plan is None:
+                    rest.append((run_id, job_id))  # send_task (and, the first time, its queue declaration)
+                    continue
+                pipe.lpush(plan.key, plan.render(run_id, app.thread_oid))
+                piped.append((run_id, job_id))
+            if piped:
+                try:
+                    pipe.execute()
+                except Exception as exc:  # noqa: BLE001 — send_task, with its retries, decides
+                    log.warning("pipelining %d run messages to Redis failed (%s); publishing through send_task",
+                                len(piped), exc)
+                    rest = piped + rest
+        else:
+            rest = list(runs)
+        for run_id, job_id in rest:
+            self.publish(run_id, job_id, 0.0)
+
+    def routed(self, queue: str | None, priority: int | None) -> Publish:
+        """One call's message with its own ``queue=`` / ``priority=``, through ``send_task``."""
+        if (queue is None and priority is None) or self.eager:
+            return self.publish
+        app, alias = self.app, self.engine.settings.publish_alias
+
+        def publish(run_id: uuid.UUID, job_id: str, countdown: float = 0.0) -> None:
+            options = routed_options(app, job_id, alias)
+            if queue is not None:
+                options["queue"] = queue
+            if priority:
+                scheme = str(app.conf.broker_url or "").split("://", 1)[0]
+                options["priority"] = 9 - priority if scheme.startswith(("redis", "rediss")) else priority
+            app.send_task(publish_name(job_id, alias), args=[str(run_id)], countdown=countdown or None,
+                          task_id=str(run_id), argsrepr=argsrepr(job_id, run_id), **options)
+
+        return publish
+
+
+def publish_name(job_id: str, alias: bool) -> str:
+    """The name the engine's messages for ``job_id`` carry: its task name, or with ``alias``
+    (``MOTIR_PUBLISH_ALIAS=1``) ``motir.<job_id>`` — a rolling cut-over: workers of the code before
+    it have a plain Celery task under the Celery name, and would run it with a run id for its argument."""
+    return alias_name(job_id) if alias else task_name(job_id)
 
 
 def task_options(job_id: str) -> dict[str, Any]:
@@ -104,12 +186,12 @@ def task_options(job_id: str) -> dict[str, Any]:
     return {k: job.options[k] for k in TASK_OPTIONS if k in job.options}
 
 
-def routed_options(app: Celery, job_id: str) -> dict[str, Any]:
+def routed_options(app: Celery, job_id: str, alias: bool) -> dict[str, Any]:
     """``task_options``, and under ``MOTIR_PUBLISH_ALIAS`` the queue the job's Celery name is
     routed to (``task_routes`` name it, not the alias the message carries)."""
     options = task_options(job_id)
     name = task_name(job_id)
-    if "queue" not in options and publish_name(job_id) != name:
+    if "queue" not in options and publish_name(job_id, alias) != name:
         queue = app.amqp.router.route({}, name, (), {}, None).get("queue")
         if queue is not None:
             options["queue"] = queue.name
@@ -153,8 +235,10 @@ class _Lanes:
 _lanes = per_process(_Lanes)  # a forked child opens its own sockets
 
 
-def redis_lane(app: Celery) -> "RedisLane | None":
-    """This process's short way for ``app``; ``None`` where the broker rules it out."""
+def redis_lane(app: Celery, direct: bool = True) -> "RedisLane | None":
+    """This process's short way for ``app``; ``None`` where the broker rules it out (or not ``direct``)."""
+    if not direct:
+        return None
     lanes = _lanes()
     with lanes.lock:
         if app not in lanes.by_app:
@@ -208,13 +292,11 @@ class RedisLane:
         self.client = redis.Redis.from_url(url, **options)
         self.origin = f"gen{os.getpid()}@{os.uname().nodename}"
         self.declared: set[str] = set()  # queues send_task has published to (and declared) here
-        self.plans: dict[str, Plan | None] = {}  # per job; None: never this way
+        self.plans: dict[tuple[str, bool], Plan | None] = {}  # per job and name; None: never this way
         self.sent_events = bool(app.conf.task_send_sent_event)  # read once: conf lookups cost ~0.1 ms cold
 
     @classmethod
     def for_app(cls, app: Celery) -> "RedisLane | None":
-        if not get_settings().direct_publish:
-            return None
         conf = app.conf
         url = str(conf.broker_write_url or conf.broker_url or "")
         options = dict(conf.broker_transport_options or {})
@@ -225,12 +307,12 @@ class RedisLane:
         client_options = {k: options[k] for k in ("socket_timeout", "socket_connect_timeout") if k in options}
         return cls(app, url, client_options)
 
-    def push(self, run_id: uuid.UUID, job_id: str, countdown: float) -> bool:
+    def push(self, run_id: uuid.UUID, job_id: str, countdown: float, alias: bool = False) -> bool:
         """Push the run's message; ``False``: ``send_task`` must send it (not eligible, or the push failed)."""
         app = self.app
         if signals.before_task_publish.receivers or signals.after_task_publish.receivers or self.sent_events:
             return False
-        plan = self.plan_of(job_id)
+        plan = self.plan_of(job_id, alias)
         if plan is None:
             return False
         try:
@@ -245,20 +327,21 @@ class RedisLane:
             return False
         return True
 
-    def plan_of(self, job_id: str) -> Plan | None:
+    def plan_of(self, job_id: str, alias: bool = False) -> Plan | None:
         """The job's plan (``None``: its messages go through send_task); made on its first message."""
-        return self.plans[job_id] if job_id in self.plans else self._plan(job_id)
+        key = (job_id, alias)
+        return self.plans[key] if key in self.plans else self._plan(job_id, alias)
 
-    def _plan(self, job_id: str) -> Plan | None:
+    def _plan(self, job_id: str, alias: bool) -> Plan | None:
         """The job's plan, kept once its queue has been declared; ``None`` (kept): send_task always."""
-        app, name, options = self.app, publish_name(job_id), task_options(job_id)
+        app, name, options = self.app, publish_name(job_id, alias), task_options(job_id)
         # As send_task routes: the job's own queue if it has one, else task_routes (for the job's
         # Celery name, also when the message carries the alias), else the default.
         route = app.amqp.router.route({"queue": options["queue"]} if "queue" in options else {}, task_name(job_id),
                                       (), {}, None)
         queue = route.get("queue")
         if queue is None or queue.exchange.type != "direct" or queue.expires is not None or set(route) - {"queue"}:
-            self.plans[job_id] = None
+            self.plans[(job_id, alias)] = None
             return None
         if queue.name not in self.declared:
             self.declared.add(queue.name)
@@ -268,7 +351,7 @@ class RedisLane:
         message = self._message(stand_in, _RUN_ID, task_id=_TASK_ID, reply_to=_REPLY_TO, tag=_TAG)
         body = base64.b64decode(message["body"]).decode()
         envelope = json.dumps({**message, "body": _BODY})
-        plan = self.plans[job_id] = replace(stand_in, envelope=envelope, body=body)
+        plan = self.plans[(job_id, alias)] = replace(stand_in, envelope=envelope, body=body)
         return plan
 
     def built(self, plan: Plan, run_id: uuid.UUID, countdown: float) -> str:

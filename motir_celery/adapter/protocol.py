@@ -31,9 +31,10 @@ import reprlib
 from typing import Any
 
 from motir_celery.adapter.messages import argsrepr
+from motir_celery.core.engine import Engine
 from motir_celery.core.jobs import Job
-from motir_celery.core.producer.canvas import adopt_canvas, embedded
-from motir_celery.core.producer.direct import MAX_SHOWN, adopt
+from motir_celery.core.producer.canvas import embedded
+from motir_celery.core.producer.direct import MAX_SHOWN
 
 __all__ = ["is_run_message", "run_to_execute"]
 
@@ -51,7 +52,7 @@ def is_run_message(request: Any, job_id: str, args: tuple[Any, ...], kwargs: dic
     return args[0] == getattr(request, "id", None) or getattr(request, "argsrepr", None) == argsrepr(job_id, args[0])
 
 
-def run_to_execute(request: Any, job: Job, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+def run_to_execute(engine: Engine, request: Any, job: Job, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
     """The run a message stands for, adopted first if it is a call; None: nothing to execute."""
     if not job.direct:
         if not args:
@@ -66,14 +67,14 @@ def run_to_execute(request: Any, job: Job, args: tuple[Any, ...], kwargs: dict[s
              "kwargsrepr": str(getattr(request, "kwargsrepr", None) or _shown.repr(kwargs))[:MAX_SHOWN]}
     parts = embedded(request)
     if parts:  # Celery's chain / link= / link_error= / chord on the message: the canvas is adopted whole
-        _adopt_canvas(job, args, kwargs, task_id, parts, name, shown)
+        _adopt_canvas(engine, job, args, kwargs, task_id, parts, name, shown)
         # Celery's tracer would send the chain's next link and the callbacks itself once this task
         # returns (with its return value as their argument), call the errbacks on a failure, and
         # count a chord member in its result backend: the canvas run does all of that, once.
         for name_ in parts:
             setattr(request, name_, None)
         return None  # published as a canvas run: nothing to execute under this message
-    adopted = adopt(job, args, kwargs, task_id, task_name=name, shown=shown)
+    adopted = engine.adopt(job, args, kwargs, task_id, task_name=name, shown=shown)
     if adopted.reason is not None:
         where = (f"kept as DLQ entry {adopted.dlq_id} (motir dlq list; AsyncResult({task_id!r}) is FAILURE)"
                  if adopted.dlq_id is not None else "refused before (its DLQ entry is there already)")
@@ -89,12 +90,12 @@ def run_to_execute(request: Any, job: Job, args: tuple[Any, ...], kwargs: dict[s
     return str(adopted.run_id)
 
 
-def _adopt_canvas(job: Job, args: tuple[Any, ...], kwargs: dict[str, Any], task_id: str, parts: dict[str, Any],
-                  name: str, shown: dict[str, str]) -> None:
+def _adopt_canvas(engine: Engine, job: Job, args: tuple[Any, ...], kwargs: dict[str, Any], task_id: str,
+                  parts: dict[str, Any], name: str, shown: dict[str, str]) -> None:
     """A call that carries the rest of a Celery canvas: stored and published as one canvas run
     (core/producer/canvas.py ``adopt_canvas``), whose first link is a member run of its own —
     nothing to execute under this message."""
-    adopted = adopt_canvas(job, args, kwargs, task_id, parts, task_name=name, shown=shown)
+    adopted = engine.adopt_canvas(job, args, kwargs, task_id, parts, task_name=name, shown=shown)
     if adopted.reason is not None:
         log.error("a message in Celery's protocol for job %s (task %s, id %.100s) carries a canvas (%s) that cannot "
                   "be made durable: %s; kept as DLQ entry %s", job.id, name, task_id, ", ".join(sorted(parts)),

@@ -47,9 +47,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from motir_celery.core.engine import Engine
 from motir_celery.core.worker import leases
-from motir_celery.settings import get_settings
-from motir_celery.store.db import side_engine
 
 __all__ = ["Supervisor", "Renewer", "main"]
 
@@ -75,8 +74,9 @@ class _Holder:
 class Renewer:
     """The renewer process's loop: holders' lines in on one thread, renewals on the other."""
 
-    def __init__(self, path: str, worker_pid: int) -> None:
+    def __init__(self, path: str, worker_pid: int, engine: Engine) -> None:
         self.path = path
+        self.engine = engine
         self.worker_pid = worker_pid
         self.holders: list[_Holder] = []
         self.ledger = leases.Ledger()
@@ -97,15 +97,15 @@ class Renewer:
         """Renew while the worker's main process is this process's parent (``watch_parent``),
         or for as long as this process lives (a thread of that main process)."""
         threading.Thread(target=self._read, name="motir-renewer-reader", daemon=True).start()
-        settings = get_settings()
+        lease_seconds = self.engine.settings.lease_seconds
         log.info("lease renewer for worker pid %d listening at %s", self.worker_pid, self.path)
         while not watch_parent or os.getppid() == self.worker_pid:
             try:
-                self.ledger.renew_due(side_engine)
+                self.ledger.renew_due(self.engine.side_pool)
             except Exception:  # noqa: BLE001 — a database blip: next tick
                 log.warning("lease renewal failed", exc_info=True)
             with self.ledger.lock:
-                shortest = min([settings.lease_seconds, *(lease.seconds for lease in self.ledger.leases.values())])
+                shortest = min([lease_seconds, *(lease.seconds for lease in self.ledger.leases.values())])
             time.sleep(min(1.0, shortest / 6))  # a renewal due at lease / 3 is never late by more than lease / 6
         log.info("lease renewer: worker pid %d is gone; exiting", self.worker_pid)
         try:
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     handler = logging.FileHandler(args.log_file) if args.log_file else logging.StreamHandler(sys.stderr)
     logging.basicConfig(level=args.log_level, handlers=[handler],
                         format="[%(asctime)s: %(levelname)s/motir-renewer %(process)d] %(message)s")
-    Renewer(args.socket, args.worker_pid).serve()
+    Renewer(args.socket, args.worker_pid, Engine()).serve()  # this process's own engine, from the environment
 
 
 # --- in the worker's main process ---------------------------------------------------
@@ -218,8 +218,9 @@ class Supervisor:
     own, or with ``in_main_process`` (prefork, whose main process runs no body) a thread of
     the worker's main process."""
 
-    def __init__(self, log_file: str | None = None, *, in_main_process: bool = False) -> None:
+    def __init__(self, engine: Engine, log_file: str | None = None, *, in_main_process: bool = False) -> None:
         _remove_stale()
+        self.engine = engine
         self.directory = tempfile.mkdtemp(prefix=PREFIX)  # 0700: the worker's user only
         self.path = os.path.join(self.directory, "socket")
         self.log_file = log_file
@@ -239,7 +240,7 @@ class Supervisor:
         """Start the renewer (``wait`` until it listens)."""
         with self._lock:
             if self.in_main_process:
-                self._renewer = Renewer(self.path, os.getpid())  # listening once made
+                self._renewer = Renewer(self.path, os.getpid(), self.engine)  # listening once made
                 # Renews for as long as the main process lives (a daemon thread ends with it).
                 self.thread = threading.Thread(target=self._renewer.serve, kwargs={"watch_parent": False},
                                                name="motir-renewer", daemon=True)

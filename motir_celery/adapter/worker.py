@@ -15,7 +15,7 @@ The one place that starts and supervises them:
   also run their runs) it sweeps (``core/sweeper.py``) every
   ``MOTIR_SWEEP_INTERVAL``, through the fleet's sweep slot, so one host per period sweeps.
 
-Each duty uses a connection of its own (``db.side_engine``), so a busy run pool
+Each duty uses a connection of its own (``Engine.side_pool``), so a busy run pool
 cannot starve it. A duty that fails is logged and tried again next tick; a
 thread that died anyway is started again by the next run.
 
@@ -39,13 +39,10 @@ from typing import Any, Callable
 
 from celery import bootsteps
 
-from motir_celery.adapter.messages import publisher
+from motir_celery.adapter.hosting import engine_of
 from motir_celery.adapter.renewer import Supervisor
-from motir_celery.core.publish import Publish
-from motir_celery.core.worker import leases, sweeper
+from motir_celery.core.engine import Engine
 from motir_celery.forks import per_process
-from motir_celery.settings import get_settings
-from motir_celery.store.db import side_engine, size_pool_for
 
 __all__ = ["EngineStep", "engine_thread"]
 
@@ -53,21 +50,25 @@ log = logging.getLogger("motir_celery.worker")
 
 
 class EngineThread:
+    """This process's side duties for one engine: its leases, and in the main process its sweeps."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._sweep: Callable[[], object] | None = None
+        self._engine: Engine | None = None
+        self._sweep = False
         self._supervise: Callable[[], object] | None = None
 
-    def ensure(self, publish: Publish | None = None, supervise: Callable[[], object] | None = None) -> None:
-        """Running from now on (sweeping too, with ``publish``; calling ``supervise`` every tick)."""
+    def ensure(self, engine: Engine, *, sweep: bool = False, supervise: Callable[[], object] | None = None) -> None:
+        """Running from now on for ``engine`` (sweeping too, with ``sweep``; calling ``supervise``
+        every tick)."""
         with self._lock:
+            self._engine = engine
             if supervise is not None:
                 self._supervise = supervise
-            if publish is not None:
-                settings = get_settings()
-                self._sweep = lambda: sweeper.sweep(publish, settings=settings, once_per_period=True)
+            if sweep:
+                self._sweep = True
             if self._thread is None or not self._thread.is_alive():
                 self._stop.clear()
                 self._thread = threading.Thread(target=self._loop, name="motir-engine", daemon=True)
@@ -76,7 +77,7 @@ class EngineThread:
     def stop_sweeping(self) -> None:
         """Sweep no more; the heartbeats go on (the runs in hand are still running)."""
         with self._lock:
-            self._sweep = None
+            self._sweep = False
 
     def stop(self) -> None:
         self._stop.set()
@@ -84,7 +85,9 @@ class EngineThread:
             self._thread.join(timeout=10)
 
     def _loop(self) -> None:
-        settings = get_settings()
+        engine = self._engine
+        assert engine is not None
+        settings = engine.settings
         # Often enough that a renewal due at lease / 3 is never late by more than lease / 6.
         tick = min(1.0, settings.lease_seconds / 6)
         # The first sweep at a random point of the period: workers started together (a deploy)
@@ -94,10 +97,10 @@ class EngineThread:
             supervise = self._supervise
             if supervise is not None:
                 _duty("lease renewer supervision", supervise)
-            _duty("lease renewal", leases.renew_due)
-            sweep = self._sweep
-            if sweep is not None and time.monotonic() >= next_sweep:
-                _duty("sweep", sweep)
+            engine = self._engine or engine
+            _duty("lease renewal", engine.leases.renew_due)
+            if self._sweep and time.monotonic() >= next_sweep:
+                _duty("sweep", lambda: engine.sweep(once_per_period=True))
                 next_sweep = time.monotonic() + settings.sweep_interval
 
 
@@ -118,34 +121,36 @@ class EngineStep(bootsteps.StartStopStep):
     label = "motir engine"
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
+        self.engine = engine = engine_of(worker.app)
         pool = getattr(worker, "pool_cls", None)
         pool_name = pool if isinstance(pool, str) else getattr(pool, "__module__", "") or ""
         # prefork: the main process runs no body, so it can renew (no process more, ~60 MB less RSS)
         prefork = pool_name.endswith(("prefork", "processes"))
         if "thread" in pool_name:
-            size_pool_for(int(worker.concurrency or 1))
-        if get_settings().database_url:
+            engine.runs_per_process = max(1, int(worker.concurrency or 1))
+        if engine.settings.database_url:
             # The database driver imported now, in the main thread: a pool child forked while
             # the engine thread imports it (its first sweep) inherits that import's lock, held
             # by a thread the child does not have, and hangs at its first run for ever.
-            side_engine()
+            engine.side_pool()
         self.renewer: Supervisor | None = None
         if not hasattr(socket, "AF_UNIX"):  # no Unix sockets (Windows): each process renews its own leases
             return
         # Here, before any pool child is forked (they inherit the socket's path), and
         # started now: it gets ready while the rest of the worker boots.
         logfile = getattr(worker, "logfile", None)  # the worker's --logfile, unless per process (%n, %i...)
-        self.renewer = Supervisor(logfile if isinstance(logfile, str) and "%" not in logfile else None,
+        self.renewer = Supervisor(engine, logfile if isinstance(logfile, str) and "%" not in logfile else None,
                                   in_main_process=prefork)
         atexit.register(self.renewer.cleanup)
         limit = getattr(worker, "time_limit", None)
-        leases.use_renewer(self.renewer.path, time_limit=float(limit) if isinstance(limit, (int, float)) else None)
+        engine.leases.use_renewer(self.renewer.path,
+                                  time_limit=float(limit) if isinstance(limit, (int, float)) else None)
         self.renewer.spawn()
 
     def start(self, worker: Any) -> None:
         if self.renewer is not None:
             self.renewer.wait()  # before the consumer starts: no run is held before it listens
-        engine_thread().ensure(publisher(worker.app), supervise=self.renewer.check if self.renewer else None)
+        engine_thread().ensure(self.engine, sweep=True, supervise=self.renewer.check if self.renewer else None)
 
     def stop(self, worker: Any) -> None:
         # Not engine_thread().stop(): this runs before the pool drains (see the module docstring).

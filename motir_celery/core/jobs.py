@@ -21,11 +21,10 @@ key in Postgres.
 A job with neither ``event=`` nor ``cron=`` is a *direct* job: started the way
 a Celery task is, ``job.delay(*args, **kwargs)`` / ``job.apply_async(...)``, and
 called as ``handler(step, *args, **kwargs)`` (``bind=False``: ``handler(*args,
-**kwargs)``, a Celery task body unchanged). Those calls are written by
-``core/producer/direct.py`` (and ``aio.py``), which sit above this module: the
-package's face wires them in (``use_invoker``), as the adapter hands the core
-its ``Publish`` callable, so no import points up. Calling the job object runs the
-body here, at once, as calling a Celery task does (``Job.__call__``, ``CallStep``).
+**kwargs)``, a Celery task body unchanged). Those calls, and the signatures of the
+canvas, go through the current engine (``core/current.py``), as a Celery ``shared_task``
+goes through the current app. Calling the job object runs the body here, at once, as
+calling a Celery task does (``Job.__call__``, ``CallStep``).
 """
 
 from __future__ import annotations
@@ -35,27 +34,27 @@ import inspect
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, NoReturn, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, NoReturn, Protocol, Sequence, runtime_checkable
 
-from motir_celery.core.producer.results import RunHandle
+from motir_celery.core.current import current
 from motir_celery.core.retries import RetryPolicy, resolve_policy
 from motir_celery.core.runspec import RunOptions, check_trigger, run_options, run_spec
 from motir_celery.errors import JobDefinitionError, MotirError, UnknownJobError
-from motir_celery.settings import get_settings
 from motir_celery.store.records import RunSpec
 
-__all__ = ["Job", "define_job", "get_job", "find_job", "all_jobs", "subscribers", "cancelled_by", "on_job_defined", "task_name",
-           "alias_name", "publish_name", "celery_name", "job_for_task", "CanvasNotSupported", "CanvasMaker", "use_canvas", "Invoker", "use_invoker", "CallStep", "DirectCallUnsupported"]
+if TYPE_CHECKING:
+    from motir_celery.core.engine import Engine
+    from motir_celery.core.producer.results import RunHandle
+
+__all__ = ["Job", "define_job", "get_job", "find_job", "all_jobs", "subscribers", "cancelled_by", "on_job_defined",
+           "task_name", "alias_name", "celery_name", "job_for_task", "CanvasNotSupported", "CallStep",
+           "DirectCallUnsupported", "StepLike"]
 
 JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,199}$")
 #: A Celery task name given as ``name=``: printable, no blank, at most 200 characters.
 TASK_NAME = re.compile(r"^[^\s]{1,200}$")
 #: The prefix of every job's alias, ``motir.<job_id>`` (the only name before the cut-over release).
 ALIAS_PREFIX = "motir."
-
-
-class Handler(Protocol):
-    def __call__(self, event: Any, step: Any) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -110,7 +109,7 @@ class Job:
 
     def delay(self, *args: Any, **kwargs: Any) -> RunHandle:
         """One durable run of this direct job with these arguments; its result handle."""
-        return _invoker_for(self).apply_async(self, args, kwargs, {})
+        return _engine_for(self).apply_async(self, args, kwargs, {})
 
     def apply_async(self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None,
                     **options: Any) -> RunHandle:
@@ -121,16 +120,16 @@ class Job:
             canvas: RunHandle = _canvas_for(self).signature(self, args or (), kwargs or {}, {}, False).apply_async(
                 **options)
             return canvas
-        return _invoker_for(self).apply_async(self, args or (), kwargs or {}, _without_callbacks(options))
+        return _engine_for(self).apply_async(self, args or (), kwargs or {}, _without_callbacks(options))
 
     async def delay_async(self, *args: Any, **kwargs: Any) -> RunHandle:
         """``delay`` for asyncio code (psycopg's async connection; never blocks the loop)."""
-        return await _invoker_for(self).apply_async_async(self, args, kwargs, {})
+        return await _engine_for(self).apply_async_async(self, args, kwargs, {})
 
     async def apply_async_async(self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None,
                                 **options: Any) -> RunHandle:
         """``apply_async`` for asyncio code; ``session=`` takes an ``AsyncSession``."""
-        return await _invoker_for(self).apply_async_async(self, args or (), kwargs or {}, options)
+        return await _engine_for(self).apply_async_async(self, args or (), kwargs or {}, options)
 
     def apply(self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None,
               **options: Any) -> RunHandle:
@@ -142,7 +141,7 @@ class Job:
         if _callbacks(options):
             ran: RunHandle = _canvas_for(self).signature(self, args or (), kwargs or {}, {}, False).apply(**options)
             return ran
-        return _invoker_for(self).apply(self, args or (), kwargs or {}, _without_callbacks(options))
+        return _engine_for(self).apply(self, args or (), kwargs or {}, _without_callbacks(options))
 
     def delay_on_commit(self, *args: Any, **kwargs: Any) -> RunHandle:
         """Celery's Django helper (5.4+): here ``delay``, which inside ``transaction.atomic()``
@@ -198,13 +197,6 @@ def task_name(job_id: str) -> str:
     (``Job.task_name``) when it is defined in this process, else its alias."""
     job = _registry.get(job_id)
     return job.task_name if job is not None else alias_name(job_id)
-
-
-def publish_name(job_id: str) -> str:
-    """The name the engine's messages for ``job_id`` carry: ``task_name``, or the alias with
-    ``MOTIR_PUBLISH_ALIAS=1`` (a rolling cut-over: workers of the code before it have a plain
-    Celery task under the Celery name, and would run it with a run id for its argument)."""
-    return alias_name(job_id) if get_settings().publish_alias else task_name(job_id)
 
 
 def celery_name(fn: Callable[..., Any]) -> str | None:
@@ -284,36 +276,12 @@ class CanvasNotSupported(MotirError, TypeError):
     names which, and what to do instead: docs/jobs.md "Canvas")."""
 
 
-class CanvasMaker(Protocol):
-    """What builds signatures (core/producer/canvas.py), wired in at import by that module."""
-
-    def signature(self, job: Job, args: Sequence[Any], kwargs: Mapping[str, Any], options: Mapping[str, Any],
-                  immutable: bool) -> Any: ...
-
-    def xmap(self, job: Job, items: Iterable[Any]) -> Any: ...
-
-    def xstarmap(self, job: Job, items: Iterable[Sequence[Any]]) -> Any: ...
-
-    def chunks(self, job: Job, items: Iterable[Sequence[Any]], n: int) -> Any: ...
-
-
-_canvas: CanvasMaker | None = None
-
-
-def use_canvas(maker: CanvasMaker) -> None:
-    """Build signatures through ``maker`` (core/producer/canvas.py calls this when imported)."""
-    global _canvas
-    _canvas = maker
-
-
-def _canvas_for(job: Job) -> CanvasMaker:
+def _canvas_for(job: Job) -> Engine:
     if not job.direct:
         trigger = "an event job" if job.events else "a cron job"
         raise CanvasNotSupported(f"job {job.id!r} is {trigger}: only direct jobs (started by .delay(), "
                                  "defined with neither event= nor cron=) take part in a canvas")
-    if _canvas is None:  # only if motir_celery/__init__.py was never imported, which Python does not allow
-        raise JobDefinitionError("the canvas is not wired in: import motir_celery")
-    return _canvas
+    return current()
 
 
 def _callbacks(options: Mapping[str, Any]) -> bool:
@@ -325,38 +293,13 @@ def _without_callbacks(options: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if not (k in ("link", "link_error") and v is None)}
 
 
-class Invoker(Protocol):
-    """What writes a direct run (core/direct.py, core/aio.py), wired in by the package's face."""
-
-    def apply_async(self, job: Job, args: Sequence[Any], kwargs: Mapping[str, Any],
-                    options: dict[str, Any]) -> RunHandle: ...
-
-    async def apply_async_async(self, job: Job, args: Sequence[Any], kwargs: Mapping[str, Any],
-                                options: dict[str, Any]) -> RunHandle: ...
-
-    def apply(self, job: Job, args: Sequence[Any], kwargs: Mapping[str, Any], options: dict[str, Any]) -> RunHandle:
-        """One run written and executed in this process (``Job.apply``)."""
-        ...
-
-
-_invoker: Invoker | None = None
-
-
-def use_invoker(invoker: Invoker) -> None:
-    """Write direct runs through ``invoker`` (``motir_celery/__init__.py`` calls this)."""
-    global _invoker
-    _invoker = invoker
-
-
-def _invoker_for(job: Job) -> Invoker:
+def _engine_for(job: Job) -> Engine:
     if not job.direct:
         trigger = (f"its event {job.events[0]!r} (send_event({job.events[0]!r}, data))" if job.events
                    else f"its cron {job.cron!r} (celery beat)")
         raise JobDefinitionError(f"job {job.id!r} is started by {trigger}, not by .delay() / .apply_async(): "
                                  "only a job defined with neither event= nor cron= is (a direct job)")
-    if _invoker is None:  # only if motir_celery/__init__.py was never imported, which Python does not allow
-        raise JobDefinitionError("direct runs are not wired in: import motir_celery")
-    return _invoker
+    return current()
 
 
 #: define_job options that are the Celery task's own (celery_app registers them,

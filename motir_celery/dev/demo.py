@@ -28,10 +28,9 @@ EXPECTED = {1001: "succeeded", 1002: "succeeded", 1003: "failed"}
 def main() -> int:
     os.environ.setdefault("MOTIR_QUEUE", "motir-demo")
     os.environ["MOTIR_IMPORTS"] = "motir_celery.dev.examples"
-    from motir_celery.settings import get_settings, reset_settings
+    from motir_celery.settings import Settings
 
-    reset_settings()
-    settings = get_settings()
+    settings = Settings.from_env()
     settings.require_database_url()
     if not settings.broker_url:
         print("CELERY_BROKER_URL is not set (run through `make run`, which starts an embedded Redis)", file=sys.stderr)
@@ -40,7 +39,7 @@ def main() -> int:
     from motir_celery.store.migrate import upgrade
 
     print("1. migrating the database to head…")
-    upgrade(settings.migrate_database_url or settings.database_url)
+    upgrade(settings.migrate_database_url or settings.require_database_url())
 
     log = Path(tempfile.gettempdir()) / f"motir-demo-worker-{uuid.uuid4().hex[:6]}.log"
     print(f"2. starting a celery worker (queue {settings.queue!r}, log {log})…")
@@ -134,7 +133,7 @@ def _run(settings: Any) -> int:
     print("4. waiting for the worker to run them…")
     deadline = time.monotonic() + DEADLINE
     while True:
-        with workspace_session("demo-shop") as s:
+        with workspace_session("demo-shop", settings=settings) as s:
             details = {oid: reads.get_run(s, rid) for oid, rid in runs.items()}
         if all(d is not None and d.run.state in ("succeeded", "failed", "cancelled") for d in details.values()):
             break

@@ -45,7 +45,7 @@ from motir_celery.ops.timefmt import (
     parse_duration,
     parse_since,
 )
-from motir_celery.settings import Settings, get_settings
+from motir_celery.settings import Settings
 
 __all__ = ["main"]
 
@@ -125,16 +125,19 @@ class _Group(click.Group):
 
 
 def _settings() -> Settings:
-    return get_settings()
+    """The current engine's settings (``-A``'s app's engine, else the environment's)."""
+    import motir_celery
+
+    return motir_celery.current_engine().settings
 
 
-#: The Celery app given with ``-A`` (attached), or None: the environment's.
-_APP: Any = None
+def _app() -> Any:
+    """The Celery app given with ``-A`` (attached), or None: the environment's."""
+    return click.get_current_context().find_root().meta.get("motir.app")
 
 
-def _use_app(path: str) -> None:
+def _use_app(path: str) -> Any:
     """``-A``: find the app as ``celery -A`` does (the current folder on the path) and host the engine on it."""
-    global _APP
     from celery import Celery
     from celery.app.utils import find_app
 
@@ -146,7 +149,7 @@ def _use_app(path: str) -> None:
         raise click.ClickException(f"-A {path}: cannot load the Celery app: {type(exc).__name__}: {exc}") from None
     if not isinstance(app, Celery):
         raise click.ClickException(f"-A {path}: {type(app).__name__} is not a Celery app")
-    _APP = motir_celery.attach(app)  # publish through it from now on (a no-op if its module attached it)
+    return motir_celery.attach(app)  # publish through it from now on (a no-op if its module attached it)
 
 
 def _load_jobs(settings: Settings) -> None:
@@ -213,10 +216,11 @@ def _uuid_arg(value: str, what: str) -> uuid.UUID:
 @click.option("-A", "--app", "app_path", metavar="APP",
               help="Your Celery app, as `celery -A` takes it (proj, proj.celery:app): commands publish "
                    "through it; doctor checks its broker, queue and workers.")
-def main(app_path: str | None) -> None:
+@click.pass_context
+def main(ctx: click.Context, app_path: str | None) -> None:
     """Operate motir-celery: durable jobs on Celery, with Postgres as the source of truth."""
     if app_path:
-        _use_app(app_path)
+        ctx.meta["motir.app"] = _use_app(app_path)
 
 
 # --- migrate ---------------------------------------------------------------------
@@ -533,9 +537,10 @@ def _rate(value: str) -> float:
 
 
 def _bulk(action: "bulk.Action", actor: str, opts: dict[str, Any], as_json: bool) -> None:
-    from motir_celery.adapter.celery_app import default_app, publisher
+    import motir_celery
 
-    settings = _settings()
+    engine = motir_celery.current_engine()
+    settings = engine.settings
     names = {"job": "--job", "error_text": "--error", "workspace": "--workspace"}
     text_opts = {k: _text_option(opts[k], names[k]) for k in names}
     with _operator_session(settings) as s:
@@ -559,9 +564,8 @@ def _bulk(action: "bulk.Action", actor: str, opts: dict[str, Any], as_json: bool
         _load_jobs(settings)
     caller = dlq_ops.Caller(actor, None, admin=True)
     verb = {"replay": "replayed", "resume": "resumed", "dismiss": "dismissed"}[action]
-    result = bulk.bulk_dlq(action, flt, caller=caller, dry_run=opts["dry_run"], rate=rate, limit=opts["limit"],
-                           publish=None if opts["dry_run"] or action == "dismiss" else publisher(default_app()),
-                           settings=settings)
+    result = bulk.bulk_dlq(engine, action, flt, caller=caller, dry_run=opts["dry_run"], rate=rate,
+                           limit=opts["limit"])
     if as_json:
         _print_json(result)
         return
@@ -669,13 +673,14 @@ def dlq_dismiss(dlq_id: str | None, actor: str, as_json: bool, **opts: Any) -> N
     """Close an entry without replaying it; purge may then delete it.
 
     Without DLQ_ID: every open entry matching the filters."""
+    import motir_celery
     from motir_celery.core.operator.dlq import dismiss_dlq
 
     actor = _actor(actor)
     if dlq_id is None:
         return _bulk("dismiss", actor, opts, as_json)
     did = _uuid_arg(_single_only(dlq_id, opts), "DLQ entry")
-    if dismiss_dlq(did, actor=actor):
+    if dismiss_dlq(motir_celery.current_engine(), did, actor=actor):
         click.echo(f"dismissed by {actor}")
     else:
         raise click.ClickException(f"DLQ entry {did} does not exist or is already replayed, resumed or dismissed")
@@ -842,7 +847,7 @@ def doctor(timeout: float, max_wait: str, strict: bool, statements: bool, as_jso
     settings = _settings()
     _load_jobs(settings)
     checks = []
-    for check in run_checks(settings, timeout=timeout, max_wait=wait, app=_APP):
+    for check in run_checks(settings, timeout=timeout, max_wait=wait, app=_app()):
         checks.append(check)
         if not as_json:  # each line as soon as it is known: a slow broker shows where it hangs
             colour = {"OK": "green", "FAIL": "red", "WARN": "yellow"}[check.status]

@@ -53,7 +53,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.pool import NullPool
 
 from motir_celery.core.jobs import Job, all_jobs
-from motir_celery.settings import Settings, get_settings
+from motir_celery.settings import Settings
 from motir_celery.store import pooler
 from motir_celery.store.db import set_workspace_context
 from motir_celery.store.models import Base
@@ -107,12 +107,11 @@ def _where(url: str) -> str:
     return f"{u.host or 'local socket'}:{u.port or 5432}/{u.database} as {u.username or '(default user)'}"
 
 
-def run_checks(settings: Settings | None = None, *, timeout: float = 3.0, max_wait: float = 300.0,
+def run_checks(settings: Settings, *, timeout: float = 3.0, max_wait: float = 300.0,
                app: Any = None) -> Iterator[Check]:
     """Yield each check as it completes. ``max_wait``: the oldest due run may wait this long.
     ``app``: the Celery app to check (``motir -A proj doctor``): its broker, default queue and
     workers instead of the environment's."""
-    settings = settings or get_settings()
     if app is not None:
         settings = dataclasses.replace(settings, broker_url=app.conf.broker_write_url or app.conf.broker_url,
                                        queue=app.conf.task_default_queue or settings.queue)
@@ -180,7 +179,7 @@ def _migrations(engine: Engine, settings: Settings) -> Check:
     from motir_celery.store.migrate import alembic_config
 
     try:
-        heads = set(ScriptDirectory.from_config(alembic_config(settings.database_url)).get_heads())
+        heads = set(ScriptDirectory.from_config(alembic_config(settings.require_database_url())).get_heads())
         with engine.connect() as conn:
             current = set(MigrationContext.configure(conn).get_current_heads())
     except Exception as exc:  # noqa: BLE001
@@ -371,9 +370,9 @@ def _unconsumed(waiting: dict[str, int], consuming: dict[str, set[str]], default
 
 
 def _workers(settings: Settings, timeout: float, given: Any = None, waiting: dict[str, int] | None = None) -> Check:
-    from motir_celery.adapter.celery_app import create_app
+    from motir_celery.adapter.celery_app import control_app
 
-    app = given if given is not None else create_app(settings)
+    app = given if given is not None else control_app(settings)
     try:
         # A ping reaches every worker on the broker, other apps' too: only those that
         # consume this engine's queue count, and only their task registries.

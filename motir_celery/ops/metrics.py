@@ -53,11 +53,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from motir_celery.adapter.celery_app import create_app
 from motir_celery.core.jobs import all_jobs
 from motir_celery.ops import insights
-from motir_celery.settings import Settings, get_settings
-from motir_celery.store import schema
+from motir_celery.settings import Settings
 from motir_celery.store.db import workspace_session
 from motir_celery.store.models import RUN_STATES
 from motir_celery.store.records import DURATION_BOUNDS_MS
@@ -80,7 +78,7 @@ class ConsumerProbe:
     does not answer costs a scrape at most ``wait`` seconds, and the last answer
     (or ``None``, never answered) stands in the meantime."""
 
-    def __init__(self, settings: Settings | None = None, *, ttl: float = 5.0, timeout: float = 1.0,
+    def __init__(self, settings: Settings, *, ttl: float = 5.0, timeout: float = 1.0,
                  wait: float = 1.5, ask: Callable[[], Consumers] | None = None) -> None:
         self.settings = settings
         self.ttl, self.timeout, self.wait = ttl, timeout, wait
@@ -93,7 +91,9 @@ class ConsumerProbe:
 
     def _active_queues(self) -> Consumers:
         if self._app is None:
-            self._app = create_app(self.settings or get_settings())
+            from motir_celery.adapter.celery_app import control_app  # only where a broker is
+
+            self._app = control_app(self.settings)
         replies = self._app.control.inspect(timeout=self.timeout).active_queues() or {}
         return {worker: {q["name"] for q in queues} for worker, queues in replies.items()}
 
@@ -121,18 +121,18 @@ class ConsumerProbe:
 
     def queues(self) -> list[str]:
         """This engine's queues: its default one and every job's own (``define_job(queue=...)``)."""
-        settings = self.settings or get_settings()
+        settings = self.settings
         return sorted({settings.queue, *(str(j.options["queue"]) for j in all_jobs() if j.options.get("queue"))})
 
 
 class MotirCollector(Collector):
-    def __init__(self, *, window: float = 300.0, settings: Settings | None = None,
+    def __init__(self, *, settings: Settings, window: float = 300.0,
                  probe: ConsumerProbe | None = None, by_workspace: bool = False) -> None:
         self.window = window
         self.settings = settings
         #: Label the rollup's counters with the workspace too (MOTIR_METRICS_BY_WORKSPACE=1).
         self.by_workspace = by_workspace
-        has_broker = bool((settings or get_settings()).broker_url)
+        has_broker = bool(settings.broker_url)
         self.probe = probe if probe is not None else (ConsumerProbe(settings) if has_broker else None)
 
     def describe(self) -> list[Metric]:
@@ -188,7 +188,7 @@ class MotirCollector(Collector):
             runs_recent = sql.runs_recent(conn, window=self.window, quantiles=QUANTILES)
             attempts_recent = sql.attempts_recent(conn, window=self.window)
             steps_recent = sql.steps_recent(conn, window=self.window, quantiles=QUANTILES)
-            totals = insights.totals(session, by_workspace=self.by_workspace) if _has_rollup(conn) else []
+            totals = insights.totals(session, by_workspace=self.by_workspace)
 
         jobs = sorted({r["job_id"] for r in depth})
         runs = GaugeMetricFamily("motir_runs", "Runs by job and state (rows in job_queue)", labels=["job", "state"])
@@ -300,13 +300,9 @@ class MotirCollector(Collector):
         yield duration
 
 
-def build_registry(*, window: float = 300.0, settings: Settings | None = None,
+def build_registry(*, settings: Settings, window: float = 300.0,
                    by_workspace: bool = False) -> CollectorRegistry:
     """A registry of its own (not the global one): two dashboards in one process never collide."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(MotirCollector(window=window, settings=settings, by_workspace=by_workspace))
     return registry
-
-
-def _has_rollup(conn: Any) -> bool:
-    return schema.features(conn).flow_control  # before migration 0012 there is no rollup to read

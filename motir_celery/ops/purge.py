@@ -46,8 +46,7 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import IntegrityError
 
 from motir_celery.ops.timefmt import MAX_DURATION
-from motir_celery.settings import Settings, get_settings
-from motir_celery.store import schema
+from motir_celery.settings import Settings
 from motir_celery.store.db import get_engine
 from motir_celery.store.sql import maintenance
 
@@ -100,7 +99,7 @@ def purge(
         raise ValueError("older_than must be at most 100 years")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= 100_000:
         raise ValueError(f"batch_size must be a whole number from 1 to 100000, got {batch_size!r}")
-    engine = get_engine(settings=settings or get_settings())
+    engine = get_engine(settings or Settings.from_env())
     report = PurgeReport(older_than_seconds=age, dry_run=dry_run)
 
     if dry_run:
@@ -133,11 +132,8 @@ def purge(
             if n < batch_size:
                 return
 
-    with engine.connect() as conn:
-        fold = schema.features(conn).flow_control  # before 0012 there is no rollup to fold into
-
     def runs(conn: Connection) -> int:
-        row = maintenance.purge_runs(conn, age=age, batch=batch_size, fold=fold)
+        row = maintenance.purge_runs(conn, age=age, batch=batch_size)
         report.runs += row["runs"]
         report.steps += row["steps"]
         report.attempts += row["attempts"]
@@ -151,7 +147,7 @@ def purge(
         return n
 
     def events(conn: Connection) -> int:
-        n = maintenance.purge_events(conn, age=age, batch=batch_size, batches=fold)
+        n = maintenance.purge_events(conn, age=age, batch=batch_size)
         report.events += n
         return n
 

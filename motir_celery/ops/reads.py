@@ -32,7 +32,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from motir_celery.core.producer.canvas import outline as canvas_outline
-from motir_celery.core.worker.canvas import CANVAS_JOB_ID
+from motir_celery.core.shapes import CANVAS_JOB_ID
 from motir_celery.store.models import RUN_STATES
 from motir_celery.store.sql import producer
 from motir_celery.store.sql import reads as sql

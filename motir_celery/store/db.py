@@ -2,7 +2,7 @@
 
 Two ways in:
 
-* ``get_pool()`` / ``engine_connection()`` — the engine role: dispatcher, claim, step
+* ``get_pool(settings)`` / ``engine_connection(settings)`` — the engine role: dispatcher, claim, step
   writes, settle, sweeper. It may see every tenant's rows (a policy of its own, see
   ``models.py``), because a worker must claim whatever run its message names. Its
   connections are psycopg's in a pool of ours (``store/pg.py``): a worker imports no
@@ -10,7 +10,7 @@ Two ways in:
 * ``workspace_session(workspace_id, admin=...)`` — the app role with row-level
   security enforced (``motir_admin``, a member of it, for admin reads). CLI
   reads, the dashboard and user code go through it: a SQLAlchemy ``Session`` over
-  ``get_engine()``.
+  ``get_engine(settings)``.
 
 The workspace context is set with ``set_config(..., true)``: transaction-local,
 so it cannot leak to the next borrower of a pooled connection.
@@ -21,7 +21,8 @@ and every write goes through the engine URL, the primary. ``primary_wal_lsn`` is
 primary's WAL position after such a write, for a reader that waits to see it.
 
 Pools and engines are created lazily per process and per URL (``forks.per_process``),
-so a prefork child never shares a socket with its parent.
+so a prefork child never shares a socket with its parent. Every function is handed the
+settings it works with (the engine's, ``core/engine.py``): none reads the environment.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
 from motir_celery.errors import ConfigurationError, WorkspaceError
 from motir_celery.forks import per_process
-from motir_celery.settings import Settings, get_settings
+from motir_celery.settings import Settings
 from motir_celery.store import pooler
 from motir_celery.store.pg import Pool, PooledConnection
 from motir_celery.store.rls import ADMIN_ROLE
@@ -52,7 +53,6 @@ __all__ = [
     "set_workspace_context",
     "dispose_engines",
     "side_engine",
-    "size_pool_for",
     "validate_workspace_id",
     "caller_workspace",
     "in_workspace",
@@ -86,13 +86,14 @@ class _Engines:
 _engines = per_process(_Engines)
 
 
-def get_pool(url: str | None = None, *, settings: Settings | None = None) -> Pool:
-    """The engine role's connections to ``url`` (the engine URL): psycopg, no SQLAlchemy."""
-    settings = settings or get_settings()
+def get_pool(settings: Settings, url: str | None = None, *, runs: int = 1) -> Pool:
+    """The engine role's connections to ``url`` (the engine URL): psycopg, no SQLAlchemy. ``runs``:
+    how many runs this process runs at once (Celery's threads pool: its concurrency), when the
+    pool is made."""
     url = url or settings.require_database_url()
 
     def make() -> Pool:
-        size = max(settings.pool_size, _runs_per_process)
+        size = max(settings.pool_size, runs)
         # A run holds one connection while it runs (and briefly a second for a wait's transaction
         # or a step's send_event): `size` covers one per concurrent run of this process, the
         # overflow the rest. No ping on checkout: a socket a database restart left dead fails its
@@ -108,10 +109,9 @@ def get_pool(url: str | None = None, *, settings: Settings | None = None) -> Poo
     return engines.once(engines.pools, url, make)
 
 
-def get_engine(url: str | None = None, *, settings: Settings | None = None) -> Engine:
+def get_engine(settings: Settings, url: str | None = None) -> Engine:
     """A SQLAlchemy engine for ``url`` (the engine URL by default): for ORM sessions (the
     RLS-enforced reads) and operator tools. The engine's own statements use ``get_pool``."""
-    settings = settings or get_settings()
     url = url or settings.require_database_url()
 
     def make() -> Engine:
@@ -119,7 +119,7 @@ def get_engine(url: str | None = None, *, settings: Settings | None = None) -> E
         # worker never opens one (store/pg.py).
         from sqlalchemy import create_engine
 
-        size = max(settings.pool_size, _runs_per_process)
+        size = settings.pool_size
         engine = create_engine(url, pool_size=size, max_overflow=size, connect_args=_connect_args(settings))
         pooler.install(engine, settings)  # behind a transaction pooler: nothing prepared
         return engine
@@ -136,21 +136,10 @@ def _connect_args(settings: Settings) -> dict[str, Any]:
     return args
 
 
-#: Concurrent runs in one process (Celery's threads pool: its concurrency), set by the adapter.
-_runs_per_process = 1
-
-
-def size_pool_for(runs: int) -> None:
-    """This process runs up to ``runs`` runs at once: size pools made from now on for them."""
-    global _runs_per_process
-    _runs_per_process = max(1, runs)
-
-
-def side_engine(settings: Settings | None = None) -> Pool:
+def side_engine(settings: Settings) -> Pool:
     """The pool of the worker's side duties (heartbeats, sweeps): one connection of its own
     per process, so a busy run pool cannot starve them. Pinged before each use (a round trip
     once a second at most: the cost is nothing)."""
-    settings = settings or get_settings()
     url = settings.require_database_url()
 
     def make() -> Pool:
@@ -175,9 +164,9 @@ def dispose_engines() -> None:
 
 
 @contextmanager
-def engine_connection(settings: Settings | None = None) -> Iterator[PooledConnection]:
+def engine_connection(settings: Settings) -> Iterator[PooledConnection]:
     """A connection in a transaction that commits on success, as the engine role."""
-    with get_pool(settings=settings).begin() as conn:
+    with get_pool(settings).begin() as conn:
         yield conn
 
 
@@ -255,7 +244,7 @@ def reader_login(settings: Settings, *, admin: bool) -> tuple[str, str | None]:
     return settings.require_database_url(), settings.app_role
 
 
-def primary_wal_lsn(settings: Settings | None = None) -> str:
+def primary_wal_lsn(settings: Settings) -> str:
     """The engine's server's current WAL write position: every transaction committed
     before the call is before it (``reads.replayed`` tells when a standby shows it)."""
     with engine_connection(settings) as conn:
@@ -264,7 +253,7 @@ def primary_wal_lsn(settings: Settings | None = None) -> str:
 
 @contextmanager
 def workspace_session(
-    workspace_id: str | None, *, admin: bool = False, settings: Settings | None = None
+    workspace_id: str | None, *, settings: Settings, admin: bool = False
 ) -> Iterator[Session]:
     """A Session under the app role, scoped to ``workspace_id``; commits on success.
 
@@ -274,9 +263,8 @@ def workspace_session(
     (``reader_login``), since the policies ignore ``motir.system_admin`` for
     anyone else. Without it, ``workspace_id=None`` sees nothing.
     """
-    settings = settings or get_settings()
     url, role = reader_login(settings, admin=admin)
-    engine = get_engine(url, settings=settings)
+    engine = get_engine(settings, url)
     # Imported here, not with the module: the ORM is ~6 MB of every worker process's memory,
     # and no worker path opens a Session (docs/performance.md, "The ORM out of the worker's memory").
     from sqlalchemy.orm import Session

@@ -32,7 +32,6 @@ import psycopg
 from psycopg import pq
 from psycopg.adapt import Transformer
 
-from motir_celery.settings import get_settings
 from motir_celery.store import pooler
 from motir_celery.store.pg import ConnectionLost, PooledConnection
 
@@ -82,9 +81,11 @@ def rows(conn: Conn, statement: Statement, params: dict[str, Any]) -> list[dict[
         assert not isinstance(conn, PooledConnection)
         result = conn.exec_driver_sql(statement.sql, params)
         return [dict(r) for r in result.mappings()] if result.returns_rows else []
-    # A connection made with prepare_threshold=None prepares nothing, whatever this process's
-    # settings say: MOTIR_PREPARED_STATEMENTS=0 (db.py) and doctor's one-shot connections.
-    prepare = statement.prepare and get_settings().prepared_statements and raw.prepare_threshold is not None
+    # A connection made with prepare_threshold=None prepares nothing: MOTIR_PREPARED_STATEMENTS=0
+    # (db.py) and doctor's one-shot connections; nor does one lent by its owner (Django's, whose
+    # preparing is its own: a BorrowedConnection has no pool).
+    borrowed = isinstance(conn, PooledConnection) and conn.engine is None
+    prepare = statement.prepare and not borrowed and raw.prepare_threshold is not None
     if prepare and pooler.found(conn.engine):  # a connection made before the pooler was found
         pooler.unprepared(raw)
         prepare = False

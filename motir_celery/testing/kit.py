@@ -18,9 +18,11 @@ statement for statement:
   are untouched: there is no clock of the kit's on the hot path. Cron slots are the one
   clock reading the kit keeps itself (``tick()``).
 
-Crashes are injected by wrapping ``StepRun.run`` / ``StepRun.record`` for the fixture's
-lifetime (``install`` / ``uninstall``), never by a hook in the engine; for that time the
-messages the code under test publishes are held in ``published``, not sent to a broker.
+The kit is an engine of its own (``core/engine.py``) over the test's database, made current
+for the fixture's lifetime (``install`` / ``uninstall``): ``job.delay()`` and ``send_event``
+write through it, and the messages they publish are held in ``published``, not sent to a
+broker. Crashes are injected through that engine's ``faults`` (the step boundaries every
+attempt passes), never by patching a class.
 """
 
 from __future__ import annotations
@@ -29,24 +31,21 @@ import os
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-from sqlalchemy import Engine
+from sqlalchemy import Engine as SqlEngine
 
-from motir_celery.adapter import celery_app, routing
+from motir_celery.core.current import make_current
+from motir_celery.core.engine import Engine
 from motir_celery.core.jobs import Job, all_jobs, get_job
-from motir_celery.core.producer import events
-from motir_celery.core.producer.direct import apply_async
 from motir_celery.core.producer.events import SendResult
 from motir_celery.core.producer.results import ResultTimeout, RunHandle
 from motir_celery.core.publish import Publish
 from motir_celery.core.schedule import latest_slot
 from motir_celery.core.worker.inline import Inline
-from motir_celery.core.worker.runner import Outcome, execute
-from motir_celery.core.worker.steps import StepRun
-from motir_celery.core.worker.sweeper import sweep
-from motir_celery.settings import Settings, get_settings
-from motir_celery.store.db import get_engine
+from motir_celery.core.worker.runner import Outcome
+from motir_celery.core.worker.steps import Step
+from motir_celery.settings import Settings
 from motir_celery.store.records import Queued
 from motir_celery.store.sql import producer as producer_sql
 from motir_celery.store.sql import testing as testing_sql
@@ -80,11 +79,45 @@ class _Crash:
     after: bool  # after the record commits; else before the body starts
 
 
+class _Held:
+    """The kit engine's host: each message is held in ``Motir.published`` — or, when the app the
+    code under test would have published through is in Celery's eager mode, its run is executed
+    here at once (``Inline``). While the kit drains, messages are dropped: ``drain`` finds the
+    due runs in the database itself."""
+
+    def __init__(self, kit: Motir) -> None:
+        self.kit = kit
+        self.inline: Inline | None = None
+
+    @property
+    def eager(self) -> bool:
+        before = self.kit.before
+        host = before.built_host if before is not None else None
+        return host is not None and host.eager and not self.kit.draining
+
+    def publish(self, run_id: uuid.UUID, job_id: str, countdown: float = 0.0) -> None:
+        if self.kit.draining:
+            return
+        if self.eager:
+            if self.inline is None:
+                self.inline = Inline(self.kit.engine)
+            self.inline.publish(run_id, job_id, countdown)
+            return
+        self.kit.published.append((run_id, job_id, countdown))
+
+    def publish_many(self, runs: Sequence[tuple[uuid.UUID, str]]) -> None:
+        for run_id, job_id in runs:
+            self.publish(run_id, job_id)
+
+    def routed(self, queue: str | None, priority: int | None) -> Publish:
+        return self.publish
+
+
 @dataclass
 class Motir:
     """The test kit over one migrated database (the ``motir`` fixture)."""
 
-    settings: Settings = field(default_factory=get_settings)
+    settings: Settings
     #: Seconds skipped so far (the cron clock: database now() plus this).
     skipped: float = 0.0
     #: What every executed attempt came to, in order: (run id, outcome).
@@ -92,12 +125,21 @@ class Motir:
     #: The messages the code under test published, (run id, job id, countdown): the kit
     #: holds them instead of a broker (``drain`` finds due runs in the database itself).
     published: list[tuple[uuid.UUID, str, float]] = field(default_factory=list)
+    #: The engine current before ``install`` (its app says whether Celery's eager mode is on).
+    before: Engine | None = None
+    #: True while ``drain`` runs runs.
+    draining: bool = False
     _crashes: list[_Crash] = field(default_factory=list)
-    _restore: list[Callable[[], None]] = field(default_factory=list)
+    _installed: bool = False
+
+    def __post_init__(self) -> None:
+        #: The kit's engine: this test's database, messages held, crashes injected (``install``).
+        self.engine = Engine(self.settings, host=_Held(self), faults=self)
 
     @property
-    def engine(self) -> Engine:
-        return get_engine(settings=self.settings)
+    def sql(self) -> SqlEngine:
+        """A SQLAlchemy engine on the kit's database, for a test's own reads."""
+        return self.engine.sql_engine()
 
     # --- starting runs ------------------------------------------------------------
 
@@ -109,12 +151,12 @@ class Motir:
                     **options: Any) -> Handle:
         """``job.apply_async(args, kwargs, **options)``: countdown=, eta=, task_id=, workspace_id=…"""
         job = get_job(job) if isinstance(job, str) else job
-        handle = apply_async(job, args, kwargs or {}, options, settings=self.settings)
+        handle = self.engine.apply_async(job, args, kwargs or {}, options)
         return self._handle(handle.id, job.id, handle.workspace_id, handle.deduplicated)
 
     def send_event(self, name: str, data: Any, **options: Any) -> SendResult:
         """``send_event(name, data, …)``; its runs' handles are ``result.results`` (and ``motir.handles``)."""
-        return events.send_event(name, data, settings=self.settings, **options)
+        return self.engine.send_event(name, data, **options)
 
     def handles(self, result: SendResult) -> list[Handle]:
         """A never-waiting handle per run an event created."""
@@ -123,7 +165,7 @@ class Motir:
     def tick(self, *jobs: Job | str) -> list[uuid.UUID]:
         """The beat's pass on the kit's clock: the latest slot of each cron job (of ``jobs``, when
         given; else of every cron job this process defines), once; the runs made now."""
-        with self.engine.begin() as conn:
+        with self.sql.begin() as conn:
             now = producer_sql.db_now(conn) + timedelta(seconds=self.skipped)
         made = []
         for job in [get_job(j) if isinstance(j, str) else j for j in jobs] or all_jobs():
@@ -140,25 +182,28 @@ class Motir:
         """Run every due run to its settle (or its crash), sweep, again, until nothing is due.
         ``limit`` bounds the attempts of one drain (``DrainError`` beyond it)."""
         done: list[tuple[uuid.UUID, Outcome]] = []
-        while True:
-            sweep(None, settings=self.settings)  # leases a crash left, runs whose message "went missing"
-            with self.engine.begin() as conn:
-                due = testing_sql.due_runs(conn, limit=limit)
-            if not due:
-                break
-            for run_id, job_id in due:
-                if len(done) >= limit:
-                    raise DrainError(f"drain ran {limit} attempts and runs are still due: {due[:5]}")
-                done.append((run_id, self._attempt(run_id, job_id)))
+        self.draining = True
+        try:
+            while True:
+                self.engine.sweep()  # leases a crash left, runs whose message "went missing"
+                with self.sql.begin() as conn:
+                    due = testing_sql.due_runs(conn, limit=limit)
+                if not due:
+                    break
+                for run_id, job_id in due:
+                    if len(done) >= limit:
+                        raise DrainError(f"drain ran {limit} attempts and runs are still due: {due[:5]}")
+                    done.append((run_id, self._attempt(run_id, job_id)))
+        finally:
+            self.draining = False
         self.outcomes += done
         return done
 
     def _attempt(self, run_id: uuid.UUID, job_id: str) -> Outcome:
         try:
-            return execute(run_id, job_id=job_id, worker=f"motir.testing/{os.getpid()}", publish=None,
-                           settings=self.settings)
+            return self.engine.execute(run_id, job_id=job_id, worker=f"motir.testing/{os.getpid()}")
         except WorkerCrash as crash:
-            with self.engine.begin() as conn:
+            with self.sql.begin() as conn:
                 testing_sql.expire_lease(conn, run_id)  # the dead worker's lease, run out at once
             return Outcome(str(run_id), "crashed", str(crash))
 
@@ -168,7 +213,7 @@ class Motir:
         total = seconds + 60 * minutes + 3600 * hours + 86400 * days
         if total < 0:
             raise ValueError("time only moves forward")
-        with self.engine.begin() as conn:
+        with self.sql.begin() as conn:
             testing_sql.advance(conn, total)
         self.skipped += total
 
@@ -190,59 +235,36 @@ class Motir:
                 return crash
         return None
 
+    # --- the engine's faults (core/engine.py ``Faults``) ------------------------------
+
+    def before_body(self, step: Step, key: str) -> None:
+        if self._take(key, after=False) is not None:
+            raise WorkerCrash(f"crash_before({key!r}) in run {step.run_id}")
+
+    def after_record(self, step: Step, key: str) -> None:
+        if self._take(key, after=True) is not None:
+            raise WorkerCrash(f"crash_after({key!r}) in run {step.run_id}")
+
     def install(self) -> None:
-        """Wrap the step boundaries for ``crash_after`` / ``crash_before``, and hold the messages
-        the code under test publishes instead of sending them to a broker (the fixture calls it).
-        An app in Celery's eager mode keeps running its runs at once (``Inline``)."""
-        kit = self
-        run, record = StepRun.run, StepRun.record
-        publisher, publisher_for = celery_app.publisher, routing.publisher_for
-
-        def hold(run_id: uuid.UUID, job_id: str, countdown: float = 0.0) -> None:
-            kit.published.append((run_id, job_id, countdown))
-
-        def kit_publisher(app: Any) -> Publish:
-            return Inline(settings=kit.settings) if app.conf.task_always_eager else hold
-
-        def kit_publisher_for(app: Any, queue: str | None = None, priority: int | None = None) -> Publish:
-            return kit_publisher(app)
-
-        def run_wrapped(step: StepRun, step_id: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-            crash = kit._take(step_id, after=False) if isinstance(step_id, str) else None
-            if crash is not None:
-                def dies(*_: Any, **__: Any) -> Any:
-                    raise WorkerCrash(f"crash_before({step_id!r}) in run {step.run_id}")
-                return run(step, step_id, dies, *args, **kwargs)
-            return run(step, step_id, fn, *args, **kwargs)
-
-        def record_wrapped(step: StepRun, key: str, encoded: str, elapsed: float) -> Any:
-            stored = record(step, key, encoded, elapsed)
-            if kit._take(key, after=True) is not None:
-                raise WorkerCrash(f"crash_after({key!r}) in run {step.run_id}")
-            return stored
-
-        setattr(StepRun, "run", run_wrapped)
-        setattr(StepRun, "record", record_wrapped)
-        setattr(celery_app, "publisher", kit_publisher)
-        setattr(routing, "publisher_for", kit_publisher_for)
-
-        def restore() -> None:
-            setattr(StepRun, "run", run)
-            setattr(StepRun, "record", record)
-            setattr(celery_app, "publisher", publisher)
-            setattr(routing, "publisher_for", publisher_for)
-
-        self._restore.append(restore)
+        """Make the kit's engine current: the code under test writes through it, its messages are
+        held, its attempts crash where asked (the fixture calls it). An app in Celery's eager mode
+        keeps running its runs at once (``Inline``)."""
+        if not self._installed:
+            self._installed = True
+            self.before = make_current(self.engine)
+            if self.before is not None and self.before.transactions is not None:
+                self.engine.join_transactions(self.before.transactions)  # Django's atomic(), joined as before
 
     def uninstall(self) -> None:
-        while self._restore:
-            self._restore.pop()()
+        if self._installed:
+            self._installed = False
+            make_current(self.before)
 
     # --- reading what happened -----------------------------------------------------------
 
     def steps(self, handle: RunHandle) -> list[str]:
         """The run's stored steps, in the order they were stored (a wait's own window left out)."""
-        with self.engine.connect() as conn:
+        with self.sql.connect() as conn:
             found = testing_sql.steps_of(conn, _run_id(handle))
         return [s["step_id"] for s in found if not s["step_id"].endswith(":wait")]
 
@@ -260,19 +282,19 @@ class Motir:
 
     def dlq(self) -> list[dict[str, Any]]:
         """Every DLQ entry, oldest first (``job_id``, ``failure``, ``attempts``, …)."""
-        with self.engine.connect() as conn:
+        with self.sql.connect() as conn:
             return testing_sql.dlq_entries(conn)
 
     def reset(self) -> None:
         """Empty the tables (the fixture does this before every test)."""
-        with self.engine.begin() as conn:
+        with self.sql.begin() as conn:
             testing_sql.empty_tables(conn)
         self.skipped, self.outcomes, self._crashes = 0.0, [], []
 
     # --- helpers --------------------------------------------------------------------------
 
     def _run(self, handle: RunHandle) -> dict[str, Any]:
-        with self.engine.connect() as conn:
+        with self.sql.connect() as conn:
             row = testing_sql.run_of(conn, _run_id(handle))
         if row is None:
             raise LookupError(f"no run {handle.id}")
@@ -280,11 +302,11 @@ class Motir:
 
     def _handle(self, run_id: uuid.UUID | None, job_id: str, workspace_id: str | None,
                 deduplicated: bool = False) -> Handle:
-        return Handle(run_id, job_id, deduplicated=deduplicated, workspace_id=workspace_id, settings=self.settings)
+        return Handle(run_id, job_id, deduplicated=deduplicated, workspace_id=workspace_id, engine=self.engine)
 
     def _enqueue_slot(self, job: Job, slot: datetime) -> list[uuid.UUID]:
         spec = job.spec({"scheduled_for": slot.isoformat()}, None)
-        with self.engine.begin() as conn:
+        with self.sql.begin() as conn:
             made = producer_sql.enqueue_scheduled(conn, job.id, slot, max_attempts=spec.max_attempts,
                                                   policy=spec.policy, priority=spec.priority,
                                                   concurrency_key=spec.concurrency_key)

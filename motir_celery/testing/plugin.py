@@ -5,7 +5,7 @@
   ``make test`` uses (the ``embedded`` extra; started if it is not running) — migrated
   from empty and dropped at the end. Each pytest-xdist worker is a session of its own,
   so it gets a database of its own. The variable then names that database for the
-  session, so the code under test (and ``get_settings()``) uses it.
+  session, so the code under test (and any engine built from the environment) uses it.
 * ``motir`` (function): a ``Motir`` kit over it, from empty tables, crash injection
   installed (``kit.py``).
 
@@ -24,7 +24,6 @@ from sqlalchemy import create_engine, make_url
 from sqlalchemy.pool import NullPool
 
 from motir_celery import settings as motir_settings
-from motir_celery.store import schema
 from motir_celery.store.db import dispose_engines
 from motir_celery.store.migrate import upgrade
 from motir_celery.store.sql import setup as setup_sql
@@ -72,7 +71,6 @@ def motir_database_url() -> Iterator[str]:
         else:
             os.environ["MOTIR_DATABASE_URL"] = before
         motir_settings.reset_settings()
-        schema.forget()
         with owner.connect() as conn:
             setup_sql.drop_database(conn, name)
         owner.dispose()
@@ -82,7 +80,7 @@ def motir_database_url() -> Iterator[str]:
 def motir(motir_database_url: str) -> Iterator[Motir]:
     """Jobs run in this process against the session's database: run, send_event, drain,
     crash_after / crash_before, advance, steps, attempts, dlq (docs/testing.md)."""
-    kit = Motir(settings=motir_settings.get_settings())
+    kit = Motir(settings=motir_settings.Settings.from_env())
     kit.reset()
     kit.install()
     try:

@@ -1,4 +1,4 @@
-"""The Django app: settings, the transaction hook, the job modules, the checks — in ``ready()``."""
+"""The Django app: settings, Django's transactions joined, the job modules, the checks — in ``ready()``."""
 
 from __future__ import annotations
 
@@ -16,10 +16,12 @@ class MotirConfig(AppConfig):
         from django.core import checks
 
         from motir_celery.contrib.django import conf, db
-        from motir_celery.core.producer import events
+        from motir_celery.core.current import current
 
         conf.apply()
-        events.join_transactions(db.join)
+        # The engine the project's Celery app hosts (attach() in its celery.py, imported before the
+        # apps are ready), else the default: its writes inside atomic() go on Django's connection.
+        current().join_transactions(db.join)
         # Every model is loaded before any ready(), so job modules may import them; the web
         # process needs the registry too (send_event fans out to the jobs it knows).
         conf.import_jobs()

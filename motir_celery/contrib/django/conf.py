@@ -21,8 +21,9 @@ import os
 from typing import Any
 from urllib.parse import parse_qs, quote, urlencode, urlsplit
 
+from motir_celery.core.current import current
 from motir_celery.errors import ConfigurationError
-from motir_celery.settings import get_settings, reset_settings
+from motir_celery.settings import reset_settings
 
 __all__ = ["apply", "alias", "database_url_of", "import_jobs", "check_database"]
 
@@ -97,7 +98,7 @@ def import_jobs() -> None:
     from celery.utils.imports import import_from_cwd
 
     import_from_cwd("motir_celery.core.system_jobs")
-    for module in get_settings().imports:
+    for module in current().settings.imports:
         import_from_cwd(module)
 
 
@@ -114,7 +115,7 @@ def check_database(app_configs: Any = None, **kwargs: Any) -> list[Any]:
     from django.core.checks import Warning
 
     try:
-        motir = get_settings().require_database_url()
+        motir = current().settings.require_database_url()
         django = database_url_of(alias())
     except ConfigurationError as exc:
         return [Warning(str(exc), id="motir.W002")]

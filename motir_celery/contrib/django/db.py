@@ -13,7 +13,8 @@ nothing is prepared server-side there whatever ``MOTIR_PREPARED_STATEMENTS`` say
 behind PgBouncer, as Django's own default is), and ``jsonb`` comes back as text
 (Django's loader). The write path reads neither.
 
-``join`` is the hook ``core/events.join_transactions`` is given (apps.py):
+``join`` is what the engine is given to join Django's transactions (``Engine.join_transactions``,
+in apps.py):
 
 * inside ``transaction.atomic()`` (on ``MOTIR_DATABASE_ALIAS``): the rows go on
   Django's connection, in an ``atomic(savepoint=False)`` block (no extra round
@@ -33,7 +34,7 @@ from typing import Callable, ContextManager, Iterator
 
 from motir_celery.contrib.django import conf
 from motir_celery.contrib.django.middleware import request_workspace
-from motir_celery.core.producer.events import Joined
+from motir_celery.core.engine import Joined
 from motir_celery.errors import ConfigurationError
 from motir_celery.store.db import set_workspace_context
 from motir_celery.store.pg import BorrowedConnection
@@ -51,7 +52,7 @@ def connection_for(db_alias: str | None = None) -> BorrowedConnection:
 
 
 def join(workspace_id: str | None) -> ContextManager[Joined] | None:
-    """``core/events``' hook: Django's transaction when one is open, else None (see the module doc)."""
+    """The transaction a motir write joins: Django's when one is open, else None (see the module doc)."""
     from django.db import connections
 
     db_alias = conf.alias()

@@ -25,14 +25,14 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from motir_celery.core.operator.dlq import Caller, check_actor, dismiss_dlq, replay_dlq
 from motir_celery.core.operator.resume import resume_dlq
-from motir_celery.core.publish import Publish
-from motir_celery.settings import Settings
-from motir_celery.store.db import workspace_session
 from motir_celery.store.sql import operator as operator_sql
+
+if TYPE_CHECKING:
+    from motir_celery.core.engine import Engine
 
 __all__ = ["DlqFilter", "BulkResult", "bulk_dlq", "ACTIONS", "DEFAULT_RATE", "DEFAULT_LIMIT"]
 
@@ -79,18 +79,16 @@ def _like(value: str) -> str:
     return "%" + value.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
 
 
-def matching(flt: DlqFilter, caller: Caller, *, limit: int = DEFAULT_LIMIT,
-             settings: Settings | None = None) -> list[dict[str, Any]]:
+def matching(engine: Engine, flt: DlqFilter, caller: Caller, *, limit: int = DEFAULT_LIMIT) -> list[dict[str, Any]]:
     """The open entries ``caller`` can see that match ``flt``, oldest failure first."""
-    with workspace_session(caller.workspace, admin=caller.admin, settings=settings) as s:
+    with engine.session(caller.workspace, admin=caller.admin) as s:
         return operator_sql.open_entries(s.connection(), job=flt.job, workspace=flt.workspace,
                                          error_like=None if flt.error is None else _like(flt.error),
                                          since=flt.since, until=flt.until, limit=limit)
 
 
-def bulk_dlq(action: Action, flt: DlqFilter, *, caller: Caller, dry_run: bool = False,
+def bulk_dlq(engine: Engine, action: Action, flt: DlqFilter, *, caller: Caller, dry_run: bool = False,
              rate: float = DEFAULT_RATE, limit: int = DEFAULT_LIMIT, sample: int = 5,
-             publish: Publish | None = None, settings: Settings | None = None,
              on_entry: Callable[[uuid.UUID, str], None] | None = None,
              sleep: Callable[[float], None] = time.sleep) -> BulkResult:
     """Replay, resume or dismiss every open entry matching ``flt`` that ``caller`` can see
@@ -104,7 +102,7 @@ def bulk_dlq(action: Action, flt: DlqFilter, *, caller: Caller, dry_run: bool = 
     if not (1 <= limit <= MAX_LIMIT):
         raise ValueError(f"limit must be from 1 to {MAX_LIMIT}, got {limit!r}")
     check_actor(caller.actor)
-    found = matching(flt, caller, limit=limit, settings=settings)
+    found = matching(engine, flt, caller, limit=limit)
     head = found[:sample]
     if dry_run:
         return BulkResult(action, True, len(found), head)
@@ -118,11 +116,11 @@ def bulk_dlq(action: Action, flt: DlqFilter, *, caller: Caller, dry_run: bool = 
         did = entry["id"]
         status: str
         if action == "replay":
-            status = replay_dlq(did, actor=caller.actor, publish=publish, settings=settings).status
+            status = replay_dlq(engine, did, actor=caller.actor).status
         elif action == "resume":
-            status = resume_dlq(did, actor=caller.actor, publish=publish, settings=settings).status
+            status = resume_dlq(engine, did, actor=caller.actor).status
         else:
-            status = "dismissed" if dismiss_dlq(did, actor=caller.actor, settings=settings) else "closed"
+            status = "dismissed" if dismiss_dlq(engine, did, actor=caller.actor) else "closed"
         outcomes.append((did, status))
         if on_entry is not None:
             on_entry(did, status)

@@ -37,22 +37,20 @@ import json
 import logging
 import uuid
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from motir_celery.core.jobs import get_job
-from motir_celery.core.producer.events import write_event
-from motir_celery.core.publish import Publish, publish_or_log
-from motir_celery.core.worker.canvas import CANVAS_JOB_ID
-from motir_celery.core.worker.invoke import publish_woken
-from motir_celery.settings import Settings, get_settings
+from motir_celery.core.publish import publish_or_log
+from motir_celery.core.shapes import CANVAS_JOB_ID
 from motir_celery.store import records
-from motir_celery.store.db import get_pool, workspace_session
 from motir_celery.store.driver import Statement
 from motir_celery.store.sql import operator as operator_sql
 
+if TYPE_CHECKING:
+    from motir_celery.core.engine import Engine
+
 __all__ = ["ReplayResult", "Caller", "replay_dlq", "dismiss_dlq", "replay_as", "dismiss_as", "cancel_as", "cancel_run",
-           "visible",
-           "parse_id", "check_actor"]
+           "visible", "parse_id", "check_actor"]
 
 log = logging.getLogger("motir_celery.core.operator.dlq")
 
@@ -64,14 +62,8 @@ class ReplayResult:
     event_id: uuid.UUID | None = None
 
 
-def replay_dlq(
-    dlq_id: uuid.UUID | str,
-    *,
-    actor: str,
-    idempotency_key: str | None = None,
-    publish: Publish | None = None,
-    settings: Settings | None = None,
-) -> ReplayResult:
+def replay_dlq(engine: Engine, dlq_id: uuid.UUID | str, *, actor: str,
+               idempotency_key: str | None = None) -> ReplayResult:
     """Run the failed job again on its original event data; audited as ``actor``.
 
     ``idempotency_key`` replaces the original key (the workaround for an
@@ -79,9 +71,7 @@ def replay_dlq(
     """
     check_actor(actor)
     dlq_uuid = uuid.UUID(str(dlq_id))
-    settings = settings or get_settings()
-    engine = get_pool(settings=settings)
-    with engine.connect() as conn:
+    with engine.pool().connect() as conn:
         with conn.begin() as tx:
             row = operator_sql.replay_stamp(conn, dlq_uuid, actor)
             if row is None:
@@ -94,7 +84,7 @@ def replay_dlq(
                     return ReplayResult("resumed", status["resumed_run_id"])
                 return ReplayResult("dismissed")
             job = get_job(row["function_id"])
-            result = write_event(
+            result = engine.write_event(
                 conn,
                 row["event_name"],
                 row["event_data"],
@@ -113,15 +103,14 @@ def replay_dlq(
                 # A canvas is replayed from its failed link: the links its failed run completed
                 # are the new run's records too, so only the failed link runs again (as a new member).
                 operator_sql.copy_completed_links(conn, row["run_id"], run.run_id)
-    if publish is not None:
-        publish_or_log(publish, run.run_id, run.job_id)
+    publish_or_log(engine.publish, run.run_id, run.job_id)
     return ReplayResult("replayed", run.run_id, result.event_id)
 
 
-def dismiss_dlq(dlq_id: uuid.UUID | str, *, actor: str, settings: Settings | None = None) -> bool:
+def dismiss_dlq(engine: Engine, dlq_id: uuid.UUID | str, *, actor: str) -> bool:
     """Close an entry without replaying it (purge may then delete it)."""
     check_actor(actor)
-    with get_pool(settings=settings).begin() as conn:
+    with engine.pool().begin() as conn:
         return operator_sql.dismiss(conn, uuid.UUID(str(dlq_id)), actor)
 
 
@@ -144,10 +133,10 @@ class Caller:
     admin: bool = False
 
 
-def visible(caller: Caller, statement: Statement, row_id: uuid.UUID, settings: Settings | None) -> bool:
+def visible(engine: Engine, caller: Caller, statement: Statement, row_id: uuid.UUID) -> bool:
     """Whether ``caller`` sees the row (``operator_sql.RUN_VISIBLE`` / ``DLQ_VISIBLE``): the app
     role's read decides: RLS hides another workspace's row (and system rows from non-admins)."""
-    with workspace_session(caller.workspace, admin=caller.admin, settings=settings) as s:
+    with engine.session(caller.workspace, admin=caller.admin) as s:
         return operator_sql.visible(s.connection(), statement, row_id)
 
 
@@ -159,52 +148,52 @@ def parse_id(value: uuid.UUID | str) -> uuid.UUID | None:
         return None
 
 
-def replay_as(caller: Caller, dlq_id: uuid.UUID | str, *, idempotency_key: str | None = None,
-              publish: Publish | None = None, settings: Settings | None = None) -> ReplayResult:
+def replay_as(engine: Engine, caller: Caller, dlq_id: uuid.UUID | str, *,
+              idempotency_key: str | None = None) -> ReplayResult:
     """``replay_dlq`` of an entry ``caller`` can see; ``not_found`` for one they cannot."""
     check_actor(caller.actor)
     did = parse_id(dlq_id)
-    if did is None or not visible(caller, operator_sql.DLQ_VISIBLE, did, settings):
+    if did is None or not visible(engine, caller, operator_sql.DLQ_VISIBLE, did):
         return ReplayResult("not_found")
-    result = replay_dlq(did, actor=caller.actor, idempotency_key=idempotency_key, publish=publish, settings=settings)
+    result = replay_dlq(engine, did, actor=caller.actor, idempotency_key=idempotency_key)
     log.info("DLQ %s replay by %s (workspace %s%s): %s", did, caller.actor, caller.workspace,
              ", admin" if caller.admin else "", result.status)
     return result
 
 
-def dismiss_as(caller: Caller, dlq_id: uuid.UUID | str, *,
-               settings: Settings | None = None) -> Literal["dismissed", "closed", "not_found"]:
+def dismiss_as(engine: Engine, caller: Caller,
+               dlq_id: uuid.UUID | str) -> Literal["dismissed", "closed", "not_found"]:
     """``dismiss_dlq`` of an entry ``caller`` can see: dismissed, already closed, or not found."""
     check_actor(caller.actor)
     did = parse_id(dlq_id)
-    if did is None or not visible(caller, operator_sql.DLQ_VISIBLE, did, settings):
+    if did is None or not visible(engine, caller, operator_sql.DLQ_VISIBLE, did):
         return "not_found"
-    done = dismiss_dlq(did, actor=caller.actor, settings=settings)
+    done = dismiss_dlq(engine, did, actor=caller.actor)
     log.info("DLQ %s dismiss by %s: %s", did, caller.actor, "dismissed" if done else "already closed")
     return "dismissed" if done else "closed"
 
 
-def cancel_run(run_id: uuid.UUID | str, *, publish: Publish | None = None, settings: Settings | None = None) -> bool:
+def cancel_run(engine: Engine, run_id: uuid.UUID | str) -> bool:
     """Cancel a queued or running run (a running one stops at its next step boundary; its
     unfinished children are cancelled with it). If it was a child, the parent its settle woke
     is published after the commit (``invoke.publish_woken``), not a sweep later."""
     rid = uuid.UUID(str(run_id))
-    with get_pool(settings=settings).connect() as conn:
+    with engine.pool().connect() as conn:
         with conn.begin():
             done = operator_sql.cancel(conn, rid)
         if done:
-            publish_woken(conn, [rid], publish)
+            engine.publish_woken(conn, [rid])
     return done
 
 
-def cancel_as(caller: Caller, run_id: uuid.UUID | str, *, publish: Publish | None = None,
-              settings: Settings | None = None) -> Literal["cancelled", "finished", "not_found"]:
+def cancel_as(engine: Engine, caller: Caller,
+              run_id: uuid.UUID | str) -> Literal["cancelled", "finished", "not_found"]:
     """Cancel a run ``caller`` can see (queued or running); logged with the actor."""
     check_actor(caller.actor)
     rid = parse_id(run_id)
-    if rid is None or not visible(caller, operator_sql.RUN_VISIBLE, rid, settings):
+    if rid is None or not visible(engine, caller, operator_sql.RUN_VISIBLE, rid):
         return "not_found"
-    done = cancel_run(rid, publish=publish, settings=settings)
+    done = cancel_run(engine, rid)
     log.info("run %s cancel by %s (workspace %s%s): %s", rid, caller.actor, caller.workspace,
              ", admin" if caller.admin else "", "cancelled" if done else "already finished")
     return "cancelled" if done else "finished"

@@ -44,12 +44,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from motir_celery.core.operator.dlq import Caller, check_actor, parse_id, visible
-from motir_celery.core.publish import Publish, publish_or_log
-from motir_celery.settings import Settings
-from motir_celery.store.db import get_pool
+from motir_celery.core.publish import publish_or_log
 from motir_celery.store.sql import operator as operator_sql
 
 if TYPE_CHECKING:
+    from motir_celery.core.engine import Engine
     from motir_celery.store.driver import Conn
 
 __all__ = ["ResumeResult", "resume_dlq", "resume_as", "failing_child", "MAX_FAMILY"]
@@ -105,14 +104,13 @@ def failing_child(failure: Any) -> uuid.UUID | None:
         return None
 
 
-def resume_dlq(dlq_id: uuid.UUID | str, *, actor: str, publish: Publish | None = None,
-               settings: Settings | None = None) -> ResumeResult:
+def resume_dlq(engine: Engine, dlq_id: uuid.UUID | str, *, actor: str) -> ResumeResult:
     """Queue the entry's failed run again from its failed step, with the failed children it
     failed because of and the parents that failed because of it; audited as ``actor``."""
     check_actor(actor)
     did = uuid.UUID(str(dlq_id))
     queued: list[tuple[uuid.UUID, str]] = []
-    with get_pool(settings=settings).connect() as conn:
+    with engine.pool().connect() as conn:
         with conn.begin() as tx:
             entry = operator_sql.entry_run(conn, did)
             if entry is None or not entry["open"] or entry["run_id"] is None:
@@ -133,9 +131,8 @@ def resume_dlq(dlq_id: uuid.UUID | str, *, actor: str, publish: Publish | None =
                     queued.append((row["run_id"], row["job_id"]))
                 if planned.step is not None:
                     operator_sql.supersede_step(conn, planned.run_id, planned.step, tag)
-    if publish is not None:
-        for run_id, job_id in queued:
-            publish_or_log(publish, run_id, job_id)
+    for run_id, job_id in queued:
+        publish_or_log(engine.publish, run_id, job_id)
     if len(queued) > 1:
         log.info("DLQ %s resumed by %s with its family: %d runs queued again", did, actor, len(queued))
     return ResumeResult("resumed", entry["run_id"], resumed=tuple(r for r, _ in queued))
@@ -223,14 +220,13 @@ def _why_not(kid: dict[str, Any]) -> str:
             "(a new run; a canvas's replay keeps the links that completed)")
 
 
-def resume_as(caller: Caller, dlq_id: uuid.UUID | str, *, publish: Publish | None = None,
-              settings: Settings | None = None) -> ResumeResult:
+def resume_as(engine: Engine, caller: Caller, dlq_id: uuid.UUID | str) -> ResumeResult:
     """``resume_dlq`` of an entry ``caller`` can see; ``not_found`` for one they cannot."""
     check_actor(caller.actor)
     did = parse_id(dlq_id)
-    if did is None or not visible(caller, operator_sql.DLQ_VISIBLE, did, settings):
+    if did is None or not visible(engine, caller, operator_sql.DLQ_VISIBLE, did):
         return ResumeResult("not_found")
-    result = resume_dlq(did, actor=caller.actor, publish=publish, settings=settings)
+    result = resume_dlq(engine, did, actor=caller.actor)
     log.info("DLQ %s resume by %s (workspace %s%s): %s", did, caller.actor, caller.workspace,
              ", admin" if caller.admin else "", result.status)
     return result

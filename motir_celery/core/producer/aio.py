@@ -38,13 +38,13 @@ from motir_celery.core.publish import Publish, publish_or_log
 from motir_celery.core.tracing import current_traceparent
 from motir_celery.errors import PayloadError
 from motir_celery.forks import per_process
-from motir_celery.settings import Settings, get_settings
-from motir_celery.store import pooler, records, schema
+from motir_celery.settings import Settings
+from motir_celery.store import pooler, records
 from motir_celery.store.driver import rows_async
 from motir_celery.store.sql import producer as producer_sql
 
 if TYPE_CHECKING:
-    from motir_celery.core.producer.direct import PublishFor
+    from motir_celery.core.engine import Engine
 
 __all__ = ["send_event_async", "apply_async_async", "async_engine"]
 
@@ -58,9 +58,8 @@ class _Engines:
 _engines = per_process(_Engines)
 
 
-def async_engine(settings: Settings | None = None) -> AsyncEngine:
+def async_engine(settings: Settings) -> AsyncEngine:
     """This loop's async engine for the database URL (autocommit: one statement, one commit)."""
-    settings = settings or get_settings()
     url = settings.require_database_url()
     per_loop = _engines().by_loop.setdefault(asyncio.get_running_loop(), {})
     engine = per_loop.get(url)
@@ -97,7 +96,7 @@ def _publish_all(runs: Sequence[Any], publish: Publish) -> None:
 
 
 async def _write_event(conn: AsyncConnection, name: str, data: Any, encoded: str, workspace_id: str | None,
-                       key: str | None, jobs: Sequence[Job], priority: int | None) -> SendResult:
+                       key: str | None, jobs: Sequence[Job], priority: int | None, engine: Engine) -> SendResult:
     """events.write_event, over an async connection."""
     specs = [job.spec(data, workspace_id, priority) for job in jobs]
     params = {"name": name, "data": encoded, "workspace_id": workspace_id, "key": key,
@@ -105,81 +104,76 @@ async def _write_event(conn: AsyncConnection, name: str, data: Any, encoded: str
     found = await rows_async(conn, producer_sql.RECORD_EVENT, params)
     recorded = [r for r in found if not r["woken"]]
     if not recorded:
-        return await conn.run_sync(deduplicated, name, encoded, workspace_id, key)
+        return await conn.run_sync(deduplicated, name, encoded, workspace_id, key, engine)
     woken = [records.Queued(r["run_id"], r["job_id"]) for r in found if r["woken"]]
     runs = producer_sql.runs_of(specs, recorded)
     if gathers(jobs):  # debounce= / batch=: into the key's open run
         runs = await conn.run_sync(gather_runs, runs, data, workspace_id)
     cancelled = await conn.run_sync(cancel_on, name, data, workspace_id) if cancelled_by(name) else []
-    return SendResult(recorded[0]["event_id"], runs, woken=woken, cancelled=cancelled, workspace_id=workspace_id)
+    return SendResult(recorded[0]["event_id"], runs, woken=woken, cancelled=cancelled, workspace_id=workspace_id,
+                      engine=engine)
 
 
 async def send_event_async(
+    engine: Engine,
     name: str,
     data: Any,
     *,
     workspace_id: str | None = None,
     idempotency_key: str | None = None,
     session: AsyncSession | None = None,
-    publish: Publish | None = None,
     priority: int | None = None,
-    settings: Settings | None = None,
 ) -> SendResult:
     """``send_event`` for asyncio code; ``session`` is an ``AsyncSession``."""
-    settings = settings or get_settings()
+    settings, publish = engine.settings, engine.publish
     encoded, workspace_id = validate_event(name, data, workspace_id, idempotency_key, settings.max_payload_bytes)
     if priority is not None and (not isinstance(priority, int) or not 0 <= priority <= 9):
         raise PayloadError(f"priority must be an integer from 0 to 9, got {priority!r}")
-    args = (name, data, encoded, workspace_id, idempotency_key, subscribers(name), priority)
+    args = (name, data, encoded, workspace_id, idempotency_key, subscribers(name), priority, engine)
     loop = asyncio.get_running_loop()
     if session is not None:
         result = await _write_event(await session.connection(), *args)
-        if publish is not None:
-            publish_after_commit(session.sync_session, [*result.runs, *result.woken], _offloaded(publish, loop))
+        publish_after_commit(session.sync_session, [*result.runs, *result.woken], _offloaded(publish, loop))
         return result
-    engine = async_engine(settings)
+    connections = async_engine(settings)
     if cancelled_by(name) or gathers(subscribers(name)):  # the event and what it does, in one transaction
-        async with engine.execution_options(isolation_level="READ COMMITTED").begin() as conn:
+        async with connections.execution_options(isolation_level="READ COMMITTED").begin() as conn:
             result = await _write_event(conn, *args)
     else:
-        async with engine.connect() as conn:
+        async with connections.connect() as conn:
             result = await _write_event(conn, *args)
-    if publish is not None:
-        await loop.run_in_executor(None, _publish_all, [*result.runs, *result.woken], publish)
+    await loop.run_in_executor(None, _publish_all, [*result.runs, *result.woken], publish)
     return result
 
 
 # --- job.delay_async ---------------------------------------------------------------
 
 
-async def apply_async_async(job: Job, args: Sequence[Any], kwargs: Mapping[str, Any], options: Mapping[str, Any],
-                            *, publish_for: "PublishFor | None" = None,
-                            settings: Settings | None = None) -> RunHandle:
+async def apply_async_async(engine: Engine, job: Job, args: Sequence[Any], kwargs: Mapping[str, Any],
+                            options: Mapping[str, Any]) -> RunHandle:
     """``direct.apply_async`` for asyncio code; ``session=`` is an ``AsyncSession``."""
-    settings = settings or get_settings()
+    settings = engine.settings
     session: AsyncSession | None = options.get("session")
     call = direct.prepare(job, args, kwargs, {k: v for k, v in options.items() if k != "session"}, settings)
-    publish = publish_for(call.queue, call.priority) if publish_for is not None else None
+    publish = engine.routed(call.queue, call.priority)
     loop = asyncio.get_running_loop()
     if session is not None:
         written = await _write_direct(await session.connection(), call, settings)
-        if publish is not None and direct.should_publish(written, settings):
+        if direct.should_publish(written, settings):
             run = records.Queued(written.run_id, job.id)  # type: ignore[arg-type]
             publish_after_commit(session.sync_session, [run],
                                  _offloaded(direct.delayed(publish, written.due_in), loop))
-        return direct.handle(call, written, settings)
+        return direct.handle(engine, call, written)
     async with async_engine(settings).connect() as conn:
         written = await _write_direct(conn, call, settings)
-    if publish is not None and direct.should_publish(written, settings):
+    if direct.should_publish(written, settings):
         assert written.run_id is not None  # should_publish: a new run
         await loop.run_in_executor(None, publish_or_log, publish, written.run_id, job.id, max(written.due_in, 0.0))
-    return direct.handle(call, written, settings)
+    return direct.handle(engine, call, written)
 
 
 async def _write_direct(conn: AsyncConnection, call: direct.DirectCall, settings: Settings) -> direct.Written:
-    checked = (await conn.run_sync(schema.features)).checked_enqueue
-    found = await rows_async(conn, producer_sql.DIRECT_RUN if checked else producer_sql.DIRECT_RUN_BEFORE_0008,
-                        call.params(settings))
+    found = await rows_async(conn, producer_sql.DIRECT_RUN, call.params(settings))
     written = direct.interpret(call, found[0] if found else None)
     if written is not None:
         return written

@@ -14,23 +14,20 @@ The batch is one transaction: every event is written, or (an error) none.
 from __future__ import annotations
 
 import logging
-import uuid
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from motir_celery.core.jobs import cancelled_by, subscribers
 from motir_celery.core.producer import events as _events
 from motir_celery.core.producer.gather import gather_runs, gathers
-from motir_celery.core.publish import Publish
 from motir_celery.core.tracing import current_traceparent
 from motir_celery.errors import PayloadError, WorkspaceError
-from motir_celery.settings import Settings, get_settings
 from motir_celery.store import records
-from motir_celery.store.db import get_pool
 from motir_celery.store.sql import producer as producer_sql
 
 if TYPE_CHECKING:  # the ORM only for a caller's own Session: a worker never imports it (its memory)
     from sqlalchemy.orm import Session
 
+    from motir_celery.core.engine import Engine
     from motir_celery.store.driver import Conn
 
 __all__ = ["send_events", "MAX_BATCH"]
@@ -56,21 +53,15 @@ def _item(i: int, item: EventLike) -> tuple[str, Any, str | None, str | None, in
     raise PayloadError(f"send_events: item {i} must be a (name, data) pair or a mapping, got {type(item).__name__}")
 
 
-def send_events(
-    items: Sequence[EventLike],
-    *,
-    session: Session | None = None,
-    publish: Publish | None = None,
-    publish_many: Callable[[Sequence[tuple[uuid.UUID, str]]], None] | None = None,
-    settings: Settings | None = None,
-) -> list[_events.SendResult]:
+def send_events(engine: Engine, items: Sequence[EventLike], *, session: Session | None = None
+                ) -> list[_events.SendResult]:
     """Record every event of ``items`` — ``(name, data)`` pairs or mappings with ``name``,
     ``data`` and optionally ``workspace_id``, ``idempotency_key``, ``priority`` — and one
     run per subscribing job of each, in one statement; publish after commit (with
     ``session``: when that session commits). One ``SendResult`` per item, in order.
-    ``publish_many`` (the adapter's ``batch_publish``), when given, sends the messages
-    of a batch written here in one go; ``publish`` sends them one by one otherwise."""
-    settings = settings or get_settings()
+    The messages of a batch written here go to the host in one go (``Host.publish_many``:
+    one Redis round trip on a plain Redis broker)."""
+    settings, publish = engine.settings, engine.publish
     if len(items) > MAX_BATCH:
         raise PayloadError(f"send_events takes at most {MAX_BATCH} events per call, got {len(items)}")
     if not items:
@@ -95,34 +86,31 @@ def send_events(
     gathering = any(gathers(subscribers(name)) for name in {r[0] for r in rows_in})  # debounce= / batch=
 
     def write(conn: Conn) -> list[_events.SendResult]:
-        return _write(conn, rows_in, specs, raw, traceparent, cancelling)
+        return _write(conn, rows_in, specs, raw, traceparent, cancelling, engine)
 
     if session is not None:
         results = write(session.connection())
         _events.publish_after_commit(session, _pending(results), publish)
         return results
-    joined = _events.joined_transaction(rows_in[0][2])
+    joined = engine.joined(rows_in[0][2])
     if joined is not None:
         with joined as (conn, on_commit):
             results = write(conn)
             pending = _pending(results)
             on_commit(lambda: _events.publish_runs(pending, publish))
         return results
-    engine = get_pool(settings=settings)
+    pool = engine.pool()
     if cancelling or gathering:
-        with engine.begin() as conn:
+        with pool.begin() as conn:
             results = write(conn)
     else:
         # One statement: its own transaction in autocommit, committed when it returns.
-        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        with pool.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             results = write(conn)
-    if publish_many is None:
-        _events.publish_runs(_pending(results), publish)
-        return results
     runs = [(r.run_id, r.job_id) for r in _pending(results) if isinstance(r, records.Queued)]
     try:
         if runs:
-            publish_many(runs)
+            engine.host.publish_many(runs)
     except Exception:  # noqa: BLE001 — committed: the sweeper publishes what is left
         log.warning("could not publish %d run(s) of a batch (committed; the sweeper will re-publish them)",
                     len(runs), exc_info=True)
@@ -135,7 +123,7 @@ def _pending(results: Sequence[_events.SendResult]) -> list[records.Queued | rec
 
 def _write(conn: Conn, rows_in: list[tuple[str, str, str | None, str | None]],
            specs: list[list[records.RunSpec]], raw: list[Any],
-           traceparent: str | None, cancelling: set[str]) -> list[_events.SendResult]:
+           traceparent: str | None, cancelling: set[str], engine: Engine) -> list[_events.SendResult]:
     found = producer_sql.record_events(conn, rows_in, specs, traceparent=traceparent)
     by_event: dict[int, list[dict[str, Any]]] = {}
     woken: list[records.Queued] = []
@@ -158,7 +146,7 @@ def _write(conn: Conn, rows_in: list[tuple[str, str, str | None, str | None]],
                 log.warning("idempotency key %r of event %r was already used with other data or another "
                             "workspace: nothing was written, the first event stands", key, name)
             results.append(_events.SendResult(seen["id"] if seen else None, [], deduplicated=True, workspace_id=ws,
-                                              conflicting=conflicting))
+                                              conflicting=conflicting, engine=engine))
             continue
         made = by_event[i + 1]
         created = {r["job_id"]: r["run_id"] for r in made if r["run_id"] is not None}
@@ -167,7 +155,8 @@ def _write(conn: Conn, rows_in: list[tuple[str, str, str | None, str | None]],
             for s in specs[i]]
         runs = gather_runs(conn, runs, raw[i], ws)  # debounce= / batch=: into the key's open run
         cancelled = _events.cancel_on(conn, name, raw[i], ws) if name in cancelling else []
-        results.append(_events.SendResult(made[0]["event_id"], runs, cancelled=cancelled, workspace_id=ws))
+        results.append(_events.SendResult(made[0]["event_id"], runs, cancelled=cancelled, workspace_id=ws,
+                                          engine=engine))
     # Waiters woken by the batch go with the first event's result (one run may match several events).
     if woken and results:
         first = next((r for r in results if not r.deduplicated), None)

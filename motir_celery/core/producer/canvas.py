@@ -37,23 +37,16 @@ from __future__ import annotations
 import copy
 import uuid
 from datetime import datetime, timezone
-from typing import Any, Iterable, Iterator, Mapping, NoReturn, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, NoReturn, Sequence
 
-from motir_celery.core.jobs import CanvasNotSupported, Job, find_job, job_for_task, use_canvas
+from motir_celery.core.current import current
+from motir_celery.core.jobs import CanvasNotSupported, Job, find_job, get_job, job_for_task
 from motir_celery.core.producer.direct import Adopted, adopt, refuse
 from motir_celery.core.producer.results import READY_STATES, RunHandle
-from motir_celery.core.worker.canvas import (
-    CANVAS_JOB_ID,
-    MAX_DEPTH,
-    MEMBER_OPTIONS,
-    canvas_job,
-    check_node,
-    is_leaf,
-    member_id,
-)
-from motir_celery.settings import Settings, get_settings
-from motir_celery.store.db import engine_connection
-from motir_celery.store.sql import operator as operator_sql
+from motir_celery.core.shapes import CANVAS_JOB_ID, MAX_DEPTH, MEMBER_OPTIONS, check_node, is_leaf, member_id
+
+if TYPE_CHECKING:
+    from motir_celery.core.engine import Engine
 
 __all__ = ["Signature", "chain", "group", "chord", "signature", "xmap", "xstarmap", "chunks", "CanvasHandle",
            "GroupHandle", "maybe_signature", "outline", "embedded", "adopt_canvas", "CanvasNotSupported"]
@@ -182,7 +175,7 @@ class Canvas:
         workspace = _workspace_of(node, opts.get("workspace_id"))
         if workspace is not None:
             opts["workspace_id"] = workspace
-        return canvas_job(), node, [node, list(args or ()), dict(kwargs or {})], opts
+        return get_job(CANVAS_JOB_ID), node, [node, list(args or ()), dict(kwargs or {})], opts
 
     # --- what core/worker/canvas.py runs ---------------------------------------------------------
 
@@ -658,8 +651,8 @@ def embedded(request: Any) -> dict[str, Any]:
     return {k: v for k, v in found.items() if v}
 
 
-def adopt_canvas(job: Job, args: Sequence[Any], kwargs: Mapping[str, Any], task_id: str, parts: Mapping[str, Any],
-                 *, task_name: str, shown: Mapping[str, str]) -> Adopted:
+def adopt_canvas(engine: Engine, job: Job, args: Sequence[Any], kwargs: Mapping[str, Any], task_id: str,
+                 parts: Mapping[str, Any], *, task_name: str, shown: Mapping[str, str]) -> Adopted:
     """A message in Celery's protocol for direct job ``job`` that carries the rest of a canvas
     (Celery's own ``chain``, ``link=``, ``link_error=``, sent by a producer of the release before
     the cut-over or by ``send_task(..., link=...)``): stored as **one canvas run** — this call, then
@@ -668,7 +661,6 @@ def adopt_canvas(job: Job, args: Sequence[Any], kwargs: Mapping[str, Any], task_
     published. Nothing of it is dropped: a message that is a member of Celery's own *chord* (its
     siblings and body live in Celery's result backend), or whose canvas names a plain Celery task,
     is refused into the DLQ with the reason (``direct.refuse``)."""
-    settings = get_settings()
     try:
         if parts.get("chord"):
             raise CanvasNotSupported(
@@ -683,31 +675,12 @@ def adopt_canvas(job: Job, args: Sequence[Any], kwargs: Mapping[str, Any], task_
         for errback in _listed(parts.get("errbacks")):
             made.link_error(maybe_signature(errback))
         if not isinstance(made, chain) and not made._links and not made._errbacks:
-            return adopt(job, args, kwargs, task_id, task_name=task_name, shown=shown, settings=settings)
-        written = made.apply_async(task_id=task_id)
+            return adopt(engine, job, args, kwargs, task_id, task_name=task_name, shown=shown)
+        canvas_job, _node, call_args, opts = made._prepared(None, None, {"task_id": task_id})
+        written = engine.apply_async(canvas_job, call_args, {}, opts)
     except Exception as exc:  # noqa: BLE001 — a canvas this engine cannot make durable: kept, with the reason
-        return refuse(job, task_id, task_name, shown, exc, settings)
+        return refuse(engine, job, task_id, task_name, shown, exc)
     return Adopted(written.id, written.deduplicated)
-
-
-class _Maker:
-    """What ``Job.s()`` & co. call (core/jobs.py holds no import of this module: ``use_canvas``)."""
-
-    def signature(self, job: Job, args: Sequence[Any], kwargs: Mapping[str, Any], options: Mapping[str, Any],
-                  immutable: bool) -> Signature:
-        return Signature(job, tuple(args), kwargs, options, immutable)
-
-    def xmap(self, job: Job, items: Iterable[Any]) -> group:
-        return xmap(job, items)
-
-    def xstarmap(self, job: Job, items: Iterable[Sequence[Any]]) -> group:
-        return xstarmap(job, items)
-
-    def chunks(self, job: Job, items: Iterable[Sequence[Any]], n: int) -> group:
-        return chunks(job, items, n)
-
-
-use_canvas(_Maker())
 
 
 # --- handles -------------------------------------------------------------------------------------
@@ -721,16 +694,16 @@ class CanvasHandle(RunHandle):
     finished is cancelled with it (a running one at its next step boundary), none starts later."""
 
     def __init__(self, run_id: uuid.UUID | None, job_id: str, *, node: dict[str, Any], deduplicated: bool = False,
-                 workspace_id: str | None = None, settings: Settings | None = None,
+                 workspace_id: str | None = None, engine: Engine | None = None,
                  written: RunHandle | None = None) -> None:
-        super().__init__(run_id, job_id, deduplicated=deduplicated, workspace_id=workspace_id, settings=settings)
+        super().__init__(run_id, job_id, deduplicated=deduplicated, workspace_id=workspace_id, engine=engine)
         self.node = node
         self._written = written
 
     @classmethod
     def of(cls, written: RunHandle, node: dict[str, Any]) -> CanvasHandle:
         return cls(written.id, written.job_id, node=node, deduplicated=written.deduplicated,
-                   workspace_id=written.workspace_id, written=written)
+                   workspace_id=written.workspace_id, engine=written.engine, written=written)
 
     def get(self, timeout: float | None = None, propagate: bool = True, **options: Any) -> Any:
         """The canvas's result (a chain's last, a group's list, a chord's body's); Celery's other
@@ -749,8 +722,7 @@ class CanvasHandle(RunHandle):
         """Cancel the canvas run; its unfinished members are cancelled with it (the trigger)."""
         if self.id is None:
             return False
-        with engine_connection() as conn:  # through the engine, as ``motir cancel`` does
-            return operator_sql.cancel(conn, self.id)
+        return (self.engine or current()).cancel_run(self.id)  # as ``motir cancel`` does
 
     @property
     def children(self) -> list[Any]:

@@ -31,8 +31,8 @@ what an event job reads from ``event``.
   a message the sweeper re-publishes (the first one was lost) follows the job's
   own route (``define_job(queue=)`` / ``task_routes``).
 * **Publishing** happens after the commit that created the run; with
-  ``session=`` (SQLAlchemy), or inside a framework transaction that
-  ``events.join_transactions`` hands in (Django's ``atomic()``), when that
+  ``session=`` (SQLAlchemy), or inside a framework transaction the engine
+  joins (``Engine.join_transactions``: Django's ``atomic()``), when that
   transaction commits, and never if it rolls back. The handle of such a run
   refuses ``get()`` until then (``RunNotCommitted``).
 * **Run ids.** A ``task_id=`` that is a UUID becomes the run's id (migration 0010),
@@ -55,22 +55,17 @@ import re
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from motir_celery.core.jobs import CanvasNotSupported, Job
-from motir_celery.core.producer.events import (
-    MAX_IDEMPOTENCY_KEY,
-    joined_transaction,
-    publish_after_commit,
-    validate_event,
-)
+from motir_celery.core.producer.events import MAX_IDEMPOTENCY_KEY, publish_after_commit, validate_event
 from motir_celery.core.producer.results import CommitGate, RunHandle
 from motir_celery.core.publish import Publish, publish_or_log
+from motir_celery.core.shapes import event_name
 from motir_celery.core.tracing import current_traceparent
 from motir_celery.errors import PayloadError, checked_delay
-from motir_celery.settings import Settings, get_settings
-from motir_celery.store import records, schema
-from motir_celery.store.db import get_pool
+from motir_celery.settings import Settings
+from motir_celery.store import records
 from motir_celery.store.driver import first
 from motir_celery.store.records import RunSpec
 from motir_celery.store.sql import adapter as adapter_sql
@@ -79,34 +74,19 @@ from motir_celery.store.sql import producer as producer_sql
 if TYPE_CHECKING:  # the ORM only for a caller's own Session: a worker never imports it (its memory)
     from sqlalchemy.orm import Session
 
+    from motir_celery.core.engine import Engine
     from motir_celery.store.driver import Conn
 
-__all__ = ["DIRECT_PREFIX", "event_name", "DirectCall", "prepare", "apply_async", "arguments", "PublishFor",
-           "APPLY_ASYNC_OPTIONS", "Adopted", "adopt", "refuse", "MAX_SHOWN"]
+__all__ = ["DirectCall", "prepare", "apply_async", "APPLY_ASYNC_OPTIONS", "Adopted", "adopt", "refuse", "MAX_SHOWN",
+           "Written", "write", "delayed", "should_publish"]
 
 log = logging.getLogger("motir_celery.core.producer.direct")
-
-DIRECT_PREFIX = "direct."
-
-#: publish_for(queue, priority) -> the Publish callable for one call's message(s).
-PublishFor = Callable[[str | None, int | None], Publish]
 
 #: What apply_async accepts besides args and kwargs (anything else is refused by name).
 APPLY_ASYNC_OPTIONS = ("countdown", "eta", "queue", "priority", "task_id", "idempotency_key", "workspace_id",
                        "session")
 #: Celery's canvas internals (what its chain/chord put on a message): refused, pointing at the canvas.
 _CANVAS_OPTIONS = ("link", "link_error", "chain", "chord", "group_id")
-
-
-def event_name(job_id: str) -> str:
-    return f"{DIRECT_PREFIX}{job_id}"
-
-
-def arguments(data: Any) -> tuple[list[Any], dict[str, Any]]:
-    """A direct run's ``(args, kwargs)`` from its event data."""
-    if not isinstance(data, dict):
-        return [], {}
-    return list(data.get("args") or ()), dict(data.get("kwargs") or {})
 
 
 @dataclass(frozen=True)
@@ -214,8 +194,7 @@ def existing(call: DirectCall, row: Mapping[str, Any] | None) -> Written:
 
 def write(conn: Conn, call: DirectCall, settings: Settings) -> Written:
     """The event and its run, in ``conn``'s transaction (in autocommit: one statement, committed)."""
-    statement = producer_sql.DIRECT_RUN if schema.features(conn).checked_enqueue else producer_sql.DIRECT_RUN_BEFORE_0008
-    written = interpret(call, first(conn, statement, call.params(settings)))
+    written = interpret(call, first(conn, producer_sql.DIRECT_RUN, call.params(settings)))
     if written is not None:
         return written
     return existing(call, first(conn, producer_sql.DIRECT_RUN_EXISTING, call.existing_params()))
@@ -244,10 +223,9 @@ def _committed(gate: CommitGate, publish: Publish | None, run: records.Queued) -
         publish_or_log(publish, run.run_id, run.job_id)
 
 
-def handle(call: DirectCall, written: Written, settings: Settings | None,
-           committed: CommitGate | None = None) -> RunHandle:
+def handle(engine: Engine, call: DirectCall, written: Written, committed: CommitGate | None = None) -> RunHandle:
     return RunHandle(written.run_id, call.job.id, deduplicated=written.deduplicated, workspace_id=call.workspace_id,
-                     settings=settings, committed=committed)
+                     engine=engine, committed=committed)
 
 
 def _gate_on(session: Session, written: Written, job_id: str) -> CommitGate | None:
@@ -263,35 +241,35 @@ def _gate_on(session: Session, written: Written, job_id: str) -> CommitGate | No
     return gate
 
 
-def apply_async(job: Job, args: Sequence[Any], kwargs: Mapping[str, Any], options: Mapping[str, Any], *,
-                publish_for: PublishFor | None = None, settings: Settings | None = None) -> RunHandle:
+def apply_async(engine: Engine, job: Job, args: Sequence[Any], kwargs: Mapping[str, Any],
+                options: Mapping[str, Any]) -> RunHandle:
     """Write one direct run of ``job`` and publish it after commit; its result handle."""
-    settings = settings or get_settings()
+    settings = engine.settings
     session: Session | None = options.get("session")
     call = prepare(job, args, kwargs, {k: v for k, v in options.items() if k != "session"}, settings)
-    publish = publish_for(call.queue, call.priority) if publish_for is not None else None
+    publish = engine.routed(call.queue, call.priority)
     if session is not None:
         written = write(session.connection(), call, settings)
         gate = _gate_on(session, written, job.id)
-        if publish is not None and should_publish(written, settings):
+        if should_publish(written, settings):
             run = records.Queued(written.run_id, job.id)  # type: ignore[arg-type]
             publish_after_commit(session, [run], delayed(publish, written.due_in))
-        return handle(call, written, settings, gate)
-    joined = joined_transaction(call.workspace_id)  # a framework's transaction (contrib/django), if any
+        return handle(engine, call, written, gate)
+    joined = engine.joined(call.workspace_id)  # a framework's transaction (contrib/django), if any
     if joined is not None:
         with joined as (conn, on_commit):
             written = write(conn, call, settings)
             gate = CommitGate() if written.run_id is not None and not written.deduplicated else None
-            late = delayed(publish, written.due_in) if publish is not None and should_publish(written, settings) else None
+            late = delayed(publish, written.due_in) if should_publish(written, settings) else None
             if gate is not None:
                 run = records.Queued(written.run_id, job.id)  # type: ignore[arg-type]
                 on_commit(lambda: _committed(gate, late, run))  # one callback: the handle, then the message
-        return handle(call, written, settings, gate)
-    with get_pool(settings=settings).connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        return handle(engine, call, written, gate)
+    with engine.pool().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         written = write(conn, call, settings)
-    if publish is not None and should_publish(written, settings):
+    if should_publish(written, settings):
         publish_or_log(publish, written.run_id, job.id, max(written.due_in, 0.0))  # type: ignore[arg-type]
-    return handle(call, written, settings)
+    return handle(engine, call, written)
 
 
 # --- adoption: a message in Celery's own protocol, turned into a run by the worker -------
@@ -312,25 +290,25 @@ class Adopted:
     reason: str | None = None
 
 
-def adopt(job: Job, args: Any, kwargs: Any, task_id: str, *, task_name: str, shown: Mapping[str, str],
-          settings: Settings | None = None) -> Adopted:
+def adopt(engine: Engine, job: Job, args: Any, kwargs: Any, task_id: str, *, task_name: str,
+          shown: Mapping[str, str]) -> Adopted:
     """Store the message ``task_id`` (``args``, ``kwargs``) of direct job ``job`` as its run, as
     ``job.apply_async(args, kwargs, task_id=task_id)`` would, committed before this returns; a
     copy of a message adopted already is that run (``deduplicated``). Arguments ``.delay()``
     would refuse are refused here too (``refuse``); ``shown`` (``argsrepr``/``kwargsrepr`` text)
     is what its DLQ entry keeps of them."""
-    settings = settings or get_settings()
+    settings = engine.settings
     try:
         call = prepare(job, args, kwargs, {"task_id": task_id}, settings)
     except Exception as exc:  # noqa: BLE001 — whatever the checks (or a key function) refuse: not adoptable
-        return refuse(job, task_id, task_name, shown, exc, settings)
-    with get_pool(settings=settings).connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        return refuse(engine, job, task_id, task_name, shown, exc)
+    with engine.pool().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         written = write(conn, call, settings)
     return Adopted(written.run_id, written.deduplicated)
 
 
-def refuse(job: Job, task_id: str, task_name: str, shown: Mapping[str, str], exc: BaseException,
-           settings: Settings) -> Adopted:
+def refuse(engine: Engine, job: Job, task_id: str, task_name: str, shown: Mapping[str, str],
+           exc: BaseException) -> Adopted:
     """A message that cannot be adopted, kept as a run failed at once with its DLQ row
     (``adapter_sql.ADOPT_REFUSED``); a copy of one refused already writes nothing."""
     reason = str(exc)[:MAX_SHOWN]
@@ -342,7 +320,7 @@ def refuse(job: Job, task_id: str, task_name: str, shown: Mapping[str, str], exc
     params = {"name": event_name(job.id), "data": json.dumps(data), "key": key, "job_id": job.id,
               "run_id": task_id if key is not None and _UUID_TEXT.fullmatch(task_id) else None,
               "policy": job.retry_policy.name, "failure": json.dumps(failure)}
-    with get_pool(settings=settings).connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+    with engine.pool().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         row = first(conn, adapter_sql.ADOPT_REFUSED, params)
     if row is None:  # this message's key was refused (or used) before: nothing more to keep
         return Adopted(None, deduplicated=True, reason=reason)

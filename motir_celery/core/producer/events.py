@@ -30,7 +30,7 @@ import json
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from motir_celery.core.jobs import Job, cancelled_by, subscribers
 from motir_celery.core.producer.gather import gather_runs, gathers
@@ -39,49 +39,23 @@ from motir_celery.core.publish import Publish, publish_or_log
 from motir_celery.core.runspec import path_of, value_at
 from motir_celery.core.tracing import current_traceparent
 from motir_celery.errors import PayloadError
-from motir_celery.settings import Settings, get_settings
 from motir_celery.store import records
-from motir_celery.store.db import get_pool, validate_workspace_id
+from motir_celery.store.db import validate_workspace_id
 from motir_celery.store.sql import producer as producer_sql
 
 if TYPE_CHECKING:  # the ORM only for a caller's own Session: a worker never imports it (its memory)
     from sqlalchemy.orm import Session
 
+    from motir_celery.core.engine import Engine
     from motir_celery.store.driver import Conn
 
 __all__ = ["SendResult", "send_event", "dispatch_event", "publish_after_commit", "MAX_IDEMPOTENCY_KEY",
-           "Joined", "join_transactions", "joined_transaction", "validate_event", "write_event", "deduplicated",
-           "cancel_on", "publish_runs"]
+           "validate_event", "write_event", "deduplicated", "cancel_on", "publish_runs"]
 
 log = logging.getLogger("motir_celery.core.producer.events")
 
 #: Longest idempotency key, in characters (a UUID is 36; Stripe's limit is 255 too).
 MAX_IDEMPOTENCY_KEY = 255
-
-
-#: A framework's open transaction that a write without ``session=`` joins: the connection
-#: to write on (in that transaction), and ``on_commit(fn)``, which calls ``fn`` once it has
-#: committed and never if it rolls back.
-Joined = tuple["Conn", Callable[[Callable[[], None]], None]]
-
-_join: Callable[[str | None], ContextManager[Joined] | None] | None = None
-
-
-def join_transactions(hook: Callable[[str | None], ContextManager[Joined] | None] | None) -> None:
-    """Let a framework that owns the caller's transaction take the writes (contrib/django).
-
-    ``hook(workspace_id)`` is asked on every write made without ``session=``: None sends it
-    through the engine as usual (autocommit); a context manager yielding ``Joined`` writes it
-    there and publishes on that transaction's commit.
-    """
-    global _join
-    _join = hook
-
-
-def joined_transaction(workspace_id: str | None) -> ContextManager[Joined] | None:
-    """The framework transaction a write of ``workspace_id``'s rows joins, or None (see
-    ``join_transactions``). Every write path of the core without ``session=`` asks this first."""
-    return _join(workspace_id) if _join is not None else None
 
 
 @dataclass(frozen=True)
@@ -101,6 +75,8 @@ class SendResult:
     cancelled: list[uuid.UUID] = field(default_factory=list)
     #: The event's workspace (None: a system event); its runs' handles read there.
     workspace_id: str | None = None
+    #: The engine that wrote it (its handles read through it); None: the current one.
+    engine: Engine | None = field(default=None, repr=False, compare=False)
 
     @property
     def run_ids(self) -> list[uuid.UUID]:
@@ -110,7 +86,7 @@ class SendResult:
     def results(self) -> list[RunHandle]:
         """A result handle per run created, or joined (debounce= / batch=: ``Gathered``):
         ``.state``, ``.get(timeout=)`` (core/results.py)."""
-        return [RunHandle(r.run_id, r.job_id, workspace_id=self.workspace_id)
+        return [RunHandle(r.run_id, r.job_id, workspace_id=self.workspace_id, engine=self.engine)
                 for r in self.runs if isinstance(r, (records.Queued, records.Gathered))]
 
 
@@ -149,7 +125,7 @@ def validate_event(name: Any, data: Any, workspace_id: Any, idempotency_key: Any
 
 def write_event(conn: Conn, name: str, data: Any, encoded: str, workspace_id: str | None,
                 idempotency_key: str | None, jobs: Sequence[Job], *, priority: int | None = None,
-                traceparent: str | None = None) -> SendResult:
+                traceparent: str | None = None, engine: Engine | None = None) -> SendResult:
     """The event, its runs, and what it does to runs already there — in ``conn``'s
     transaction. On a connection in autocommit only for an event that no
     cancel_on rule listens to (the caller checks): the event is one statement,
@@ -159,14 +135,14 @@ def write_event(conn: Conn, name: str, data: Any, encoded: str, workspace_id: st
     event_id, runs, woken = producer_sql.record_event(conn, name, encoded, workspace_id, idempotency_key, specs,
                                                traceparent=traceparent)
     if event_id is None:
-        return deduplicated(conn, name, encoded, workspace_id, idempotency_key)
+        return deduplicated(conn, name, encoded, workspace_id, idempotency_key, engine)
     runs = gather_runs(conn, runs, data, workspace_id)  # debounce= / batch=: into the key's open run
     cancelled = cancel_on(conn, name, data, workspace_id)
-    return SendResult(event_id, runs, woken=woken, cancelled=cancelled, workspace_id=workspace_id)
+    return SendResult(event_id, runs, woken=woken, cancelled=cancelled, workspace_id=workspace_id, engine=engine)
 
 
 def deduplicated(conn: Conn, name: str, encoded: str, workspace_id: str | None,
-                 idempotency_key: str | None) -> SendResult:
+                 idempotency_key: str | None, engine: Engine | None = None) -> SendResult:
     """The result of an event its idempotency key refused: what the key stands for in this
     workspace, and a warning when the stored event's data differ (one key, two meanings)."""
     existing = producer_sql.existing_event(conn, name, encoded, workspace_id, idempotency_key)
@@ -175,7 +151,7 @@ def deduplicated(conn: Conn, name: str, encoded: str, workspace_id: str | None,
         log.warning("idempotency key %r of event %r was already used in workspace %r with other data: "
                     "nothing was written, the first event stands", idempotency_key, name, workspace_id)
     return SendResult(existing["id"] if existing else None, [], deduplicated=True, conflicting=conflicting,
-                      workspace_id=workspace_id)
+                      workspace_id=workspace_id, engine=engine)
 
 
 def cancel_on(conn: Conn, name: str, data: Any, workspace_id: str | None) -> list[uuid.UUID]:
@@ -191,16 +167,15 @@ def cancel_on(conn: Conn, name: str, data: Any, workspace_id: str | None) -> lis
 
 
 def send_event(
+    engine: Engine,
     name: str,
     data: Any,
     *,
     workspace_id: str | None = None,
     idempotency_key: str | None = None,
     session: Session | None = None,
-    publish: Publish | None = None,
     jobs: Sequence[Job] | None = None,
     priority: int | None = None,
-    settings: Settings | None = None,
 ) -> SendResult:
     """Record event ``name`` and create one run per subscribing job.
 
@@ -208,33 +183,34 @@ def send_event(
     the messages are published only if it commits. ``jobs`` restricts the
     fan-out (DLQ replay re-emits an event for one job only).
     """
-    settings = settings or get_settings()
-    encoded, workspace_id = validate_event(name, data, workspace_id, idempotency_key, settings.max_payload_bytes)
+    publish = engine.publish
+    encoded, workspace_id = validate_event(name, data, workspace_id, idempotency_key,
+                                           engine.settings.max_payload_bytes)
     if priority is not None and (not isinstance(priority, int) or not 0 <= priority <= 9):
         raise PayloadError(f"priority must be an integer from 0 to 9, got {priority!r}")
     targets = subscribers(name) if jobs is None else list(jobs)
     args = (name, data, encoded, workspace_id, idempotency_key, targets)
-    extra: dict[str, Any] = {"priority": priority, "traceparent": current_traceparent()}
+    extra: dict[str, Any] = {"priority": priority, "traceparent": current_traceparent(), "engine": engine}
     if session is not None:
         result = write_event(session.connection(), *args, **extra)
         publish_after_commit(session, [*result.runs, *result.woken], publish)
         return result
-    joined = joined_transaction(workspace_id)
+    joined = engine.joined(workspace_id)
     if joined is not None:
         with joined as (conn, on_commit):
             result = write_event(conn, *args, **extra)
             pending = [*result.runs, *result.woken]
             on_commit(lambda: publish_runs(pending, publish))
         return result
-    engine = get_pool(settings=settings)
+    pool = engine.pool()
     if cancelled_by(name) or gathers(targets):  # statements of their own: one transaction
-        with engine.begin() as conn:
+        with pool.begin() as conn:
             result = write_event(conn, *args, **extra)
         publish_runs([*result.runs, *result.woken], publish)
         return result
     # The common case in one round trip (and the one commit, flushed, that the
     # event needs before it is published): see write_event.
-    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+    with pool.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         result = write_event(conn, *args, **extra)
         # Committed already; published before the pool takes the connection back
         # (~0.1 ms of Python at low load, off the run's way to a worker).
@@ -242,22 +218,19 @@ def send_event(
     return result
 
 
-def dispatch_event(event_id: uuid.UUID, *, publish: Publish | None = None,
-                   settings: Settings | None = None) -> list[records.Queued | records.AlreadyQueued]:
+def dispatch_event(engine: Engine, event_id: uuid.UUID) -> list[records.Queued | records.AlreadyQueued]:
     """Fan an already-recorded event out to its subscribers again (idempotent)."""
-    with get_pool(settings=settings).begin() as conn:
+    with engine.pool().begin() as conn:
         row = producer_sql.event_of(conn, event_id)
         if row is None:
             raise LookupError(f"no event {event_id}")
         specs = [job.spec(row["data"], row["workspace_id"]) for job in subscribers(row["name"])]
         runs = producer_sql.fan_out(conn, event_id, specs)
-    publish_runs(runs, publish)
+    publish_runs(runs, engine.publish)
     return runs
 
 
-def publish_runs(runs: Sequence[records.Queued | records.AlreadyQueued], publish: Publish | None) -> None:
-    if publish is None:
-        return
+def publish_runs(runs: Sequence[records.Queued | records.AlreadyQueued], publish: Publish) -> None:
     for run in runs:
         # A refused publish is logged, not raised: the rows are committed and the
         # sweeper publishes what is left (the broker is away; don't wait per run).
@@ -270,10 +243,8 @@ _HOOKED = "motir_celery.publish_hooked"
 
 
 def publish_after_commit(session: Session, runs: Sequence[records.Queued | records.AlreadyQueued],
-                         publish: Publish | None) -> None:
+                         publish: Publish) -> None:
     """Publish ``runs`` when ``session`` commits; forget them if it rolls back."""
-    if publish is None:
-        return
     session.info.setdefault(_PENDING, []).extend((publish, run) for run in runs)
     if session.info.get(_HOOKED):
         return

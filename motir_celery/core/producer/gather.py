@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from motir_celery.core.jobs import Job, find_job
 from motir_celery.core.runspec import gather_of
-from motir_celery.store import records, schema
+from motir_celery.store import records
 from motir_celery.store.sql import flow as flow_sql
 
 if TYPE_CHECKING:
@@ -47,8 +47,8 @@ def gather_runs(conn: Conn, runs: Sequence[records.Queued | records.AlreadyQueue
         if spec is not None:
             assert isinstance(run, records.Queued)
             todo.append((run.run_id, spec.kind, spec.key, spec.wait, spec.limit))
-    if not todo or not schema.features(conn).flow_control:
-        return list(runs)  # no such job; or a schema before 0012: a plain run each (warned once)
+    if not todo:
+        return list(runs)
     found = {r["run_id"]: r for r in flow_sql.gather(conn, todo)}
     out: Runs = []
     for run in runs:

@@ -53,13 +53,16 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from motir_celery.core.current import current
 from motir_celery.errors import MotirError
-from motir_celery.settings import Settings
-from motir_celery.store.db import get_pool, validate_workspace_id, workspace_session
+from motir_celery.store.db import validate_workspace_id
 from motir_celery.store.driver import first
 from motir_celery.store.sql import producer as producer_sql
+
+if TYPE_CHECKING:
+    from motir_celery.core.engine import Engine
 
 __all__ = ["RunHandle", "read_result", "JobFailed", "JobRevoked", "ResultTimeout", "RunNotCommitted", "READY_STATES", "celery_state",
            "CommitGate"]
@@ -131,16 +134,15 @@ def _failure(run_id: uuid.UUID | None, error: dict[str, Any] | None) -> JobFaile
     return JobFailed(run_id, error)
 
 
-def read_result(run_id: uuid.UUID, workspace_id: str | None, *,
-                settings: Settings | None = None) -> dict[str, Any] | None:
+def read_result(engine: Engine, run_id: uuid.UUID, workspace_id: str | None) -> dict[str, Any] | None:
     """A run's state, result and latest error, read in ``workspace_id`` only: a tenant's under the
     app role with row-level security there, a system run (None) through the engine login; the
     statement names the workspace too. None: no such run in that workspace (another's is not found)."""
     params = {"run_id": run_id, "workspace_id": workspace_id}
     if workspace_id is not None:
-        with workspace_session(workspace_id, settings=settings) as session:
+        with engine.session(workspace_id) as session:
             return first(session.connection(), producer_sql.RUN_RESULT, params)
-    with get_pool(settings=settings).connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+    with engine.pool().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         return first(conn, producer_sql.RUN_RESULT, params)
 
 
@@ -148,7 +150,7 @@ class RunHandle:
     """A run, Celery-``AsyncResult``-shaped. ``id`` is the run id (``motir runs show <id>``)."""
 
     def __init__(self, run_id: uuid.UUID | None, job_id: str, *, deduplicated: bool = False,
-                 workspace_id: str | None = None, settings: Settings | None = None,
+                 workspace_id: str | None = None, engine: Engine | None = None,
                  committed: CommitGate | None = None) -> None:
         self.id = run_id
         self.job_id = job_id
@@ -157,7 +159,8 @@ class RunHandle:
         #: True when this call created nothing: its idempotency key (or task_id) was used
         #: already, or a singleton run was active; ``id`` is that existing run.
         self.deduplicated = deduplicated
-        self._settings = settings
+        #: The engine it reads through (None: the current one, when it reads).
+        self.engine = engine
         #: Set when the transaction that wrote the run commits; None: committed when made.
         self._committed = committed
 
@@ -178,7 +181,7 @@ class RunHandle:
     def _read(self) -> _Snapshot:
         if self.id is None:  # a refused call whose existing run row-level security hides
             return _Snapshot("PENDING", None, None)
-        row = read_result(self.id, self.workspace_id, settings=self._settings)
+        row = read_result(self.engine or current(), self.id, self.workspace_id)
         if row is None:
             return _Snapshot("PENDING", None, None)
         return _Snapshot(celery_state(row["state"], row["last_outcome"]), row["result"], row["last_error"],

@@ -42,35 +42,21 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from motir_celery.core.jobs import Job, alias_name, define_job, get_job
-from motir_celery.core.publish import Publish
 from motir_celery.core.retries import RetryPolicy
-from motir_celery.core.worker.inline import Inline
-from motir_celery.core.worker.invoke import ChildFailed, Member, Route, await_members
-from motir_celery.errors import NonRetriableError
+from motir_celery.core.shapes import CANVAS_JOB_ID, CanvasError, check_node, is_leaf, member_id
+from motir_celery.core.worker.invoke import ChildFailed, Member, await_members
 
-__all__ = ["CANVAS_JOB_ID", "CANVAS_POLICY", "KINDS", "MAX_DEPTH", "MEMBER_OPTIONS", "CanvasFailed", "CanvasError",
-           "member_id", "check_node", "run_canvas", "use_route", "canvas_job", "is_leaf"]
+if TYPE_CHECKING:
+    from motir_celery.core.worker.steps import Step
 
-#: The job every canvas is a run of (its task: ``motir.system.canvas``).
-CANVAS_JOB_ID = "system.canvas"
+__all__ = ["CANVAS_POLICY", "CanvasFailed", "run_canvas", "canvas_job", "origin"]
+
 #: A canvas run only starts members and waits: any attempt may be retried, and a worker killed
 #: while it held the run charges one (members are runs of their own, with their own policies).
 CANVAS_POLICY = RetryPolicy(max_attempts=10, backoff=1.0, factor=2.0, max_backoff=60.0, jitter=0.25, name="canvas")
-#: The composite kinds a node's ``canvas`` names (a node without it is a task).
-KINDS = ("chain", "group", "chord")
-#: How deep composites may nest (a chain in a chord in a chain is 3); deeper is refused where built.
-MAX_DEPTH = 16
-#: Options a member signature may carry (anything else is refused where the signature is built).
-MEMBER_OPTIONS = ("countdown", "eta", "priority", "queue", "task_id")
-
-_route: Route | None = None
-
-
-class CanvasError(NonRetriableError, ValueError):
-    """A canvas node that cannot run (malformed, too deep, a member that is not a direct job)."""
 
 
 class CanvasFailed(ChildFailed):
@@ -87,65 +73,6 @@ class CanvasFailed(ChildFailed):
         return own
 
 
-def use_route(route: Route) -> None:
-    """How a member with its own ``queue=`` / ``priority=`` is published (the package's face
-    wires the adapter's ``publisher_for`` in, as it wires the producers: no import points up)."""
-    global _route
-    _route = route
-
-
-def _routed(publish: Publish, queue: str | None, priority: int | None) -> Publish:
-    if isinstance(publish, Inline) or _route is None:
-        return publish  # eager mode and the test kit run members here: their queue means nothing
-    return _route(publish, queue, priority)
-
-
-def member_id(canvas_run_id: uuid.UUID | str, key: str) -> uuid.UUID:
-    """The id of the member a canvas run starts at step ``key``: derived, so the producer's
-    handle names every member before it exists, and a canvas run never starts two for one key."""
-    return uuid.uuid5(uuid.UUID(str(canvas_run_id)), key)
-
-
-def is_leaf(node: dict[str, Any]) -> bool:
-    """A task without callbacks: a member run of its own job (else: a canvas of its own)."""
-    return "canvas" not in node and not node.get("link") and not node.get("link_error")
-
-
-def check_node(node: Any, depth: int = 0) -> None:
-    """Refuse a node this module cannot run, naming what is wrong (``CanvasError``)."""
-    if depth > MAX_DEPTH:
-        raise CanvasError(f"canvas nested more than {MAX_DEPTH} deep")
-    if not isinstance(node, dict):
-        raise CanvasError(f"a canvas node is a JSON object, got {type(node).__name__}")
-    for callbacks in ("link", "link_error"):
-        value = node.get(callbacks, [])
-        if not isinstance(value, list):
-            raise CanvasError(f"{callbacks} of a canvas node is a list")
-        for callback in value:
-            check_node(callback, depth + 1)
-    kind = node.get("canvas")
-    if kind is None:
-        if not isinstance(node.get("job"), str):
-            raise CanvasError("a task node names its job: {'job': <job id>, ...}")
-        if not isinstance(node.get("args", []), list) or not isinstance(node.get("kwargs", {}), dict):
-            raise CanvasError(f"task {node['job']!r}: args is a list and kwargs an object")
-        options = node.get("options", {})
-        if not isinstance(options, dict) or set(options) - set(MEMBER_OPTIONS):
-            raise CanvasError(f"task {node['job']!r}: options are among {', '.join(MEMBER_OPTIONS)}")
-        return
-    if kind not in KINDS:
-        raise CanvasError(f"unknown canvas kind {kind!r} (one of {', '.join(KINDS)})")
-    parts = node.get("header") if kind == "chord" else node.get("tasks")
-    if not isinstance(parts, list):
-        raise CanvasError(f"a {kind} holds a list of {'header members' if kind == 'chord' else 'tasks'}")
-    for part in parts:
-        check_node(part, depth + 1)
-    if kind == "chord":
-        check_node(node.get("body"), depth + 1)
-    elif kind == "chain" and not parts:
-        raise CanvasError("a chain needs at least one task")
-
-
 def _leaf_job(node: dict[str, Any]) -> Job:
     job = get_job(node["job"])  # UnknownJobError: this worker does not import the member's job module
     if not job.direct:
@@ -157,7 +84,7 @@ def _leaf_job(node: dict[str, Any]) -> Job:
 class _Executor:
     """Walks one canvas run's node; every link a step of the run (replayed on each claim)."""
 
-    def __init__(self, step: Any) -> None:
+    def __init__(self, step: Step) -> None:
         self.step = step
         self.canvas_id = uuid.UUID(str(step.run_id))
 
@@ -176,8 +103,7 @@ class _Executor:
         kind = node.get("canvas")
         if kind is None:
             key = f"{path}t"
-            (outcome,) = await_members(self.step, key, [self._member(key, node, pargs, pkwargs, leaf=True)],
-                                       route=_routed)
+            (outcome,) = await_members(self.step, key, [self._member(key, node, pargs, pkwargs, leaf=True)])
             if "ok" not in outcome:
                 raise _failure(outcome)
             return outcome["ok"]
@@ -204,7 +130,7 @@ class _Executor:
         if not calls:
             return []
         members = [self._member(f"{key}[{i}]", node, pargs, pkwargs) for i, (node, pargs, pkwargs) in enumerate(calls)]
-        return await_members(self.step, key, members, route=_routed)
+        return await_members(self.step, key, members)
 
     def _member(self, key: str, node: dict[str, Any], pargs: list[Any], pkwargs: dict[str, Any],
                 leaf: bool = False) -> Member:
@@ -231,7 +157,7 @@ class _Executor:
                     if node.get("canvas") == "group" and failed.results else [failed])
         # Once per failure: a canvas resumed after a failure (its failed step superseded,
         # ``:resumed:``) that fails again calls its errbacks again, under a key of its own.
-        n = sum(1 for k in self.step._memo if k.startswith(path) and ":resumed:" in k)
+        n = sum(1 for k in self.step.records if k.startswith(path) and ":resumed:" in k)
         calls: list[tuple[dict[str, Any], list[Any], dict[str, Any]]] = [
             (errback, [origin(f)], {}) for f in failures for errback in errbacks]
         self._members(f"{path}e{n}", calls)
@@ -252,7 +178,7 @@ def canvas_job() -> Job:
 
 
 @define_job(CANVAS_JOB_ID, retry_policy=CANVAS_POLICY, name=alias_name(CANVAS_JOB_ID))
-def run_canvas(step: Any, node: Any, args: Any = None, kwargs: Any = None) -> Any:
+def run_canvas(step: Step, node: Any, args: Any = None, kwargs: Any = None) -> Any:
     """A canvas run: ``node`` walked with the partial arguments ``args`` / ``kwargs`` (``.delay(*args)``
     of the canvas, a chain's previous result, a chord's header results)."""
     check_node(node)

@@ -1,7 +1,7 @@
 """Flow control at the claim: ``throttle=``, and the end of a ``debounce=`` / ``batch=`` run's gathering.
 
-Only the runs of jobs with one of those options come here (``options_of``: the runner's
-one branch, a registry lookup); every other run is claimed by the claim statement alone.
+Only the runs of jobs with one of those options come here (``claim.py``); every other run is
+claimed by the claim statement alone.
 A flow claim is one transaction, in this order, each lock taken in a statement of its own
 before the statements that depend on it (store/sql/flow.py):
 
@@ -19,7 +19,8 @@ before the statements that depend on it (store/sql/flow.py):
    ``run_at`` at its estimated turn: a countdown message, or the sweeper, brings it back,
    and the claim decides again — an estimate, never a promise, so the limit holds however
    late or early a run comes back.
-3. **concurrency=**, when the job has it too: as ``concurrency.claim_limited`` does.
+3. **concurrency=**, when the job has it too: the claim statement under the key's lock
+   (``claim.Ask``).
 
 Nothing here is dropped: a run that is not claimed stays queued with a message or a sweep
 set for its run_at. A crash anywhere rolls the whole decision back.
@@ -32,34 +33,22 @@ import uuid
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from motir_celery.core.jobs import get_job
-from motir_celery.core.publish import Publish, publish_or_log
+from motir_celery.core.publish import publish_or_log
 from motir_celery.core.runspec import RunOptions, gather_of, throttle_key
-from motir_celery.errors import UnknownJobError
-from motir_celery.settings import Settings
-from motir_celery.store import records, schema
+from motir_celery.store import records
 from motir_celery.store.sql import flow as flow_sql
-from motir_celery.store.sql import worker as worker_sql
 
 if TYPE_CHECKING:
+    from motir_celery.core.engine import Engine
+    from motir_celery.core.worker.claim import Ask
     from motir_celery.store.driver import Conn
-    from motir_celery.store.pg import Pool
 
-__all__ = ["options_of", "claim", "turn", "event_data", "batch_events", "GATHERING"]
+__all__ = ["claim", "turn", "event_data", "batch_events", "GATHERING"]
 
 log = logging.getLogger("motir_celery.flow")
 
 #: flow_wait of a run still gathering events.
 GATHERING = ("debounce", "batch")
-
-
-def options_of(job_id: str) -> RunOptions | None:
-    """The job's run options when its claims go through flow control, else None (the common case)."""
-    try:
-        opts = get_job(job_id).run_options
-    except UnknownJobError:
-        return None  # claimed normally; the attempt then fails with the clear error
-    return opts if opts.flow else None
 
 
 def event_data(row: dict[str, Any]) -> Any:
@@ -83,24 +72,19 @@ def turn(at: datetime, recent: list[datetime], ahead: int, limit: int, period: f
     return max(slot, at + timedelta(seconds=min(1.0, period / limit)))
 
 
-def claim(engine: Pool, run_id: uuid.UUID, job_id: str, opts: RunOptions, *, worker: str,
-          lease_seconds: float, limit: int | None, token: uuid.UUID | None, publish: Publish | None,
-          settings: Settings) -> records.Claim | None:
+def claim(engine: Engine, ask: Ask, opts: RunOptions) -> records.Claim | None:
     """Claim a run of a flow-controlled job, or leave it queued with its turn set (None)."""
     later: list[tuple[uuid.UUID, float]] = []  # (run, countdown) to publish after the commit
-    with engine.begin() as tx:
-        if not schema.features(tx).flow_control:  # code before its migration: as a plain run
-            return _claim(tx, run_id, job_id, worker, lease_seconds, limit, token)
-        found = _decide(tx, run_id, job_id, opts, worker, lease_seconds, limit, token, settings, later)
-    if publish is not None:
-        for run, countdown in later:
-            publish_or_log(publish, run, job_id, countdown)
+    with engine.pool().begin() as tx:
+        found = _decide(tx, ask, opts, engine.settings.republish_after, later)
+    for run, countdown in later:
+        publish_or_log(engine.publish, run, ask.job_id, countdown)
     return found
 
 
-def _decide(tx: Conn, run_id: uuid.UUID, job_id: str, opts: RunOptions, worker: str, lease_seconds: float,
-            limit: int | None, token: uuid.UUID | None, settings: Settings,
+def _decide(tx: Conn, ask: Ask, opts: RunOptions, republish_after: float,
             later: list[tuple[uuid.UUID, float]]) -> records.Claim | None:
+    run_id, job_id = ask.run_id, ask.job_id
     row = flow_sql.flow_run(tx, run_id, job_id)
     if row is None or row["state"] != "queued":
         return None  # running, finished, or no such run: a stale or duplicate message
@@ -111,7 +95,7 @@ def _decide(tx: Conn, run_id: uuid.UUID, job_id: str, opts: RunOptions, worker: 
             return None
         row = gathered
     if not row["due"]:
-        _schedule(tx, run_id, settings, later)
+        _schedule(tx, run_id, republish_after, later)
         return None
     if row["flow_wait"] in GATHERING:
         flow_sql.lock_flow_key(tx, "gather", job_id, workspace, row["flow_key"])
@@ -122,12 +106,11 @@ def _decide(tx: Conn, run_id: uuid.UUID, job_id: str, opts: RunOptions, worker: 
             if row is None or row["state"] != "queued":
                 return None
             if row["flow_wait"] is not None or not row["due"]:
-                _schedule(tx, run_id, settings, later)
+                _schedule(tx, run_id, republish_after, later)
                 return None
     if opts.throttle is not None and not row["started"]:
-        return _throttled(tx, run_id, job_id, opts, data, workspace, worker, lease_seconds, limit, token,
-                          settings, later)
-    return _claim(tx, run_id, job_id, worker, lease_seconds, limit, token)
+        return _throttled(tx, ask, opts, data, workspace, republish_after, later)
+    return ask.claim(tx)
 
 
 def _gather_now(tx: Conn, run_id: uuid.UUID, job_id: str, opts: RunOptions, data: Any,
@@ -144,15 +127,15 @@ def _gather_now(tx: Conn, run_id: uuid.UUID, job_id: str, opts: RunOptions, data
     return flow_sql.flow_run(tx, run_id, job_id)  # its flow columns and run_at as gathering left them
 
 
-def _schedule(tx: Conn, run_id: uuid.UUID, settings: Settings, later: list[tuple[uuid.UUID, float]]) -> None:
-    due_in = flow_sql.schedule_early(tx, run_id, settings.republish_after)
+def _schedule(tx: Conn, run_id: uuid.UUID, republish_after: float, later: list[tuple[uuid.UUID, float]]) -> None:
+    due_in = flow_sql.schedule_early(tx, run_id, republish_after)
     if due_in is not None:
         later.append((run_id, due_in))
 
 
-def _throttled(tx: Conn, run_id: uuid.UUID, job_id: str, opts: RunOptions, data: Any, workspace: str | None,
-               worker: str, lease_seconds: float, limit: int | None, token: uuid.UUID | None, settings: Settings,
+def _throttled(tx: Conn, ask: Ask, opts: RunOptions, data: Any, workspace: str | None, republish_after: float,
                later: list[tuple[uuid.UUID, float]]) -> records.Claim | None:
+    run_id, job_id = ask.run_id, ask.job_id
     throttle = opts.throttle
     assert throttle is not None
     key = throttle_key(opts, data, workspace)
@@ -161,24 +144,16 @@ def _throttled(tx: Conn, run_id: uuid.UUID, job_id: str, opts: RunOptions, data:
     state = flow_sql.throttle_state(tx, run_id, job_id, key, workspace, throttle.limit, throttle.period)
     at, recent, ahead = state["at"], list(state["recent"]), int(state["ahead"])
     if ahead == 0 and len(recent) < throttle.limit:
-        claimed = _claim(tx, run_id, job_id, worker, lease_seconds, limit, token)
+        claimed = ask.claim(tx)
         if claimed is not None:
             flow_sql.throttle_admit(tx, run_id, claimed.token, key, at)
         return claimed
     until = turn(at, recent, ahead, throttle.limit, throttle.period)
-    due_in = flow_sql.throttle_park(tx, run_id, key, until, settings.republish_after)
-    if due_in is not None and due_in <= settings.republish_after:
+    due_in = flow_sql.throttle_park(tx, run_id, key, until, republish_after)
+    if due_in is not None and due_in <= republish_after:
         later.append((run_id, due_in))
     log.debug("run %s of %s waits for a throttle slot of %r (%d ahead) until %s", run_id, job_id, key, ahead, until)
     return None
-
-
-def _claim(tx: Conn, run_id: uuid.UUID, job_id: str, worker: str, lease_seconds: float, limit: int | None,
-           token: uuid.UUID | None) -> records.Claim | None:
-    if limit is not None:
-        worker_sql.lock_concurrency(tx, run_id)
-    return worker_sql.claim(tx, run_id, job_id=job_id, worker=worker, lease_seconds=lease_seconds,
-                            concurrency_limit=limit, token=token)
 
 
 def batch_events(conn: Conn, run_id: uuid.UUID) -> list[dict[str, Any]]:

@@ -25,13 +25,14 @@ def is_coroutine_function(fn: Callable[..., Any]) -> bool:
 
 
 class _Steps(Protocol):
-    """What a coroutine step needs of ``steps.StepRun`` (no import: steps imports this module)."""
+    """What a coroutine step needs of ``steps.Step`` (no import: steps imports this module)."""
 
-    _memo: dict[str, Any]
+    @property
+    def records(self) -> Mapping[str, Any]: ...
 
-    def _still_held(self, key: str) -> None: ...
+    def ensure_held(self, key: str) -> None: ...
 
-    def _encode(self, key: str, value: Any) -> str: ...
+    def encode(self, key: str, value: Any) -> str: ...
 
     def record(self, key: str, encoded: str, elapsed: float) -> Any: ...
 
@@ -50,12 +51,12 @@ def coroutine_step(step: _Steps, key: str, fn: Callable[..., Awaitable[Any]], ar
 
 async def _coroutine_step(step: _Steps, key: str, fn: Callable[..., Awaitable[Any]], args: Sequence[Any],
                           kwargs: Mapping[str, Any]) -> Any:
-    """``StepRun.run`` for an ``async def`` body: memo, fence check, body, committed record."""
-    if key in step._memo:
-        return step._memo[key]
-    step._still_held(key)
+    """``Step.run`` for an ``async def`` body: memo, fence check, body, committed record."""
+    if key in step.records:
+        return step.records[key]
+    step.ensure_held(key)
     with step_span(key):
         started = time.monotonic()
         value = await fn(*args, **kwargs)
-        encoded = step._encode(key, value)
+        encoded = step.encode(key, value)
     return step.record(key, encoded, time.monotonic() - started)

@@ -1,6 +1,6 @@
 """Runs executed in this process, at once: Celery's eager mode, ``job.apply()`` and the test kit.
 
-``Inline`` is a ``Publish`` callable that, instead of handing a run to a broker, runs
+``Inline`` is a host (``core/publish.py``) that, instead of handing a run to a broker, runs
 it here through the real runner — claim, steps, settle, the same statements a worker
 sends — and every run that one publishes in turn (a retry due now, a child, a woken
 waiter, the next run of a concurrency key), depth first, before it returns. A run
@@ -17,29 +17,42 @@ from __future__ import annotations
 import os
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
 
-from motir_celery.core.worker.runner import Outcome, execute
-from motir_celery.settings import Settings
+from motir_celery.core.publish import Publish
+from motir_celery.core.worker.runner import Outcome
+
+if TYPE_CHECKING:
+    from motir_celery.core.engine import Engine
 
 __all__ = ["Inline"]
 
 
-@dataclass
 class Inline:
-    """A publish that runs each run in this process (``drain`` runs what is queued)."""
+    """A host that runs each run it is handed in this process, through ``engine`` (``drain``
+    runs what is queued)."""
 
-    settings: Settings | None = None
-    worker: str = field(default_factory=lambda: f"inline/{os.getpid()}")
-    #: Every outcome, in the order the runs were executed.
-    outcomes: list[tuple[uuid.UUID, Outcome]] = field(default_factory=list)
-    _pending: deque[tuple[uuid.UUID, str]] = field(default_factory=deque)
-    _draining: bool = False
+    eager = True
 
-    def __call__(self, run_id: uuid.UUID, job_id: str, countdown: float = 0.0) -> None:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.worker = f"inline/{os.getpid()}"
+        #: Every outcome, in the order the runs were executed.
+        self.outcomes: list[tuple[uuid.UUID, Outcome]] = []
+        self._pending: deque[tuple[uuid.UUID, str]] = deque()
+        self._draining = False
+
+    def publish(self, run_id: uuid.UUID, job_id: str, countdown: float = 0.0) -> None:
         self._pending.append((run_id, job_id))
         if not self._draining:
             self.drain()
+
+    def publish_many(self, runs: Sequence[tuple[uuid.UUID, str]]) -> None:
+        for run_id, job_id in runs:
+            self.publish(run_id, job_id)
+
+    def routed(self, queue: str | None, priority: int | None) -> Publish:
+        return self.publish  # run here: a queue means nothing
 
     def drain(self) -> list[tuple[uuid.UUID, Outcome]]:
         """Execute every queued run and what they publish; the outcomes of this drain."""
@@ -50,8 +63,7 @@ class Inline:
         try:
             while self._pending:
                 run_id, job_id = self._pending.popleft()
-                outcome = execute(run_id, job_id=job_id, worker=self.worker, publish=self, settings=self.settings)
-                done.append((run_id, outcome))
+                done.append((run_id, self.engine.execute(run_id, job_id=job_id, worker=self.worker)))
         finally:
             self._draining = False
         self.outcomes += done

@@ -54,7 +54,7 @@ import logging
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from motir_celery.core.jobs import Job, get_job
 from motir_celery.core.publish import Publish, publish_or_log
@@ -65,9 +65,11 @@ from motir_celery.store.records import RunSpec
 from motir_celery.store.sql import worker as worker_sql
 
 if TYPE_CHECKING:
+    from motir_celery.core.engine import Engine
+    from motir_celery.core.worker.steps import Step
     from motir_celery.store.driver import Conn
 
-__all__ = ["ChildFailed", "invoke", "gather", "after_settle", "publish_woken", "Member", "await_members", "Route",
+__all__ = ["ChildFailed", "invoke", "gather", "after_settle", "publish_woken", "Member", "await_members",
            "CHILD_EVENT_PREFIX", "MAX_CHILDREN", "MEMBER_BATCH"]
 
 log = logging.getLogger("motir_celery.core.worker.invoke")
@@ -105,22 +107,22 @@ class ChildFailed(NonRetriableError):
                 "origin": str(self.error.get("origin") or self.run_id or "") or None}
 
 
-def invoke(step: Any, step_id: str, job: Job | str, data: Any, *,
+def invoke(step: Step, step_id: str, job: Job | str, data: Any, *,
            timeout: float | timedelta | None = None, detach: bool = False) -> Any:
     """``step.invoke``: start one child run and return its result (or raise ChildFailed)."""
-    key = step._key(step_id)
+    key = step.next_key(step_id)
     (outcome,) = _await(step, key, [(key, job, data)], timeout, detach)
     if "ok" not in outcome:
         raise _failure(outcome)
     return outcome["ok"]
 
 
-def gather(step: Any, step_id: str, calls: Sequence[tuple[Job | str, Any]], *,
+def gather(step: Step, step_id: str, calls: Sequence[tuple[Job | str, Any]], *,
            timeout: float | timedelta | None = None, return_exceptions: bool = False,
            detach: bool = False) -> list[Any]:
     """``step.gather``: start one child per ``(job, data)`` at once; once all have settled,
     their results in call order (the first failure raised, unless ``return_exceptions``)."""
-    key = step._key(step_id)
+    key = step.next_key(step_id)
     if not isinstance(calls, (list, tuple)) or not 1 <= len(calls) <= MAX_CHILDREN:
         raise PayloadError(f"step.gather({step_id!r}) takes a list of 1 to {MAX_CHILDREN} (job, data) pairs")
     children = [(f"{key}[{i}]", job, data) for i, (job, data) in enumerate(calls)]
@@ -139,8 +141,8 @@ def _failure(outcome: dict[str, Any]) -> ChildFailed:
                        outcome.get("error"))
 
 
-def _child_rows(step: Any, children: Sequence[tuple[str, Job | str, Any]]) -> list[tuple[str, str, str, str, Any]]:
-    claim = step._claim
+def _child_rows(step: Step, children: Sequence[tuple[str, Job | str, Any]]) -> list[tuple[str, str, str, str, Any]]:
+    claim = step.claim
     out = []
     for child_key, job_ref, data in children:
         job = job_ref if isinstance(job_ref, Job) else get_job(job_ref)
@@ -156,34 +158,34 @@ def _child_rows(step: Any, children: Sequence[tuple[str, Job | str, Any]]) -> li
     return out
 
 
-def _await(step: Any, key: str, children: Sequence[tuple[str, Job | str, Any]],
+def _await(step: Step, key: str, children: Sequence[tuple[str, Job | str, Any]],
            timeout: float | timedelta | None, detach: bool) -> list[dict[str, Any]]:
-    if key in step._memo:
-        return step._memo[key]  # type: ignore[no-any-return]
-    claim = step._claim
-    step._still_held(key)
+    if key in step.records:
+        return step.records[key]  # type: ignore[no-any-return]
+    claim = step.claim
+    step.ensure_held(key)
     rows = _child_rows(step, children)
     # 1. The children, once per (parent, step): a conflict is the child already started.
-    with step._transaction() as tx:
+    with step.transaction() as tx:
         held, created = worker_sql.start_children(tx, claim, rows, traceparent=current_traceparent() or claim.traceparent,
                                                detach=detach)
         reason = "" if held else worker_sql.why_fenced(tx, claim)
     if not held:
-        step._refused(key, reason)
+        step.stop(key, reason)
     for run_id, job_id in created:  # after the commit that created them
-        if step._publish is not None and not publish_or_log(step._publish, run_id, job_id):
+        if not publish_or_log(step.engine.publish, run_id, job_id):
             break  # the broker is away: the sweeper publishes the rest
     # 2. The wait's window, memoized on the database's clock (a timeout only).
     until, now = None, None
     if timeout is not None:
         seconds = checked_delay(f"step invoke/gather {key!r:.100} timeout",
                                 timeout.total_seconds() if isinstance(timeout, timedelta) else timeout)
-        window, now = step._clock(f"{key}:invoke", seconds=seconds)
+        window, now = step.window(f"{key}:invoke", seconds=seconds)
         until = datetime.fromisoformat(window["until"])
     keys = [c[0] for c in rows]
     run_at, timed_out, reason = None, [], ""
     expired = until is not None and now is not None and now >= until
-    with step._transaction() as tx:
+    with step.transaction() as tx:
         if expired:
             # The wait is over: cancel what is unfinished *before* taking the parent's lock,
             # in the order a child's settle takes them (its row, then the lock), so the two
@@ -198,10 +200,10 @@ def _await(step: Any, key: str, children: Sequence[tuple[str, Job | str, Any]],
             run_at = worker_sql.suspend(tx, claim, outcome="suspended", until=until,
                                         delay=None if until is not None else _FOREVER,
                                         wait=(worker_sql.CHILD_WAIT, [], None),
-                                        republish_after=step._republish_after)
+                                        republish_after=step.republish_after)
             reason = "" if run_at is not None else worker_sql.why_fenced(tx, claim)
     if reason:
-        step._refused(key, reason)
+        step.stop(key, reason)
     if run_at is not None:
         raise Suspended(run_at)  # committed: the parent waits in the queue, not in this process
     # Cut short by the timeout: cancelled by it, or detached and still running.
@@ -234,48 +236,45 @@ class Member:
 #: is ten statements, and the memory of one batch's parameters, not of the whole group.
 MEMBER_BATCH = 1000
 
-#: route(publish, queue, priority) -> the Publish for a member with its own queue= / priority=.
-Route = Callable[[Publish, "str | None", "int | None"], Publish]
 
-
-def await_members(step: Any, key: str, members: Sequence[Member], *, route: Route | None = None) -> list[dict[str, Any]]:
+def await_members(step: Step, key: str, members: Sequence[Member]) -> list[dict[str, Any]]:
     """One canvas step: start ``members`` (once per (canvas run, member key), batched), give the
     worker back until every one has settled, then their outcomes in order — ``{"ok": result}``
     for a success (compact: a chord of 10,000 stores 10,000 results, not 10,000 records), the
     ``_outcome`` of a failure — memoized as the step's record."""
-    if key in step._memo:
-        return step._memo[key]  # type: ignore[no-any-return]
-    claim = step._claim
+    if key in step.records:
+        return step.records[key]  # type: ignore[no-any-return]
+    claim = step.claim
     started = f"{key}.started"  # a marker: every batch of a large step is committed (skip the INSERTs)
-    if started not in step._memo:
-        step._still_held(key)
+    if started not in step.records:
+        step.ensure_held(key)
         for i in range(0, len(members), MEMBER_BATCH):
             batch = members[i:i + MEMBER_BATCH]
-            rows = [_member_row(claim, m, step._max_bytes) for m in batch]
-            with step._transaction() as tx:
+            rows = [_member_row(claim, m, step.max_bytes) for m in batch]
+            with step.transaction() as tx:
                 held, created = worker_sql.start_members(
                     tx, claim, rows, traceparent=current_traceparent() or claim.traceparent,
-                    republish_after=step._republish_after)
+                    republish_after=step.republish_after)
                 reason = "" if held else worker_sql.why_fenced(tx, claim)
             if not held:
-                step._refused(key, reason)
-            _publish_members(step._publish, batch, created, route, step._republish_after)
+                step.stop(key, reason)
+            _publish_members(step.engine, batch, created)
         if len(members) > MEMBER_BATCH:
             step.record(started, "true", 0.0)
     run_at, reason, kids = None, "", {}
-    with step._transaction() as tx:
+    with step.transaction() as tx:
         # The trigger's lock: every member settle committed so far is visible below, and a
         # later one sees this suspension and wakes it.
         worker_sql.lock_parent(tx, claim.run_id)
         if worker_sql.members_waiting(tx, claim.run_id):
             run_at = worker_sql.suspend(tx, claim, outcome="suspended", delay=_FOREVER,
                                         wait=(worker_sql.CHILD_WAIT, [], None),
-                                        republish_after=step._republish_after)
+                                        republish_after=step.republish_after)
             reason = "" if run_at is not None else worker_sql.why_fenced(tx, claim)
         else:
             kids = worker_sql.step_members(tx, claim.run_id, key)
     if reason:
-        step._refused(key, reason)
+        step.stop(key, reason)
     if run_at is not None:
         raise Suspended(run_at)  # committed: the canvas run waits in the queue, not in this process
     outcomes = [_member_outcome(m.key, kids.get(m.key)) for m in members]
@@ -298,21 +297,16 @@ def _member_row(claim: records.Claim, m: Member, limit: int) -> tuple[str, str, 
             m.job.spec(m.data, claim.workspace_id, m.priority), m.run_id, m.delay, m.eta)
 
 
-def _publish_members(publish: Publish | None, batch: Sequence[Member], created: Sequence[tuple[uuid.UUID, str, float]],
-                     route: Route | None, republish_after: float) -> None:
+def _publish_members(engine: Engine, batch: Sequence[Member], created: Sequence[tuple[uuid.UUID, str, float]]) -> None:
     """After the commit that created them: each new member's message (its own queue= /
-    priority= through ``route``; a countdown as the database computed it). A member due
-    later than republish_after gets none now: the sweeper publishes it once due."""
-    if publish is None:
-        return
+    priority= routed by the engine's host; a countdown as the database computed it). A member
+    due later than republish_after gets none now: the sweeper publishes it once due."""
     by_id = {m.run_id: m for m in batch}
     for run_id, job_id, due_in in created:
-        if due_in > republish_after:
+        if due_in > engine.settings.republish_after:
             continue
         m = by_id.get(run_id)
-        target = publish
-        if m is not None and route is not None and (m.queue is not None or m.priority is not None):
-            target = route(publish, m.queue, m.priority)
+        target = engine.routed(m.queue, m.priority) if m is not None and not engine.host.eager else engine.publish
         if not publish_or_log(target, run_id, job_id, due_in):
             return  # the broker is away: the sweeper publishes the rest
 
@@ -345,21 +339,21 @@ def _outcome(key: str, kid: dict[str, Any] | None, timed_out: bool, timeout: Any
     return {**base, "error": error}
 
 
-def after_settle(conn: Conn, claim: records.Claim, state: str, publish: Publish | None) -> None:
-    """The runner's hook after an attempt settled: a child that reached a final state may
+def after_settle(engine: Engine, conn: Conn, claim: records.Claim, state: str) -> None:
+    """The runner's step after an attempt settled: a child that reached a final state may
     have woken its parent (the trigger did, in the settle's transaction) — publish it.
     One string test for every other run."""
-    if publish is None or state not in ("succeeded", "failed") or not claim.event_name.startswith(CHILD_EVENT_PREFIX):
+    if state not in ("succeeded", "failed") or not claim.event_name.startswith(CHILD_EVENT_PREFIX):
         return
-    publish_woken(conn, [claim.run_id], publish)
+    publish_woken(engine.publish, conn, [claim.run_id])
 
 
-def publish_woken(conn: Conn, settled: Sequence[uuid.UUID], publish: Publish | None) -> int:
+def publish_woken(publish: Publish, conn: Conn, settled: Sequence[uuid.UUID]) -> int:
     """After the commit that settled ``settled`` (a worker's settle, the sweeper's reclaim, a
     cancel): publish the parents those settles woke, each claimed first (``claim_wakes``) so
     that of several callers one publishes. Never raises: the settle is committed, and a parent
     not published here is published by the sweeper. Returns how many were published."""
-    if publish is None or not settled:
+    if not settled:
         return 0
     if conn.in_transaction():
         # The settle must be committed before its parent is published: a caller inside a

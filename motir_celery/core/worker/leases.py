@@ -6,12 +6,12 @@ renewals themselves — one fenced statement per lease length for every held
 lease a third of its lease old (``Ledger``) — come from one of two places:
 
 * **the worker's renewer** (``adapter/renewer.py``), a process of its own that
-  each holding process tells of its holds over a Unix socket (``use_renewer``,
-  set by the worker's bootstep). No body can block it, whatever it does with
+  each holding process tells of its holds over a Unix socket (``LeaseKeeper.use_renewer``,
+  called by the worker's bootstep). No body can block it, whatever it does with
   its process's GIL. It stops renewing a process's claims when that process is
   gone (its socket closes: the leases run out and the sweeper reclaims the
   runs), and any claim held past its bound;
-* **this process's engine thread** (``renew_due``), when no renewer is set
+* **this process's engine thread** (``LeaseKeeper.renew_due``), when no renewer is set
   (the engine run outside a Celery worker) or while it is unreachable (a
   WARNING says so; the worker starts it again and the holds are told again).
 
@@ -38,18 +38,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from motir_celery.core.jobs import get_job
-from motir_celery.errors import UnknownJobError
+from motir_celery.core.jobs import find_job
 from motir_celery.forks import per_process
-from motir_celery.settings import Settings, get_settings
-from motir_celery.store.db import side_engine
 from motir_celery.store.sql import worker as worker_sql
 
 if TYPE_CHECKING:
+    from motir_celery.core.engine import Engine
     from motir_celery.store.pg import Pool
 
-__all__ = ["Lease", "Ledger", "hold", "renew_due", "held_count", "use_renewer", "delegated", "parse", "HOLD",
-           "RELEASE", "HOLDER"]
+__all__ = ["Lease", "Ledger", "LeaseKeeper", "parse", "HOLD", "RELEASE", "HOLDER"]
 
 log = logging.getLogger("motir_celery.leases")
 
@@ -146,20 +143,6 @@ class Ledger:
 
 # --- this process's holds -------------------------------------------------------
 
-#: The worker's renewer socket, set in the worker's main process before its pool
-#: forks (so a prefork child inherits it); None: renew in process.
-_renewer_path: str | None = None
-#: The worker's Celery time limit (``task_time_limit`` / ``--time-limit``), the bound
-#: of a job without a ``time_limit=`` of its own.
-_worker_time_limit: float | None = None
-
-
-def use_renewer(path: str | None, *, time_limit: float | None = None) -> None:
-    """Tell the worker's renewer at ``path`` of this process's holds (and its forked children's)."""
-    global _renewer_path, _worker_time_limit
-    _renewer_path = path
-    _worker_time_limit = time_limit if _positive(time_limit) else None
-
 
 class _Holds:
     """This process's holds, and its connection to the renewer (None: renewing here)."""
@@ -230,7 +213,6 @@ class _Holds:
                     "until it is back", why)
 
 
-_holds = per_process(_Holds)
 #: (pid, socket) of every renewer connection made: a forked child closes its parent's
 #: copies, or a dead parent's holds would stay open (and renewed) while the child lives.
 _opened: list[tuple[int, socket.socket]] = []
@@ -252,61 +234,68 @@ def _positive(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
-def _bound(job_id: str, settings: Settings) -> tuple[float, str]:
-    """How long an attempt of ``job_id`` is renewed: the job's time limit, the worker's, or the setting."""
-    try:
-        limit = get_job(job_id).options.get("time_limit")
-    except UnknownJobError:
-        limit = None
-    if isinstance(limit, (int, float)) and _positive(limit):
-        return float(limit), f"time_limit={limit:g}"
-    if _worker_time_limit is not None:
-        return _worker_time_limit, f"task_time_limit={_worker_time_limit:g}"
-    return settings.max_hold_seconds, f"MOTIR_MAX_HOLD_SECONDS={settings.max_hold_seconds:g}"
+class LeaseKeeper:
+    """The engine's leases: the runs this process holds, and who renews them (the module docstring).
 
+    The worker's bootstep tells it of the renewer (``use_renewer``) in the worker's main process,
+    before its pool forks: a prefork child inherits the path, and makes its own holds (and its own
+    connection to the renewer) on its first run."""
 
-@contextmanager
-def hold(run_id: uuid.UUID, job_id: str, settings: Settings | None = None) -> Iterator[uuid.UUID]:
-    """Keep the lease of the claim of ``run_id`` made with the token yielded renewed while
-    the block runs. Enter it before the claim: the lease is then renewed from the claim's
-    commit on, whatever this process does after it (its GIL may be held by another thread)."""
-    settings = settings or get_settings()
-    now = time.monotonic()
-    seconds = settings.lease_seconds
-    bound, why = _bound(job_id, settings)
-    lease = Lease(run_id, uuid.uuid4(), seconds, now + seconds / 3, now + bound, why)
-    holds = _holds()
-    holds.ledger.add(lease)
-    with holds.lock:
-        if holds.sock is None and not holds.tried and _renewer_path is not None:
-            holds.connect(_renewer_path)  # this process's first hold (reconnects: renew_due)
-        holds.tell(lease.line(now))
-    try:
-        yield lease.token
-    finally:
-        holds.ledger.drop(lease.token)
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._holds = per_process(_Holds)
+        #: The worker's renewer socket; None: renew in process.
+        self.renewer_path: str | None = None
+        #: The worker's Celery time limit (``task_time_limit`` / ``--time-limit``), the bound of a
+        #: job without a ``time_limit=`` of its own.
+        self.worker_time_limit: float | None = None
+
+    def use_renewer(self, path: str | None, *, time_limit: float | None = None) -> None:
+        """Tell the worker's renewer at ``path`` of this process's holds (and its forked children's)."""
+        self.renewer_path = path
+        self.worker_time_limit = time_limit if _positive(time_limit) else None
+
+    def bound(self, job_id: str) -> tuple[float, str]:
+        """How long an attempt of ``job_id`` is renewed: the job's time limit, the worker's, or the setting."""
+        job = find_job(job_id)
+        limit = job.options.get("time_limit") if job is not None else None
+        if isinstance(limit, (int, float)) and _positive(limit):
+            return float(limit), f"time_limit={limit:g}"
+        if self.worker_time_limit is not None:
+            return self.worker_time_limit, f"task_time_limit={self.worker_time_limit:g}"
+        hold = self._engine.settings.max_hold_seconds
+        return hold, f"MOTIR_MAX_HOLD_SECONDS={hold:g}"
+
+    @contextmanager
+    def hold(self, run_id: uuid.UUID, job_id: str) -> Iterator[uuid.UUID]:
+        """Keep the lease of the claim of ``run_id`` made with the token yielded renewed while
+        the block runs. Enter it before the claim: the lease is then renewed from the claim's
+        commit on, whatever this process does after it (its GIL may be held by another thread)."""
+        now = time.monotonic()
+        seconds = self._engine.settings.lease_seconds
+        bound, why = self.bound(job_id)
+        lease = Lease(run_id, uuid.uuid4(), seconds, now + seconds / 3, now + bound, why)
+        holds = self._holds()
+        holds.ledger.add(lease)
         with holds.lock:
-            holds.tell(f"{RELEASE} {lease.token}\n")
+            if holds.sock is None and not holds.tried and self.renewer_path is not None:
+                holds.connect(self.renewer_path)  # this process's first hold (reconnects: renew_due)
+            holds.tell(lease.line(now))
+        try:
+            yield lease.token
+        finally:
+            holds.ledger.drop(lease.token)
+            with holds.lock:
+                holds.tell(f"{RELEASE} {lease.token}\n")
 
-
-def held_count() -> int:
-    return len(_holds().ledger.leases)
-
-
-def delegated() -> bool:
-    """This process's leases are renewed by the worker's renewer (now)."""
-    holds = _holds.peek()
-    return holds is not None and holds.sock is not None
-
-
-def renew_due() -> None:
-    """The engine thread's tick: keep in touch with the renewer, or renew the due leases here."""
-    holds = _holds()
-    if _renewer_path is not None:
-        with holds.lock:
-            holds.check()
-            if holds.sock is None and (holds.tried or holds.ledger.leases):
-                holds.connect(_renewer_path)
-        if holds.sock is not None:
-            return
-    holds.ledger.renew_due(side_engine)
+    def renew_due(self) -> None:
+        """The engine thread's tick: keep in touch with the renewer, or renew the due leases here."""
+        holds = self._holds()
+        if self.renewer_path is not None:
+            with holds.lock:
+                holds.check()
+                if holds.sock is None and (holds.tried or holds.ledger.leases):
+                    holds.connect(self.renewer_path)
+            if holds.sock is not None:
+                return
+        holds.ledger.renew_due(self._engine.side_pool)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from motir_celery.store import schema
 from motir_celery.store.sql import maintenance as maintenance_sql
 
 if TYPE_CHECKING:
@@ -40,10 +39,7 @@ MARGIN = 60.0
 
 def fold(engine: Pool, *, batches: int = 10, batch: int = BATCH, margin: float = MARGIN) -> int:
     """Fold up to ``batches`` × ``batch`` finished runs into the rollup and prune old buckets;
-    how many runs were folded. Nothing on a schema before migration 0012."""
-    with engine.connect() as conn:
-        if not schema.features(conn).flow_control:
-            return 0
+    how many runs were folded."""
     folded = 0
     for _ in range(batches):
         with engine.begin() as conn:

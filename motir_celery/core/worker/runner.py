@@ -21,15 +21,16 @@ import logging
 import uuid
 from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from motir_celery.core.jobs import Job, get_job
-from motir_celery.core.producer.direct import arguments
-from motir_celery.core.publish import Publish, publish_or_log
+from motir_celery.core.jobs import Job, find_job, get_job
+from motir_celery.core.publish import publish_or_log
+from motir_celery.core.shapes import arguments
 from motir_celery.core.tracing import run_span
-from motir_celery.core.worker import concurrency, flow, invoke, leases
+from motir_celery.core.worker import concurrency, flow, invoke
+from motir_celery.core.worker.claim import claim as claim_run
 from motir_celery.core.worker.failures import describe, storable_error
 from motir_celery.core.worker.steps import Step, encode_json
 from motir_celery.errors import (
@@ -42,13 +43,14 @@ from motir_celery.errors import (
     Suspended,
     UnknownJobError,
 )
-from motir_celery.settings import Settings, get_settings
 from motir_celery.store import records
-from motir_celery.store.db import get_pool
-from motir_celery.store.pg import ConnectionLost, Pool, PooledConnection
+from motir_celery.store.pg import ConnectionLost, PooledConnection
 from motir_celery.store.sql import worker as worker_sql
 
-__all__ = ["Event", "Outcome", "execute"]
+if TYPE_CHECKING:
+    from motir_celery.core.engine import Engine
+
+__all__ = ["Event", "Outcome", "execute", "call_handler"]
 
 log = logging.getLogger("motir_celery.runner")
 
@@ -75,9 +77,8 @@ class Outcome:
     result: Any = None
 
 
-def execute(run_id: uuid.UUID | str, *, job_id: str, worker: str, publish: Publish | None = None,
-            settings: Settings | None = None) -> Outcome:
-    settings = settings or get_settings()
+def execute(engine: Engine, run_id: uuid.UUID | str, *, job_id: str, worker: str) -> Outcome:
+    """One attempt of the run a message names (``Engine.execute``)."""
     try:
         run_uuid = run_id if isinstance(run_id, uuid.UUID) else uuid.UUID(str(run_id))
     except ValueError:
@@ -85,55 +86,41 @@ def execute(run_id: uuid.UUID | str, *, job_id: str, worker: str, publish: Publi
         shown = repr(run_id)[:100]
         log.warning("dropping message with a malformed run id %s for job %s", shown, job_id)
         return Outcome(shown, "skipped", "malformed run id")
-    engine = get_pool(settings=settings)
     try:
-        return _execute(engine, run_uuid, job_id, worker, publish, settings)
+        return _execute(engine, run_uuid, job_id, worker)
     except ConnectionLost:
         # The pooled socket died under us (a database restart): the pool replaces every
         # connection it had. Once more on a fresh socket: a claim that never reached the server
         # claims now; a run already claimed is refused here and left to its lease.
         log.info("run %s: connection lost; trying once more on a new one", run_uuid)
-        return _execute(engine, run_uuid, job_id, worker, publish, settings)
+        return _execute(engine, run_uuid, job_id, worker)
 
 
-def _execute(engine: Pool, run_uuid: uuid.UUID, job_id: str, worker: str, publish: Publish | None,
-             settings: Settings) -> Outcome:
-    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        limit = concurrency.limit_of(job_id)
-        flow_options = flow.options_of(job_id)  # throttle= / debounce= / batch=: decided at the claim
+def _execute(engine: Engine, run_uuid: uuid.UUID, job_id: str, worker: str) -> Outcome:
+    with engine.pool().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         # Held from before the claim, under the token the claim then stores: the lease is
         # renewed from the claim's commit on, whatever else holds this process's GIL.
-        with leases.hold(run_uuid, job_id, settings) as token:
-            if flow_options is not None:
-                claim = flow.claim(engine, run_uuid, job_id, flow_options, worker=worker,
-                                   lease_seconds=settings.lease_seconds, limit=limit, token=token, publish=publish,
-                                   settings=settings)
-            else:
-                claim = (worker_sql.claim(conn, run_uuid, job_id=job_id, worker=worker,
-                                          lease_seconds=settings.lease_seconds, token=token) if limit is None else
-                         concurrency.claim_limited(engine, run_uuid, job_id, worker, settings.lease_seconds, limit,
-                                                   token))
+        with engine.leases.hold(run_uuid, job_id) as token:
+            claim = claim_run(engine, conn, run_uuid, job_id=job_id, worker=worker, token=token)
             if claim is None:
                 # Duplicate or stale delivery, a run not due yet, or a forged id: ack and do nothing.
                 log.debug("run %s of %s not claimable (duplicate, stale, not due or unknown)", run_uuid, job_id)
                 return Outcome(str(run_uuid), "skipped", "not claimable")
             try:
                 with run_span(claim.job_id, str(claim.run_id), claim.attempt, claim.traceparent):
-                    outcome = _attempt(claim, conn, engine, publish, settings)
-                invoke.after_settle(conn, claim, outcome.state, publish)  # a child's settle may wake its parent
+                    outcome = _attempt(engine, claim, conn)
+                invoke.after_settle(engine, conn, claim, outcome.state)  # a child's settle may wake its parent
                 return outcome
             finally:
                 if claim.concurrency_key is not None:
-                    concurrency.free_slot(engine, claim, publish)
+                    concurrency.free_slot(engine, claim)
 
 
-def _attempt(claim: records.Claim, conn: PooledConnection, engine: Pool, publish: Publish | None,
-             settings: Settings) -> Outcome:
+def _attempt(engine: Engine, claim: records.Claim, conn: PooledConnection) -> Outcome:
     when = claim.scheduled_for
     event_data = claim.event_data if claim.event_id else {"scheduled_for": when.isoformat() if when else None}
-    step = Step(claim, conn, max_bytes=settings.max_payload_bytes, lease_seconds=settings.lease_seconds,
-                transaction=engine.begin, event_data=event_data, publish=publish,
-                republish_after=settings.republish_after)
+    step = Step(engine, claim, conn, event_data=event_data)
+    limit = engine.settings.max_payload_bytes
     run = str(claim.run_id)
     try:
         job = get_job(claim.job_id)
@@ -142,8 +129,7 @@ def _attempt(claim: records.Claim, conn: PooledConnection, engine: Pool, publish
                       scheduled_for=claim.scheduled_for)
         # batch=: the handler gets the list of the events the run gathered
         result = call_handler(job, _batch_of(conn, claim, event) if job.run_options.batch else event, step)
-        encoded = encode_json(result, what=f"the handler of {claim.job_id!r} returned a value that",
-                              limit=settings.max_payload_bytes)
+        encoded = encode_json(result, what=f"the handler of {claim.job_id!r} returned a value that", limit=limit)
     except Suspended as exc:
         # step.sleep / wait_for_event already queued the run again (no attempt charged).
         return Outcome(run, "suspended", f"until {exc.until}")
@@ -154,14 +140,14 @@ def _attempt(claim: records.Claim, conn: PooledConnection, engine: Pool, publish
         log.warning("%s", exc)
         return Outcome(run, "lost", str(exc))
     except (NonRetriableError, StepOutputError, UnknownJobError) as exc:
-        return _settle(claim, conn, publish, settings, exc, None)
+        return _settle(engine, claim, conn, exc, None)
     except RateLimited as exc:
-        return _settle(claim, conn, publish, settings, exc, exc.retry_after, defer=True)
+        return _settle(engine, claim, conn, exc, exc.retry_after, defer=True)
     except RetryAfterError as exc:
-        return _settle(claim, conn, publish, settings, exc, exc.delay)
+        return _settle(engine, claim, conn, exc, exc.delay)
     except Exception as exc:  # noqa: BLE001 — any handler error is a failed attempt
-        return _settle(claim, conn, publish, settings, exc, _backoff(claim))
-    outcome = _settle_success(claim, conn, publish, settings, encoded)
+        return _settle(engine, claim, conn, exc, _backoff(claim))
+    outcome = _settle_success(engine, claim, conn, encoded)
     return replace(outcome, result=result) if outcome.state == "succeeded" else outcome
 
 
@@ -185,24 +171,23 @@ def call_handler(job: Job, event: Any, step: Any) -> Any:
     return result
 
 
-def _settle_success(claim: records.Claim, conn: PooledConnection, publish: Publish | None, settings: Settings,
-                    encoded: str) -> Outcome:
+def _settle_success(engine: Engine, claim: records.Claim, conn: PooledConnection, encoded: str) -> Outcome:
     try:
-        if not worker_sql.settle_succeeded(conn, claim, encoded):
+        if not worker_sql.settle_succeeded(conn, claim, encoded, async_commit=engine.tuning.settle_async_commit):
             return Outcome(str(claim.run_id), _fenced_state(conn, claim))
     except psycopg.Error as refused:
-        return _settle(claim, conn, publish, settings, _refusal(claim, refused), _backoff(claim))
+        return _settle(engine, claim, conn, _refusal(claim, refused), _backoff(claim))
     return Outcome(str(claim.run_id), "succeeded")
 
 
-def _settle(claim: records.Claim, conn: PooledConnection, publish: Publish | None, settings: Settings,
-            exc: BaseException, delay: float | None, *, defer: bool = False) -> Outcome:
+def _settle(engine: Engine, claim: records.Claim, conn: PooledConnection, exc: BaseException, delay: float | None,
+            *, defer: bool = False) -> Outcome:
     """A failed (``delay`` None, or no attempts left) or deferred attempt, settled. If
     Postgres refuses that too, the attempt fails with the database's own message."""
     try:
-        return _write_settle(claim, conn, publish, settings, exc, delay, defer)
+        return _write_settle(engine, claim, conn, exc, delay, defer)
     except psycopg.Error as refused:
-        return _write_settle(claim, conn, publish, settings, _refusal(claim, refused), _backoff(claim), False)
+        return _write_settle(engine, claim, conn, _refusal(claim, refused), _backoff(claim), False)
 
 
 def _refusal(claim: records.Claim, refused: psycopg.Error) -> BaseException:
@@ -214,13 +199,14 @@ def _refusal(claim: records.Claim, refused: psycopg.Error) -> BaseException:
     return refused
 
 
-def _write_settle(claim: records.Claim, conn: PooledConnection, publish: Publish | None, settings: Settings,
-                  exc: BaseException, delay: float | None, defer: bool) -> Outcome:
+def _write_settle(engine: Engine, claim: records.Claim, conn: PooledConnection, exc: BaseException,
+                  delay: float | None, defer: bool) -> Outcome:
     run, error = str(claim.run_id), storable_error(exc)
+    republish_after = engine.settings.republish_after
     with conn.begin():
         if defer and delay is not None:
             settled, state = worker_sql.suspend(conn, claim, outcome="deferred", delay=delay, error_json=error,
-                                                republish_after=settings.republish_after) is not None, "deferred"
+                                                republish_after=republish_after) is not None, "deferred"
         elif delay is not None and claim.attempt < claim.max_attempts:
             settled, state = worker_sql.settle_retry(conn, claim, error, delay), "retrying"
         else:
@@ -236,16 +222,14 @@ def _write_settle(claim: records.Claim, conn: PooledConnection, publish: Publish
     # A short delay rides on a Celery countdown; a long one is published by the
     # sweeper once due (a long countdown is what Redis's visibility timeout
     # redelivers in a loop). The claim refuses a message that arrives early.
-    if publish is not None and delay is not None and delay <= settings.republish_after:
-        publish_or_log(publish, claim.run_id, claim.job_id, delay)
+    if delay is not None and delay <= republish_after:
+        publish_or_log(engine.publish, claim.run_id, claim.job_id, delay)
     return Outcome(run, state, f"in {delay:.1f}s")
 
 
 def _backoff(claim: records.Claim) -> float:
-    try:
-        return get_job(claim.job_id).retry_policy.delay(claim.attempt)
-    except UnknownJobError:
-        return 0.0
+    job = find_job(claim.job_id)
+    return job.retry_policy.delay(claim.attempt) if job is not None else 0.0
 
 
 def _fenced_state(conn: PooledConnection, claim: records.Claim) -> str:

@@ -10,8 +10,10 @@
 * A result must be JSON Postgres stores (``StepOutputError``); a step id is at
   most ``MAX_STEP_ID`` printable characters (``StepIdError``).
 
-``StepRun`` is the run path; ``Step`` adds sleeps, waits and ``send_event``,
-which give the worker back or emit one event per step (docs/jobs.md).
+``Step`` is the public per-attempt object: what a handler calls (``run``, sleeps, waits,
+``send_event``, ``invoke`` / ``gather``) and what the rest of the worker path builds on
+(``core/worker/invoke.py``, the canvas, the test kit's faults): its claim, its stored records,
+the next key of a step id, the fence check before a body, the refusal of a fenced write.
 """
 
 from __future__ import annotations
@@ -20,10 +22,9 @@ import json
 import re
 import time
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, TypeVar
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, NoReturn, TypeVar
 
-from motir_celery.core.producer import events
-from motir_celery.core.publish import Publish
 from motir_celery.core.runspec import path_of, value_at
 from motir_celery.core.tracing import step_span
 from motir_celery.core.worker import invoke
@@ -33,9 +34,10 @@ from motir_celery.store.records import Claim
 from motir_celery.store.sql import worker as worker_sql
 
 if TYPE_CHECKING:
+    from motir_celery.core.engine import Engine
     from motir_celery.store.driver import Conn
 
-__all__ = ["Step", "StepRun", "SEPARATOR", "MAX_STEP_ID", "encode_json"]
+__all__ = ["Step", "SEPARATOR", "MAX_STEP_ID", "encode_json"]
 
 T = TypeVar("T")
 
@@ -63,16 +65,21 @@ def encode_json(value: Any, *, what: str, limit: int) -> str:
     return encoded
 
 
-class StepRun:
-    """The run path of ``Step``: the memo, the fenced store, the step id rules."""
+class Step:
+    """One attempt of one run, as its worker holds it: handed to every handler as ``step``."""
 
-    def __init__(self, claim: Claim, conn: Conn, *, max_bytes: int, lease_seconds: float) -> None:
-        self._claim = claim
+    def __init__(self, engine: Engine, claim: Claim, conn: Conn, *, event_data: Any = None) -> None:
+        self.engine = engine
+        #: What the claim returned: the run, its token, its attempt, its stored steps.
+        self.claim = claim
         self._conn = conn  # the attempt's connection, in autocommit: one statement, one commit
         self._memo: dict[str, Any] = dict(claim.steps)
         self._seen: dict[str, int] = {}
-        self._max_bytes = max_bytes
-        self._lease = lease_seconds
+        settings = engine.settings
+        self.max_bytes = settings.max_payload_bytes
+        self._lease = settings.lease_seconds
+        self.republish_after = settings.republish_after
+        self._event_data = event_data
         # The attempt's last proof, on this process's monotonic clock, that the
         # database still gave it the run: the claim, a stored step, a renewal.
         self._confirmed = time.monotonic()
@@ -81,49 +88,61 @@ class StepRun:
 
     @property
     def run_id(self) -> str:
-        return str(self._claim.run_id)
+        return str(self.claim.run_id)
 
     @property
     def attempt(self) -> int:
         """This attempt's number, 1-based."""
-        return self._claim.attempt
+        return self.claim.attempt
+
+    @property
+    def records(self) -> Mapping[str, Any]:
+        """Every step stored for this run so far, by key (read-only)."""
+        return MappingProxyType(self._memo)
+
+    def transaction(self) -> ContextManager[Conn]:
+        """A transaction on a pooled connection of its own (a wait's lock, look-back and suspension)."""
+        return self.engine.pool().begin()
 
     def run(self, step_id: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn(*args, **kwargs)`` once for this run, or return its stored result
         (an awaitable of it when ``fn`` is a coroutine function: ``handlers.py``)."""
-        key = self._key(step_id)
+        key = self.next_key(step_id)
         if is_coroutine_function(fn):
             return coroutine_step(self, key, fn, args, kwargs)  # type: ignore[no-any-return, arg-type]
         if key in self._memo:
             return self._memo[key]  # type: ignore[no-any-return]
-        self._still_held(key)
+        self.ensure_held(key)
         with step_span(key):
             started = time.monotonic()
             value = fn(*args, **kwargs)
-            encoded = self._encode(key, value)
+            encoded = self.encode(key, value)
         return self.record(key, encoded, time.monotonic() - started)  # type: ignore[no-any-return]
 
-    def _encode(self, key: str, value: Any) -> str:
-        return encode_json(value, what=f"step {key!r} returned a value that", limit=self._max_bytes)
+    def encode(self, key: str, value: Any) -> str:
+        """``value`` as the JSON step ``key`` stores, or ``StepOutputError``."""
+        return encode_json(value, what=f"step {key!r} returned a value that", limit=self.max_bytes)
 
     def record(self, key: str, encoded: str, elapsed: float) -> Any:
         """Commit the step's record (fenced) and memoize it; raise if the run is no longer ours."""
         sent = time.monotonic()
-        if not worker_sql.store_step(self._conn, self._claim, key, encoded, elapsed):
+        if not worker_sql.store_step(self._conn, self.claim, key, encoded, elapsed):
             with self._conn.begin():
-                reason = worker_sql.why_fenced(self._conn, self._claim)
+                reason = worker_sql.why_fenced(self._conn, self.claim)
                 if reason == "held":
                     # Still ours, but the step was stored already (a duplicate id
                     # racing within one attempt): the stored value wins.
-                    self._memo[key] = worker_sql.stored_output(self._conn, self._claim, key)
+                    self._memo[key] = worker_sql.stored_output(self._conn, self.claim, key)
                     return self._memo[key]
-            self._refused(key, reason)
+            self.stop(key, reason)
         self._confirmed = sent
         self.executed.append(key)
         self._memo[key] = json.loads(encoded)
+        if self.engine.faults is not None:
+            self.engine.faults.after_record(self, key)
         return self._memo[key]
 
-    def _still_held(self, key: str) -> None:
+    def ensure_held(self, key: str) -> None:
         """Never start a body on a run this worker may have lost.
 
         The store after a body is fenced, the body itself is not: a worker frozen
@@ -133,24 +152,27 @@ class StepRun:
         since this attempt last heard from the database, renew the lease (fenced)
         first: refused means lost or cancelled, and the body does not start.
         """
+        if self.engine.faults is not None:
+            self.engine.faults.before_body(self, key)
         if time.monotonic() - self._confirmed < self._lease / 3:
             return
         sent = time.monotonic()
         with self._conn.begin():
-            held = worker_sql.renew_lease(self._conn, self._claim, self._lease)
-            reason = "" if held else worker_sql.why_fenced(self._conn, self._claim)
+            held = worker_sql.renew_lease(self._conn, self.claim, self._lease)
+            reason = "" if held else worker_sql.why_fenced(self._conn, self.claim)
         if not held:
-            self._refused(key, reason, started=False)
+            self.stop(key, reason, started=False)
         self._confirmed = sent
 
-    def _refused(self, key: str, reason: str, *, started: bool = True) -> None:
+    def stop(self, key: str, reason: str, *, started: bool = True) -> NoReturn:
+        """A fenced write was refused (``reason``: ``why_fenced``'s): end the attempt here."""
         what = f"stopped before storing step {key!r}" if started else f"step {key!r} not started"
         if reason == "cancelled":
             raise RunCancelled(f"run {self.run_id} was cancelled; {what}")
         raise LostClaim(f"run {self.run_id}: this worker lost its claim; {what}")
 
-
-    def _key(self, step_id: str) -> str:
+    def next_key(self, step_id: str) -> str:
+        """The key of ``step_id``'s next occurrence in this attempt (``charge``, ``charge:1``...)."""
         if not isinstance(step_id, str) or not step_id:
             raise StepIdError(f"step id must be a non-empty string, got {step_id!r:.100}")
         if len(step_id) > MAX_STEP_ID:
@@ -164,62 +186,49 @@ class StepRun:
         self._seen[step_id] = n + 1
         return step_id if n == 0 else f"{step_id}{SEPARATOR}{n}"
 
-
-class Step(StepRun):
-    """Handed to every handler as its second argument: ``run`` and the waits and events."""
-
-    def __init__(self, claim: Claim, conn: Conn, *, max_bytes: int, lease_seconds: float,
-                 transaction: Callable[[], ContextManager[Conn]], event_data: Any = None,
-                 publish: Publish | None = None, republish_after: float = 60.0) -> None:
-        super().__init__(claim, conn, max_bytes=max_bytes, lease_seconds=lease_seconds)
-        self._event_data = event_data
-        self._publish = publish
-        self._republish_after = republish_after
-        # A wait's lock, look-back and suspension are one transaction on a pooled connection.
-        self._transaction = transaction
-
     # --- giving the worker back ---------------------------------------------------
 
     def sleep(self, step_id: str, duration: float | timedelta) -> None:
         """Sleep ``duration`` (seconds or timedelta) without holding a worker."""
         seconds = checked_delay(f"step.sleep({step_id!r:.100}) duration",
                                 duration.total_seconds() if isinstance(duration, timedelta) else duration)
-        self._sleep(self._key(step_id), seconds=seconds)
+        self._sleep(self.next_key(step_id), seconds=seconds)
 
     def sleep_until(self, step_id: str, when: datetime) -> None:
         """Sleep until the aware instant ``when`` without holding a worker."""
         if not isinstance(when, datetime) or when.tzinfo is None:
             raise ValueError(f"step.sleep_until({step_id!r}): an aware datetime is needed, got {when!r}")
-        self._sleep(self._key(step_id), until=when)
+        self._sleep(self.next_key(step_id), until=when)
 
     def _sleep(self, key: str, *, seconds: float | None = None, until: datetime | None = None) -> None:
-        window, now = self._clock(key, seconds=seconds, until=until)
+        window, now = self.window(key, seconds=seconds, until=until)
         wake = datetime.fromisoformat(window["until"])
         if wake > now:
             self._suspend(until=wake)
 
-    def _clock(self, key: str, *, seconds: float | None = None,
+    def window(self, key: str, *, seconds: float | None = None,
                until: datetime | None = None) -> tuple[dict[str, str], datetime]:
-        """The memoized {"since", "until"} of a sleep or wait, and the database's now()."""
+        """The memoized {"since", "until"} of a sleep or wait (stored as step ``key``), and the
+        database's now()."""
         if key in self._memo:
-            assert self._claim.db_now is not None
-            return self._memo[key], self._claim.db_now
+            assert self.claim.db_now is not None
+            return self._memo[key], self.claim.db_now
         with self._conn.begin():
-            row = worker_sql.store_clock_step(self._conn, self._claim, key, seconds=seconds, until=until)
-            reason = "" if row is not None else worker_sql.why_fenced(self._conn, self._claim)
+            row = worker_sql.store_clock_step(self._conn, self.claim, key, seconds=seconds, until=until)
+            reason = "" if row is not None else worker_sql.why_fenced(self._conn, self.claim)
         if row is None:
-            self._refused(key, reason)
-        window, now = row  # type: ignore[misc]
+            self.stop(key, reason)
+        window, now = row
         self._memo[key] = window
         return window, now
 
-    def _suspend(self, *, until: datetime, wait: tuple[str, list[str], str | None] | None = None) -> None:
+    def _suspend(self, *, until: datetime, wait: tuple[str, list[str], str | None] | None = None) -> NoReturn:
         with self._conn.begin():
-            run_at = worker_sql.suspend(self._conn, self._claim, outcome="suspended", until=until, wait=wait,
-                                   republish_after=self._republish_after)
-            reason = "" if run_at is not None else worker_sql.why_fenced(self._conn, self._claim)
+            run_at = worker_sql.suspend(self._conn, self.claim, outcome="suspended", until=until, wait=wait,
+                                   republish_after=self.republish_after)
+            reason = "" if run_at is not None else worker_sql.why_fenced(self._conn, self.claim)
         if run_at is None:
-            self._refused("(suspend)", reason)
+            self.stop("(suspend)", reason)
         raise Suspended(run_at)
 
     # --- events ------------------------------------------------------------------
@@ -228,12 +237,12 @@ class Step(StepRun):
         """Emit one event, exactly once for this step across retries: its idempotency
         key derives from the run and the step, so a body that runs again after an
         interruption finds the event already sent."""
-        key = self._key(step_id)
+        key = self.next_key(step_id)
         if key in self._memo:
             return self._memo[key]
-        result = events.send_event(
-            name, data, workspace_id=workspace_id if workspace_id is not None else self._claim.workspace_id,
-            idempotency_key=f"motir.step:{self.run_id}:{key}", publish=self._publish,
+        result = self.engine.send_event(
+            name, data, workspace_id=workspace_id if workspace_id is not None else self.claim.workspace_id,
+            idempotency_key=f"motir.step:{self.run_id}:{key}",
         )
         encoded = json.dumps({"event_id": str(result.event_id), "deduplicated": result.deduplicated})
         return self.record(key, encoded, 0.0)
@@ -244,30 +253,30 @@ class Step(StepRun):
         ``"data.order_id"``) equals the triggering event's, or until ``timeout``
         (then ``None``). Returns {"id", "name", "data"} of the event. Only an event of
         this run's workspace matches (a system run's: a system event)."""
-        key = self._key(step_id)
+        key = self.next_key(step_id)
         if key in self._memo:
             return self._memo[key]  # type: ignore[no-any-return]
         seconds = checked_delay(f"step.wait_for_event({step_id!r:.100}) timeout",
                                 timeout.total_seconds() if isinstance(timeout, timedelta) else timeout)
         path = path_of(match)
         value = value_at(self._event_data, path)
-        window, now = self._clock(f"{key}{SEPARATOR}wait", seconds=seconds)
+        window, now = self.window(f"{key}{SEPARATOR}wait", seconds=seconds)
         since, until = datetime.fromisoformat(window["since"]), datetime.fromisoformat(window["until"])
         found, run_at, reason = None, None, ""
-        with self._transaction() as tx:
+        with self.transaction() as tx:
             # The exclusive twin of send_event's shared lock: every event committed so
             # far is visible to the look-back below, and every later send_event will
             # see this run's waiter when it wakes waiters. No event falls between.
             worker_sql.lock_wait(tx, event)
-            row = worker_sql.find_event(tx, event, path, value, since, self._claim.workspace_id)
+            row = worker_sql.find_event(tx, event, path, value, since, self.claim.workspace_id)
             if row is not None:
                 found = {"id": str(row["id"]), "name": row["name"], "data": row["data"]}
             elif now < until:
-                run_at = worker_sql.suspend(tx, self._claim, outcome="suspended", until=until,
-                                       wait=(event, path, value), republish_after=self._republish_after)
-                reason = "" if run_at is not None else worker_sql.why_fenced(tx, self._claim)
+                run_at = worker_sql.suspend(tx, self.claim, outcome="suspended", until=until,
+                                       wait=(event, path, value), republish_after=self.republish_after)
+                reason = "" if run_at is not None else worker_sql.why_fenced(tx, self.claim)
         if reason:
-            self._refused(key, reason)
+            self.stop(key, reason)
         if run_at is not None:
             raise Suspended(run_at)  # committed: the run waits in the queue, not in this process
         return self.record(key, json.dumps(found), 0.0)  # type: ignore[no-any-return]

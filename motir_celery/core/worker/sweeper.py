@@ -22,8 +22,7 @@ Workers run one in a background thread (``MOTIR_SWEEP_INTERVAL``; see
 slot (``job_sweep``, one conditional UPDATE), so whatever the number of hosts one
 sweep per period does the work, batch after batch while batches come back full.
 The others' attempt writes nothing. A direct call (``motir`` commands, tests)
-sweeps at once. On a schema before 0007 (code deployed before its migration) there
-is no slot: every worker sweeps each period, as before, and says so once.
+sweeps at once.
 """
 
 from __future__ import annotations
@@ -33,14 +32,15 @@ import os
 import socket
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from motir_celery.core.publish import Publish, publish_or_log
+from motir_celery.core.publish import publish_or_log
 from motir_celery.core.worker import rollup
 from motir_celery.core.worker.invoke import publish_woken
-from motir_celery.settings import Settings, get_settings
-from motir_celery.store import schema
-from motir_celery.store.db import get_pool
 from motir_celery.store.sql import maintenance as maintenance_sql
+
+if TYPE_CHECKING:
+    from motir_celery.core.engine import Engine
 
 __all__ = ["SweepReport", "sweep"]
 
@@ -66,17 +66,16 @@ class SweepReport:
     folded: int = 0
 
 
-def sweep(publish: Publish | None, *, settings: Settings | None = None, batch: int = 500,
-          once_per_period: bool = False) -> SweepReport:
-    settings = settings or get_settings()
-    engine = get_pool(settings=settings)
+def sweep(engine: Engine, *, batch: int = 500, once_per_period: bool = False) -> SweepReport:
+    """One sweep (see the module docstring); ``once_per_period``: only if this process takes the
+    fleet's sweep slot for the period (a worker's engine thread)."""
+    settings = engine.settings
+    pool = engine.pool()
     batches = 1
     if once_per_period:
-        with engine.begin() as conn:
-            # Before migration 0007 there is no slot: sweep every period, as that release did.
-            if schema.features(conn).sweep_slot and not maintenance_sql.take_sweep_slot(
-                    conn, worker=f"{socket.gethostname()}/{os.getpid()}",
-                    period_seconds=SLOT_SHARE * settings.sweep_interval):
+        with pool.begin() as conn:
+            if not maintenance_sql.take_sweep_slot(conn, worker=f"{socket.gethostname()}/{os.getpid()}",
+                                                   period_seconds=SLOT_SHARE * settings.sweep_interval):
                 return SweepReport(swept=False)
         # The fleet's only sweep this period: it also takes what the other hosts' sweeps
         # would have, up to MAX_BATCHES a half.
@@ -84,32 +83,31 @@ def sweep(publish: Publish | None, *, settings: Settings | None = None, batch: i
     reclaimed: list[tuple[uuid.UUID, str, str]] = []
     lost: list[tuple[uuid.UUID, str]] = []
     for _ in range(batches):
-        with engine.begin() as conn:
+        with pool.begin() as conn:
             taken = maintenance_sql.reclaim_expired(conn, batch=batch)
         reclaimed += taken
         if len(taken) < batch:
             break
     for _ in range(batches):
-        with engine.begin() as conn:
+        with pool.begin() as conn:
             stale = maintenance_sql.republish_due(conn, after_seconds=settings.republish_after, batch=batch)
         lost += stale
         if len(stale) < batch:
             break
     requeued = [(run_id, job_id) for run_id, job_id, state in reclaimed if state == "queued"]
     failed = [run_id for run_id, _, state in reclaimed if state == "failed"]
-    if failed and publish is not None:
-        with engine.connect() as conn:  # a failed child may have woken its parent: send it now
-            publish_woken(conn, failed, publish)
-    if publish is not None:
-        pending = requeued + lost
-        for i, (run_id, job_id) in enumerate(pending):
-            if not publish_or_log(publish, run_id, job_id):
-                # The broker is away: stop here rather than wait out its retries once per
-                # run. Every row was stamped, so the next re-publish pass takes them.
-                log.warning("sweep: broker unavailable; %d runs left for the next pass", len(pending) - i)
-                break
+    if failed:
+        with pool.connect() as conn:  # a failed child may have woken its parent: send it now
+            publish_woken(engine.publish, conn, failed)
+    pending = requeued + lost
+    for i, (run_id, job_id) in enumerate(pending):
+        if not publish_or_log(engine.publish, run_id, job_id):
+            # The broker is away: stop here rather than wait out its retries once per
+            # run. Every row was stamped, so the next re-publish pass takes them.
+            log.warning("sweep: broker unavailable; %d runs left for the next pass", len(pending) - i)
+            break
     try:  # third, once nothing is lost: the period's fold of finished runs into the stats rollup
-        folded = rollup.fold(engine, batches=batches)
+        folded = rollup.fold(pool, batches=batches)
     except Exception:  # noqa: BLE001 — the next period folds them (nothing is marked until counted)
         log.warning("sweep: the stats rollup's fold failed; the next sweep folds those runs", exc_info=True)
         folded = 0

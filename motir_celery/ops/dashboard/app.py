@@ -58,18 +58,18 @@ from starlette.routing import Route
 from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from motir_celery.core.engine import Engine
 from motir_celery.core.operator import bulk as bulk_ops
 from motir_celery.core.operator import dlq as dlq_ops
 from motir_celery.core.operator import resume as resume_ops
-from motir_celery.core.publish import Publish
 from motir_celery.errors import ConfigurationError, MotirError
 from motir_celery.ops import insights, reads
 from motir_celery.ops.dashboard import charts
 from motir_celery.ops.dashboard.auth import AuthConfig, Authenticator, AuthError, CsrfTokens, Identity, is_loopback
 from motir_celery.ops.metrics import build_registry
 from motir_celery.ops.timefmt import format_ago, format_duration, format_instant, parse_since
-from motir_celery.settings import Settings, get_settings
-from motir_celery.store.db import primary_wal_lsn, workspace_session
+from motir_celery.settings import Settings
+from motir_celery.store.db import primary_wal_lsn
 from motir_celery.store.models import RUN_STATES
 
 __all__ = ["DashboardConfig", "create_app", "check_bind", "NOTICES", "ERRORS"]
@@ -120,22 +120,16 @@ class DashboardConfig:
         )
 
 
-def _default_publish() -> Publish:
-    from motir_celery.adapter.celery_app import default_app, publisher
-
-    return publisher(default_app())
-
-
 class _Dashboard:
-    def __init__(self, config: DashboardConfig, settings: Settings | None, publish: Publish | None) -> None:
+    def __init__(self, config: DashboardConfig, engine: Engine) -> None:
         self.config = config
-        self.settings = settings
+        self.engine = engine
+        self.settings = settings = engine.settings
         self.auth = Authenticator(config.auth)
         self.csrf = CsrfTokens(config.secret)
-        self._publish = publish
         self.registry = build_registry(window=config.metrics_window, settings=settings,
                                        by_workspace=config.metrics_by_workspace)
-        self.sweep_interval = (settings or get_settings()).sweep_interval  # how often the rollup is folded
+        self.sweep_interval = settings.sweep_interval  # how often the rollup is folded
         self.templates = Jinja2Templates(directory=str(HERE / "templates"))
         env = self.templates.env
         env.filters["instant"] = format_instant
@@ -148,14 +142,17 @@ class _Dashboard:
 
     # --- plumbing -------------------------------------------------------------
 
-    def publisher(self) -> Publish:
-        """Built on first replay: a dashboard that never replays never needs the broker."""
-        if self._publish is None:
-            self._publish = _default_publish()
-        return self._publish
+    def has_broker(self) -> bool:
+        """Whether runs can be published from here (the engine's Celery app is built on the first
+        replay: a dashboard that never replays never needs the broker)."""
+        try:
+            self.engine.host
+        except ConfigurationError:
+            return False
+        return True
 
     def session(self, who: Identity) -> Any:
-        return workspace_session(who.workspace, admin=who.admin, settings=self.settings)
+        return self.engine.session(who.workspace, admin=who.admin)
 
     @staticmethod
     def caller(who: Identity) -> dlq_ops.Caller:
@@ -380,17 +377,14 @@ class _Dashboard:
         def act() -> Response:
             if dlq_id is None:
                 return self.problem(request, 404, "no such DLQ entry in your workspace", who)
-            try:
-                publish = self.publisher()
-            except ConfigurationError:
-                log.exception("replay of %s by %s: no broker", dlq_id, who.user)
+            if not self.has_broker():
+                log.error("replay of %s by %s: no broker", dlq_id, who.user)
                 return _back("/dlq", error="no-broker")
             if confirm != "1" and self.keyed(who, dlq_id):
                 # The page warned (a required checkbox); a POST without it is refused, not guessed.
                 return _back("/dlq", error="confirm-key")
             try:
-                result = dlq_ops.replay_as(self.caller(who), dlq_id, idempotency_key=key, publish=_tolerant(publish),
-                                           settings=self.settings)
+                result = dlq_ops.replay_as(self.engine, self.caller(who), dlq_id, idempotency_key=key)
             except MotirError:  # e.g. the job is not defined in this process
                 log.exception("replay of %s by %s failed", dlq_id, who.user)
                 return _back("/dlq", error="replay-failed")
@@ -410,13 +404,10 @@ class _Dashboard:
         def act() -> Response:
             if dlq_id is None:
                 return self.problem(request, 404, "no such DLQ entry in your workspace", who)
-            try:
-                publish = self.publisher()
-            except ConfigurationError:
-                log.exception("resume of %s by %s: no broker", dlq_id, who.user)
+            if not self.has_broker():
+                log.error("resume of %s by %s: no broker", dlq_id, who.user)
                 return _back("/dlq", error="no-broker")
-            result = resume_ops.resume_as(self.caller(who), dlq_id, publish=_tolerant(publish),
-                                          settings=self.settings)
+            result = resume_ops.resume_as(self.engine, self.caller(who), dlq_id)
             if result.status == "not_found":
                 return self.problem(request, 404, f"no DLQ entry {dlq_id} in your workspace", who)
             if result.status in ("resumed", "already_resumed") and result.run_id is not None:
@@ -429,7 +420,7 @@ class _Dashboard:
         dlq_id = _path_id(request, "dlq_id")
 
         def act() -> Response:
-            status = dlq_ops.dismiss_as(self.caller(who), dlq_id, settings=self.settings) if dlq_id else "not_found"
+            status = dlq_ops.dismiss_as(self.engine, self.caller(who), dlq_id) if dlq_id else "not_found"
             if status == "not_found":
                 return self.problem(request, 404, f"no DLQ entry {dlq_id or ''} in your workspace", who)
             return self.back(who, "/dlq", **({"notice": "dismissed"} if status == "dismissed" else {"error": "closed"}))
@@ -465,8 +456,8 @@ class _Dashboard:
             flt, f = self.bulk_filter(q, who, read.now)
             if flt.empty:
                 return None, f, read
-            preview = bulk_ops.bulk_dlq(action, flt, caller=self.caller(who), dry_run=True, limit=BULK_LIMIT,
-                                        sample=10, settings=self.settings)
+            preview = bulk_ops.bulk_dlq(self.engine, action, flt, caller=self.caller(who), dry_run=True,
+                                        limit=BULK_LIMIT, sample=10)
             return preview, f, read
 
         preview, f, read = await run_in_threadpool(load)
@@ -496,15 +487,11 @@ class _Dashboard:
             flt, f = self.bulk_filter(values, who, read.now)
             if flt.empty:
                 raise BadParameter("job", "a bulk action needs at least one filter")
-            publish = None
-            if action != "dismiss":
-                try:
-                    publish = _tolerant(self.publisher())
-                except ConfigurationError:
-                    log.exception("bulk %s by %s: no broker", action, who.user)
-                    return _back("/dlq", error="no-broker")
-            outcome = bulk_ops.bulk_dlq(action, flt, caller=self.caller(who), rate=BULK_RATE, limit=expect,
-                                        publish=publish, settings=self.settings)
+            if action != "dismiss" and not self.has_broker():
+                log.error("bulk %s by %s: no broker", action, who.user)
+                return _back("/dlq", error="no-broker")
+            outcome = bulk_ops.bulk_dlq(self.engine, action, flt, caller=self.caller(who), rate=BULK_RATE,
+                                        limit=expect)
             log.info("bulk %s by %s (%s): %s", action, who.user, f, outcome.counts)
             return self.render(request, who, "dlq_bulk.html", f=f, action=action, actions=bulk_ops.ACTIONS,
                                preview=None, outcome=outcome, expected=expect, changed=outcome.matched != expect,
@@ -516,12 +503,8 @@ class _Dashboard:
         run_id = _path_id(request, "run_id")
 
         def act() -> Response:
-            try:
-                publish: Publish | None = _tolerant(self.publisher())  # a parent waiting for it is sent at once
-            except ConfigurationError:
-                publish = None  # no broker here: the sweeper sends the parent
-            status = (dlq_ops.cancel_as(self.caller(who), run_id, publish=publish, settings=self.settings)
-                      if run_id else "not_found")
+            # A parent waiting for it is sent at once (no broker here: by the sweeper).
+            status = dlq_ops.cancel_as(self.engine, self.caller(who), run_id) if run_id else "not_found"
             if status == "not_found":
                 return self.problem(request, 404, f"no run {run_id or ''} in your workspace", who)
             return self.back(who, f"/runs/{run_id}", **({"notice": "cancelled"} if status == "cancelled"
@@ -647,19 +630,6 @@ def check_bind(host: str, config: DashboardConfig, settings: Settings) -> None:
             "(and MOTIR_ADMIN_DATABASE_URL for admins), or bind 127.0.0.1")
 
 
-def _tolerant(publish: Publish) -> Publish:
-    """The run is committed before publishing; if the broker is down the sweeper
-    publishes it later, so a broker error must not turn a done replay into a 500."""
-
-    def wrapped(run_id: uuid.UUID, job_id: str, countdown: float) -> None:
-        try:
-            publish(run_id, job_id, countdown)
-        except Exception:  # noqa: BLE001 — logged; the sweeper publishes it later
-            log.warning("replay of run %s committed but not published; the sweeper will", run_id, exc_info=True)
-
-    return wrapped
-
-
 def _back(path: str, **message: str) -> Response:
     return RedirectResponse(path + ("?" + urlencode(message) if message else ""), status_code=303)
 
@@ -703,18 +673,25 @@ def create_app(
     config: DashboardConfig | None = None,
     *,
     settings: Settings | None = None,
-    publish: Publish | None = None,
+    engine: Engine | None = None,
 ) -> Starlette:
-    """The ASGI app. ``publish`` sends replayed runs to the broker; default: the
-    engine's Celery app, built on the first replay."""
+    """The ASGI app, acting through ``engine`` (default: one with ``settings``, else the current
+    engine): replayed runs go to its broker — its Celery app, built on the first replay — and
+    every read and write to its database (a replay, through a broker error, is committed and the
+    sweeper publishes it)."""
     config = config or DashboardConfig.from_env()
-    settings = settings or get_settings()
+    if engine is None:
+        from motir_celery.adapter.celery_app import default_engine
+        from motir_celery.core.current import current
+
+        engine = default_engine(settings) if settings is not None else current()
+    settings = engine.settings
     # Replay needs the failed job's definition in this process, as a worker does.
     import importlib
 
     for module in settings.imports:
         importlib.import_module(module)
-    d = _Dashboard(config, settings, publish)
+    d = _Dashboard(config, engine)
     routes = [
         Route("/", d.index),
         Route("/runs", d.page(d.runs)),

@@ -110,16 +110,6 @@ LIVE_TRIGGERS = Statement(
     """,
 )
 
-SCHEMA_FEATURES = Statement(
-    "schema_features",
-    "Which later migrations' objects exist in this schema (no table is read: catalogue lookups only).",
-    """
-    SELECT to_regclass('job_sweep') IS NOT NULL AS sweep_slot,                 -- 0007
-           to_regproc('motir_direct_run') IS NOT NULL AS checked_enqueue,       -- 0008
-           to_regproc('motir_gather') IS NOT NULL AS flow_control               -- 0012 (and job_stats_rollup)
-    """,
-)
-
 # --- motir doctor's probes of the server (as the engine login) ----------------------------------
 
 SERVER_VERSION = Statement(

@@ -300,17 +300,10 @@ PURGE_RUNS = Statement(
     _purge_runs(fold=True),
 )
 
-PURGE_RUNS_BEFORE_0012 = Statement(
-    "purge_runs_before_0012",
-    "PURGE_RUNS on a schema before migration 0012 (code deployed before it): no stats rollup to fold into.",
-    _purge_runs(fold=False),
-)
-
-
-def purge_runs(conn: Conn, *, age: float, batch: int, fold: bool = True) -> dict[str, int]:
+def purge_runs(conn: Conn, *, age: float, batch: int) -> dict[str, int]:
     """One batch of ``PURGE_RUNS``: how many runs, steps, attempts and events it deleted, and how many
-    of those runs it folded into the stats rollup (``fold=False``: the schema has no rollup yet)."""
-    row = first(conn, PURGE_RUNS if fold else PURGE_RUNS_BEFORE_0012, {"age": age, "batch": batch})
+    of those runs it folded into the stats rollup."""
+    row = first(conn, PURGE_RUNS, {"age": age, "batch": batch})
     assert row is not None
     return {k: int(v) for k, v in row.items()}
 
@@ -359,16 +352,9 @@ PURGE_EVENTS = Statement(
         AND NOT EXISTS (SELECT 1 FROM job_batch_item b WHERE b.event_id = e.id)   -- nor a batch's (by event_id)"""),
 )
 
-PURGE_EVENTS_BEFORE_0012 = Statement(
-    "purge_events_before_0012",
-    "PURGE_EVENTS on a schema before migration 0012 (code deployed before it): no batches to look at.",
-    _PURGE_EVENTS.format(batches=""),
-)
-
-
-def purge_events(conn: Conn, *, age: float, batch: int, batches: bool = True) -> int:
-    """One batch of ``PURGE_EVENTS``: how many events it deleted (``batches=False``: before 0012)."""
-    return len(rows(conn, PURGE_EVENTS if batches else PURGE_EVENTS_BEFORE_0012, {"age": age, "batch": batch}))
+def purge_events(conn: Conn, *, age: float, batch: int) -> int:
+    """One batch of ``PURGE_EVENTS``: how many events it deleted."""
+    return len(rows(conn, PURGE_EVENTS, {"age": age, "batch": batch}))
 
 
 PURGE_COUNTS = Statement(

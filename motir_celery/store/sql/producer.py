@@ -300,42 +300,6 @@ DIRECT_RUN = Statement(
     """,
 )
 
-#: DIRECT_RUN on a schema before 0008 (the code deployed before its migration; store/schema.py).
-DIRECT_RUN_BEFORE_0008 = Statement(
-    "direct_run_before_0008",
-    "DIRECT_RUN as one statement of its own, for a schema that has no motir_direct_run yet.",
-    """
-    WITH e AS (
-      INSERT INTO job_event (name, data, workspace_id, idempotency_key)
-      VALUES (%(name)s, CAST(%(data)s AS jsonb), %(workspace_id)s, %(key)s)
-      -- (name, idempotency_key) is unique and the name is the job's own: a key
-      -- (Celery's task_id) used twice for this job writes nothing. NULL keys never conflict.
-      ON CONFLICT DO NOTHING
-      RETURNING id, name, workspace_id
-    ), due AS (
-      -- countdown is a duration on the database's clock; eta an absolute instant the
-      -- caller chose (bound as timestamptz, so its zone is kept). Never this process's clock.
-      SELECT coalesce(CAST(%(eta)s AS timestamptz), now() + make_interval(secs => %(countdown)s)) AS run_at
-    ), runs AS (
-      INSERT INTO job_queue (event_id, job_id, event_name, workspace_id, max_attempts, retry_policy, priority,
-                             singleton_key, concurrency_key, cancel_key, traceparent, run_at, dispatched_at)
-      SELECT e.id, %(job_id)s, e.name, e.workspace_id, %(max_attempts)s, %(policy)s, %(priority)s,
-             %(singleton)s, %(concurrency)s, %(cancel_key)s, %(traceparent)s, due.run_at,
-             -- due later than republish_after: no message now, the sweeper publishes it once due
-             -- ("message older than republish_after" then holds at run_at); else published now.
-             greatest(now(), due.run_at - make_interval(secs => %(after)s))
-      FROM e, due
-      -- No conflict target: one run per (event, job), one active run per (job, singleton_key).
-      ON CONFLICT DO NOTHING
-      RETURNING id, run_at
-    )
-    SELECT e.id AS event_id, runs.id AS run_id,
-           -- seconds until due by the database's clock: the Celery countdown of its message
-           extract(epoch FROM runs.run_at - now())::float8 AS due_in
-    FROM e LEFT JOIN runs ON true
-    """,
-)
-
 DIRECT_RUN_EXISTING = Statement(
     "direct_run_existing",
     "The run a refused direct run stands for: the one its idempotency key made, or the active run of its singleton key.",

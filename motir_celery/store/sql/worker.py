@@ -38,7 +38,6 @@ import uuid
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Sequence
 
-from motir_celery.settings import get_settings
 from motir_celery.store.driver import Statement, first, rows
 from motir_celery.store.records import Claim, RunSpec
 
@@ -92,8 +91,8 @@ CLAIM = Statement(
            (SELECT coalesce(jsonb_object_agg(s.step_id, s.output), '{}'::jsonb)
               FROM job_step s WHERE s.run_id = c.id) AS steps,
            now() AS db_now, c.concurrency_key, c.traceparent,
-           -- MOTIR_CLAIM_ASYNC_COMMIT (on by default): this commit does not wait for the
-           -- WAL flush. Hazard: a crash of Postgres itself may lose the claim; the run is
+           -- async_commit (the engine's, on: docs/reliability.md): this commit does not wait for
+           -- the WAL flush. Hazard: a crash of Postgres itself may lose the claim; the run is
            -- then queued again with the attempt uncharged, and no step is lost, because
            -- every step record and settle after it is a flushed commit later in the WAL.
            CASE WHEN %(async_commit)s THEN set_config('synchronous_commit', 'off', true) END AS async_commit
@@ -103,11 +102,10 @@ CLAIM = Statement(
 
 
 def claim(conn: Conn, run_id: uuid.UUID, *, job_id: str, worker: str, lease_seconds: float,
-          concurrency_limit: int | None = None, token: uuid.UUID | None = None) -> Claim | None:
+          async_commit: bool, concurrency_limit: int | None = None, token: uuid.UUID | None = None) -> Claim | None:
     """Move a queued, due run to running for this worker; ``None`` if it is not ours to run."""
     row = first(conn, CLAIM, {"run_id": run_id, "job_id": job_id, "worker": worker, "lease": lease_seconds,
-                              "limit": concurrency_limit, "async_commit": get_settings().claim_async_commit,
-                              "token": token})
+                              "limit": concurrency_limit, "async_commit": async_commit, "token": token})
     if row is None:
         return None
     del row["async_commit"]
@@ -637,8 +635,8 @@ SETTLE_SUCCEEDED = Statement(
         AND r.outcome = 'running'              -- the open attempt, not an earlier one
     )
     SELECT count(*) AS settled,
-           -- MOTIR_SETTLE_ASYNC_COMMIT (on by default): this commit does not wait for the WAL
-           -- flush (one flush of a run's four; the reply, and the run's end, a flush sooner).
+           -- async_commit (the engine's, on: docs/reliability.md): this commit does not wait for
+           -- the WAL flush (one flush of a run's four; the reply, and the run's end, a flush sooner).
            -- Every step record before it is a flushed commit, so nothing a step stored can be
            -- lost. Hazard: a crash of Postgres itself within about three wal_writer_delay of the
            -- settle (and before any later flushed commit on the server) undoes it: the run is
@@ -654,10 +652,10 @@ SETTLE_SUCCEEDED = Statement(
 )
 
 
-def settle_succeeded(conn: Conn, claim_: Claim, result_json: str) -> bool:
+def settle_succeeded(conn: Conn, claim_: Claim, result_json: str, *, async_commit: bool) -> bool:
     """Settle a run that succeeded; ``False`` when fenced (cancelled or reclaimed)."""
     row = first(conn, SETTLE_SUCCEEDED, {"run_id": claim_.run_id, "token": claim_.token, "result": result_json,
-                                         "async_commit": get_settings().settle_async_commit})
+                                         "async_commit": async_commit})
     return row is not None and row["settled"] == 1
 
 
