@@ -110,7 +110,7 @@ def database_url() -> Iterator[str]:
 def engine(database_url: str) -> Engine:
     from motir_celery.store.db import get_engine
 
-    return get_engine(database_url)
+    return get_engine(motir_settings.Settings.from_env(), database_url)
 
 
 @pytest.fixture(scope="session")
@@ -132,15 +132,15 @@ def amqp_url() -> str:
 
 
 @pytest.fixture(autouse=True)
-def _publishing_app_restored() -> Iterator[None]:
+def _current_engine_restored() -> Iterator[None]:
     """A test that attach()es an app of its own (or imports a module that does, as
-    tests/fixtures/user_app.py) publishes through it; the tests after it publish through the
-    app they would have had, not that one (its broker or queue may be another's)."""
-    from motir_celery.adapter import celery_app
+    tests/fixtures/user_app.py) makes that app's engine current; the tests after it publish
+    through the engine they would have had, not that one (its broker or queue may be another's)."""
+    from motir_celery.core.current import make_current, peek
 
-    before = celery_app.publishing_app()
+    before = peek()
     yield
-    celery_app.use_as_default(before)
+    make_current(before)
 
 
 @pytest.fixture(autouse=True)
@@ -158,7 +158,7 @@ def _clean_tables(request: pytest.FixtureRequest) -> Iterator[None]:
             motir_settings.reset_settings()
         for attempt in range(5):
             try:
-                with get_engine(url).begin() as conn:
+                with get_engine(motir_settings.Settings.from_env(), url).begin() as conn:
                     conn.execute(text(
                         "TRUNCATE job_run_dlq, job_step, job_run, job_queue, job_event, job_stats_rollup,"
                         " test.side_effect CASCADE;"

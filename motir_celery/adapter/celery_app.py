@@ -83,7 +83,7 @@ from motir_celery.adapter.hosting import engine_of, host, hosts
 from motir_celery.adapter.messages import GUARDED_TRANSPORT, CeleryHost
 from motir_celery.adapter.protocol import run_to_execute
 from motir_celery.adapter.worker import EngineStep, engine_thread
-from motir_celery.core.current import current, make_current, peek
+from motir_celery.core.current import current, default, make_current, peek
 from motir_celery.core.engine import Engine, Tuning
 from motir_celery.core.jobs import TASK_OPTIONS, Job, find_job, on_job_defined
 from motir_celery.core.publish import Host
@@ -113,11 +113,12 @@ def _host_of(app: Celery) -> CeleryHost:
 
 def default_app() -> Celery:
     """The app the current engine publishes through — the one given to ``motir_celery.attach``,
-    else ours, built from the environment on first use — with its job modules imported (a
-    producer fans an event out to the jobs it knows)."""
+    else ours, built from the environment on first use (also while the test kit's engine is
+    current) — with its job modules imported (a producer fans an event out to the jobs it knows)."""
     hosted = current().host
     if not isinstance(hosted, CeleryHost):
-        raise ConfigurationError(f"the current motir engine publishes through {hosted!r}, not a Celery app")
+        hosted = default().host
+        assert isinstance(hosted, CeleryHost)
     import_jobs(hosted.app)
     return hosted.app
 

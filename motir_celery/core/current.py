@@ -18,48 +18,58 @@ from motir_celery.errors import ConfigurationError
 if TYPE_CHECKING:
     from motir_celery.core.engine import Engine
 
-__all__ = ["current", "peek", "make_current", "use_default"]
+__all__ = ["current", "default", "peek", "make_current", "use_default"]
 
 
 class _Lookup:
-    """The current engine, and how to build the default one (a holder: no ``global`` rebinding)."""
+    """The engine made current, the default one, and how to build it (a holder: no ``global`` rebinding)."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.engine: Engine | None = None
-        self.default: Callable[[], Engine] | None = None
+        self.default: Engine | None = None
+        self.factory: Callable[[], Engine] | None = None
 
 
 _lookup = _Lookup()
 
 
 def current() -> Engine:
-    """The current engine; the default one, built now, if none was made current."""
+    """The engine made current; the default one if none was."""
     engine = _lookup.engine
+    return engine if engine is not None else default()
+
+
+def default() -> Engine:
+    """The default engine, built on first use: what ``current()`` is when no engine was made current,
+    and the engine whose Celery app ``celery -A motir_celery`` runs."""
+    engine = _lookup.default
     if engine is not None:
         return engine
     with _lookup.lock:
-        if _lookup.engine is None:
-            if _lookup.default is None:
+        if _lookup.default is None:
+            if _lookup.factory is None:
                 raise ConfigurationError("no motir engine: import motir_celery, or attach(app) a Celery app")
-            _lookup.engine = _lookup.default()
-        return _lookup.engine
+            _lookup.default = _lookup.factory()
+        return _lookup.default
 
 
 def peek() -> Engine | None:
-    """The current engine if one is, without building the default."""
+    """The engine made current, if one was (None: ``current()`` is the default)."""
     return _lookup.engine
 
 
 def make_current(engine: Engine | None) -> Engine | None:
-    """Make ``engine`` current (None: the default is built again on the next ``current()``);
-    returns the engine current before, for a caller that restores it."""
+    """Make ``engine`` current; returns the engine made current before, for a caller that restores it.
+    None: the default again — built anew on its next use, from the environment as it is then."""
     with _lookup.lock:
         before, _lookup.engine = _lookup.engine, engine
+        if engine is None:
+            _lookup.default = None
     return before
 
 
 def use_default(factory: Callable[[], Engine]) -> None:
-    """How ``current()`` builds an engine when none was made current."""
+    """How the default engine is built."""
     with _lookup.lock:
-        _lookup.default = factory
+        _lookup.factory = factory

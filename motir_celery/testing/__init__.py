@@ -7,6 +7,6 @@ statements, no broker and no worker — and can kill an attempt after any step a
 time.
 """
 
-from motir_celery.testing.kit import DrainError, Handle, Motir, WorkerCrash
+from motir_celery.testing.kit import DrainError, Handle, Held, Motir, WorkerCrash
 
-__all__ = ["Motir", "Handle", "WorkerCrash", "DrainError"]
+__all__ = ["Motir", "Handle", "WorkerCrash", "DrainError", "Held"]

@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 from sqlalchemy import Engine as SqlEngine
 
-from motir_celery.core.current import make_current
+from motir_celery.core.current import default, make_current
 from motir_celery.core.engine import Engine
 from motir_celery.core.jobs import Job, all_jobs, get_job
 from motir_celery.core.producer.events import SendResult
@@ -50,7 +50,7 @@ from motir_celery.store.records import Queued
 from motir_celery.store.sql import producer as producer_sql
 from motir_celery.store.sql import testing as testing_sql
 
-__all__ = ["Motir", "WorkerCrash", "Handle", "DrainError"]
+__all__ = ["Motir", "WorkerCrash", "Handle", "DrainError", "Held"]
 
 
 class WorkerCrash(BaseException):
@@ -79,6 +79,24 @@ class _Crash:
     after: bool  # after the record commits; else before the body starts
 
 
+class Held(list[tuple[uuid.UUID, str, float]]):
+    """A host that holds every message as ``(run_id, job_id, countdown)``: an engine built with it
+    (``Engine(settings, host=Held())``) writes runs and publishes nothing — for a test that
+    looks at what would have been sent."""
+
+    eager = False
+
+    def publish(self, run_id: uuid.UUID, job_id: str, countdown: float = 0.0) -> None:
+        self.append((run_id, job_id, countdown))
+
+    def publish_many(self, runs: Sequence[tuple[uuid.UUID, str]]) -> None:
+        for run_id, job_id in runs:
+            self.publish(run_id, job_id)
+
+    def routed(self, queue: str | None, priority: int | None) -> Publish:
+        return self.publish
+
+
 class _Held:
     """The kit engine's host: each message is held in ``Motir.published`` — or, when the app the
     code under test would have published through is in Celery's eager mode, its run is executed
@@ -91,8 +109,10 @@ class _Held:
 
     @property
     def eager(self) -> bool:
-        before = self.kit.before
-        host = before.built_host if before is not None else None
+        # The engine the code would publish through without the kit: the one made current
+        # before it (an attached app's), else the default (motir_celery.app's).
+        before = self.kit.before if self.kit.before is not None else default()
+        host = before.built_host
         return host is not None and host.eager and not self.kit.draining
 
     def publish(self, run_id: uuid.UUID, job_id: str, countdown: float = 0.0) -> None:
