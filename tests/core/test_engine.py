@@ -20,29 +20,34 @@ from sqlalchemy.orm import Session
 
 import tests.fixtures.jobs  # noqa: F401  (registers the test jobs)
 from motir_celery import CancelOn
+from motir_celery.core.engine import Engine, Tuning
 from motir_celery.core.jobs import define_job
 from motir_celery.core.operator import dlq
 from motir_celery.core.producer import events
-from motir_celery.core.worker import leases, runner, sweeper
+from motir_celery.core.worker import runner
+from motir_celery.core.worker.claim import claim as engine_claim
 from motir_celery.errors import JobDefinitionError, PayloadError, RetryAfterError, StepOutputError
-from motir_celery.settings import reset_settings
+from motir_celery.settings import Settings
 from motir_celery.store import records
-from motir_celery.store.db import get_pool
 from motir_celery.store.pg import ConnectionLost
 from motir_celery.store.sql import maintenance as maintenance_sql
 from motir_celery.store.sql import worker as worker_sql
+from motir_celery.testing import Held
 from tests.conftest import count_effects, run_state
 
 
-class Published(list):  # type: ignore[type-arg]
-    """A publish callable that records (run_id, job_id, countdown)."""
+def holding(published: Any = None, settings: Settings | None = None) -> Engine:
+    """An engine on the test database (the environment's settings unless given) whose messages
+    are held in ``published`` (a ``Held``), not sent to a broker."""
+    return Engine(settings, host=published if published is not None else Held())
 
-    def __call__(self, run_id: uuid.UUID, job_id: str, countdown: float = 0.0) -> None:
-        self.append((run_id, job_id, countdown))
+
+def send(name: str, data: Any, **options: Any) -> events.SendResult:
+    return holding().send_event(name, data, **options)
 
 
-def execute(run_id: Any, job_id: str, publish: Any = None, worker: str = "test/1") -> runner.Outcome:
-    return runner.execute(run_id, job_id=job_id, worker=worker, publish=publish)
+def execute(run_id: Any, job_id: str, published: Held | None = None, worker: str = "test/1") -> runner.Outcome:
+    return holding(published).execute(run_id, job_id=job_id, worker=worker)
 
 
 def one(engine, sql: str, **params: Any) -> Any:  # type: ignore[no-untyped-def]
@@ -52,7 +57,7 @@ def one(engine, sql: str, **params: Any) -> Any:  # type: ignore[no-untyped-def]
 
 def claim(engine, run_id: uuid.UUID, job_id: str, worker: str = "w") -> records.Claim | None:  # type: ignore[no-untyped-def]
     with engine.begin() as conn:
-        return worker_sql.claim(conn, run_id, job_id=job_id, worker=worker, lease_seconds=30)
+        return worker_sql.claim(conn, run_id, job_id=job_id, worker=worker, lease_seconds=30, async_commit=True)
 
 
 def expire_lease(engine, run_id: uuid.UUID) -> None:  # type: ignore[no-untyped-def]
@@ -65,11 +70,11 @@ def expire_lease(engine, run_id: uuid.UUID) -> None:  # type: ignore[no-untyped-
 
 
 def test_event_with_two_subscribers_makes_two_runs_and_redispatch_makes_none(engine):  # type: ignore[no-untyped-def]
-    published = Published()
-    result = events.send_event("test.mixed", {"switch": "x"}, publish=published)
+    published = Held()
+    result = holding(published).send_event("test.mixed", {"switch": "x"})
     assert sorted(r.job_id for r in result.runs) == ["test.mixed-fail", "test.mixed-ok"]
     assert len(result.run_ids) == 2 and len(published) == 2
-    again = events.dispatch_event(result.event_id, publish=published)
+    again = events.dispatch_event(holding(published), result.event_id)
     assert all(isinstance(r, records.AlreadyQueued) for r in again)
     assert len(published) == 2
     assert one(engine, "SELECT count(*) FROM job_queue")[0] == 2
@@ -84,29 +89,29 @@ def test_jobs_defined_after_the_first_send_subscribe_to_and_cancel_on_the_next_o
     event, stop = f"test.late-{tag}", f"test.late-stop-{tag}"
     early, late = f"test.late-b-{tag}", f"test.late-a-{tag}"
     define_job(early, event=event, retry_policy="none")(_late)
-    first = events.send_event(event, {"k": "x"}, publish=Published())
+    first = holding().send_event(event, {"k": "x"})
     assert [r.job_id for r in first.runs] == [early] and first.cancelled == []
     define_job(late, event=event, retry_policy="none", cancel_on=[CancelOn(event=stop, match="data.k")])(_late)
     define_job(early, event=event, retry_policy="none")(_late)  # its module imported again: still one subscriber
-    second = events.send_event(event, {"k": "x"}, publish=Published())
+    second = holding().send_event(event, {"k": "x"})
     assert [r.job_id for r in second.runs] == [late, early]  # by job id
-    stopped = events.send_event(stop, {"k": "x"}, publish=Published())
+    stopped = holding().send_event(stop, {"k": "x"})
     assert stopped.runs == [] and stopped.cancelled == [r.run_id for r in second.runs if r.job_id == late]
     define_job(late, event=stop, retry_policy="none")(_late)  # defined again: another event, no cancel_on rule
-    assert [r.job_id for r in events.send_event(event, {"k": "y"}, publish=Published()).runs] == [early]
-    moved = events.send_event(stop, {"k": "y"}, publish=Published())
+    assert [r.job_id for r in holding().send_event(event, {"k": "y"}).runs] == [early]
+    moved = holding().send_event(stop, {"k": "y"})
     assert [r.job_id for r in moved.runs] == [late] and moved.cancelled == []
 
 
 def test_workspace_comes_from_the_payload_when_not_given(engine):  # type: ignore[no-untyped-def]
-    result = events.send_event("test.three", {"workspace_id": "acme"})
+    result = send("test.three", {"workspace_id": "acme"})
     assert one(engine, "SELECT workspace_id FROM job_queue WHERE id = :id", id=result.run_ids[0])[0] == "acme"
     assert one(engine, "SELECT workspace_id FROM job_event WHERE id = :id", id=result.event_id)[0] == "acme"
 
 
 def test_reused_idempotency_key_writes_nothing_and_says_so(engine):  # type: ignore[no-untyped-def]
-    first = events.send_event("test.three", {}, idempotency_key="k1")
-    second = events.send_event("test.three", {"other": 1}, idempotency_key="k1")
+    first = send("test.three", {}, idempotency_key="k1")
+    second = send("test.three", {"other": 1}, idempotency_key="k1")
     assert not first.deduplicated and second.deduplicated
     assert second.event_id == first.event_id and second.runs == []
     assert one(engine, "SELECT count(*) FROM job_event")[0] == 1
@@ -116,7 +121,7 @@ def test_reused_idempotency_key_writes_nothing_and_says_so(engine):  # type: ign
 @pytest.mark.parametrize("data", [{1, 2}, {"when": object()}, float("nan"), {"s": "nul\x00byte"}])
 def test_non_json_payload_is_refused_before_anything_is_written(engine, data):  # type: ignore[no-untyped-def]
     with pytest.raises(PayloadError, match="test.three"):
-        events.send_event("test.three", data)
+        send("test.three", data)
     assert one(engine, "SELECT count(*) FROM job_event")[0] == 0
 
 
@@ -125,7 +130,7 @@ def test_payload_over_the_size_limit_is_refused(engine, monkeypatch):  # type: i
 
     small = Settings.from_env({**__import__("os").environ, "MOTIR_MAX_PAYLOAD_BYTES": "100"})
     with pytest.raises(PayloadError, match="over the 100-byte limit"):
-        events.send_event("test.three", {"blob": "x" * 200}, settings=small)
+        holding(settings=small).send_event("test.three", {"blob": "x" * 200})
 
 
 @pytest.fixture
@@ -150,29 +155,29 @@ def test_a_send_the_database_refuses_writes_nothing_and_leaves_the_pool_usable(e
     """send_event's one round trip (BEGIN, event, runs, wake-up, COMMIT pipelined):
     a statement that fails takes the whole transaction with it, and the pooled
     connection comes back clean for the next send."""
-    published = Published()
+    published = Held()
     refusing["on"] = True
     with pytest.raises(psycopg.errors.CheckViolation, match="ck_job_queue_attempts"):
-        events.send_event("test.three", {"n": "refused"}, publish=published)
+        holding(published).send_event("test.three", {"n": "refused"})
     refusing["on"] = False
     assert published == []
     assert one(engine, "SELECT count(*) FROM job_event WHERE data->>'n' = 'refused'")[0] == 0
     aborted = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND state LIKE '%aborted%'"
     assert one(engine, aborted)[0] == 0  # no pooled connection left inside the failed transaction
-    assert len(events.send_event("test.three", {"n": "next"}, publish=published).run_ids) == 1
+    assert len(holding(published).send_event("test.three", {"n": "next"}).run_ids) == 1
     assert len(published) == 1
 
 
 def test_a_send_refused_inside_a_savepoint_leaves_the_callers_transaction_usable(engine, refusing):  # type: ignore[no-untyped-def]
     """With session=, the pipelined statements run in the caller's transaction: a refusal
     is the caller's to roll back (here to its savepoint), never ours to end."""
-    published = Published()
+    published = Held()
     with Session(engine) as session:
         with session.begin():
-            events.send_event("test.three", {"n": "kept"}, session=session, publish=published)
+            holding(published).send_event("test.three", {"n": "kept"}, session=session)
             refusing["on"] = True
             with pytest.raises(DBAPIError, match="ck_job_queue_attempts"), session.begin_nested():
-                events.send_event("test.three", {"n": "refused"}, session=session, publish=published)
+                holding(published).send_event("test.three", {"n": "refused"}, session=session)
             refusing["on"] = False
     assert one(engine, "SELECT count(*) FROM job_event WHERE data->>'n' = 'kept'")[0] == 1
     assert one(engine, "SELECT count(*) FROM job_event WHERE data->>'n' = 'refused'")[0] == 0
@@ -180,10 +185,10 @@ def test_a_send_refused_inside_a_savepoint_leaves_the_callers_transaction_usable
 
 
 def test_send_event_in_a_rolled_back_session_writes_and_publishes_nothing(engine):  # type: ignore[no-untyped-def]
-    published = Published()
+    published = Held()
     with Session(engine) as session:
         with session.begin():
-            events.send_event("test.three", {"n": 1}, session=session, publish=published)
+            holding(published).send_event("test.three", {"n": 1}, session=session)
             assert published == []  # nothing before the commit
             session.rollback()
     assert published == []
@@ -194,13 +199,14 @@ def test_send_event_in_a_rolled_back_session_writes_and_publishes_nothing(engine
 def test_send_event_in_a_session_publishes_only_after_commit(engine):  # type: ignore[no-untyped-def]
     seen_at_publish: list[str | None] = []
 
-    def publish(run_id: uuid.UUID, job_id: str, countdown: float = 0.0) -> None:
-        # Another connection must already see the row: the commit happened first.
-        seen_at_publish.append(run_state(engine, run_id))
+    class Looking(Held):
+        def publish(self, run_id: uuid.UUID, job_id: str, countdown: float = 0.0) -> None:
+            # Another connection must already see the row: the commit happened first.
+            seen_at_publish.append(run_state(engine, run_id))
 
     with Session(engine) as session:
         with session.begin():
-            result = events.send_event("test.three", {"n": 1}, session=session, publish=publish)
+            result = holding(Looking()).send_event("test.three", {"n": 1}, session=session)
             session.execute(text("SELECT 1"))
             assert seen_at_publish == []
     assert seen_at_publish == ["queued"]
@@ -211,7 +217,7 @@ def test_send_event_in_a_session_publishes_only_after_commit(engine):  # type: i
 
 
 def test_a_run_not_yet_due_is_not_claimed(engine):  # type: ignore[no-untyped-def]
-    (run_id,) = events.send_event("test.three", {}).run_ids
+    (run_id,) = send("test.three", {}).run_ids
     with engine.begin() as conn:
         conn.execute(text("UPDATE job_queue SET run_at = now() + interval '1 hour' WHERE id = :id"), {"id": run_id})
     assert execute(run_id, "test.three-steps").state == "skipped"
@@ -220,7 +226,7 @@ def test_a_run_not_yet_due_is_not_claimed(engine):  # type: ignore[no-untyped-de
 
 
 def test_a_message_naming_another_job_or_a_forged_id_claims_nothing(engine):  # type: ignore[no-untyped-def]
-    (run_id,) = events.send_event("test.three", {}).run_ids
+    (run_id,) = send("test.three", {}).run_ids
     assert execute(run_id, "test.slow").state == "skipped"
     assert execute(uuid.uuid4(), "test.three-steps").state == "skipped"
     assert execute("not-a-uuid'; DROP TABLE job_queue;--", "test.three-steps").state == "skipped"
@@ -237,7 +243,7 @@ def test_repeated_step_ids_get_a_counter_and_the_separator_is_reserved(engine): 
             step.run("charge:1", lambda: 99)
         return values
 
-    (run_id,) = events.send_event("test.repeats", {}).run_ids
+    (run_id,) = send("test.repeats", {}).run_ids
     assert execute(run_id, "test.repeats").state == "succeeded"
     with engine.connect() as conn:
         ids = conn.execute(text("SELECT step_id FROM job_step WHERE run_id = :r ORDER BY step_id"),
@@ -251,7 +257,7 @@ def test_non_json_step_result_fails_the_run_with_the_step_and_type_named(engine)
     def bad_output(event: Any, step: Any) -> Any:
         return step.run("make-set", lambda: {1, 2})
 
-    (run_id,) = events.send_event("test.bad-output", {}).run_ids
+    (run_id,) = send("test.bad-output", {}).run_ids
     assert execute(run_id, "test.bad-output").state == "failed"  # deterministic: no retry
     failure = one(engine, "SELECT failure FROM job_run_dlq WHERE run_id = :r", r=run_id)[0]
     assert failure["type"].endswith("StepOutputError")
@@ -270,7 +276,7 @@ def test_a_step_that_returns_none_is_stored_as_json_null_and_replayed(engine):  
             raise RuntimeError("retried: the stored nulls are replayed")
         return first
 
-    (run_id,) = events.send_event("test.none", {}).run_ids
+    (run_id,) = send("test.none", {}).run_ids
     assert execute(run_id, "test.none").state == "retrying"
     with engine.begin() as conn:
         conn.execute(text("UPDATE job_queue SET run_at = now() WHERE id = :r"), {"r": run_id})
@@ -286,29 +292,29 @@ def test_a_step_output_with_a_nul_character_fails_the_run_naming_the_step(engine
     def nul_output(event: Any, step: Any) -> Any:
         return step.run("nul", lambda: "a\x00b")
 
-    (run_id,) = events.send_event("test.nul-output", {}).run_ids
+    (run_id,) = send("test.nul-output", {}).run_ids
     assert execute(run_id, "test.nul-output").state == "failed"
     failure = one(engine, "SELECT failure FROM job_run_dlq WHERE run_id = :r", r=run_id)[0]
     assert failure["type"].endswith("StepOutputError") and "'nul'" in failure["message"]
 
 
 def test_a_zombie_whose_lease_was_reclaimed_can_neither_write_a_step_nor_settle(engine):  # type: ignore[no-untyped-def]
-    (run_id,) = events.send_event("test.three", {}).run_ids
+    (run_id,) = send("test.three", {}).run_ids
     zombie = claim(engine, run_id, "test.three-steps", worker="zombie")
     assert zombie is not None
     expire_lease(engine, run_id)
-    assert sweeper.sweep(None).requeued == 1
+    assert holding().sweep().requeued == 1
     rescuer = claim(engine, run_id, "test.three-steps", worker="rescuer")
     assert rescuer is not None and rescuer.token != zombie.token
     with engine.begin() as conn:
         assert worker_sql.store_step(conn, zombie, "a", '"zombie"', 0.0) is False
         assert worker_sql.renew_lease(conn, zombie, 30) is False
-        assert worker_sql.settle_succeeded(conn, zombie, '"zombie"') is False
+        assert worker_sql.settle_succeeded(conn, zombie, '"zombie"', async_commit=True) is False
         assert worker_sql.settle_failed(conn, zombie, '{"type": "x"}') is None
         assert worker_sql.settle_retry(conn, zombie, '{"type": "x"}', 0) is False
     with engine.begin() as conn:
         assert worker_sql.store_step(conn, rescuer, "a", '"rescuer"', 0.0) is True
-        assert worker_sql.settle_succeeded(conn, rescuer, '"done"') is True
+        assert worker_sql.settle_succeeded(conn, rescuer, '"done"', async_commit=True) is True
     assert one(engine, "SELECT output FROM job_step WHERE run_id = :r", r=run_id)[0] == "rescuer"
     assert run_state(engine, run_id) == "succeeded"
 
@@ -316,7 +322,7 @@ def test_a_zombie_whose_lease_was_reclaimed_can_neither_write_a_step_nor_settle(
 def test_a_stored_step_keeps_its_value_and_a_cancelled_run_stores_nothing(engine):  # type: ignore[no-untyped-def]
     from motir_celery import cancel_run
 
-    (run_id,) = events.send_event("test.three", {}).run_ids
+    (run_id,) = send("test.three", {}).run_ids
     held = claim(engine, run_id, "test.three-steps")
     assert held is not None
     with engine.begin() as conn:
@@ -334,14 +340,14 @@ def test_a_stored_step_keeps_its_value_and_a_cancelled_run_stores_nothing(engine
 def test_a_step_record_and_a_settle_in_a_transaction_that_rolls_back_are_not_kept(engine):  # type: ignore[no-untyped-def]
     """The per-step statements go through libpq itself on the runner's autocommit connection
     (store/driver.py); on a connection in a transaction they must stay in that transaction."""
-    (run_id,) = events.send_event("test.three", {}).run_ids
+    (run_id,) = send("test.three", {}).run_ids
     held = claim(engine, run_id, "test.three-steps")
     assert held is not None
     for _ in range(2):  # the second time, each statement is prepared on the connection already
         with engine.connect() as conn:
             tx = conn.begin()
             assert worker_sql.store_step(conn, held, "a", '"rolled back"', 0.0) is True
-            assert worker_sql.settle_succeeded(conn, held, '"rolled back"') is True
+            assert worker_sql.settle_succeeded(conn, held, '"rolled back"', async_commit=True) is True
             tx.rollback()
         assert one(engine, "SELECT count(*) FROM job_step WHERE run_id = :r", r=run_id)[0] == 0
         assert run_state(engine, run_id) == "running"
@@ -352,7 +358,7 @@ def test_a_reclaim_racing_a_step_write_never_loses_the_stored_step(engine):  # t
     (SKIP LOCKED) or, holding it first, makes the write re-check its fence and refuse.
     Either way the next claim's memo preload agrees with what was stored."""
     for _ in range(20):
-        (run_id,) = events.send_event("test.three", {}).run_ids
+        (run_id,) = send("test.three", {}).run_ids
         holder = claim(engine, run_id, "test.three-steps")
         assert holder is not None
         expire_lease(engine, run_id)
@@ -366,14 +372,14 @@ def test_a_reclaim_racing_a_step_write_never_loses_the_stored_step(engine):  # t
 
         def reclaim() -> None:
             barrier.wait()
-            sweeper.sweep(None)
+            holding().sweep()
 
         threads = [threading.Thread(target=write), threading.Thread(target=reclaim)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        sweeper.sweep(None)  # if the first sweep skipped the locked row, this one reclaims it
+        holding().sweep()  # if the first sweep skipped the locked row, this one reclaims it
         new = claim(engine, run_id, "test.three-steps")
         assert new is not None
         assert ("a" in new.steps) == stored[0]
@@ -420,7 +426,7 @@ def test_every_step_is_committed_before_the_next_body_starts_and_before_the_sett
         seen.append(_stored_steps(engine, event.run_id))
         return "ok"
 
-    (run_id,) = events.send_event("test.committed-each", {}).run_ids
+    (run_id,) = send("test.committed-each", {}).run_ids
     assert execute(run_id, "test.committed-each").state == "succeeded"
     assert seen == [[], ["a"], ["a", "b"], ["a", "b", "c"]]
     assert _commits(engine, run_id) == {"a": False, "b": False, "c": False}  # none rode in the settle
@@ -435,13 +441,13 @@ def test_a_step_record_that_waits_on_a_lock_is_committed_before_the_next_body(en
         step.run("second", lambda: seen_by_second.append(_stored_steps(engine, event.run_id)) or 2)
         return holder
 
-    (run_id,) = events.send_event("test.lagging", {}).run_ids
+    (run_id,) = send("test.lagging", {}).run_ids
     assert execute(run_id, "test.lagging").state == "succeeded"
     assert seen_by_second == [["first"]]
 
 
 def test_a_handler_failing_after_its_last_step_keeps_that_step_for_the_retry(engine):  # type: ignore[no-untyped-def]
-    (run_id,) = events.send_event("test.flaky", {}).run_ids  # test.fail-after-two: raises after step b
+    (run_id,) = send("test.flaky", {}).run_ids  # test.fail-after-two: raises after step b
     assert execute(run_id, "test.fail-after-two").state == "retrying"
     with engine.connect() as conn:
         stored = conn.execute(text("SELECT step_id FROM job_step WHERE run_id = :r ORDER BY step_id"),
@@ -454,43 +460,43 @@ def test_a_handler_failing_after_its_last_step_keeps_that_step_for_the_retry(eng
             count_effects(engine, run_id, "c")) == (1, 1, 1)
 
 
-def test_the_claim_and_a_succeeded_settle_commit_without_waiting_for_the_wal_flush(engine, monkeypatch):  # type: ignore[no-untyped-def]
+def test_the_claim_and_a_succeeded_settle_commit_without_waiting_for_the_wal_flush(engine):  # type: ignore[no-untyped-def]
     """The claim and a succeeded settle turn synchronous_commit off for their own
     transaction (a lost claim is a run queued again; a lost settle is a run reclaimed
     at its lease and replayed from its flushed steps); a step write keeps the server's
-    setting, and nothing leaks into the next transaction. MOTIR_CLAIM_ASYNC_COMMIT=0
-    and MOTIR_SETTLE_ASYNC_COMMIT=0 (the ablation's "off") leave both flushed."""
-    (run_id,) = events.send_event("test.three", {}).run_ids
+    setting, and nothing leaks into the next transaction. An engine built with
+    ``Tuning(claim_async_commit=False, settle_async_commit=False)`` (the ablation's "off")
+    leaves both flushed."""
     setting = "SELECT current_setting('synchronous_commit')"
-    with engine.begin() as conn:
-        held = worker_sql.claim(conn, run_id, job_id="test.three-steps", worker="w", lease_seconds=30)
-        assert held is not None
-        assert conn.execute(text(setting)).scalar_one() == "off"
+
+    def claim_as(motir: Engine, run_id: uuid.UUID) -> records.Claim:
+        with engine.begin() as conn:
+            held = engine_claim(motir, conn, run_id, job_id="test.three-steps", worker="w", token=uuid.uuid4())
+            assert held is not None
+            assert conn.execute(text(setting)).scalar_one() == ("off" if motir.tuning.claim_async_commit else "on")
+        return held
+
+    def settle_as(motir: Engine, held: records.Claim) -> None:
+        with engine.begin() as conn:
+            assert worker_sql.settle_succeeded(conn, held, '"done"',
+                                               async_commit=motir.tuning.settle_async_commit) is True
+            assert conn.execute(text(setting)).scalar_one() == ("off" if motir.tuning.settle_async_commit else "on")
+
+    default = holding()
+    assert default.tuning.claim_async_commit and default.tuning.settle_async_commit  # on unless a benchmark says
+    (run_id,) = send("test.three", {}).run_ids
+    held = claim_as(default, run_id)
     with engine.begin() as conn:
         assert worker_sql.store_step(conn, held, "a", '{"n":1}', 0.0) is True
         assert conn.execute(text(setting)).scalar_one() == "on"
-    with engine.begin() as conn:
-        assert worker_sql.settle_succeeded(conn, held, '"done"') is True
-        assert conn.execute(text(setting)).scalar_one() == "off"
+    settle_as(default, held)
     with engine.begin() as conn:  # nothing leaks into the next transaction
         assert conn.execute(text(setting)).scalar_one() == "on"
     assert run_state(engine, run_id) == "succeeded"
-    (other,) = events.send_event("test.three", {"n": 2}).run_ids
-    monkeypatch.setenv("MOTIR_CLAIM_ASYNC_COMMIT", "0")
-    monkeypatch.setenv("MOTIR_SETTLE_ASYNC_COMMIT", "0")
-    reset_settings()
-    try:
-        with engine.begin() as conn:
-            held = worker_sql.claim(conn, other, job_id="test.three-steps", worker="w", lease_seconds=30)
-            assert held is not None
-            assert conn.execute(text(setting)).scalar_one() == "on"
-        with engine.begin() as conn:
-            assert worker_sql.settle_succeeded(conn, held, '"done"') is True
-            assert conn.execute(text(setting)).scalar_one() == "on"
-    finally:
-        monkeypatch.delenv("MOTIR_CLAIM_ASYNC_COMMIT")
-        monkeypatch.delenv("MOTIR_SETTLE_ASYNC_COMMIT")
-        reset_settings()
+    flushed = Engine(host=Held(), tuning=Tuning(claim_async_commit=False, settle_async_commit=False))
+    (other,) = send("test.three", {"n": 2}).run_ids
+    settle_as(flushed, claim_as(flushed, other))
+    assert run_state(engine, other) == "succeeded"
 
 
 def _pid(conn) -> int:  # type: ignore[no-untyped-def]
@@ -501,7 +507,7 @@ def _pid(conn) -> int:  # type: ignore[no-untyped-def]
 def _kill_the_pooled_connection(engine) -> int:  # type: ignore[no-untyped-def]
     """Leave exactly one connection in the engine's pool (the one runs use), with its server
     process terminated: the next statement on it meets a dead socket."""
-    pool = get_pool()
+    pool = holding().pool()
     pool.dispose()
     with pool.connect() as conn:
         doomed = _pid(conn)
@@ -518,13 +524,14 @@ def test_a_hot_statement_on_a_dead_socket_raises_a_disconnect_that_invalidates_i
     flagged so the pool replaces it."""
     from sqlalchemy.exc import DBAPIError
 
-    (run_id,) = events.send_event("test.three", {}).run_ids
+    (run_id,) = send("test.three", {}).run_ids
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         doomed = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
         with engine.pool._creator().cursor() as admin:  # a connection outside the pool
             admin.execute("SELECT pg_terminate_backend(%s)", (doomed,))
         with pytest.raises(DBAPIError) as raised:
-            worker_sql.claim(conn, run_id, job_id="test.three-steps", worker="w", lease_seconds=30)
+            worker_sql.claim(conn, run_id, job_id="test.three-steps", worker="w", lease_seconds=30,
+                                      async_commit=True)
         assert raised.value.connection_invalidated
     with engine.connect() as conn:
         assert conn.execute(text("SELECT pg_backend_pid()")).scalar_one() != doomed
@@ -535,12 +542,13 @@ def test_a_hot_statement_on_a_dead_socket_raises_a_disconnect_that_invalidates_i
 def test_a_statement_on_a_dead_socket_of_the_engines_pool_raises_connection_lost_and_replaces_it(engine):  # type: ignore[no-untyped-def]
     """The engine's own pool (no SQLAlchemy): the error is ConnectionLost, the connection is
     dropped, and the next checkout gets a live one; nothing of the claim happened."""
-    (run_id,) = events.send_event("test.three", {}).run_ids
+    (run_id,) = send("test.three", {}).run_ids
     doomed = _kill_the_pooled_connection(engine)
-    pool = get_pool()
+    pool = holding().pool()
     with pool.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         with pytest.raises(ConnectionLost):
-            worker_sql.claim(conn, run_id, job_id="test.three-steps", worker="w", lease_seconds=30)
+            worker_sql.claim(conn, run_id, job_id="test.three-steps", worker="w", lease_seconds=30,
+                                      async_commit=True)
     with pool.connect() as conn:
         assert _pid(conn) != doomed
     assert pool.checkedout() == 0
@@ -548,21 +556,21 @@ def test_a_statement_on_a_dead_socket_of_the_engines_pool_raises_connection_lost
 
 
 def test_a_pooled_socket_killed_under_the_worker_is_replaced_and_the_run_claimed(engine):  # type: ignore[no-untyped-def]
-    (run_id,) = events.send_event("test.three", {}).run_ids
+    (run_id,) = send("test.three", {}).run_ids
     doomed = _kill_the_pooled_connection(engine)
     assert execute(run_id, "test.three-steps").state == "succeeded"
-    with get_pool().connect() as conn:
+    with holding().pool().connect() as conn:
         assert _pid(conn) != doomed  # the run's statements went on a new connection
 
 
 def test_a_run_hands_its_connection_back_to_the_pool_when_it_ends(engine):  # type: ignore[no-untyped-def]
     """A run holds one connection while it runs and none between runs: a threads pool of
     N never needs more than N connections, whatever happened before."""
-    first, second = (events.send_event("test.three", {"i": i}).run_ids[0] for i in range(2))
+    first, second = (send("test.three", {"i": i}).run_ids[0] for i in range(2))
     assert execute(first, "test.three-steps").state == "succeeded"
-    assert get_pool().checkedout() == 0
+    assert holding().pool().checkedout() == 0
     assert execute(second, "test.three-steps").state == "succeeded"
-    assert get_pool().checkedout() == 0
+    assert holding().pool().checkedout() == 0
 
 
 def test_retry_after_error_requeues_at_the_requested_time_on_the_database_clock(engine):  # type: ignore[no-untyped-def]
@@ -570,9 +578,9 @@ def test_retry_after_error_requeues_at_the_requested_time_on_the_database_clock(
     def retry_after(event: Any, step: Any) -> Any:
         raise RetryAfterError(120)
 
-    published = Published()
-    (run_id,) = events.send_event("test.retry-after", {}).run_ids
-    assert execute(run_id, "test.retry-after", publish=published).state == "retrying"
+    published = Held()
+    (run_id,) = send("test.retry-after", {}).run_ids
+    assert execute(run_id, "test.retry-after", published).state == "retrying"
     row = one(engine, "SELECT state, extract(epoch FROM run_at - now()) AS wait FROM job_queue WHERE id = :r", r=run_id)
     assert row.state == "queued" and 110 < row.wait <= 120
     # 120 s is beyond MOTIR_REPUBLISH_AFTER's default: the sweeper publishes it when due, not a countdown.
@@ -582,7 +590,7 @@ def test_retry_after_error_requeues_at_the_requested_time_on_the_database_clock(
 def test_cancelling_a_queued_run_means_it_never_starts(engine):  # type: ignore[no-untyped-def]
     from motir_celery import cancel_run
 
-    (run_id,) = events.send_event("test.three", {}).run_ids
+    (run_id,) = send("test.three", {}).run_ids
     assert cancel_run(run_id) is True
     assert execute(run_id, "test.three-steps").state == "skipped"
     assert run_state(engine, run_id) == "cancelled"
@@ -609,7 +617,7 @@ def test_cancelling_a_running_run_stops_it_at_the_next_step_boundary(engine):  #
         step.run("second", second)
         step.run("third", lambda: reached.append("third") or 3)
 
-    (run_id,) = events.send_event("test.cancellable", {}).run_ids
+    (run_id,) = send("test.cancellable", {}).run_ids
     assert execute(run_id, "test.cancellable").state == "cancelled"
     assert reached == ["first", "second"]  # the body in flight finishes; its result is not stored
     with engine.connect() as conn:
@@ -623,10 +631,10 @@ def test_cancelling_a_running_run_stops_it_at_the_next_step_boundary(engine):  #
 
 
 def test_failure_beyond_the_retry_budget_leaves_a_failed_run_and_its_dlq_row(engine):  # type: ignore[no-untyped-def]
-    published = Published()
-    result = events.send_event("test.doomed", {"order": 7}, workspace_id="acme", idempotency_key="doom-1")
+    published = Held()
+    result = send("test.doomed", {"order": 7}, workspace_id="acme", idempotency_key="doom-1")
     (run_id,) = result.run_ids
-    assert execute(run_id, "test.doomed", publish=published).state == "retrying"
+    assert execute(run_id, "test.doomed", published).state == "retrying"
     assert published == [(run_id, "test.doomed", pytest.approx(0.1))]
     with engine.begin() as conn:  # skip the backoff
         conn.execute(text("UPDATE job_queue SET run_at = now() WHERE id = :r"), {"r": run_id})
@@ -646,7 +654,7 @@ def test_failed_run_and_dlq_row_are_one_transaction_and_a_refused_settle_follows
     """Make the DLQ insert fail inside the settle: the run is not marked failed either,
     and the attempt is not left to its lease — it ends with the database's own message
     and the run is retried under its policy."""
-    (run_id,) = events.send_event("test.refuses", {}).run_ids
+    (run_id,) = send("test.refuses", {}).run_ids
     with engine.begin() as conn:
         conn.execute(text("""
             CREATE FUNCTION test.crash() RETURNS trigger LANGUAGE plpgsql AS
@@ -671,14 +679,14 @@ def test_failed_run_and_dlq_row_are_one_transaction_and_a_refused_settle_follows
     assert (row.state, row.dlq) == ("failed", 1)
 
 def test_non_retriable_error_goes_straight_to_the_dlq(engine):  # type: ignore[no-untyped-def]
-    (run_id,) = events.send_event("test.refuses", {}).run_ids
+    (run_id,) = send("test.refuses", {}).run_ids
     assert execute(run_id, "test.refuses").state == "failed"
     assert one(engine, "SELECT attempts FROM job_queue WHERE id = :r", r=run_id)[0] == 1
     assert one(engine, "SELECT count(*) FROM job_run_dlq WHERE run_id = :r", r=run_id)[0] == 1
 
 
 def _fail_mixed(engine, switch: str, key: str | None = None):  # type: ignore[no-untyped-def]
-    result = events.send_event("test.mixed", {"switch": switch}, idempotency_key=key)
+    result = send("test.mixed", {"switch": switch}, idempotency_key=key)
     for r in result.runs:
         execute(r.run_id, r.job_id)
     return result, one(engine, "SELECT id FROM job_run_dlq")[0]
@@ -690,8 +698,8 @@ def test_replay_runs_only_the_failed_job_and_records_the_actor(engine):  # type:
     result, dlq_id = _fail_mixed(engine, "sw-1")
     ok_run = next(r.run_id for r in result.runs if r.job_id == "test.mixed-ok")
     record(runner.Event("x", {}, None, None, "sw-1", 1), "fixed")  # the operator fixed the dependency
-    published = Published()
-    replay = dlq.replay_dlq(dlq_id, actor="alice@example.com", publish=published)
+    published = Held()
+    replay = holding(published).replay_dlq(dlq_id, actor="alice@example.com")
     assert replay.status == "replayed"
     assert published == [(replay.run_id, "test.mixed-fail", 0.0)]
     assert execute(replay.run_id, "test.mixed-fail").state == "succeeded"
@@ -709,7 +717,7 @@ def test_two_concurrent_replays_of_one_entry_make_one_run(engine):  # type: igno
 
     def replay(actor: str) -> None:
         barrier.wait()
-        results.append(dlq.replay_dlq(dlq_id, actor=actor))
+        results.append(holding().replay_dlq(dlq_id, actor=actor))
 
     threads = [threading.Thread(target=replay, args=(a,)) for a in ("alice", "bob")]
     for t in threads:
@@ -722,10 +730,10 @@ def test_two_concurrent_replays_of_one_entry_make_one_run(engine):  # type: igno
 
 def test_replay_of_an_idempotency_keyed_event_is_deduplicated_until_given_a_new_key(engine):  # type: ignore[no-untyped-def]
     _, dlq_id = _fail_mixed(engine, "sw-3", key="order-42")
-    replay = dlq.replay_dlq(dlq_id, actor="alice")
+    replay = holding().replay_dlq(dlq_id, actor="alice")
     assert replay.status == "deduplicated"
     assert one(engine, "SELECT replayed_at FROM job_run_dlq WHERE id = :d", d=dlq_id)[0] is None
-    again = dlq.replay_dlq(dlq_id, actor="alice", idempotency_key="order-42-replay-1")
+    again = holding().replay_dlq(dlq_id, actor="alice", idempotency_key="order-42-replay-1")
     assert again.status == "replayed" and again.run_id is not None
 
 
@@ -752,19 +760,21 @@ def test_heartbeat_keeps_a_long_step_claimed_past_its_lease(engine):  # type: ig
     from motir_celery.settings import Settings
 
     short = Settings.from_env({**os.environ, "MOTIR_LEASE_SECONDS": "1"})
-    (run_id,) = events.send_event("test.slow", {"sleep": 3}).run_ids
+    (run_id,) = send("test.slow", {"sleep": 3}).run_ids
     stop = threading.Event()
+
+    worker = holding(settings=short)  # the worker's engine: its runs' leases are renewed by its keeper
 
     def sweep_constantly() -> None:
         while not stop.wait(0.2):
-            sweeper.sweep(None, settings=short)
+            holding(settings=short).sweep()
 
     t = threading.Thread(target=sweep_constantly)
     t.start()
-    heartbeat = threading.Thread(target=lambda: [leases.renew_due() for _ in iter(lambda: stop.wait(0.1), True)])
+    heartbeat = threading.Thread(target=lambda: [worker.leases.renew_due() for _ in iter(lambda: stop.wait(0.1), True)])
     heartbeat.start()  # the worker's engine thread (adapter/worker.py) does this
     try:
-        outcome = runner.execute(run_id, job_id="test.slow", worker="w", settings=short)
+        outcome = worker.execute(run_id, job_id="test.slow", worker="w")
     finally:
         stop.set()
         t.join()
@@ -776,7 +786,7 @@ def test_heartbeat_keeps_a_long_step_claimed_past_its_lease(engine):  # type: ig
 
 
 def test_republish_finds_only_old_messages_and_sends_a_deep_backlog_in_slices(engine):  # type: ignore[no-untyped-def]
-    result_ids = [events.send_event("test.three", {"i": i}).run_ids[0] for i in range(30)]
+    result_ids = [send("test.three", {"i": i}).run_ids[0] for i in range(30)]
     with engine.begin() as conn:
         assert maintenance_sql.republish_due(conn, after_seconds=60, batch=10) == []  # messages are fresh
         conn.execute(text("UPDATE job_queue SET dispatched_at = now() - interval '5 minutes'"))
@@ -790,13 +800,13 @@ def test_republish_finds_only_old_messages_and_sends_a_deep_backlog_in_slices(en
 
 
 def test_a_run_whose_worker_keeps_dying_ends_in_the_dlq_not_a_loop(engine):  # type: ignore[no-untyped-def]
-    (run_id,) = events.send_event("test.refuses", {}).run_ids
+    (run_id,) = send("test.refuses", {}).run_ids
     with engine.begin() as conn:
         conn.execute(text("UPDATE job_queue SET max_attempts = 2 WHERE id = :r"), {"r": run_id})
     for expected in ("queued", "failed"):
         assert claim(engine, run_id, "test.refuses") is not None  # ...and the worker dies
         expire_lease(engine, run_id)
-        sweeper.sweep(None)
+        holding().sweep()
         assert run_state(engine, run_id) == expected
     entry = one(engine, "SELECT attempts, failure FROM job_run_dlq WHERE run_id = :r", r=run_id)
     assert entry.attempts == 2 and entry.failure["type"] == "LeaseExpired"
