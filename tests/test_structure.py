@@ -9,7 +9,12 @@
     (a function-local import that hides a cycle is one); ``if TYPE_CHECKING:`` imports
     are not counted;
 (d) imports point down the layers: settings/errors/forks → store → core → adapter →
-    ops/contrib/dev; core and store never import celery, kombu or redis.
+    ops/contrib/dev; core and store never import celery, kombu or redis;
+(e) the engine (``core/engine.py``) is the one composition root: no ``global`` statement, no
+    module-global hook beyond the current-engine lookup (``core/current.py``), the settings read
+    from the environment only where the engine is built, no private attribute of another
+    module's object read (``step._memo``), and the core's rooms (worker, producer, operator)
+    importing none of each other.
 
 Each checker is a function over source text, and each is shown to fail on a small
 synthetic snippet first (``test_checker_*``), so a check that silently passes everything
@@ -369,6 +374,133 @@ def layer_findings(source: Source, modules: set[str]) -> list[str]:
     return found
 
 
+# --- (e) the engine, the one composition root ---------------------------------------------------
+
+#: Where the settings are read from the environment: where the engine is built (an engine built
+#: without settings follows the process's environment).
+SETTINGS_READERS = {"motir_celery.core.engine"}
+#: Module-level state a function may set from its arguments: the current-engine lookup, and the
+#: job registry's listeners (``on_job_defined``: how an attached app learns of jobs defined later,
+#: as Celery's own apps learn of ``shared_task``s).
+HOOK_OWNERS = {"motir_celery.core.current": {"make_current", "use_default"},
+               "motir_celery.core.jobs": {"on_job_defined"}}
+#: The core's rooms, by audience: none imports another (what they share lives below them).
+ROOMS = ("motir_celery.core.worker", "motir_celery.core.producer", "motir_celery.core.operator")
+
+
+def global_findings(source: Source) -> list[str]:
+    """Every ``global`` statement."""
+    return [f"{source.path}:{node.lineno}: global {', '.join(node.names)}"
+            for node in ast.walk(parse(source.text)) if isinstance(node, ast.Global)]
+
+
+def settings_findings(source: Source) -> list[str]:
+    """Every call of ``get_settings()`` (a name or an attribute of that name)."""
+    found = []
+    for node in ast.walk(parse(source.text)):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            if name == "get_settings":
+                found.append(f"{source.path}:{node.lineno}: get_settings()")
+    return found
+
+
+#: Annotations of data, not behaviour: an argument of one of these kept in module state is a
+#: registry's key or value (a job's id), not a hook.
+DATA = {"str", "int", "float", "bool", "bytes"}
+
+
+def hook_findings(source: Source) -> list[str]:
+    """Module-level functions that keep one of their arguments, as it was given, in module-level
+    state: assigned (``global``, an attribute or item of a module-level object) or appended to a
+    module-level collection. That is a hook: behaviour wired in from elsewhere, at import or at
+    run time. A value computed from an argument (a cache's entry) or an argument annotated as
+    data (``str``, ``int``...) is not one."""
+    tree = parse(source.text)
+    state = {t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+             for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)}
+    found = []
+    for fn in tree.body:
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        params = {a.arg for a in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]
+                  if a.annotation is None or ast.unparse(a.annotation) not in DATA}
+        declared = {n for node in ast.walk(fn) if isinstance(node, ast.Global) for n in node.names}
+
+        def rooted(target: ast.expr) -> str | None:
+            while isinstance(target, (ast.Attribute, ast.Subscript)):
+                target = target.value
+            return target.id if isinstance(target, ast.Name) else None
+
+        def kept(value: ast.expr | None) -> bool:
+            return isinstance(value, ast.Name) and value.id in params
+
+        for node in ast.walk(fn):
+            targets: list[ast.expr] = []
+            mutated = False  # a module-level collection's method called with the argument
+            if isinstance(node, ast.Assign) and kept(node.value):
+                targets = node.targets
+            elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple) \
+                    and isinstance(node.targets[0], ast.Tuple):  # a, b = x, y
+                targets = [t for t, v in zip(node.targets[0].elts, node.value.elts) if kept(v)]
+            elif isinstance(node, ast.AnnAssign) and kept(node.value):
+                targets = [node.target]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in ("append", "add", "extend", "setdefault") \
+                    and any(kept(a) for a in node.args):
+                targets, mutated = [node.func.value], True
+            for target in targets:
+                root = rooted(target)
+                if root in declared or (root in state and (mutated or not isinstance(target, ast.Name))):
+                    found.append(f"{source.path}:{node.lineno}: {fn.name}() keeps an argument in module state {root}")
+    return found
+
+
+def attribute_findings(source: Source) -> list[str]:
+    """``x._name`` read from an object whose class this module does not define: ``x`` neither
+    ``self``, ``cls`` nor ``super()``, and ``_name`` not an attribute this module defines
+    (``self._name = …``, a class attribute, a method). Module attributes are (b)'s."""
+    tree = parse(source.text)
+    own: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            own.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            own.add(node.attr)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(t, ast.Name):
+                    own.add(t.id)
+    modules = {alias.asname or alias.name.split(".")[0] for node in ast.walk(tree)
+               if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and _private(node.attr)) or node.attr in own:
+            continue
+        base = node.value
+        if isinstance(base, ast.Name) and (base.id in ("self", "cls") or base.id in modules):
+            continue
+        if isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super":
+            continue
+        found.append(f"{source.path}:{node.lineno}: reads {node.attr} of {ast.unparse(base)}")
+    return found
+
+
+def room_of(module: str) -> str | None:
+    return next((r for r in ROOMS if module == r or module.startswith(r + ".")), None)
+
+
+def room_findings(source: Source, modules: set[str]) -> list[str]:
+    """Imports (TYPE_CHECKING ones too) from one of the core's rooms into another."""
+    mine = room_of(source.module)
+    if mine is None:
+        return []
+    return [f"{source.path}:{imp.line}: {source.module} imports {target}"
+            for imp in imports_of(source) for target in target_modules(imp, modules)
+            if room_of(target) not in (None, mine)]
+
+
 # --- the checkers, shown to fail -----------------------------------------------------------------
 
 
@@ -504,6 +636,49 @@ def test_checker_finds_imports_up_the_layers(module: str, snippet: str) -> None:
 ])
 def test_checker_allows_imports_down_the_layers(module: str, snippet: str) -> None:
     assert layer_findings(_src(module, snippet), MODULES) == []
+
+
+@pytest.mark.parametrize("snippet", [
+    "def use(hook):\n    global _hook\n    _hook = hook",
+    "class H:\n    hook = None\n\n_h = H()\n\ndef use(hook):\n    _h.hook = hook",
+    "_hooks = []\n\ndef use(hook):\n    _hooks.append(hook)",
+    "_by = {}\n\ndef use(name, hook):\n    _by[name] = hook",
+    "class H:\n    hook = None\n\n_h = H()\n\ndef use(hook):\n    old, _h.hook = _h.hook, hook",
+])
+def test_checker_finds_hooks(snippet: str) -> None:
+    assert hook_findings(_src("motir_celery.core.a", snippet)), snippet
+
+
+@pytest.mark.parametrize("snippet", [
+    "_cache = {}\n\ndef get(key):\n    _cache[key] = len(key)\n    return _cache[key]",  # computed: a cache
+    "def f(x):\n    y = x\n    return y",
+    "class A:\n    def use(self, hook):\n        self.hook = hook",
+])
+def test_checker_allows_caches_and_objects(snippet: str) -> None:
+    assert hook_findings(_src("motir_celery.core.a", snippet)) == []
+
+
+@pytest.mark.parametrize(("snippet", "finds"), [
+    ("def f(step):\n    return step._memo", True),
+    ("def f(step):\n    step._refused('k', '')", True),
+    ("class A:\n    def __init__(self):\n        self._x = 1\n\ndef f(a):\n    return a._x", False),
+    ("class A:\n    def f(self):\n        return super()._g()", False),
+    ("class A:\n    def f(self):\n        return self._g", False),
+    ("import os\nos._exit", False),  # a module's: (b) decides
+])
+def test_checker_finds_private_attributes_of_other_modules_objects(snippet: str, finds: bool) -> None:
+    assert bool(attribute_findings(_src("motir_celery.core.a", snippet))) is finds, snippet
+
+
+def test_checkers_find_global_statements_settings_reads_and_rooms() -> None:
+    assert global_findings(_src("motir_celery.core.a", "def f():\n    global x\n    x = 1"))
+    assert settings_findings(_src("motir_celery.store.s", "from motir_celery.settings import get_settings\n"
+                                                          "def f():\n    return get_settings().queue"))
+    modules = {"motir_celery.core.worker.a", "motir_celery.core.producer.b", "motir_celery.core.shapes"}
+    assert room_findings(_src("motir_celery.core.worker.a", "from motir_celery.core.producer.b import x"), modules)
+    assert room_findings(_src("motir_celery.core.worker.a", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                                            "    from motir_celery.core.producer import b"), modules)
+    assert room_findings(_src("motir_celery.core.worker.a", "from motir_celery.core.shapes import x"), modules) == []
 
 
 # --- the package ------------------------------------------------------------------------------------
@@ -646,3 +821,40 @@ def test_doctor_statements_prints_the_catalogue() -> None:
     assert lines[0].split() == ["STATEMENT", "AUDIENCE", "ROLES", "WHAT", "IT", "DOES"]
     assert any(line.startswith("claim ") and "worker" in line and "motir_engine" in line for line in lines)
     assert lines[-1].startswith(f"{len(entries)} statements: ")
+
+
+# --- (e) the engine ------------------------------------------------------------------------------
+
+
+def test_no_global_statement_in_the_package() -> None:
+    found = [f for s in SOURCES for f in global_findings(s)]
+    assert found == [], "a global statement (state belongs to the engine, or to the current-engine lookup):\n" + \
+        "\n".join(found)
+
+
+def test_no_module_global_hook_beyond_the_current_engine_lookup() -> None:
+    found = [f for s in SOURCES for f in hook_findings(s)
+             if not any(f"{fn}()" in f for fn in HOOK_OWNERS.get(s.module, ()))]
+    assert found == [], "a module-global hook (hand the engine down instead):\n" + "\n".join(found)
+    owned = {s.module: {f.split(": ", 1)[1].split("()")[0] for f in hook_findings(s)}
+             for s in SOURCES if s.module in HOOK_OWNERS}
+    assert owned == HOOK_OWNERS  # the allowed ones are still where this test says they are
+
+
+def test_settings_are_read_from_the_environment_where_the_engine_is_built_only() -> None:
+    found = {s.module: settings_findings(s) for s in SOURCES if settings_findings(s)}
+    assert set(found) == SETTINGS_READERS, "get_settings() outside the engine:\n" + "\n".join(
+        f for m, fs in found.items() if m not in SETTINGS_READERS for f in fs)
+
+
+def test_no_private_attribute_of_another_modules_object_is_read() -> None:
+    found = [f for s in SOURCES for f in attribute_findings(s)]
+    assert found == [], "a private attribute read from outside its module (give it a public name):\n" + \
+        "\n".join(found)
+
+
+def test_the_cores_rooms_import_none_of_each_other() -> None:
+    found = [f for s in SOURCES for f in room_findings(s, ALL_MODULES)]
+    assert found == [], "a room of the core imports another (what they share lives below them):\n" + \
+        "\n".join(found)
+    assert all(any(s.module.startswith(room + ".") for s in SOURCES) for room in ROOMS)

@@ -70,7 +70,6 @@ import logging
 import os
 import re
 import threading
-import weakref
 from dataclasses import asdict
 from typing import Any
 
@@ -106,8 +105,11 @@ def _default_host(engine: Engine) -> Host:
 
 
 def _host_of(app: Celery) -> CeleryHost:
-    found = engine_of(app).host
-    assert isinstance(found, CeleryHost)
+    """The host of attached ``app``."""
+    engine = hosts(app)
+    found = engine.host if engine is not None else None
+    if not isinstance(found, CeleryHost) or found.app is not app:
+        raise ConfigurationError(f"Celery app {app.main!r} is not attached (motir_celery.attach(app))")
     return found
 
 
@@ -221,22 +223,22 @@ def attach(app: Celery, *, settings: Settings | None = None, engine: Engine | No
     return app
 
 
-_imported: "weakref.WeakSet[Celery]" = weakref.WeakSet()
 _import_lock = threading.RLock()
 
 
 def import_jobs(app: Celery) -> None:
-    """Import ``MOTIR_IMPORTS`` for ``app``, once, with the current folder on ``sys.path``
+    """Import ``MOTIR_IMPORTS`` for attached ``app``, once, with the current folder on ``sys.path``
     while doing so (Celery's ``import_from_cwd``, as for ``-A`` and ``app.conf.imports``)."""
+    hosted = _host_of(app)
     with _import_lock:
-        if app in _imported:
+        if hosted.jobs_imported:
             return
-        _imported.add(app)  # first: a job module that publishes while being imported does not loop
+        hosted.jobs_imported = True  # first: a job module that publishes while being imported does not loop
         try:
-            for module in engine_of(app).settings.imports:
+            for module in hosted.engine.settings.imports:
                 app.loader.import_task_module(module)
         except BaseException:
-            _imported.discard(app)
+            hosted.jobs_imported = False
             raise
 
 
@@ -244,9 +246,6 @@ def _on_import_modules(sender: Celery, **_: Any) -> None:
     # After the app's own signal handlers connected before ours (Celery's Django fixup:
     # django.setup()), before app.conf.imports.
     import_jobs(sender)
-
-
-_registered: "weakref.WeakKeyDictionary[Celery, set[str]]" = weakref.WeakKeyDictionary()
 
 
 def run_job(task: Any, job_id: str, run_id: str) -> Any:
@@ -280,7 +279,7 @@ def run_job(task: Any, job_id: str, run_id: str) -> Any:
 def _register(app: Celery, job: Job) -> None:
     # Our own record, not `name in app.tasks`: that would finalize the app early,
     # and a job re-defined before finalization would be queued twice.
-    names = _registered.setdefault(app, set())
+    names = _host_of(app).task_names
     # (priority= is ours, 0-9 higher first; messages.publisher maps it per broker.)
     options = {k: job.options[k] for k in TASK_OPTIONS if k in job.options}
     for name in job.task_names:  # its Celery name, then its alias motir.<job_id>

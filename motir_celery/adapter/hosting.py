@@ -1,35 +1,37 @@
-"""Which engine each Celery app hosts: what the adapter's parts ask to find the engine of the app
+"""Which engine a Celery app hosts: what the adapter's parts ask to find the engine of the app
 they serve (a task's run, the worker's side duties, the result backend, the beat).
 
-``attach(app)`` records it (``adapter/celery_app.py``); an app that never attached answers with
-the current engine (``core/current.py``), as a Celery app without our tasks has no other.
+The app carries it (``app.motir_engine``, set by ``attach``); an app that never attached answers
+with the current engine (``core/current.py``), as a Celery app without our tasks has no other.
 """
 
 from __future__ import annotations
 
-import weakref
+from typing import Any
 
 from celery import Celery
 
 from motir_celery.core.current import current
 from motir_celery.core.engine import Engine
 
-__all__ = ["host", "engine_of", "hosts"]
+__all__ = ["host", "engine_of", "hosts", "ATTRIBUTE"]
 
-_engines: "weakref.WeakKeyDictionary[Celery, Engine]" = weakref.WeakKeyDictionary()
+#: The attribute of a Celery app that holds the engine it hosts.
+ATTRIBUTE = "motir_engine"
 
 
 def host(app: Celery, engine: Engine) -> None:
     """``app`` hosts ``engine`` from now on."""
-    _engines[app] = engine
+    setattr(app, ATTRIBUTE, engine)
 
 
-def hosts(app: Celery) -> Engine | None:
+def hosts(app: Any) -> Engine | None:
     """The engine ``app`` was attached to, or None."""
-    return _engines.get(app)
+    found = getattr(app, ATTRIBUTE, None)
+    return found if isinstance(found, Engine) else None
 
 
-def engine_of(app: Celery) -> Engine:
+def engine_of(app: Any) -> Engine:
     """The engine ``app`` hosts; the current one for an app that never attached."""
-    found = _engines.get(app)
+    found = hosts(app)
     return found if found is not None else current()

@@ -89,6 +89,10 @@ class CeleryHost:
         self.app = app
         self.engine = engine
         self._inline = threading.local()
+        #: The task names registered on the app for the engine's jobs (``celery_app.attach``).
+        self.task_names: set[str] = set()
+        #: ``MOTIR_IMPORTS`` imported for the app (``celery_app.import_jobs``).
+        self.jobs_imported = False
 
     def __repr__(self) -> str:
         return f"<CeleryHost {self.app.main}>"

@@ -125,9 +125,10 @@ def rows(conn: Conn, statement: Statement, params: dict[str, Any]) -> list[dict[
         from sqlalchemy.exc import DBAPIError
 
         if broken:
-            # As SQLAlchemy does for a disconnect on its own path.
-            conn.engine.pool._invalidate(conn.connection, exc)
+            # As SQLAlchemy does for a disconnect on its own path: this connection closed, every
+            # older one of its engine replaced (a new pool; those checked out close when returned).
             conn.invalidate(exc)
+            conn.engine.dispose(close=False)
         raise DBAPIError.instance(statement.sql, params, exc, psycopg.Error,
                                   connection_invalidated=broken) from exc
 
