@@ -34,16 +34,7 @@ from motir_celery.store.sql import maintenance as maintenance_sql
 from motir_celery.store.sql import worker as worker_sql
 from motir_celery.testing import Held
 from tests.conftest import count_effects, run_state
-
-
-def holding(published: Any = None, settings: Settings | None = None) -> Engine:
-    """An engine on the test database (the environment's settings unless given) whose messages
-    are held in ``published`` (a ``Held``), not sent to a broker."""
-    return Engine(settings, host=published if published is not None else Held())
-
-
-def send(name: str, data: Any, **options: Any) -> events.SendResult:
-    return holding().send_event(name, data, **options)
+from tests.fixtures.engines import holding, send
 
 
 def execute(run_id: Any, job_id: str, published: Held | None = None, worker: str = "test/1") -> runner.Outcome:
@@ -126,7 +117,6 @@ def test_non_json_payload_is_refused_before_anything_is_written(engine, data):  
 
 
 def test_payload_over_the_size_limit_is_refused(engine, monkeypatch):  # type: ignore[no-untyped-def]
-    from motir_celery.settings import Settings
 
     small = Settings.from_env({**__import__("os").environ, "MOTIR_MAX_PAYLOAD_BYTES": "100"})
     with pytest.raises(PayloadError, match="over the 100-byte limit"):
@@ -757,7 +747,6 @@ def test_define_job_refuses_what_cannot_work():
 def test_heartbeat_keeps_a_long_step_claimed_past_its_lease(engine):  # type: ignore[no-untyped-def]
     import os
 
-    from motir_celery.settings import Settings
 
     short = Settings.from_env({**os.environ, "MOTIR_LEASE_SECONDS": "1"})
     (run_id,) = send("test.slow", {"sleep": 3}).run_ids

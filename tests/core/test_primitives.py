@@ -26,13 +26,12 @@ from sqlalchemy import text
 import tests.fixtures.jobs  # noqa: F401  (registers the test jobs in this process too)
 from motir_celery import send_event
 from motir_celery.core.jobs import define_job
-from motir_celery.core.producer import events
-from motir_celery.core.worker import runner
 from motir_celery.errors import JobDefinitionError
 from motir_celery.store import records
 from motir_celery.store.sql import worker as worker_sql
-from motir_celery.testing import Motir
+from motir_celery.testing import Held, Motir
 from tests.conftest import ROOT, celery_worker, count_effects, run_state, wait_for
+from tests.fixtures.engines import holding, send
 from tests.fixtures.kit_workers import run_concurrently
 
 
@@ -56,11 +55,11 @@ def _drain_until_settled(kit: Motir, run_id: Any, *, step: float = 1.0, rounds: 
     and drain again, ``rounds`` times at most. The run's final state."""
     for _ in range(rounds):
         kit.drain()
-        state = run_state(kit.engine, run_id)
+        state = run_state(kit.sql, run_id)
         if state in ("succeeded", "failed", "cancelled"):
             return state
         kit.advance(seconds=step)
-    raise AssertionError(f"run {run_id} still {run_state(kit.engine, run_id)} after {rounds} rounds")
+    raise AssertionError(f"run {run_id} still {run_state(kit.sql, run_id)} after {rounds} rounds")
 
 
 # --- step.sleep -------------------------------------------------------------------
@@ -94,7 +93,7 @@ def test_an_hour_long_sleep_holds_no_worker_and_no_countdown(kit: Motir) -> None
     assert [o.state for r, o in kit.drain() if r == run_id] == ["suspended"]
     (other,) = kit.send_event("test.three", {}).run_ids  # the only executor is free
     assert [(r, o.state) for r, o in kit.drain()] == [(other, "succeeded")]
-    with kit.engine.connect() as conn:
+    with kit.sql.connect() as conn:
         row = conn.execute(text("SELECT state, extract(epoch FROM run_at - now()) AS wait, claim_token "
                                 "FROM job_queue WHERE id = :r"), {"r": run_id}).one()
     assert row.state == "queued" and row.claim_token is None and 3500 < row.wait <= 3600
@@ -128,16 +127,16 @@ def test_a_sleeping_run_survives_every_process_being_killed(engine, broker_url, 
 def test_step_send_event_emits_exactly_one_event_across_retries(kit: Motir) -> None:
     (run_id,) = kit.send_event("test.emit", {}).run_ids
     assert _drain_until_settled(kit, run_id) == "succeeded"
-    with kit.engine.connect() as conn:
+    with kit.sql.connect() as conn:
         emitted = conn.execute(text("SELECT idempotency_key FROM job_event WHERE name = 'test.emitted'")).all()
     assert len(emitted) == 1 and emitted[0].idempotency_key == f"motir.step:{run_id}:notify"
-    assert _ledger(kit.engine, run_id) == ["retrying", "succeeded"]
+    assert _ledger(kit.sql, run_id) == ["retrying", "succeeded"]
 
 
 def test_a_step_event_sent_again_by_a_body_that_reran_is_deduplicated(engine):  # type: ignore[no-untyped-def]
     key = f"motir.step:{uuid.uuid4()}:notify"
-    first = events.send_event("test.emitted", {"n": 1}, idempotency_key=key)
-    again = events.send_event("test.emitted", {"n": 1}, idempotency_key=key)  # the interrupted body, re-run
+    first = send("test.emitted", {"n": 1}, idempotency_key=key)
+    again = send("test.emitted", {"n": 1}, idempotency_key=key)  # the interrupted body, re-run
     assert not first.deduplicated and again.deduplicated and again.event_id == first.event_id
 
 
@@ -147,22 +146,22 @@ def test_a_step_event_sent_again_by_a_body_that_reran_is_deduplicated(engine):  
 def test_wait_for_event_resumes_with_the_matching_event(kit: Motir) -> None:
     (run_id,) = kit.send_event("test.order", {"order_id": 7}).run_ids
     kit.drain()
-    assert _suspended(kit.engine, run_id)
+    assert _suspended(kit.sql, run_id)
     kit.send_event("test.paid", {"order_id": 8, "amount": 1})   # another order: no match
-    assert kit.drain() == [] and run_state(kit.engine, run_id) == "queued"
+    assert kit.drain() == [] and run_state(kit.sql, run_id) == "queued"
     sent = kit.send_event("test.paid", {"order_id": 7, "amount": 42})
     assert [r.run_id for r in sent.woken] == [run_id]
     kit.drain()
-    assert run_state(kit.engine, run_id) == "succeeded"
-    with kit.engine.connect() as conn:
+    assert run_state(kit.sql, run_id) == "succeeded"
+    with kit.sql.connect() as conn:
         result = conn.execute(text("SELECT result FROM job_queue WHERE id = :r"), {"r": run_id}).scalar()
     assert result["data"] == {"order_id": 7, "amount": 42} and result["id"] == str(sent.event_id)
-    assert count_effects(kit.engine, run_id, "placed") == 1
+    assert count_effects(kit.sql, run_id, "placed") == 1
 
 
 def test_only_a_newly_recorded_event_wakes_its_waiters_not_a_deduplicated_resend(engine):  # type: ignore[no-untyped-def]
-    events.send_event("test.paid", {"order": "o-1"}, idempotency_key="pay-o-1")
-    (waiter,) = events.send_event("test.three", {}).run_ids
+    send("test.paid", {"order": "o-1"}, idempotency_key="pay-o-1")
+    (waiter,) = send("test.three", {}).run_ids
     with engine.begin() as conn:  # a run suspended in wait_for_event(event="test.paid", match="data.order")
         conn.execute(text("UPDATE job_queue SET wait_event = 'test.paid', wait_path = '{order}', wait_value = 'o-1', "
                           "run_at = now() + interval '1 hour' WHERE id = :r"), {"r": waiter})
@@ -172,9 +171,9 @@ def test_only_a_newly_recorded_event_wakes_its_waiters_not_a_deduplicated_resend
             return bool(conn.execute(text("SELECT run_at <= now() FROM job_queue WHERE id = :r"),
                                      {"r": waiter}).scalar_one())
 
-    again = events.send_event("test.paid", {"order": "o-1"}, idempotency_key="pay-o-1")
+    again = send("test.paid", {"order": "o-1"}, idempotency_key="pay-o-1")
     assert again.deduplicated and again.woken == [] and not due()
-    fresh = events.send_event("test.paid", {"order": "o-1"}, idempotency_key="pay-o-1:again")
+    fresh = send("test.paid", {"order": "o-1"}, idempotency_key="pay-o-1:again")
     assert [r.run_id for r in fresh.woken] == [waiter] and due()
 
 
@@ -182,13 +181,13 @@ def test_wait_for_event_returns_none_after_its_timeout(kit: Motir) -> None:
     (run_id,) = kit.send_event("test.order", {"order_id": 9, "timeout": 2}).run_ids
     kit.drain()
     kit.advance(seconds=1)
-    assert kit.drain() == [] and run_state(kit.engine, run_id) == "queued"  # not yet
+    assert kit.drain() == [] and run_state(kit.sql, run_id) == "queued"  # not yet
     kit.advance(seconds=1)
     kit.drain()
-    assert run_state(kit.engine, run_id) == "succeeded"
-    with kit.engine.connect() as conn:
+    assert run_state(kit.sql, run_id) == "succeeded"
+    with kit.sql.connect() as conn:
         assert conn.execute(text("SELECT result FROM job_queue WHERE id = :r"), {"r": run_id}).scalar() is None
-    assert count_effects(kit.engine, run_id, "done") == 1
+    assert count_effects(kit.sql, run_id, "done") == 1
 
 
 def test_wait_for_event_under_an_event_storm_loses_no_match(kit: Motir) -> None:
@@ -198,7 +197,7 @@ def test_wait_for_event_under_an_event_storm_loses_no_match(kit: Motir) -> None:
     Three threads run the runs concurrently, as three worker processes would."""
     n = 24
     orders = [f"storm-{i}" for i in range(n)]
-    engine = kit.engine
+    engine = kit.sql
     runs = {o: kit.send_event("test.order", {"order_id": o, "timeout": 120}).run_ids[0] for o in orders}
 
     def decided_to_wait(run_id: uuid.UUID) -> bool:
@@ -250,15 +249,15 @@ def test_cancel_on_event_cancels_the_matching_run_only(kit: Motir) -> None:
     (target,) = kit.send_event("test.order.placed", {"order_id": "o-1"}).run_ids
     (bystander,) = kit.send_event("test.order.placed", {"order_id": "o-2"}).run_ids
     kit.drain()
-    assert _suspended(kit.engine, target) and _suspended(kit.engine, bystander)  # both sleep
+    assert _suspended(kit.sql, target) and _suspended(kit.sql, bystander)  # both sleep
     result = kit.send_event("test.order.cancelled", {"order_id": "o-1"})
     assert result.cancelled == [target]
-    assert run_state(kit.engine, target) == "cancelled"
-    assert run_state(kit.engine, bystander) == "queued"
+    assert run_state(kit.sql, target) == "cancelled"
+    assert run_state(kit.sql, bystander) == "queued"
     kit.advance(seconds=30)  # both sleeps are over: the bystander wakes and finishes, the target never does
     kit.drain()
-    assert run_state(kit.engine, target) == "cancelled" and run_state(kit.engine, bystander) == "succeeded"
-    assert count_effects(kit.engine, target, "b") == 0 and count_effects(kit.engine, bystander, "b") == 1
+    assert run_state(kit.sql, target) == "cancelled" and run_state(kit.sql, bystander) == "succeeded"
+    assert count_effects(kit.sql, target, "b") == 0 and count_effects(kit.sql, bystander, "b") == 1
 
 
 def test_cancel_on_stops_a_running_run_at_its_next_step_boundary(engine):  # type: ignore[no-untyped-def]
@@ -280,8 +279,8 @@ def test_cancel_on_stops_a_running_run_at_its_next_step_boundary(engine):  # typ
         step.run("two", two)
         step.run("three", lambda: seen.append("three") or 3)
 
-    (run_id,) = events.send_event("test.long", {"key": "k"}).run_ids
-    assert runner.execute(run_id, job_id="test.cancel-on-running", worker="w").state == "cancelled"
+    (run_id,) = send("test.long", {"key": "k"}).run_ids
+    assert holding().execute(run_id, job_id="test.cancel-on-running", worker="w").state == "cancelled"
     assert seen == ["one", "two"]
 
 
@@ -290,13 +289,13 @@ def test_cancel_on_timeout_limits_how_long_the_rule_applies(engine):  # type: ig
 
     define_job("test.cancel-window", event="test.window",
                cancel_on=[CancelOn("test.window.stop", "data.key", timeout=60)])(lambda e, s: None)
-    (recent,) = events.send_event("test.window", {"key": "a"}).run_ids
-    (old,) = events.send_event("test.window", {"key": "b"}).run_ids
+    (recent,) = send("test.window", {"key": "a"}).run_ids
+    (old,) = send("test.window", {"key": "b"}).run_ids
     with engine.begin() as conn:
         conn.execute(text("UPDATE job_queue SET created_at = now() - interval '2 minutes' WHERE id = :r"),
                      {"r": old})
-    events.send_event("test.window.stop", {"key": "a"})
-    events.send_event("test.window.stop", {"key": "b"})
+    send("test.window.stop", {"key": "a"})
+    send("test.window.stop", {"key": "b"})
     assert run_state(engine, recent) == "cancelled" and run_state(engine, old) == "queued"
 
 
@@ -319,7 +318,7 @@ def _peak_overlap(engine, step: str) -> int:  # type: ignore[no-untyped-def]
 def test_concurrency_key_limit_2_holds_across_8_concurrent_workers(kit: Motir) -> None:
     # Eight threads take and run due runs at once (as 4 workers x 2 processes did): every claim
     # of a run over its key's limit is refused, and taken again until a slot is free.
-    engine = kit.engine
+    engine = kit.sql
     runs = [kit.send_event("test.limited", {"tenant": "acme", "sleep": 0.4}).run_ids[0] for _ in range(20)]
     (other,) = kit.send_event("test.limited", {"tenant": "globex", "sleep": 0.4}).run_ids
 
@@ -352,13 +351,13 @@ def test_concurrency_key_limit_2_holds_across_8_concurrent_workers(kit: Motir) -
 
 
 def test_singleton_key_allows_one_active_run_and_frees_the_key_when_it_settles(engine):  # type: ignore[no-untyped-def]
-    first = events.send_event("test.singleton", {"customer": "c1"})
-    second = events.send_event("test.singleton", {"customer": "c1"})
-    other = events.send_event("test.singleton", {"customer": "c2"})
+    first = send("test.singleton", {"customer": "c1"})
+    second = send("test.singleton", {"customer": "c1"})
+    other = send("test.singleton", {"customer": "c2"})
     assert len(first.run_ids) == 1 and second.run_ids == [] and len(other.run_ids) == 1
     assert isinstance(second.runs[0], records.AlreadyQueued)
-    assert runner.execute(first.run_ids[0], job_id="test.singleton", worker="w").state == "succeeded"
-    third = events.send_event("test.singleton", {"customer": "c1"})
+    assert holding().execute(first.run_ids[0], job_id="test.singleton", worker="w").state == "succeeded"
+    third = send("test.singleton", {"customer": "c1"})
     assert len(third.run_ids) == 1
 
 
@@ -366,11 +365,11 @@ def test_singleton_is_decided_by_the_database_under_concurrent_sends(engine):  #
     barrier = threading.Barrier(8)
     created: list[int] = []
 
-    def send() -> None:
+    def race() -> None:
         barrier.wait()
-        created.append(len(events.send_event("test.singleton", {"customer": "race"}).run_ids))
+        created.append(len(send("test.singleton", {"customer": "race"}).run_ids))
 
-    threads = [threading.Thread(target=send) for _ in range(8)]
+    threads = [threading.Thread(target=race) for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:
@@ -383,9 +382,9 @@ def test_singleton_is_decided_by_the_database_under_concurrent_sends(engine):  #
 
 def test_priority_decides_which_waiting_run_gets_a_freed_concurrency_slot(engine):  # type: ignore[no-untyped-def]
     define_job("test.prio", event="test.prio", concurrency=(1, None))(lambda e, s: None)
-    low = events.send_event("test.prio", {}, priority=1).run_ids[0]
-    high = events.send_event("test.prio", {}, priority=9).run_ids[0]
-    mid = events.send_event("test.prio", {}, priority=5).run_ids[0]
+    low = send("test.prio", {}, priority=1).run_ids[0]
+    high = send("test.prio", {}, priority=9).run_ids[0]
+    mid = send("test.prio", {}, priority=5).run_ids[0]
     with engine.begin() as conn:
         order = [worker_sql.next_in_line(conn, "test.prio", "", None) for _ in range(3)]
     assert order[0] == high
@@ -404,10 +403,10 @@ def test_priority_decides_which_waiting_run_gets_a_freed_concurrency_slot(engine
 def test_rate_limited_defers_without_charging_an_attempt(kit: Motir) -> None:
     (run_id,) = kit.send_event("test.throttled", {}).run_ids  # max_attempts=1: a charged deferral would fail it
     assert _drain_until_settled(kit, run_id, step=0.2) == "succeeded"
-    with kit.engine.connect() as conn:
+    with kit.sql.connect() as conn:
         row = conn.execute(text("SELECT attempts, deferrals FROM job_queue WHERE id = :r"), {"r": run_id}).one()
     assert (row.attempts, row.deferrals) == (1, 2)
-    assert _ledger(kit.engine, run_id) == ["deferred", "deferred", "succeeded"]
+    assert _ledger(kit.sql, run_id) == ["deferred", "deferred", "succeeded"]
 
 
 # --- tracing ---------------------------------------------------------------------
@@ -429,8 +428,8 @@ def test_run_span_is_a_child_of_the_sender_and_steps_are_children_of_the_run(eng
     tracing._tracer = provider.get_tracer("motir_celery")
     try:
         with tracer.start_as_current_span("checkout") as sender:
-            (run_id,) = events.send_event("test.three", {}).run_ids
-        assert runner.execute(run_id, job_id="test.three-steps", worker="w").state == "succeeded"
+            (run_id,) = send("test.three", {}).run_ids
+        assert holding().execute(run_id, job_id="test.three-steps", worker="w").state == "succeeded"
     finally:
         tracing._tracer = previous
     spans = {s.name: s for s in exporter.get_finished_spans()}
@@ -482,7 +481,7 @@ print(sorted(s.name for s in exporter.get_finished_spans()))
 
 
 def test_singleton_refuses_a_second_run_while_the_first_runs_until_it_settles(kit: Motir) -> None:
-    engine = kit.engine
+    engine = kit.sql
     (first,) = kit.send_event("test.singleton", {"customer": "w1", "sleep": 1.5}).run_ids
     # The first run, in a thread of its own (a worker), is running while the second is sent.
     holder = threading.Thread(target=kit.drain)
@@ -504,14 +503,11 @@ def test_priority_runs_the_most_urgent_waiting_run_first_when_the_slot_frees(kit
     message whose claim the one slot refuses is dropped: the run that frees the slot publishes the
     next in line (``next_in_line``), so its choice alone decides the order (the kit's ``drain``,
     which takes due runs by priority, is not used)."""
-    engine, queue = kit.engine, []
+    engine, queue = kit.sql, Held()  # the broker's queue: what the workers publish, in order
+    worker = holding(queue, kit.settings)
 
     def deliver(run_id: Any) -> str:  # a worker process taking one message
-        return runner.execute(run_id, job_id="test.prio-worker", worker="w", publish=queue_put,
-                              settings=kit.settings).state
-
-    def queue_put(run_id: Any, job_id: str, countdown: float = 0.0) -> None:
-        queue.append(run_id)
+        return worker.execute(run_id, job_id="test.prio-worker", worker="w").state
 
     (blocker,) = kit.send_event("test.prio-worker", {"label": "blocker", "sleep": 1.5}).run_ids
     holder = threading.Thread(target=deliver, args=(blocker,))  # the blocker holds the only slot
@@ -525,7 +521,7 @@ def test_priority_runs_the_most_urgent_waiting_run_first_when_the_slot_frees(kit
     finally:
         holder.join(timeout=60)
     while queue:  # the messages the freed slots publish, in order
-        assert deliver(queue.pop(0)) == "succeeded"
+        assert deliver(queue.pop(0)[0]) == "succeeded"
     for run_id in [blocker, *runs.values()]:
         assert run_state(engine, run_id) == "succeeded"
     with engine.connect() as conn:
