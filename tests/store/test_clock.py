@@ -64,8 +64,10 @@ def _play(database_url: str, session_zone: str, process_zone: str, label: str) -
                         conn.execute(text("UPDATE job_queue SET run_at = :at WHERE id = :id"),
                                      {"at": at.astimezone(kolkata), "id": run.run_id})  # type: ignore[union-attr]
                 with conn.begin():
-                    got_due = claim(conn, due.run_id, job_id=due_job, worker="w", lease_seconds=LEASE)  # type: ignore[union-attr]
-                    got_later = claim(conn, later.run_id, job_id=later_job, worker="w", lease_seconds=LEASE)  # type: ignore[union-attr]
+                    got_due = claim(conn, due.run_id, job_id=due_job, worker="w",  # type: ignore[union-attr]
+                                    lease_seconds=LEASE, async_commit=True)
+                    got_later = claim(conn, later.run_id, job_id=later_job, worker="w",  # type: ignore[union-attr]
+                                      lease_seconds=LEASE, async_commit=True)
                     lease_left = conn.execute(
                         text("SELECT lease_expires_at - now() FROM job_queue WHERE id = :id"), {"id": due.run_id}  # type: ignore[union-attr]
                     ).scalar_one()

@@ -30,15 +30,16 @@ from sqlalchemy.pool import NullPool
 
 import tests.fixtures.direct_jobs as dj
 import tests.fixtures.jobs  # noqa: F401  (the event jobs this process fans out to)
-from motir_celery.core.producer.batch import send_events
-from motir_celery.core.producer.events import send_event
+from motir_celery.core.current import current
+from motir_celery.core.engine import Engine as MotirEngine
+from motir_celery.core.producer.events import SendResult
 from motir_celery.core.producer.results import ResultTimeout, RunHandle
 from motir_celery.errors import PayloadError
 from motir_celery.ops.cli import main as cli_main
 from motir_celery.settings import Settings, get_settings, reset_settings
-from motir_celery.store import records, schema
+from motir_celery.store import records
 from motir_celery.store.db import set_workspace_context, workspace_session
-from motir_celery.store.migrate import alembic_config, check, upgrade
+from motir_celery.store.migrate import alembic_config, check
 from motir_celery.store.rls import ADMIN_ROLE, APP_ROLE
 from motir_celery.store.routines import ROUTINES
 from motir_celery.store.sql import worker as worker_sql
@@ -46,6 +47,15 @@ from tests.conftest import celery_worker, run_state, wait_for
 
 A, B = "ws-a", "ws-b"
 LOGINS = f"motir_i{uuid.uuid4().hex[:8]}"
+
+
+def send_event(name: str, data: Any, **options: Any) -> SendResult:
+    """The engine's send_event (``jobs=`` too), through the current engine: this session's broker."""
+    return current().send_event(name, data, **options)
+
+
+def send_events(items: Any, **options: Any) -> list[SendResult]:
+    return current().send_events(items, **options)
 
 
 # --- logins ------------------------------------------------------------------------------
@@ -186,7 +196,7 @@ def test_a_concurrency_key_counts_the_runs_of_its_own_workspace(engine: Engine) 
         with engine.begin() as tx:
             worker_sql.lock_concurrency(tx, run_id)
             return worker_sql.claim(tx, run_id, job_id="test.limited", worker="t", lease_seconds=60,
-                                    concurrency_limit=2)
+                                    async_commit=True, concurrency_limit=2)
 
     assert claim(b_runs[0]) is not None and claim(b_runs[1]) is not None
     assert claim(b_runs[2]) is None            # ws-b's own limit holds
@@ -234,11 +244,11 @@ def test_a_result_handle_reads_only_its_own_workspace(outcome: str, engine: Engi
     b = dj.add.apply_async([40, 2], workspace_id=B)
     _settle(engine, b.id, outcome, "B result")
     for ws in (A, None):  # another tenant, or a system handle: not found, never the result or the error
-        stranger = RunHandle(b.id, "test.direct.add", workspace_id=ws, settings=app_settings)
+        stranger = RunHandle(b.id, "test.direct.add", workspace_id=ws, engine=MotirEngine(app_settings))
         assert stranger.state == "PENDING" and stranger.result is None
         with pytest.raises(ResultTimeout):
             stranger.get(timeout=0.2)
-    owner = RunHandle(b.id, "test.direct.add", workspace_id=B, settings=app_settings)
+    owner = RunHandle(b.id, "test.direct.add", workspace_id=B, engine=MotirEngine(app_settings))
     if outcome == "succeeded":
         assert owner.get(timeout=1) == "B result"
     else:
@@ -598,7 +608,7 @@ def test_a_bad_item_of_a_batch_is_named_by_its_index(engine: Engine) -> None:
     assert _rows(engine, "SELECT count(*) FROM job_event")[0][0] == 0
 
 
-# --- code deployed before its migration -------------------------------------------------------
+# --- migrating up from an earlier revision ---------------------------------------------------
 
 
 @contextmanager
@@ -621,52 +631,6 @@ def _new_database(database_url: str) -> Iterator[str]:
             owner.dispose()
 
         threading.Thread(target=drop, name=f"drop {name}").start()
-
-
-@pytest.fixture
-def schema_0006(database_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """A database at revision 0006 (the schema issue 24 found code at head running against),
-    which this process and its workers use for the test."""
-    from motir_celery import settings as motir_settings
-
-    with _new_database(database_url) as url:
-        upgrade(url, "0006")
-        with create_engine(url, poolclass=NullPool).begin() as conn:
-            conn.execute(text("CREATE SCHEMA test; CREATE TABLE test.side_effect (id bigserial PRIMARY KEY, "
-                              "run_id text NOT NULL, step text NOT NULL, attempt int, pid int, "
-                              "at timestamptz NOT NULL DEFAULT now())"))
-        monkeypatch.setenv("MOTIR_DATABASE_URL", url)
-        motir_settings.reset_settings()
-        schema.forget()
-        try:
-            yield url
-        finally:
-            monkeypatch.undo()
-            motir_settings.reset_settings()
-            schema.forget()
-
-
-def test_code_before_its_migration_sweeps_and_writes_as_the_previous_release_did(
-        schema_0006: str, broker_url: str, tmp_path: Path) -> None:
-    import motir_celery
-
-    old = create_engine(schema_0006, poolclass=NullPool)
-    lease = {"MOTIR_LEASE_SECONDS": "2", "MOTIR_IMPORTS": "tests.fixtures.jobs,tests.fixtures.direct_jobs"}
-    with celery_worker(tmp_path, broker=broker_url, env=lease, name="doomed") as doomed:
-        run = motir_celery.send_event("test.slow", {"sleep": 30}).run_ids[0]
-        wait_for(lambda: run_state(old, run) == "running", what="the run to start")
-        doomed.kill()
-    with celery_worker(tmp_path, broker=broker_url, env=lease, name="heir") as heir:
-        # No job_sweep (0007): the heir sweeps on its own, reclaims the dead worker's run after
-        # its lease, and runs it to the end. A direct run is written without motir_direct_run (0008).
-        handle = dj.add.delay(2, 3)
-        assert handle.get(timeout=30)["total"] == 5
-        wait_for(lambda: _rows(old, "SELECT count(*) FROM job_run WHERE run_id = :r AND outcome = 'lost'",
-                               r=run)[0][0] == 1, timeout=30, what="the lost attempt to be reclaimed")
-        log = heir.output()
-    old.dispose()
-    assert log.count("migration 0007 has not run") == 1, log[-3000:]
-    assert "job_sweep" not in log and "Traceback" not in log, log[-3000:]
 
 
 def _revision_and_app_inserts(url: str) -> tuple[str, bool, bool]:
@@ -707,4 +671,3 @@ def test_migrate_to_a_revision_stops_there_and_a_later_migrate_finishes_the_cont
             assert "no drift" in runner.invoke(cli_main, ["migrate", "--check"], catch_exceptions=False).stdout
     finally:
         reset_settings()
-        schema.forget()

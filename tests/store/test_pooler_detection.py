@@ -26,14 +26,18 @@ from click.testing import CliRunner
 from sqlalchemy import make_url, text
 from sqlalchemy.engine import Engine
 
-from motir_celery.core.worker import runner
+import tests.fixtures.jobs  # noqa: F401  (test.three and its jobs)
+from motir_celery.core.engine import Engine as MotirEngine
 from motir_celery.settings import reset_settings
 from motir_celery.store import pooler
-from motir_celery.store.db import dispose_engines, get_pool
-from tests.fixtures.ops_helpers import emit
+from motir_celery.store.db import dispose_engines
+from motir_celery.testing import Held
 from tests.fixtures.pgbouncer import PgBouncer, binary
 
 JOB = "test.three-steps"  # tests/fixtures/jobs.py: three steps, each a committed record
+#: This process's engine as a worker's: settings from the environment each test points (``_point_at``),
+#: messages held (no broker in these tests).
+ENGINE = MotirEngine(host=Held())
 
 
 def _server(database_url: str) -> str:
@@ -89,7 +93,8 @@ def through(bouncer: PgBouncer, database_url: str, monkeypatch: pytest.MonkeyPat
 
 
 def _queued(n: int) -> list[uuid.UUID]:
-    return [emit("test.three", {"n": i})[JOB] for i in range(n)]
+    return [next(r.run_id for r in ENGINE.send_event("test.three", {"n": i}).runs if r.job_id == JOB)
+            for i in range(n)]
 
 
 def _execute_in_two_threads(run_ids: list[uuid.UUID]) -> list[str]:
@@ -99,7 +104,7 @@ def _execute_in_two_threads(run_ids: list[uuid.UUID]) -> list[str]:
 
     def work(mine: list[uuid.UUID]) -> None:
         try:
-            states.extend(runner.execute(r, job_id=JOB, worker="pooler-test/1").state for r in mine)
+            states.extend(ENGINE.execute(r, job_id=JOB, worker="pooler-test/1").state for r in mine)
         except BaseException as exc:  # noqa: BLE001 — reported below, in the test's thread
             errors.append(exc)
 
@@ -150,7 +155,7 @@ def test_runs_behind_a_transaction_pooler_with_no_setting_all_succeed_first_time
     (warning,) = _warnings(caplog)
     assert "transaction pooler" in warning and "shared one server session" in warning
     assert "MOTIR_PREPARED_STATEMENTS=0" in warning and "prepared statement" not in warning  # (the log scan's words)
-    assert pooler.mode(get_pool()) == "unprepared (a transaction pooler was found)"
+    assert pooler.mode(ENGINE.pool()) == "unprepared (a transaction pooler was found)"
     dispose_engines()
     assert _prepared_in_the_one_session(through) == 0
 
@@ -164,7 +169,7 @@ def test_a_pooler_the_probe_missed_is_found_by_its_first_refused_name_and_no_att
     assert _attempts(engine, runs) == [(1, "succeeded", 1)] * 6
     (warning,) = _warnings(caplog)
     assert "refused for a name the pooler gave another client" in warning
-    assert pooler.mode(get_pool()) == "unprepared (a transaction pooler was found)"
+    assert pooler.mode(ENGINE.pool()) == "unprepared (a transaction pooler was found)"
     dispose_engines()
     _deallocate(through)  # what the connections prepared before the first refusal
 
@@ -178,9 +183,9 @@ def test_a_session_pooler_and_a_direct_connection_keep_statements_prepared(
     _point_at(monkeypatch, url)
     try:
         (run_id,) = _queued(1)
-        assert runner.execute(run_id, job_id=JOB, worker="pooler-test/1").state == "succeeded"
-        assert pooler.mode(get_pool()) == "prepared (no transaction pooler found)"
-        with get_pool().connect() as conn:  # the pool's one connection, the run's: its statements stay
+        assert ENGINE.execute(run_id, job_id=JOB, worker="pooler-test/1").state == "succeeded"
+        assert pooler.mode(ENGINE.pool()) == "prepared (no transaction pooler found)"
+        with ENGINE.pool().connect() as conn:  # the pool's one connection, the run's: its statements stay
             row = conn.raw.execute("SELECT count(*) FROM pg_prepared_statements").fetchone()
             assert row is not None and row[0] >= 3
         assert _warnings(caplog) == []
@@ -200,8 +205,8 @@ def test_the_setting_overrides_the_probe(setting: str, mode: str, bouncer: PgBou
     _point_at(monkeypatch, url, setting)
     try:
         (run_id,) = _queued(1)  # one client at a time: =1 works here too, by luck of the one session
-        assert runner.execute(run_id, job_id=JOB, worker="pooler-test/1").state == "succeeded"
-        assert pooler.mode(get_pool()) == mode
+        assert ENGINE.execute(run_id, job_id=JOB, worker="pooler-test/1").state == "succeeded"
+        assert pooler.mode(ENGINE.pool()) == mode
     finally:
         dispose_engines()
         _deallocate(url)
@@ -210,10 +215,8 @@ def test_the_setting_overrides_the_probe(setting: str, mode: str, bouncer: PgBou
 def test_async_producers_behind_a_transaction_pooler_need_no_setting(through: str) -> None:
     import asyncio
 
-    from motir_celery.core.producer import aio
-
     async def send() -> list[Any]:
-        return [await aio.send_event_async("test.three", {"n": i}, publish=None) for i in range(8)]
+        return [await ENGINE.send_event_async("test.three", {"n": i}) for i in range(8)]
 
     assert len(asyncio.run(send())) == 8  # psycopg would prepare the fifth of each: refused here
 

@@ -337,7 +337,8 @@ def test_app_login_cannot_set_itself_a_stronger_role(role: str, app_login: str) 
 def test_send_event_in_an_app_role_transaction_wakes_its_own_workspace_waiters_only(
     app_settings: Settings, engine: Engine
 ) -> None:
-    from motir_celery.core.producer.events import send_event
+    from motir_celery.core.engine import Engine as MotirEngine
+    from motir_celery.testing import Held
 
     waiting = {}
     with engine.begin() as conn:
@@ -348,7 +349,8 @@ def test_send_event_in_an_app_role_transaction_wakes_its_own_workspace_waiters_o
                 "now() + interval '1 day', 'test.done', ARRAY['order'], '7') RETURNING id"), {"ws": ws}).scalar_one()
     with workspace_session(A, settings=app_settings) as s:
         assert s.execute(text("SELECT current_user")).scalar_one() == APP_ROLE
-        result = send_event("test.done", {"order": 7}, workspace_id=A, session=s, jobs=[])
+        result = MotirEngine(app_settings, host=Held()).send_event("test.done", {"order": 7}, workspace_id=A,
+                                                                  session=s, jobs=[])
     assert [r.run_id for r in result.woken] == [waiting[A]]
     with engine.connect() as conn:
         due = dict(conn.execute(text("SELECT workspace_id, run_at <= now() FROM job_queue WHERE job_id = 'job.w'")).all())
@@ -404,7 +406,7 @@ def test_workspace_context_does_not_survive_into_the_next_transaction_on_a_poole
 def test_workspace_session_context_ends_with_its_transaction(seeded: object, app_settings: Settings) -> None:
     from motir_celery.store.db import get_engine
 
-    eng = get_engine(app_settings.database_url, settings=app_settings)
+    eng = get_engine(app_settings, app_settings.database_url)
     with workspace_session(A, admin=True, settings=app_settings) as s:
         pid = s.execute(text("SELECT pg_backend_pid()")).scalar_one()
     # Hold pooled connections until the one workspace_session used comes back out.
