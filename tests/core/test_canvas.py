@@ -32,10 +32,8 @@ from motir_celery import (
     resume_dlq,
     signature,
 )
-from motir_celery.core.operator.dlq import replay_dlq
 from motir_celery.core.producer.canvas import Signature, chunks
-from motir_celery.core.worker import canvas as canvas_worker
-from motir_celery.core.worker.canvas import CANVAS_JOB_ID, MAX_DEPTH, member_id
+from motir_celery.core.shapes import CANVAS_JOB_ID, MAX_DEPTH, CanvasError, member_id
 from motir_celery.store.sql import worker as worker_sql
 from motir_celery.testing import Motir
 from motir_celery.testing.kit import DrainError
@@ -50,14 +48,14 @@ def effects(motir: Motir) -> None:
 
 def effects_of(motir: Motir, step: str) -> list[str]:
     """The run ids whose body recorded ``step``, once per real execution."""
-    with motir.engine.connect() as conn:
+    with motir.sql.connect() as conn:
         return [r for (r,) in conn.execute(text("SELECT run_id FROM test.side_effect WHERE step = :s ORDER BY id"),
                                            {"s": step})]
 
 
 def members(motir: Motir, canvas_id: Any) -> dict[str, Any]:
     """The runs a canvas run started: step key -> (id, job, state, result)."""
-    with motir.engine.connect() as conn:
+    with motir.sql.connect() as conn:
         found = conn.execute(text("SELECT parent_step_id, id, job_id, state, result FROM job_queue "
                                   "WHERE parent_run_id = :p"), {"p": canvas_id}).all()
     return {r.parent_step_id: r for r in found}
@@ -141,7 +139,7 @@ def test_member_options_are_checked_where_built() -> None:
     deep: Any = cj.add.s(1)
     for _ in range(MAX_DEPTH + 1):
         deep = group(chain(deep, cj.add.s(1)), cj.add.s(0))
-    with pytest.raises(canvas_worker.CanvasError, match=f"nested more than {MAX_DEPTH} deep"):
+    with pytest.raises(CanvasError, match=f"nested more than {MAX_DEPTH} deep"):
         deep.delay()
 
 
@@ -159,7 +157,7 @@ def test_a_canvas_lives_in_one_workspace(motir: Motir) -> None:
     motir.drain()
     assert handle.get(timeout=0) == 6
     assert {m.state for m in members(motir, handle.id).values()} == {"succeeded"}
-    with motir.engine.connect() as conn:
+    with motir.sql.connect() as conn:
         spaces = conn.execute(text("SELECT DISTINCT workspace_id FROM job_queue")).scalars().all()
     assert spaces == ["acme"]  # the canvas run and every member
 
@@ -294,7 +292,7 @@ def test_a_member_countdown_and_priority_and_task_id(motir: Motir) -> None:
     motir.drain()
     started = members(motir, handle.id)
     assert started["0.t"].id == wanted and started["1.t"].state == "queued"  # not due for an hour
-    with motir.engine.connect() as conn:
+    with motir.sql.connect() as conn:
         assert conn.execute(text("SELECT priority FROM job_queue WHERE id = :i"), {"i": wanted}).scalar() == 7
     motir.advance(hours=1)
     motir.drain()
@@ -312,15 +310,15 @@ def test_an_idempotent_canvas_is_written_once(motir: Motir) -> None:
 def test_a_canvas_written_in_a_rolled_back_transaction_never_runs(motir: Motir) -> None:
     from sqlalchemy.orm import Session
 
-    with Session(motir.engine) as session:
+    with Session(motir.sql) as session:
         (cj.add.s(1, 1) | cj.add.s(1)).apply_async(session=session)
         session.rollback()
-    with Session(motir.engine) as session:
+    with Session(motir.sql) as session:
         kept = (cj.add.s(1, 1) | cj.add.s(1)).apply_async(session=session)
         session.commit()
     motir.drain()
     assert kept.get(timeout=0) == 3
-    with motir.engine.connect() as conn:
+    with motir.sql.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM job_queue WHERE job_id = :j"),
                             {"j": CANVAS_JOB_ID}).scalar() == 1
 
@@ -373,7 +371,7 @@ def test_resuming_a_failed_chord_resumes_its_failed_members_and_completes_it(mot
     assert handle.get(timeout=0) == 2 + 2 + 3
     assert len(effects_of(motir, "fixable.before")) == 2  # each failed member resumed, not re-run from the start
     assert len(effects_of(motir, "tsum")) == 1 and len(effects_of(motir, "add")) == 1
-    with motir.engine.connect() as conn:
+    with motir.sql.connect() as conn:
         audited = conn.execute(text("SELECT function_id, resumed_by FROM job_run_dlq ORDER BY function_id")).all()
     assert [tuple(r) for r in audited] == [("canvas.fixable", "ops"), ("canvas.fixable", "ops"),
                                            (CANVAS_JOB_ID, "ops")]  # one audit record each
@@ -415,7 +413,7 @@ def test_resuming_a_parent_whose_child_succeeded_since_sees_the_success(motir: M
     (parent_entry,) = dlq_of(motir, "canvas.tests.invoker")
     Path(flag).touch()
     # The child resumed on its own (as the docs suggest) succeeds; it does not wake a failed parent...
-    with motir.engine.begin() as conn:
+    with motir.sql.begin() as conn:
         conn.execute(text("UPDATE job_run_dlq SET resumed_at = now(), resumed_by = 'ops', resumed_run_id = run_id, "
                           "run_id = NULL WHERE id = :i"), {"i": child_entry["id"]})
         conn.execute(text("UPDATE job_queue SET state = 'queued', attempts = 0, run_at = now() WHERE id = "
@@ -434,9 +432,7 @@ def test_resuming_a_parent_whose_child_was_cancelled_says_why_not(motir: Motir) 
     handle = (cj.add.s(1, 1) | nap.s() | cj.add.s(1)).delay()
     motir.drain()
     napping = members(motir, handle.id)["1.t"]
-    from motir_celery.core.operator.dlq import cancel_run
-
-    assert cancel_run(napping.id)
+    assert motir.engine.cancel_run(napping.id)
     motir.drain()
     (entry,) = dlq_of(motir, CANVAS_JOB_ID)
     assert entry["failure"]["type"] == "RunCancelled"
@@ -452,13 +448,13 @@ def test_replaying_a_canvas_runs_only_its_failed_link_again(motir: Motir, tmp_pa
     motir.drain()
     (entry,) = dlq_of(motir, CANVAS_JOB_ID)
     Path(flag).touch()
-    replayed = replay_dlq(entry["id"], actor="ops")
+    replayed = motir.engine.replay_dlq(entry["id"], actor="ops")
     assert replayed.status == "replayed" and replayed.run_id != handle.id
     motir.drain()
     again = members(motir, replayed.run_id)
     assert sorted(again) == ["1.t", "2.t"]  # link 0's record was copied: it did not run again
     assert len(effects_of(motir, "add")) == 2
-    with motir.engine.connect() as conn:
+    with motir.sql.connect() as conn:
         assert conn.execute(text("SELECT result FROM job_queue WHERE id = :i"), {"i": replayed.run_id}).scalar() == 3
 
 
