@@ -30,14 +30,14 @@ def test_an_app_that_chose_late_acks_keeps_them_for_our_tasks_too() -> None:
     from celery import Celery
 
     from motir_celery import attach
-    from motir_celery.adapter import celery_app
+    from motir_celery.core.current import make_current, peek
 
     app = Celery("late", broker="memory://", set_as_current=False)
     app.conf.update(task_acks_late=True, worker_prefetch_multiplier=4)
-    publishing_through = celery_app.default_app()
+    publishing_through = peek()
     try:
         attach(app)
         assert app.tasks["motir.test.three-steps"].acks_late is True
         assert app.conf.worker_prefetch_multiplier == 4  # the user's setting, not ours
     finally:
-        celery_app.use_as_default(publishing_through)  # attach() made this memory:// app the publisher
+        make_current(publishing_through)  # attach() made this memory:// app's engine current

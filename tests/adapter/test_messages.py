@@ -16,7 +16,10 @@ from celery import Celery, signals
 import tests.fixtures.jobs  # noqa: F401  (test.three, for the worker)
 from motir_celery import define_job, send_event
 from motir_celery.adapter.celery_app import create_app
-from motir_celery.adapter.messages import RedisLane, publisher
+from motir_celery.adapter.hosting import engine_of
+from motir_celery.adapter.messages import CeleryHost, RedisLane, redis_lane
+from motir_celery.core.engine import Engine, Tuning
+from motir_celery.core.publish import Publish
 from motir_celery.settings import Settings
 from tests.conftest import celery_worker, run_state, wait_for
 
@@ -45,9 +48,14 @@ def app(broker_url: str) -> Celery:
     return create_app(Settings.from_env())
 
 
-@pytest.fixture
-def sent(app: Celery, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The task names that went through ``app.send_task`` (the long way)."""
+def publisher(app: Celery) -> Publish:
+    """How the app's engine publishes a run's message (its host: ``CeleryHost`` on ``app``)."""
+    host = engine_of(app).host
+    assert isinstance(host, CeleryHost) and host.app is app
+    return host.publish
+
+
+def _spy(app: Celery, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     names: list[str] = []
     real = app.send_task
 
@@ -57,6 +65,12 @@ def sent(app: Celery, monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     monkeypatch.setattr(app, "send_task", spy)
     return names
+
+
+@pytest.fixture
+def sent(app: Celery, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The task names that went through ``app.send_task`` (the long way)."""
+    return _spy(app, monkeypatch)
 
 
 @pytest.fixture
@@ -189,19 +203,21 @@ def test_a_broker_setting_that_changes_how_messages_are_written_rules_the_short_
     assert RedisLane.for_app(app) is None
 
 
-def test_motir_direct_publish_0_sends_every_message_through_send_task(monkeypatch: pytest.MonkeyPatch) -> None:
-    from motir_celery.settings import reset_settings
-
-    app = Celery("other", set_as_current=False)
-    app.conf.broker_write_url = "redis://127.0.0.1:6379/0"
-    monkeypatch.setenv("MOTIR_DIRECT_PUBLISH", "0")
-    reset_settings()
-    try:
-        assert RedisLane.for_app(app) is None
-    finally:
-        monkeypatch.delenv("MOTIR_DIRECT_PUBLISH")
-        reset_settings()
-    assert RedisLane.for_app(app) is not None
+def test_an_engine_with_direct_publish_off_sends_every_message_through_send_task(
+    broker_url: str, broker: redis.Redis, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``Tuning(direct_publish=False)`` (was MOTIR_DIRECT_PUBLISH=0): an app the short way would
+    serve has no lane, and every message, not only a queue's first, goes through send_task."""
+    app = create_app(engine=Engine(Settings.from_env(), tuning=Tuning(direct_publish=False)))
+    assert RedisLane.for_app(app) is not None  # the broker would allow it: the tuning rules it out
+    assert redis_lane(app, engine_of(app).tuning.direct_publish) is None
+    sent = _spy(app, monkeypatch)
+    publish = publisher(app)
+    broker.delete(app.conf.task_default_queue)
+    for _ in range(3):
+        publish(uuid.uuid4(), "test.three-steps", 0.0)
+    assert sent == ["motir.test.three-steps"] * 3
+    assert len(_drain(broker, app.conf.task_default_queue)) == 3
 
 
 def test_runs_published_the_short_way_run_on_a_real_worker(
