@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import threading
-import uuid
 from collections import Counter
 from contextlib import ExitStack, contextmanager
 from datetime import datetime, timedelta, timezone
@@ -33,8 +32,9 @@ import tests.fixtures.jobs  # noqa: F401  (event jobs, for the "event enqueue un
 from motir_celery import enqueue_scheduled
 from motir_celery.adapter.beat import SCHEDULER, MotirScheduler, OverlapSkipped, enqueue_slot
 from motir_celery.adapter.celery_app import attach, create_app
+from motir_celery.adapter.hosting import engine_of
 from motir_celery.core.jobs import get_job
-from motir_celery.core.producer.events import dispatch_event, send_event
+from motir_celery.core.producer.events import dispatch_event
 from motir_celery.core.schedule import latest_slot, schedule_options, slots_between
 from motir_celery.core.system_jobs import HEALTH_CHECK
 from motir_celery.errors import JobDefinitionError
@@ -42,21 +42,11 @@ from motir_celery.settings import Settings
 from motir_celery.store.db import workspace_session
 from motir_celery.store.records import AlreadyQueued, Queued
 from motir_celery.store.sql import producer as producer_sql
+from motir_celery.testing import Held
 from tests.conftest import ROOT, celery_worker, run_state, stop_group, wait_for
+from tests.fixtures.engines import holding
 
 UTC = timezone.utc
-
-
-class Recorder:
-    """A publish callable that remembers what it was handed (thread-safe)."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[uuid.UUID, str, float]] = []
-        self._lock = threading.Lock()
-
-    def __call__(self, run_id: uuid.UUID, job_id: str, countdown: float = 0.0) -> None:
-        with self._lock:
-            self.calls.append((run_id, job_id, countdown))
 
 
 def db_now(engine: Engine) -> datetime:
@@ -132,13 +122,14 @@ def waiting_on_lock(engine: Engine, pattern: str) -> bool:
 def test_concurrent_enqueues_of_one_slot_make_one_row_one_queued_one_publish(engine):  # type: ignore[no-untyped-def]
     warm_pool(engine, 5)
     now = db_now(engine)
-    publish = Recorder()
+    publish = Held()
+    held = holding(publish)
     rounds = []
     for back in range(10):  # ten slots, each enqueued by two threads released together
         slot = slot_of(bj.EVERY_2S, now, back)
-        rounds.append((slot, concurrently(2, lambda _i, s=slot: enqueue_slot(bj.EVERY_2S, s, publish=publish))))
+        rounds.append((slot, concurrently(2, lambda _i, s=slot: enqueue_slot(held, bj.EVERY_2S, s))))
     storm = slot_of(bj.EVERY_2S, now, 10)  # and one slot by five
-    rounds.append((storm, concurrently(5, lambda _i: enqueue_slot(bj.EVERY_2S, storm, publish=publish))))
+    rounds.append((storm, concurrently(5, lambda _i: enqueue_slot(held, bj.EVERY_2S, storm))))
 
     found = rows(engine, bj.EVERY_2S)
     assert Counter(r.scheduled_for for r in found) == {slot: 1 for slot, _ in rounds}
@@ -148,7 +139,7 @@ def test_concurrent_enqueues_of_one_slot_make_one_row_one_queued_one_publish(eng
         (row,) = [r for r in found if r.scheduled_for == slot]
         assert row.id == queued[0].run_id and row.event_name == f"scheduled.{bj.EVERY_2S}"
     # Published once per slot, the run that was created, after its commit.
-    assert sorted(c[0] for c in publish.calls) == sorted(r.id for r in found)
+    assert sorted(c[0] for c in publish) == sorted(r.id for r in found)
 
 
 def test_second_insert_of_a_slot_waits_for_the_first_and_then_is_already_queued(engine):  # type: ignore[no-untyped-def]
@@ -158,7 +149,7 @@ def test_second_insert_of_a_slot_waits_for_the_first_and_then_is_already_queued(
         created = producer_sql.enqueue_scheduled(first, bj.EVERY_2S, slot, max_attempts=3, policy="transient")
         assert isinstance(created, Queued)
         outcome: list[Any] = []
-        second = threading.Thread(target=lambda: outcome.append(enqueue_slot(bj.EVERY_2S, slot, publish=None)))
+        second = threading.Thread(target=lambda: outcome.append(enqueue_slot(holding(), bj.EVERY_2S, slot)))
         second.start()
         # The second INSERT is parked inside Postgres on the first's uncommitted row.
         wait_for(lambda: waiting_on_lock(engine, "%INSERT INTO job_queue%"), timeout=10, what="a blocked INSERT")
@@ -172,33 +163,33 @@ def test_second_insert_of_a_slot_waits_for_the_first_and_then_is_already_queued(
 def test_same_job_two_slots_two_rows_and_the_same_instant_in_another_offset_is_one(engine):  # type: ignore[no-untyped-def]
     now = db_now(engine)
     a, b = slot_of(bj.EVERY_2S, now, 1), slot_of(bj.EVERY_2S, now)
-    assert isinstance(enqueue_slot(bj.EVERY_2S, a, publish=None), Queued)
-    assert isinstance(enqueue_slot(bj.EVERY_2S, b, publish=None), Queued)
+    assert isinstance(enqueue_slot(holding(), bj.EVERY_2S, a), Queued)
+    assert isinstance(enqueue_slot(holding(), bj.EVERY_2S, b), Queued)
     # One instant, whatever offset it is written in (or as an ISO string): one slot.
-    assert type(enqueue_slot(bj.EVERY_2S, b.astimezone(ZoneInfo("Asia/Kolkata")), publish=None)) is AlreadyQueued
-    assert type(enqueue_slot(bj.EVERY_2S, b.isoformat(), publish=None)) is AlreadyQueued
+    assert type(enqueue_slot(holding(), bj.EVERY_2S, b.astimezone(ZoneInfo("Asia/Kolkata")))) is AlreadyQueued
+    assert type(enqueue_slot(holding(), bj.EVERY_2S, b.isoformat())) is AlreadyQueued
     assert [r.scheduled_for for r in rows(engine, bj.EVERY_2S)] == [a, b]
 
 
 def test_an_instant_that_is_not_a_slot_or_a_job_without_cron_is_refused(engine):  # type: ignore[no-untyped-def]
     slot = slot_of(bj.EVERY_2S, db_now(engine))
     with pytest.raises(ValueError, match="is not a slot"):
-        enqueue_slot(bj.EVERY_2S, slot + timedelta(seconds=1), publish=None)
+        enqueue_slot(holding(), bj.EVERY_2S, slot + timedelta(seconds=1))
     with pytest.raises(ValueError, match="timezone-aware"):
-        enqueue_slot(bj.EVERY_2S, slot.replace(tzinfo=None), publish=None)
+        enqueue_slot(holding(), bj.EVERY_2S, slot.replace(tzinfo=None))
     with pytest.raises(JobDefinitionError, match="no cron"):
-        enqueue_slot("test.three-steps", slot, publish=None)
+        enqueue_slot(holding(), "test.three-steps", slot)
     assert rows(engine, bj.EVERY_2S) == []
 
 
 def test_event_triggered_enqueue_is_unchanged(engine):  # type: ignore[no-untyped-def]
-    sent = send_event("test.three", {"workspace_id": "acme"}, publish=None)
+    sent = holding().send_event("test.three", {"workspace_id": "acme"})
     (run_id,) = sent.run_ids
     (row,) = rows(engine, "test.three-steps")
     assert row.id == run_id and row.scheduled_for is None and row.event_id == sent.event_id
     assert row.skip_overlap is False and row.event_name == "test.three"
     # (event_id, job_id) still dedups: dispatching the same event again adds nothing...
-    assert dispatch_event(sent.event_id) == [AlreadyQueued("test.three-steps")]
+    assert dispatch_event(holding(), sent.event_id) == [AlreadyQueued("test.three-steps")]
     # ...and the two unique constraints are independent halves: a scheduled row of
     # the same job id sits beside the event row (NULL scheduled_for / NULL event_id).
     slot = datetime(2026, 1, 1, tzinfo=UTC)
@@ -212,16 +203,16 @@ def test_event_triggered_enqueue_is_unchanged(engine):  # type: ignore[no-untype
 
 
 def test_rls_hides_a_system_scheduled_row_from_workspaces_and_shows_it_to_admins(engine):  # type: ignore[no-untyped-def]
-    result = enqueue_slot(bj.EVERY_2S, slot_of(bj.EVERY_2S, db_now(engine)), publish=None)
+    result = enqueue_slot(holding(), bj.EVERY_2S, slot_of(bj.EVERY_2S, db_now(engine)))
     assert isinstance(result, Queued)
     (row,) = rows(engine, bj.EVERY_2S)  # the owner sees it: it exists, with a NULL workspace
     assert row.workspace_id is None
     count = text("SELECT count(*) FROM job_queue WHERE id = :id")
-    with workspace_session(None, admin=True) as s:
+    with workspace_session(None, admin=True, settings=Settings.from_env()) as s:
         assert s.execute(text("SELECT current_user")).scalar_one() == "motir_admin"
         assert s.execute(count, {"id": result.run_id}).scalar_one() == 1
     for ws, admin in (("acme", False), (None, False)):
-        with workspace_session(ws, admin=admin) as s:
+        with workspace_session(ws, admin=admin, settings=Settings.from_env()) as s:
             assert s.execute(count, {"id": result.run_id}).scalar_one() == 0
 
 
@@ -230,10 +221,10 @@ def test_rls_hides_a_system_scheduled_row_from_workspaces_and_shows_it_to_admins
 
 def test_overlap_allow_is_the_default_every_slot_gets_its_run(engine):  # type: ignore[no-untyped-def]
     now = db_now(engine)
-    first = enqueue_slot(bj.EVERY_2S, slot_of(bj.EVERY_2S, now, 1), publish=None)
+    first = enqueue_slot(holding(), bj.EVERY_2S, slot_of(bj.EVERY_2S, now, 1))
     with engine.begin() as conn:
         conn.execute(text("UPDATE job_queue SET state = 'running' WHERE id = :id"), {"id": first.run_id})  # type: ignore[union-attr]
-    assert isinstance(enqueue_slot(bj.EVERY_2S, slot_of(bj.EVERY_2S, now), publish=None), Queued)
+    assert isinstance(enqueue_slot(holding(), bj.EVERY_2S, slot_of(bj.EVERY_2S, now)), Queued)
     assert schedule_options(bj.EVERY_2S, get_job(bj.EVERY_2S).options).overlap == "allow"
 
 
@@ -241,13 +232,14 @@ def test_overlap_skip_admits_one_active_run_when_slots_race(engine):  # type: ig
     warm_pool(engine, 5)
     now = db_now(engine)
     slots = [slot_of(bj.EVERY_1S_SKIP, now, back) for back in range(5)]
-    publish = Recorder()
-    results = concurrently(5, lambda i: enqueue_slot(bj.EVERY_1S_SKIP, slots[i], publish=publish))
+    publish = Held()
+    held = holding(publish)
+    results = concurrently(5, lambda i: enqueue_slot(held, bj.EVERY_1S_SKIP, slots[i]))
     queued = [r for r in results if isinstance(r, Queued)]
     skipped = [r for r in results if isinstance(r, OverlapSkipped)]
     assert len(queued) == 1 and len(skipped) == 4
     assert {s.blocking_run_id for s in skipped} == {queued[0].run_id}
-    assert [c[0] for c in publish.calls] == [queued[0].run_id]  # a skip publishes nothing
+    assert [c[0] for c in publish] == [queued[0].run_id]  # a skip publishes nothing
     found = rows(engine, bj.EVERY_1S_SKIP)
     assert sorted(r.scheduled_for for r in found) == sorted(slots)  # every slot has its row: a run or its skip
     assert Counter(r.state for r in found) == {"queued": 1, "cancelled": 4}
@@ -256,16 +248,16 @@ def test_overlap_skip_admits_one_active_run_when_slots_race(engine):  # type: ig
     # A skipped slot stays decided (no late run once the blocker ends), and any slot
     # again is plainly AlreadyQueued.
     for slot in slots:
-        assert type(enqueue_slot(bj.EVERY_1S_SKIP, slot, publish=None)) is AlreadyQueued
+        assert type(enqueue_slot(holding(), bj.EVERY_1S_SKIP, slot)) is AlreadyQueued
     # Still running (a retry puts it back to queued: still active) → the next slot is skipped too;
     # once it has finished, the next slot runs.
     with engine.begin() as conn:
         conn.execute(text("UPDATE job_queue SET state = 'running' WHERE id = :id"), {"id": queued[0].run_id})
     later = slot_of(bj.EVERY_1S_SKIP, db_now(engine))
-    assert isinstance(enqueue_slot(bj.EVERY_1S_SKIP, later + timedelta(seconds=1), publish=None), OverlapSkipped)
+    assert isinstance(enqueue_slot(holding(), bj.EVERY_1S_SKIP, later + timedelta(seconds=1)), OverlapSkipped)
     with engine.begin() as conn:
         conn.execute(text("UPDATE job_queue SET state = 'succeeded' WHERE id = :id"), {"id": queued[0].run_id})
-    assert isinstance(enqueue_slot(bj.EVERY_1S_SKIP, later + timedelta(seconds=2), publish=None), Queued)
+    assert isinstance(enqueue_slot(holding(), bj.EVERY_1S_SKIP, later + timedelta(seconds=2)), Queued)
 
 
 @pytest.mark.parametrize("first_commits", [True, False])
@@ -283,7 +275,7 @@ def test_overlap_skip_decision_waits_for_an_uncommitted_run_of_another_slot(engi
         assert isinstance(producer_sql.enqueue_scheduled(first, bj.EVERY_1S_SKIP, s1, max_attempts=3, policy="transient", skip_overlap=True),
                           Queued)
         outcome: list[Any] = []
-        second = threading.Thread(target=lambda: outcome.append(enqueue_slot(bj.EVERY_1S_SKIP, s2, publish=None)))
+        second = threading.Thread(target=lambda: outcome.append(enqueue_slot(holding(), bj.EVERY_1S_SKIP, s2)))
         second.start()
         wait_for(lambda: waiting_on_lock(engine, "%INSERT INTO job_queue%"), timeout=10, what="a blocked INSERT")
         assert not outcome
@@ -297,10 +289,16 @@ def test_overlap_skip_decision_waits_for_an_uncommitted_run_of_another_slot(engi
 
 
 @pytest.fixture
-def scheduler(broker_url: str, tmp_path: Path) -> Iterator[MotirScheduler]:
+def published() -> Held:
+    """What the scheduler's app published: its engine's host."""
+    return Held()
+
+
+@pytest.fixture
+def scheduler(broker_url: str, tmp_path: Path, published: Held) -> Iterator[MotirScheduler]:
     app = create_app(Settings.from_env())
+    engine_of(app).host_on(published)  # the app's engine holds its messages instead of sending them
     sched = MotirScheduler(app=app, schedule_filename=str(tmp_path / "schedule"), lazy=True)
-    sched._motir_publish = Recorder()
     yield sched
 
 
@@ -323,20 +321,19 @@ def test_latest_slot_only_by_default_and_catchup_enqueues_every_slot_of_its_wind
         datetime(2026, 6, 1, 12, 0, 3, tzinfo=UTC), datetime(2026, 6, 1, 12, 0, 6, tzinfo=UTC)]
 
 
-def test_a_scheduler_pass_enqueues_each_cron_job_once_and_sleeps_until_the_next_slot(engine, scheduler):  # type: ignore[no-untyped-def]
+def test_a_scheduler_pass_enqueues_each_cron_job_once_and_sleeps_until_the_next_slot(engine, scheduler, published):  # type: ignore[no-untyped-def]
     delay = scheduler._motir_pass()
     assert 0 < delay <= 1.01  # the next every-second slot
     first = {job: len(rows(engine, job)) for job in (bj.EVERY_2S, bj.EVERY_1S_SKIP, HEALTH_CHECK, bj.FAILING)}
     assert first == {bj.EVERY_2S: 1, bj.EVERY_1S_SKIP: 1, HEALTH_CHECK: 1, bj.FAILING: 1}
     assert len(rows(engine, bj.EVERY_3S_CATCHUP)) >= 10  # its 30 s window
-    published = {c[1] for c in scheduler._motir_publish.calls}
-    assert {bj.EVERY_2S, bj.EVERY_3S_CATCHUP, bj.EVERY_1S_SKIP, HEALTH_CHECK} <= published
+    assert {bj.EVERY_2S, bj.EVERY_3S_CATCHUP, bj.EVERY_1S_SKIP, HEALTH_CHECK} <= {c[1] for c in published}
     # A second beat (no memory) in the same second adds nothing.
     twin = MotirScheduler(app=scheduler.app, schedule_filename=scheduler.schedule_filename, lazy=True)
-    twin._motir_publish = Recorder()
+    before = len(published)
     twin._motir_pass()
     assert len(rows(engine, HEALTH_CHECK)) == 1 and len(rows(engine, bj.FAILING)) == 1
-    assert all(c[1] not in (HEALTH_CHECK, bj.FAILING) for c in twin._motir_publish.calls)
+    assert all(c[1] not in (HEALTH_CHECK, bj.FAILING) for c in published[before:])
 
 
 def test_attach_installs_our_scheduler_unless_the_user_chose_one(broker_url):  # type: ignore[no-untyped-def]
