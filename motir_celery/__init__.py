@@ -111,7 +111,7 @@ def current_engine() -> Engine:
 def _engine(app: "Celery | None") -> Engine:
     if app is None:
         return _current.current()
-    from motir_celery.adapter.hosting import hosts
+    from motir_celery.adapter.messages import hosts
 
     found = hosts(app)
     if found is None:  # an app never attached: host an engine on it now

@@ -44,7 +44,7 @@ from celery.backends.base import BaseBackend
 from celery.backends.rpc import RPCBackend
 from celery.exceptions import TimeoutError as CeleryTimeout
 
-from motir_celery.adapter.hosting import engine_of
+from motir_celery.adapter.messages import engine_of
 from motir_celery.core.engine import Engine
 from motir_celery.core.jobs import job_for_task
 from motir_celery.core.producer.results import FIRST_POLL, MAX_POLL, POLL_GROWTH, celery_state, read_result

@@ -40,7 +40,7 @@ from typing import Any
 from celery.beat import PersistentScheduler, ScheduleEntry
 from celery.schedules import crontab, schedule
 
-from motir_celery.adapter.hosting import engine_of
+from motir_celery.adapter.messages import engine_of
 from motir_celery.core.engine import Engine
 from motir_celery.core.jobs import Job, all_jobs, get_job, job_for_task
 from motir_celery.core.schedule import ScheduleOptions, is_slot, latest_slot, newest_slots, next_slot, schedule_options

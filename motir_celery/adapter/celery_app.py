@@ -78,8 +78,7 @@ from celery.exceptions import Retry
 
 from motir_celery.adapter.backend import BACKEND
 from motir_celery.adapter.guard import GUARDED_AMQP_TRANSPORT
-from motir_celery.adapter.hosting import engine_of, host, hosts
-from motir_celery.adapter.messages import GUARDED_TRANSPORT, CeleryHost
+from motir_celery.adapter.messages import GUARDED_TRANSPORT, CeleryHost, engine_of, host, hosts
 from motir_celery.adapter.protocol import run_to_execute
 from motir_celery.adapter.worker import EngineStep, engine_thread
 from motir_celery.core.current import current, default, make_current, peek

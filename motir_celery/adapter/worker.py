@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 from celery import bootsteps
 
-from motir_celery.adapter.hosting import engine_of
+from motir_celery.adapter.messages import engine_of
 from motir_celery.adapter.renewer import Supervisor
 from motir_celery.core.engine import Engine
 from motir_celery.forks import per_process

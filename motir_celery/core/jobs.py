@@ -314,7 +314,7 @@ _listeners: list[Callable[[Job], None]] = []
 _lock = threading.RLock()
 #: Event name -> its subscribing jobs (by id), and -> the jobs a cancel_on rule of it cancels: what
 #: every send_event asks, kept by each definition (_index_events, under _lock), so a send costs the
-#: same with 5 jobs defined as with 500 (docs/performance.md, issue 28's eighth session).
+#: same with 5 jobs defined as with 500.
 _subscribers: dict[str, tuple[Job, ...]] = {}
 _cancelled_by: dict[str, tuple[Job, ...]] = {}
 

@@ -13,10 +13,12 @@ from typing import Any
 
 from motir_celery.errors import NonRetriableError
 
-__all__ = ["DIRECT_PREFIX", "event_name", "arguments", "CANVAS_JOB_ID", "KINDS", "MAX_DEPTH", "MEMBER_OPTIONS",
+__all__ = ["DIRECT_PREFIX", "CHILD_EVENT_PREFIX", "event_name", "arguments", "CANVAS_JOB_ID", "KINDS", "MAX_DEPTH", "MEMBER_OPTIONS",
            "CanvasError", "member_id", "is_leaf", "check_node"]
 
 DIRECT_PREFIX = "direct."
+#: A child run's event (``step.invoke``, a canvas member) is named ``motir.invoke:<job_id>``.
+CHILD_EVENT_PREFIX = "motir.invoke:"
 
 
 def event_name(job_id: str) -> str:

@@ -371,7 +371,7 @@ def get_run(session: Session, run_id: uuid.UUID | str) -> RunDetail | None:
     dlq_rows = sql.run_dlq(conn, rid)
     own = next((_dlq(r) for r in dlq_rows if r["run_id"] == rid), None)
     replay_of = next((_dlq(r) for r in dlq_rows if r["replay_run_id"] == rid), None)
-    # Composition (issue 20): the parent, the children, the resumes. RLS applies to each row.
+    # Composition: the parent, the children, the resumes. RLS applies to each row.
     family = sql.run_family(conn, rid)
     parent = next((ChildRow(r["id"], r["job_id"], r["state"], None) for r in family if r["is_parent"]), None)
     children = sorted((ChildRow(r["id"], r["job_id"], r["state"], r["parent_step_id"])

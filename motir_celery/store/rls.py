@@ -23,7 +23,7 @@ Four roles (DESIGN.md invariant 8; docs/security.md is the threat model):
 
 The migrations create the roles as NOLOGIN when they do not exist (that needs
 CREATEROLE); a DBA may create them beforehand, with LOGIN and passwords, and the
-migration then only grants. REJECTED: ``BYPASSRLS`` for the engine — granting it
+migration then only grants. Not ``BYPASSRLS`` for the engine: granting it
 needs a superuser, and a policy says the same thing in the schema where drift
 detection can see it.
 

@@ -6,7 +6,7 @@ statements and ``store/driver`` take it like the engine's own connections, and i
 Django's — ``connection_for`` hands out this thread's ``connections[alias].connection``
 whatever Django did to it (pool, reconnect, ``CONN_MAX_AGE``); nothing of motir begins,
 commits, rolls back or closes it; no SQLAlchemy is imported (a Django-hosted worker's
-memory, issue 28).
+memory).
 
 On Django's connection, Django's cursor class (client-side binding by default) is used:
 nothing is prepared server-side there whatever ``MOTIR_PREPARED_STATEMENTS`` says (safe

@@ -1,4 +1,4 @@
-"""Bulk DLQ actions: replay, resume or dismiss every open entry matching a filter (issue 20).
+"""Bulk DLQ actions: replay, resume or dismiss every open entry matching a filter.
 
 ``motir dlq resume --job orders.fulfil --since 2h --dry-run`` prints how many open
 entries match and a sample; without ``--dry-run`` each one is acted on **by the

@@ -1,4 +1,4 @@
-"""``resume_dlq``: the same run again, from its failed step (issue 20) — and its family with it (issue 27).
+"""``resume_dlq``: the same run again, from its failed step — and its family with it.
 
 Replay re-emits the event as a **new** run: every step runs again (two invoices for
 one order, if ``invoice`` came before the step that failed). Resume queues **the

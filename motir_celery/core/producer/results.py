@@ -38,7 +38,7 @@ no worker can see the run before the commit, so waiting could only time out.
 
 ``get`` polls: one indexed read (``producer_sql.RUN_RESULT``), then sleeps 20 ms,
 ×1.5 per poll, at most 500 ms between two — a run done in 50 ms is seen ~25 ms
-later, a wait of a minute costs ~130 reads. REJECTED: LISTEN/NOTIFY, which needs
+later, a wait of a minute costs ~130 reads. Not LISTEN/NOTIFY, which needs
 a trigger or a NOTIFY in every settle (a schema change and one more thing on the
 run path) and a session-holding connection, which a transaction pooler
 (PgBouncer) does not give; a poller works through one.

@@ -1,4 +1,4 @@
-"""``step.invoke`` / ``step.gather``: child runs awaited durably (issue 20).
+"""``step.invoke`` / ``step.gather``: child runs awaited durably.
 
 ``value = step.invoke("charge", "payments.charge", {"order": 42})`` starts one run of
 job ``payments.charge`` — the child — and returns its result once it has settled;
@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from motir_celery.core.jobs import Job, get_job
 from motir_celery.core.publish import Publish, publish_or_log
+from motir_celery.core.shapes import CHILD_EVENT_PREFIX
 from motir_celery.core.tracing import current_traceparent
 from motir_celery.errors import NonRetriableError, PayloadError, Suspended, checked_delay
 from motir_celery.store import records
@@ -69,13 +70,11 @@ if TYPE_CHECKING:
     from motir_celery.core.worker.steps import Step
     from motir_celery.store.driver import Conn
 
-__all__ = ["ChildFailed", "invoke", "gather", "after_settle", "publish_woken", "Member", "await_members",
-           "CHILD_EVENT_PREFIX", "MAX_CHILDREN", "MEMBER_BATCH"]
+__all__ = ["ChildFailed", "invoke", "gather", "publish_woken", "Member", "await_members", "MAX_CHILDREN",
+           "MEMBER_BATCH"]
 
 log = logging.getLogger("motir_celery.core.worker.invoke")
 
-#: A child's event is named ``motir.invoke:<job_id>`` (its data is the data given).
-CHILD_EVENT_PREFIX = "motir.invoke:"
 #: The most children one gather starts.
 MAX_CHILDREN = 1000
 #: A wait without a timeout: the parent is due again only when woken (or after this long).
@@ -337,15 +336,6 @@ def _outcome(key: str, kid: dict[str, Any] | None, timed_out: bool, timeout: Any
     else:
         error = kid["error"] or {"type": "Failed", "message": "the child run failed"}
     return {**base, "error": error}
-
-
-def after_settle(engine: Engine, conn: Conn, claim: records.Claim, state: str) -> None:
-    """The runner's step after an attempt settled: a child that reached a final state may
-    have woken its parent (the trigger did, in the settle's transaction) — publish it.
-    One string test for every other run."""
-    if state not in ("succeeded", "failed") or not claim.event_name.startswith(CHILD_EVENT_PREFIX):
-        return
-    publish_woken(engine.publish, conn, [claim.run_id])
 
 
 def publish_woken(publish: Publish, conn: Conn, settled: Sequence[uuid.UUID]) -> int:

@@ -27,9 +27,9 @@ import psycopg
 
 from motir_celery.core.jobs import Job, find_job, get_job
 from motir_celery.core.publish import publish_or_log
-from motir_celery.core.shapes import arguments
+from motir_celery.core.shapes import CHILD_EVENT_PREFIX, arguments
 from motir_celery.core.tracing import run_span
-from motir_celery.core.worker import concurrency, flow, invoke
+from motir_celery.core.worker import concurrency, flow
 from motir_celery.core.worker.claim import claim as claim_run
 from motir_celery.core.worker.failures import describe, storable_error
 from motir_celery.core.worker.steps import Step, encode_json
@@ -109,7 +109,10 @@ def _execute(engine: Engine, run_uuid: uuid.UUID, job_id: str, worker: str) -> O
             try:
                 with run_span(claim.job_id, str(claim.run_id), claim.attempt, claim.traceparent):
                     outcome = _attempt(engine, claim, conn)
-                invoke.after_settle(engine, conn, claim, outcome.state)  # a child's settle may wake its parent
+                if outcome.state in ("succeeded", "failed") and claim.event_name.startswith(CHILD_EVENT_PREFIX):
+                    # A child that reached a final state may have woken its parent (the trigger
+                    # did, in the settle's transaction): publish the parent now.
+                    engine.publish_woken(conn, [claim.run_id])
                 return outcome
             finally:
                 if claim.concurrency_key is not None:

@@ -10,6 +10,13 @@
 * A result must be JSON Postgres stores (``StepOutputError``); a step id is at
   most ``MAX_STEP_ID`` printable characters (``StepIdError``).
 
+``async def`` handlers: ``await step.run(step_id, fn, ...)`` with a coroutine function ``fn``
+is memoized exactly as a plain step — a stored result is returned without running ``fn``, a
+new one is committed before the awaitable completes. Pass the coroutine function itself
+(``step.run("x", fetch, url)``), not a lambda. In a plain handler, where no loop runs, such a
+step runs with ``asyncio.run`` (the runner runs an ``async def`` handler the same way: a fresh
+loop per attempt).
+
 ``Step`` is the public per-attempt object: what a handler calls (``run``, sleeps, waits,
 ``send_event``, ``invoke`` / ``gather``) and what the rest of the worker path builds on
 (``core/worker/invoke.py``, the canvas, the test kit's faults): its claim, its stored records,
@@ -18,17 +25,18 @@ the next key of a step id, the fence check before a body, the refusal of a fence
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
 import re
 import time
 from datetime import datetime, timedelta
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, ContextManager, Mapping, NoReturn, Sequence, TypeVar
 
 from motir_celery.core.runspec import path_of, value_at
 from motir_celery.core.tracing import step_span
 from motir_celery.core.worker import invoke
-from motir_celery.core.worker.handlers import coroutine_step, is_coroutine_function
 from motir_celery.errors import LostClaim, RunCancelled, StepIdError, StepOutputError, Suspended, checked_delay
 from motir_celery.store.records import Claim
 from motir_celery.store.sql import worker as worker_sql
@@ -48,6 +56,10 @@ SEPARATOR = ":"
 MAX_STEP_ID = 200
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _is_coroutine_function(fn: Callable[..., Any]) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
 def encode_json(value: Any, *, what: str, limit: int) -> str:
@@ -106,10 +118,10 @@ class Step:
 
     def run(self, step_id: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn(*args, **kwargs)`` once for this run, or return its stored result
-        (an awaitable of it when ``fn`` is a coroutine function: ``handlers.py``)."""
+        (an awaitable of it when ``fn`` is a coroutine function: the module docstring)."""
         key = self.next_key(step_id)
-        if is_coroutine_function(fn):
-            return coroutine_step(self, key, fn, args, kwargs)  # type: ignore[no-any-return, arg-type]
+        if _is_coroutine_function(fn):
+            return self._coroutine_step(key, fn, args, kwargs)  # type: ignore[no-any-return, arg-type]
         if key in self._memo:
             return self._memo[key]  # type: ignore[no-any-return]
         self.ensure_held(key)
@@ -118,6 +130,29 @@ class Step:
             value = fn(*args, **kwargs)
             encoded = self.encode(key, value)
         return self.record(key, encoded, time.monotonic() - started)  # type: ignore[no-any-return]
+
+    def _coroutine_step(self, key: str, fn: Callable[..., Awaitable[Any]], args: Sequence[Any],
+                        kwargs: Mapping[str, Any]) -> Any:
+        """An awaitable of the step inside a running loop (an ``async def`` handler); in a plain
+        handler, where no loop runs, the step's result, its coroutine run here with ``asyncio.run``."""
+        body = self._awaited(key, fn, args, kwargs)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(body)
+        return body
+
+    async def _awaited(self, key: str, fn: Callable[..., Awaitable[Any]], args: Sequence[Any],
+                       kwargs: Mapping[str, Any]) -> Any:
+        """``run`` for an ``async def`` body: memo, fence check, body, committed record."""
+        if key in self._memo:
+            return self._memo[key]
+        self.ensure_held(key)
+        with step_span(key):
+            started = time.monotonic()
+            value = await fn(*args, **kwargs)
+            encoded = self.encode(key, value)
+        return self.record(key, encoded, time.monotonic() - started)
 
     def encode(self, key: str, value: Any) -> str:
         """``value`` as the JSON step ``key`` stores, or ``StepOutputError``."""

@@ -209,7 +209,7 @@ ENQUEUE_SCHEDULED = Statement(
 # the job is active. Unlike `INSERT … WHERE NOT EXISTS (active run)`, which two
 # transactions under READ COMMITTED can both pass before either commits, a
 # unique index makes the second inserter wait for the first and then conflict
-# (or proceed if the first rolled back), at any isolation level. REJECTED: an
+# (or proceed if the first rolled back), at any isolation level. Not an
 # advisory lock + check, which is only as safe as every writer remembering the
 # lock, and is broken under REPEATABLE READ (the check's snapshot predates the
 # wait). No conflict target: both arbiters apply — (job_id, scheduled_for) says
