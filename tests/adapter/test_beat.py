@@ -32,7 +32,7 @@ import tests.fixtures.jobs  # noqa: F401  (event jobs, for the "event enqueue un
 from motir_celery import enqueue_scheduled
 from motir_celery.adapter.beat import SCHEDULER, MotirScheduler, OverlapSkipped, enqueue_slot
 from motir_celery.adapter.celery_app import attach, create_app
-from motir_celery.adapter.hosting import engine_of
+from motir_celery.adapter.messages import engine_of
 from motir_celery.core.jobs import get_job
 from motir_celery.core.producer.events import dispatch_event
 from motir_celery.core.schedule import latest_slot, schedule_options, slots_between

@@ -16,8 +16,7 @@ from celery import Celery, signals
 import tests.fixtures.jobs  # noqa: F401  (test.three, for the worker)
 from motir_celery import define_job, send_event
 from motir_celery.adapter.celery_app import create_app
-from motir_celery.adapter.hosting import engine_of
-from motir_celery.adapter.messages import CeleryHost, RedisLane, redis_lane
+from motir_celery.adapter.messages import CeleryHost, RedisLane, engine_of, redis_lane
 from motir_celery.core.engine import Engine, Tuning
 from motir_celery.core.publish import Publish
 from motir_celery.settings import Settings
