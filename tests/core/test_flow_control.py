@@ -30,10 +30,10 @@ from motir_celery.adapter.celery_app import create_app as create_celery_app
 from motir_celery.core.jobs import define_job, get_job
 from motir_celery.core.producer.events import SendResult
 from motir_celery.core.runspec import Batch, Debounce, Throttle, run_options
-from motir_celery.core.worker import flow, runner
+from motir_celery.core.worker import flow
 from motir_celery.errors import JobDefinitionError
 from motir_celery.settings import get_settings
-from motir_celery.store.db import set_workspace_context, workspace_session
+from motir_celery.store.db import set_workspace_context
 from motir_celery.store.migrate import check
 from motir_celery.store.records import Queued
 from motir_celery.store.rls import APP_ROLE
@@ -110,14 +110,14 @@ def test_throttled_runs_wait_queued_and_start_in_the_order_they_were_sent(motir:
     sent = [motir.send_event("flow.throttle", {"key": "k", "n": n}).run_ids[0] for n in range(2 * LIMIT + 1)]
     first = [run for run, o in motir.drain() if o.state == "succeeded"]
     assert first == sent[:LIMIT]  # the rest wait: none dropped, none failed
-    waiting = _rows(motir.engine, "SELECT id, flow_wait, run_at > now() FROM job_queue WHERE state = 'queued' "
+    waiting = _rows(motir.sql, "SELECT id, flow_wait, run_at > now() FROM job_queue WHERE state = 'queued' "
                                   "ORDER BY run_at, created_at")
     assert [(r[1], r[2]) for r in waiting] == [("throttle", True)] * (LIMIT + 1)
     motir.advance(seconds=PERIOD)
     assert [run for run, o in motir.drain() if o.state == "succeeded"] == sent[LIMIT:2 * LIMIT]
     motir.advance(seconds=PERIOD)
     assert [run for run, o in motir.drain() if o.state == "succeeded"] == sent[2 * LIMIT:]
-    order = _rows(motir.engine, "SELECT id FROM job_queue ORDER BY throttle_at, created_at")
+    order = _rows(motir.sql, "SELECT id FROM job_queue ORDER BY throttle_at, created_at")
     assert [r[0] for r in order] == sent
 
 
@@ -128,7 +128,7 @@ def test_a_retry_is_not_throttled_again(motir: Motir) -> None:
     assert motir.outcomes_of(motir.handles(_result(first))[0]) == ["retrying"]
     motir.advance(seconds=0.5)  # the retry's backoff, far less than the throttle's minute
     motir.drain()
-    states = dict(_rows(motir.engine, "SELECT id, state FROM job_queue"))
+    states = dict(_rows(motir.sql, "SELECT id, state FROM job_queue"))
     assert states == {first: "succeeded", second: "queued"}  # the second waits for its start slot
 
 
@@ -195,7 +195,7 @@ def test_a_burst_makes_one_run_with_the_last_event_once_the_key_is_quiet(motir: 
     done = motir.drain()
     assert [o.result for _, o in done] == [{"key": "k", "n": 5}]  # one run, the last event
     assert done[0][0] in runs and other.runs[0].run_id not in runs  # type: ignore[union-attr]
-    assert _rows(motir.engine, "SELECT count(*), sum(gathered) FILTER (WHERE flow_key = 'k') FROM job_queue") == [
+    assert _rows(motir.sql, "SELECT count(*), sum(gathered) FILTER (WHERE flow_key = 'k') FROM job_queue") == [
         (2, 6)]
 
 
@@ -203,10 +203,10 @@ def test_a_debounced_run_takes_what_its_last_events_data_keys(motir: Motir) -> N
     # concurrency=(1, "data.account") beside debounce=: the run's slot is its last event's account
     first = motir.send_event("flow.debounce_limited", {"key": "k", "account": "a1"}).runs[0]
     motir.send_event("flow.debounce_limited", {"key": "k", "account": "a2"})
-    assert _rows(motir.engine, "SELECT concurrency_key, gathered FROM job_queue") == [("a2", 2)]
+    assert _rows(motir.sql, "SELECT concurrency_key, gathered FROM job_queue") == [("a2", 2)]
     motir.advance(seconds=6)
     assert [o.result for _, o in motir.drain()] == [{"key": "k", "account": "a2"}]
-    assert first.run_id == _rows(motir.engine, "SELECT id FROM job_queue")[0][0]  # type: ignore[union-attr]
+    assert first.run_id == _rows(motir.sql, "SELECT id FROM job_queue")[0][0]  # type: ignore[union-attr]
 
 
 def test_a_key_that_never_goes_quiet_still_runs_at_max_wait(motir: Motir) -> None:
@@ -233,8 +233,8 @@ def test_a_sender_killed_mid_gathering_writes_nothing(engine: Engine, database_u
     with holder.connect() as lock, lock.begin():
         flow_sql.lock_flow_key(lock, "gather", "flow.debounced_fast", None, "k")  # the key's lock, held
         sender = subprocess.Popen(
-            [sys.executable, "-c", "import tests.fixtures.flow_jobs; from motir_celery.core.producer.events import send_event; "
-             "send_event('flow.debounce_fast', {'key': 'k'}, publish=None)"],
+            [sys.executable, "-c", "import tests.fixtures.flow_jobs; from tests.fixtures.engines import send; "
+             "send('flow.debounce_fast', {'key': 'k'})"],
             cwd=Path(__file__).resolve().parents[2], env={**os.environ, "MOTIR_DATABASE_URL": database_url})
         wait_for(lambda: _lock_waiters(engine) >= 1, timeout=30, what="the sender to wait inside motir_gather")
         sender.send_signal(signal.SIGKILL)  # its transaction wrote the event and the run, and waits on the key
@@ -269,7 +269,7 @@ def test_a_run_no_producer_gathered_is_gathered_at_its_claim(motir: Motir) -> No
     # A fan-out path that does not gather (dispatch_event, a previous release's producer): the
     # runs are plain rows; their first claim gathers them under the same lock.
     job = get_job("flow.batched")
-    with motir.engine.begin() as conn:
+    with motir.sql.begin() as conn:
         for n in range(3):
             producer_sql.record_event(conn, "flow.batch", f'{{"key": "k", "n": {n}}}', None, None,
                                       [job.spec({"key": "k", "n": n}, None)])
@@ -284,9 +284,9 @@ def test_a_step_invoke_of_a_batch_job_runs_its_child_as_a_batch_of_one(motir: Mo
     parent = motir.send_event("flow.invoke_batch", {"n": 7}).run_ids[0]
     motir.drain()
     assert motir.state(motir.handles(SendResult(None, [Queued(parent, "flow.invokes_batch")]))[0]) == "succeeded"
-    (result,) = _rows(motir.engine, "SELECT result FROM job_queue WHERE id = :r", r=parent)
+    (result,) = _rows(motir.sql, "SELECT result FROM job_queue WHERE id = :r", r=parent)
     assert result[0] == [{"key": "k", "n": 7}]  # not folded into the open batch: the parent got its child
-    assert _rows(motir.engine, "SELECT gathered, flow_wait FROM job_queue WHERE job_id = 'flow.batched' "
+    assert _rows(motir.sql, "SELECT gathered, flow_wait FROM job_queue WHERE job_id = 'flow.batched' "
                                "AND parent_run_id IS NULL") == [(1, "batch")]
 
 
@@ -320,17 +320,19 @@ def _flow_calls() -> Iterator[list[str]]:
 
 
 def test_a_job_without_flow_control_sends_none_of_its_statements(engine: Engine) -> None:
+    from tests.fixtures.engines import holding
     from tests.fixtures.ops_helpers import emit
 
-    assert flow.options_of("flow.plain") is None and flow.options_of("flow.throttled") is not None
+    assert not get_job("flow.plain").run_options.flow and get_job("flow.throttled").run_options.flow
+    worker = holding()
     plain = emit("flow.plain", {"n": 1})["flow.plain"]
     with _flow_calls() as calls:
-        assert runner.execute(plain, job_id="flow.plain", worker="t").state == "succeeded"
+        assert worker.execute(plain, job_id="flow.plain", worker="t").state == "succeeded"
         assert emit("flow.plain", {"n": 2})  # nor its fan-out (send_event)
     assert calls == []  # the claim statement, the settle: as before flow control existed
     throttled = emit("flow.throttle", {"key": "x"})["flow.throttled"]
     with _flow_calls() as calls:
-        assert runner.execute(throttled, job_id="flow.throttled", worker="t").state == "succeeded"
+        assert worker.execute(throttled, job_id="flow.throttled", worker="t").state == "succeeded"
         emit("flow.batch", {"key": "x"})
     assert calls[:1] == ["flow.claim"] and {"throttle_state", "throttle_admit", "gather"} <= set(calls)  # the control
 
@@ -429,7 +431,7 @@ def test_each_guard_of_motir_enqueue_gather_is_what_stops_its_attack(guard: str,
 
 
 def test_throttle_never_starts_more_than_its_limit_per_period_across_workers(kit: Motir) -> None:
-    engine = kit.engine
+    engine = kit.sql
     per_key = 4 * LIMIT
     made: list[uuid.UUID] = []
 
@@ -461,14 +463,14 @@ def test_throttle_never_starts_more_than_its_limit_per_period_across_workers(kit
 
 
 def test_concurrent_senders_of_one_key_make_one_debounced_run(kit: Motir) -> None:
-    engine = kit.engine
+    engine = kit.sql
     sent: list[Any] = []
 
     def sender(i: int) -> None:  # engine-role senders and app-role ones (a user's transaction)
         for n in range(2):
             data = {"key": "k", "n": f"{i}.{n}"}
             if i % 2:
-                with workspace_session(A) as s:
+                with kit.engine.session(A) as s:
                     sent.append(send_event("flow.debounce_fast", data, workspace_id=A, session=s))
                     s.commit()
             else:
@@ -487,7 +489,7 @@ def test_concurrent_senders_of_one_key_make_one_debounced_run(kit: Motir) -> Non
 
 
 def test_concurrent_senders_fill_batches_and_every_event_lands_in_exactly_one(kit: Motir) -> None:
-    engine = kit.engine
+    engine = kit.sql
 
     def sender(i: int) -> None:
         for n in range(5):
