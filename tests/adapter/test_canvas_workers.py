@@ -21,9 +21,10 @@ from sqlalchemy.engine import Engine
 
 import tests.fixtures.canvas_jobs as cj
 from motir_celery import JobFailed, cancel_run, chain, chord
-from motir_celery.adapter import celery_app
 from motir_celery.adapter.celery_app import create_app
-from motir_celery.core.worker.canvas import CANVAS_JOB_ID
+from motir_celery.adapter.messages import engine_of
+from motir_celery.core.current import make_current, peek
+from motir_celery.core.shapes import CANVAS_JOB_ID
 from motir_celery.settings import Settings
 from tests.chaos.harness import PrivateRedis
 from tests.conftest import Worker, celery_worker, count_effects, run_state, wait_for
@@ -36,13 +37,12 @@ KILLABLE = {"MOTIR_IMPORTS": IMPORTS}
 @pytest.fixture
 def producer(broker_url: str) -> Iterator[Any]:
     """``.delay()`` publishes through an app of this session's broker and queue (restored after)."""
-    before = celery_app.default_app()
-    app = create_app(Settings.from_env())
-    celery_app.use_as_default(app)
+    before = peek()
+    app = create_app(Settings.from_env())  # its engine made current
     try:
         yield app
     finally:
-        celery_app.use_as_default(before)
+        make_current(before)
 
 
 def members(engine: Engine, canvas_id: Any) -> dict[str, Any]:
@@ -133,10 +133,9 @@ def test_a_broker_restart_between_two_links_loses_no_link(engine: Engine, tmp_pa
     redis = PrivateRedis(tmp_path / "redis").start()
     marker = tmp_path / "first"
     marker.write_text("hold")
-    before = celery_app.default_app()
+    before = peek()
     settings = Settings.from_env()
-    app = create_app(dataclasses.replace(settings, broker_url=redis.url))
-    celery_app.use_as_default(app)
+    create_app(dataclasses.replace(settings, broker_url=redis.url))  # its engine made current
     try:
         with celery_worker(tmp_path, broker=redis.url, env=KILLABLE, sweep_interval=0.5):
             handle = chain(cj.slow.s(0, marker=str(marker)), cj.add.s(10), cj.add.s(100)).delay()
@@ -149,7 +148,7 @@ def test_a_broker_restart_between_two_links_loses_no_link(engine: Engine, tmp_pa
             redis.start()
             assert handle.get(timeout=90) == 111
     finally:
-        celery_app.use_as_default(before)
+        make_current(before)
         redis.close()
     started = members(engine, handle.id)
     assert sorted(started) == ["0.t", "1.t", "2.t"]
@@ -292,8 +291,6 @@ def test_lost_and_duplicated_messages_start_no_link_twice_and_lose_none(engine: 
 
     import redis
 
-    from motir_celery.adapter.messages import publisher
-
     marker = tmp_path / "held"
     marker.write_text("hold")
     handle = (cj.slow.s(1, marker=str(marker)) | cj.add.s(10)).delay()
@@ -303,7 +300,7 @@ def test_lost_and_duplicated_messages_start_no_link_twice_and_lose_none(engine: 
         first = wait_for(lambda: (m := members(engine, handle.id).get("0.t")) is not None and m, timeout=60,
                          what="the lost canvas run to be found and started")
         wait_for(lambda: held(tmp_path, marker.name), timeout=60, what="the first link to be running")
-        send = publisher(producer)
+        send = engine_of(producer).publish
         for _ in range(5):  # redelivered / duplicated messages of the canvas run and of its first link
             send(handle.id, CANVAS_JOB_ID, 0.0)
             send(first.id, "canvas.slow", 0.0)
