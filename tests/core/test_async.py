@@ -44,7 +44,7 @@ BURST = 200
 
 
 def test_async_handler_with_coroutine_steps(kit: Motir) -> None:
-    engine = kit.engine
+    engine = kit.sql
     handle = dj.async_handler.delay("https://example.com/page", fail_first=True)
     kit.drain()
     kit.advance(seconds=1)  # the retry's backoff
@@ -68,7 +68,7 @@ def test_async_handler_with_coroutine_steps(kit: Motir) -> None:
 
 
 def test_async_session_rollback_and_commit(kit: Motir) -> None:
-    database_url = kit.engine.url.render_as_string(hide_password=False)
+    database_url = kit.sql.url.render_as_string(hide_password=False)
 
     async def scenario() -> tuple[RunHandle, RunHandle, Any]:
         aengine = create_async_engine(database_url)
@@ -87,7 +87,7 @@ def test_async_session_rollback_and_commit(kit: Motir) -> None:
         return await kept.get_async(timeout=10), await sent.results[0].get_async(timeout=10)
 
     rolled, kept, sent = asyncio.run(scenario())
-    assert run_state(kit.engine, rolled.id) is None
+    assert run_state(kit.sql, rolled.id) is None
     assert {run_id for run_id, _, _ in kit.published} == {kept.id, sent.run_ids[0]}  # the committed ones only
     kit.drain()
     result, event_result = asyncio.run(results(kept, sent))
@@ -159,7 +159,7 @@ def session_queue(broker_url: str) -> Iterator[None]:
 
 def test_asgi_producer_does_not_block_the_loop(kit: Motir, session_queue: None,
                                                capsys: pytest.CaptureFixture[str]) -> None:
-    engine = kit.engine
+    engine = kit.sql
 
     async def scenario() -> dict[str, Any]:
         out: dict[str, Any] = {}

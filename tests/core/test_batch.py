@@ -21,8 +21,8 @@ import tests.fixtures.jobs  # noqa: F401
 from motir_celery import PayloadError, send_events
 from motir_celery.adapter.celery_app import create_app
 from motir_celery.settings import Settings
-from motir_celery.store.db import workspace_session
 from tests.conftest import count_effects, run_state
+from tests.fixtures.engines import holding
 
 
 @pytest.fixture
@@ -60,7 +60,7 @@ def _done(engine, run_ids):  # type: ignore[no-untyped-def]
 
 
 def test_a_batch_writes_every_event_and_run_once_publishes_each_run_once_and_they_run(kit, app, taken):  # type: ignore[no-untyped-def]
-    engine = kit.engine
+    engine = kit.sql
     items = [{"name": "cb.item", "data": {"i": i, "workspace_id": "acme" if i % 2 else "globex"},
               "idempotency_key": f"k-{i}"} for i in range(150)]
     items.append(("cb.item", {"i": 999}))  # a pair, no key, no workspace
@@ -94,7 +94,7 @@ def test_a_batch_writes_every_event_and_run_once_publishes_each_run_once_and_the
 
 
 def test_a_batch_wakes_waiters_and_is_all_or_nothing(kit, app, taken):  # type: ignore[no-untyped-def]
-    engine = kit.engine
+    engine = kit.sql
     (waiting,) = send_events([("cb.order", {"order": "o-7"})], app=app)[0].run_ids
     kit.drain()
     assert _waiting(engine, waiting)  # suspended, waiting for its payment
@@ -112,7 +112,7 @@ def test_a_batch_wakes_waiters_and_is_all_or_nothing(kit, app, taken):  # type: 
 
 
 def test_a_batch_through_the_app_role_session_publishes_on_commit_only(engine, broker_url, app):  # type: ignore[no-untyped-def]
-    with workspace_session("acme") as session:
+    with holding().session("acme") as session:
         results = send_events([{"name": "cb.item", "data": {"i": i}, "workspace_id": "acme"} for i in (1, 2)],
                               session=session, app=app)
         assert len(results) == 2 and all(len(r.run_ids) == 1 for r in results)
@@ -128,24 +128,24 @@ def _waiting(engine, run_id):  # type: ignore[no-untyped-def]
 
 
 def test_a_batch_under_the_app_role_wakes_its_workspace_waiters_through_motir_wake_waiters(engine):  # type: ignore[no-untyped-def]
-    from motir_celery.core.producer import events
     from motir_celery.core.worker.steps import Step
     from motir_celery.errors import Suspended
     from motir_celery.store.sql import worker as worker_sql
 
     waiters = {}
+    worker = holding()
     for ws in ("acme", "globex"):
-        (run_id,) = events.send_event("cb.order", {"order": "o-1", "workspace_id": ws}, publish=None).run_ids
+        (run_id,) = worker.send_event("cb.order", {"order": "o-1", "workspace_id": ws}).run_ids
         conn = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
-        claim = worker_sql.claim(conn, run_id, job_id="cb.waiter", worker="test", lease_seconds=30)
+        claim = worker_sql.claim(conn, run_id, job_id="cb.waiter", worker="test", lease_seconds=30,
+                                 async_commit=True)
         assert claim is not None
-        step = Step(claim, conn, max_bytes=1 << 20, lease_seconds=30, transaction=engine.begin,
-                    event_data=claim.event_data, publish=None, republish_after=60)
+        step = Step(worker, claim, conn, event_data=claim.event_data)
         with pytest.raises(Suspended):
             step.wait_for_event("paid", event="cb.paid", match="data.order", timeout=600)
         conn.close()
         waiters[ws] = run_id
-    with workspace_session("acme") as session:  # the app role: no UPDATE on job_queue
+    with holding().session("acme") as session:  # the app role: no UPDATE on job_queue
         (result,) = send_events([{"name": "cb.paid", "data": {"order": "o-1"}, "workspace_id": "acme"}],
                                 session=session)
         session.commit()
