@@ -52,7 +52,7 @@ def _invoices(engine, order):  # type: ignore[no-untyped-def]
 
 
 def test_resume_runs_from_the_failed_step_and_replay_from_the_start(kit: Motir) -> None:
-    engine = kit.engine
+    engine = kit.sql
     app = create_app(Settings.from_env())
     runs = {o: send_event("cb.order.paid", {"order": o, "workspace_id": "acme"}, app=app).run_ids[0]
             for o in ("A", "B", "C")}
@@ -82,7 +82,7 @@ def test_resume_runs_from_the_failed_step_and_replay_from_the_start(kit: Motir) 
     assert run_state(engine, runs["A"]) == "succeeded"  # the resumed run
 
     # Another workspace cannot see (nor resume) acme's entry.
-    assert resume_as(Caller("eve", "globex"), entries["C"]).status == "not_found"
+    assert resume_as(kit.engine, Caller("eve", "globex"), entries["C"]).status == "not_found"
     # The CLI resumes C; replay of a resumed entry is refused.
     out = CliRunner().invoke(cli, ["dlq", "resume", str(entries["C"]), "--actor", "carol"])
     assert out.exit_code == 0, out.output
@@ -130,7 +130,7 @@ def test_bulk_actions_filter_dry_run_pace_and_audit_each_entry(kit: Motir) -> No
 
     from motir_celery.core.operator.bulk import DlqFilter, bulk_dlq
 
-    engine = kit.engine
+    engine = kit.sql
     app = create_app(Settings.from_env())
     runs = [send_event("cb.order.paid", {"order": f"a{i}", "workspace_id": "acme"}, app=app).run_ids[0]
             for i in range(8)]
@@ -161,12 +161,12 @@ def test_bulk_actions_filter_dry_run_pace_and_audit_each_entry(kit: Motir) -> No
     for run_id in runs[:8]:
         assert run_state(engine, run_id) == "succeeded"  # a resumed run
 
-    dismissed = bulk_dlq("dismiss", DlqFilter(error="DECLINED"), caller=Caller("ops", None, admin=True))
+    dismissed = bulk_dlq(kit.engine, "dismiss", DlqFilter(error="DECLINED"), caller=Caller("ops", None, admin=True))
     assert dismissed.counts == {"dismissed": 3}
     # Through another workspace's eyes, acme's doomed entries do not exist.
-    assert bulk_dlq("replay", DlqFilter(job="test.doomed"), caller=Caller("eve", "globex"),
+    assert bulk_dlq(kit.engine, "replay", DlqFilter(job="test.doomed"), caller=Caller("eve", "globex"),
                     dry_run=True).matched == 0
-    replayed = bulk_dlq("replay", DlqFilter(job="test.doomed"), caller=Caller("ops", "acme"), rate=5)
+    replayed = bulk_dlq(kit.engine, "replay", DlqFilter(job="test.doomed"), caller=Caller("ops", "acme"), rate=5)
     assert replayed.counts == {"replayed": 2}
     with engine.connect() as conn:
         audit = conn.execute(text(
