@@ -74,63 +74,82 @@ class Statement(NamedTuple):
 
 
 def rows(conn: Conn, statement: Statement, params: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every row of ``statement``, each a dict by column name."""
+    """Every row of ``statement``, each a dict by column name: prepared on the server where it may
+    be (``_prepares``), and sent through libpq (the per-step statements) or psycopg's cursor; a
+    failure raised as the connection's kind raises it (``_failed``)."""
     raw = conn.raw if isinstance(conn, PooledConnection) else conn.connection.driver_connection
     if not isinstance(raw, psycopg.Connection):
         # A sync Connection over an asyncio driver (AsyncConnection.run_sync): SQLAlchemy sends it.
         assert not isinstance(conn, PooledConnection)
         result = conn.exec_driver_sql(statement.sql, params)
         return [dict(r) for r in result.mappings()] if result.returns_rows else []
-    # A connection made with prepare_threshold=None prepares nothing: MOTIR_PREPARED_STATEMENTS=0
-    # (db.py) and doctor's one-shot connections; nor does one lent by its owner (Django's, whose
-    # preparing is its own: a BorrowedConnection has no pool).
-    borrowed = isinstance(conn, PooledConnection) and conn.engine is None
-    prepare = statement.prepare and not borrowed and raw.prepare_threshold is not None
-    if prepare and pooler.found(conn.engine):  # a connection made before the pooler was found
-        pooler.unprepared(raw)
-        prepare = False
-    kept = _kept_with(raw)
-    cursor = kept.cursor
+    prepare = _prepares(conn, raw, statement)
     try:
-        if prepare and statement.libpq and raw.autocommit:
-            # (Only in autocommit: psycopg begins a transaction when its cursor sends the first
-            # statement, and a statement sent past it would run, and commit, outside the caller's.)
-            found = through_libpq_prepared(raw, statement, params, kept)
-            if found is not None:
-                return found
-        cursor.execute(statement.sql, params, prepare=prepare)
-        answer = cursor.pgresult
-        if answer is None or answer.status != pq.ExecStatus.TUPLES_OK:
-            return []
-        names = _columns.get(statement.sql)
-        if names is None or len(names) != answer.nfields:
-            names = _columns[statement.sql] = tuple(column.name for column in cursor.description or ())
-        return [dict(zip(names, values)) for values in cursor.fetchall()]
+        return _send(raw, statement, params, prepare)
     except psycopg.Error as exc:
         if prepare and pooler.refused(conn, raw, exc):
             # A transaction pooler the engine's probe missed (store/pooler.py): nothing of the
             # statement ran, and this connection prepares nothing any more. Once more, unprepared.
             return rows(conn, statement, params)
-        broken = raw.closed or raw.broken or raw.pgconn.status == pq.ConnStatus.BAD
-        if isinstance(conn, PooledConnection):
-            if not broken:
-                raise
-            # Every connection of the pool older than this one is replaced on its next
-            # checkout (a restart killed them all), then this one is dropped.
-            if conn.engine is not None:
-                conn.engine.invalidate_older()
-            conn.invalidate()
-            raise ConnectionLost(f"{statement.name}: {exc}") from exc
-        # A SQLAlchemy connection: SQLAlchemy is imported already (it made the connection).
-        from sqlalchemy.exc import DBAPIError
+        failure = _failed(conn, raw, statement, params, exc)
+        if failure is exc:
+            raise
+        raise failure from exc
 
-        if broken:
-            # As SQLAlchemy does for a disconnect on its own path: this connection closed, every
-            # older one of its engine replaced (a new pool; those checked out close when returned).
-            conn.invalidate(exc)
-            conn.engine.dispose(close=False)
-        raise DBAPIError.instance(statement.sql, params, exc, psycopg.Error,
-                                  connection_invalidated=broken) from exc
+
+def _prepares(conn: Conn, raw: psycopg.Connection[Any], statement: Statement) -> bool:
+    """Whether ``statement`` is prepared on ``raw``'s server: not on a connection made with
+    ``prepare_threshold=None`` (the engine found a transaction pooler; doctor's one-shot
+    connections), nor on one lent by its owner (Django's, whose preparing is its own: a
+    ``BorrowedConnection`` has no pool)."""
+    borrowed = isinstance(conn, PooledConnection) and conn.engine is None
+    prepare = statement.prepare and not borrowed and raw.prepare_threshold is not None
+    if prepare and pooler.found(conn.engine):  # a connection made before the pooler was found
+        pooler.unprepared(raw)
+        return False
+    return prepare
+
+
+def _send(raw: psycopg.Connection[Any], statement: Statement, params: dict[str, Any],
+          prepare: bool) -> list[dict[str, Any]]:
+    kept = _kept_with(raw)
+    if prepare and statement.libpq and raw.autocommit:
+        # (Only in autocommit: psycopg begins a transaction when its cursor sends the first
+        # statement, and a statement sent past it would run, and commit, outside the caller's.)
+        found = through_libpq_prepared(raw, statement, params, kept)
+        if found is not None:
+            return found
+    cursor = kept.cursor
+    cursor.execute(statement.sql, params, prepare=prepare)
+    answer = cursor.pgresult
+    if answer is None or answer.status != pq.ExecStatus.TUPLES_OK:
+        return []
+    names = _columns.get(statement.sql)
+    if names is None or len(names) != answer.nfields:
+        names = _columns[statement.sql] = tuple(column.name for column in cursor.description or ())
+    return [dict(zip(names, values)) for values in cursor.fetchall()]
+
+
+def _failed(conn: Conn, raw: psycopg.Connection[Any], statement: Statement, params: dict[str, Any],
+            exc: psycopg.Error) -> BaseException:
+    """What a failed statement raises: psycopg's error on the engine's connection, ``ConnectionLost``
+    when it left the connection broken (that one dropped, every older one of its pool replaced: a
+    restart killed them all); SQLAlchemy's ``DBAPIError`` on a SQLAlchemy connection, invalidated
+    as SQLAlchemy does for a disconnect when broken."""
+    broken = raw.closed or raw.broken or raw.pgconn.status == pq.ConnStatus.BAD
+    if isinstance(conn, PooledConnection):
+        if not broken:
+            return exc
+        if conn.engine is not None:
+            conn.engine.invalidate_older()
+        conn.invalidate()
+        return ConnectionLost(f"{statement.name}: {exc}")
+    from sqlalchemy.exc import DBAPIError  # a SQLAlchemy connection: imported already (it made it)
+
+    if broken:
+        conn.invalidate(exc)
+        conn.engine.dispose(close=False)  # every older connection replaced (those lent: when returned)
+    return DBAPIError.instance(statement.sql, params, exc, psycopg.Error, connection_invalidated=broken)
 
 
 class Kept:
