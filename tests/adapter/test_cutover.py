@@ -214,7 +214,7 @@ def test_under_motir_publish_alias_a_runs_message_carries_the_alias_routed_as_th
         broker_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The rolling cut-over's switch: a worker of the code before still has a plain task under the
     Celery name, and must not get a run id as its argument; the alias is unknown to it."""
-    from motir_celery.adapter.messages import publisher
+    from motir_celery.adapter.messages import engine_of
     from motir_celery.settings import reset_settings
 
     queue = f"{_queue()}-routed"
@@ -226,7 +226,7 @@ def test_under_motir_publish_alias_a_runs_message_carries_the_alias_routed_as_th
         app.conf.task_routes = {plain_sum.task_name: {"queue": queue}}
         runs = [uuid.uuid4(), uuid.uuid4()]
         for run in runs:  # the first through send_task, the next the short way (messages.py)
-            publisher(app)(run, plain_sum.id, 0.0)
+            engine_of(app).publish(run, plain_sum.id, 0.0)
         sent = [json.loads(m) for m in reversed(client.lrange(queue, 0, -1))]
         assert [(m["headers"]["task"], m["headers"]["id"]) for m in sent] == [
             ("motir.test.cutover.sum", str(r)) for r in runs]
