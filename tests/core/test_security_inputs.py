@@ -20,9 +20,10 @@ from sqlalchemy.engine import Engine
 
 from motir_celery.core.jobs import define_job
 from motir_celery.core.operator import dlq
-from motir_celery.core.producer.events import MAX_IDEMPOTENCY_KEY, send_event
+from motir_celery.core.producer.events import MAX_IDEMPOTENCY_KEY
 from motir_celery.core.retries import RetryPolicy
 from motir_celery.errors import JobDefinitionError, PayloadError
+from tests.fixtures.engines import holding, send
 from tests.fixtures.ops_helpers import dead_letter, emit
 
 
@@ -52,23 +53,23 @@ def test_a_job_id_is_matched_whole(job_id: str) -> None:
 @pytest.mark.parametrize("key", ["k" * 10_000, "k" * (MAX_IDEMPOTENCY_KEY + 1), "a\x00b", "a\nb", "\ud800", ""])
 def test_an_unusable_idempotency_key_is_a_payload_error(key: str, engine: Engine) -> None:
     with pytest.raises(PayloadError, match="idempotency_key"):
-        send_event("test.three", {}, idempotency_key=key, publish=None)
+        send("test.three", {}, idempotency_key=key)
     with engine.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM job_event")).scalar_one() == 0
 
 
 def test_the_longest_idempotency_key_is_accepted(engine: Engine) -> None:
-    assert not send_event("test.three", {}, idempotency_key="k" * MAX_IDEMPOTENCY_KEY, publish=None).deduplicated
+    assert not send("test.three", {}, idempotency_key="k" * MAX_IDEMPOTENCY_KEY).deduplicated
 
 
 @pytest.mark.parametrize("data", [{"a": "\ud800"}, {"a": "x\udfffy"}, ["\ud83d"], {"\udc00": 1}])
 def test_a_lone_surrogate_in_event_data_is_a_payload_error(data: object, engine: Engine) -> None:
     with pytest.raises(PayloadError, match="lone surrogate"):
-        send_event("test.three", data, publish=None)
+        send("test.three", data)
 
 
 def test_a_surrogate_pair_is_just_a_character(engine: Engine) -> None:
-    send_event("test.three", {"emoji": "\U0001F600", "text": "\\ud800 is only text here"}, publish=None)
+    send("test.three", {"emoji": "\U0001F600", "text": "\\ud800 is only text here"})
     with engine.connect() as conn:
         assert conn.execute(text("SELECT data->>'emoji' FROM job_event")).scalar_one() == "\U0001F600"
 
@@ -76,13 +77,13 @@ def test_a_surrogate_pair_is_just_a_character(engine: Engine) -> None:
 def test_a_reused_idempotency_key_with_different_data_is_flagged_and_logged_and_writes_nothing(
         engine: Engine, caplog: pytest.LogCaptureFixture) -> None:
     key = f"order-{uuid.uuid4().hex[:6]}"
-    first = send_event("test.three", {"n": 1, "workspace_id": "ws-a"}, idempotency_key=key, publish=None)
-    same = send_event("test.three", {"workspace_id": "ws-a", "n": 1}, idempotency_key=key, publish=None)
+    first = send("test.three", {"n": 1, "workspace_id": "ws-a"}, idempotency_key=key)
+    same = send("test.three", {"workspace_id": "ws-a", "n": 1}, idempotency_key=key)
     assert same.deduplicated and not same.conflicting and same.event_id == first.event_id  # jsonb equality
     with caplog.at_level(logging.WARNING, logger="motir_celery.core.producer.events"):
-        other = send_event("test.three", {"n": 2, "workspace_id": "ws-a"}, idempotency_key=key, publish=None)
+        other = send("test.three", {"n": 2, "workspace_id": "ws-a"}, idempotency_key=key)
         # Keys are per workspace (issue 24): ws-b's use of the same key is its own event.
-        elsewhere = send_event("test.three", {"n": 1, "workspace_id": "ws-b"}, idempotency_key=key, publish=None)
+        elsewhere = send("test.three", {"n": 1, "workspace_id": "ws-b"}, idempotency_key=key)
     assert other.deduplicated and other.conflicting and other.event_id == first.event_id and not other.runs
     assert not elsewhere.deduplicated and elsewhere.event_id != first.event_id and elsewhere.runs
     assert sum("already used in workspace" in r.getMessage() for r in caplog.records) == 1
@@ -96,11 +97,12 @@ def test_a_reused_idempotency_key_with_different_data_is_flagged_and_logged_and_
 def test_operator_actions_on_another_workspaces_rows_are_not_found_and_change_nothing(engine: Engine) -> None:
     _, dlq_id = dead_letter(engine, "ws-a")
     (queued,) = emit("test.three", {"workspace_id": "ws-a"}).values()
+    ops = holding()
     bob = dlq.Caller("bob", "ws-b")
-    assert dlq.replay_as(bob, dlq_id).status == "not_found"
-    assert dlq.dismiss_as(bob, dlq_id) == "not_found"
-    assert dlq.cancel_as(bob, queued) == "not_found"
-    assert dlq.cancel_as(dlq.Caller("eve", None), queued) == "not_found"  # no workspace, not admin: nothing
+    assert dlq.replay_as(ops, bob, dlq_id).status == "not_found"
+    assert dlq.dismiss_as(ops, bob, dlq_id) == "not_found"
+    assert dlq.cancel_as(ops, bob, queued) == "not_found"
+    assert dlq.cancel_as(ops, dlq.Caller("eve", None), queued) == "not_found"  # no workspace, not admin: nothing
     with engine.connect() as conn:
         row = conn.execute(text("SELECT replayed_by, dismissed_by FROM job_run_dlq WHERE id = :d"), {"d": dlq_id}).one()
         state = conn.execute(text("SELECT state FROM job_queue WHERE id = :r"), {"r": queued}).scalar_one()
@@ -111,11 +113,12 @@ def test_operator_actions_on_visible_rows_act_through_the_engine_and_record_the_
     _, replayable = dead_letter(engine, "ws-a")
     _, dismissable = dead_letter(engine, "ws-a")
     (queued,) = emit("test.three", {"workspace_id": "ws-a"}).values()
+    ops = holding()
     alice = dlq.Caller("alice", "ws-a")
-    assert dlq.replay_as(alice, replayable).status == "replayed"
-    assert dlq.dismiss_as(alice, dismissable) == "dismissed"
-    assert dlq.dismiss_as(alice, dismissable) == "closed"
-    assert dlq.cancel_as(dlq.Caller("ops", None, admin=True), queued) == "cancelled"
+    assert dlq.replay_as(ops, alice, replayable).status == "replayed"
+    assert dlq.dismiss_as(ops, alice, dismissable) == "dismissed"
+    assert dlq.dismiss_as(ops, alice, dismissable) == "closed"
+    assert dlq.cancel_as(ops, dlq.Caller("ops", None, admin=True), queued) == "cancelled"
     with engine.connect() as conn:
         audit: dict[uuid.UUID, str] = dict(conn.execute(text("SELECT id, coalesce(replayed_by, dismissed_by) FROM job_run_dlq")).all())
         assert conn.execute(text("SELECT state FROM job_queue WHERE id = :r"), {"r": queued}).scalar_one() == "cancelled"
@@ -125,4 +128,4 @@ def test_operator_actions_on_visible_rows_act_through_the_engine_and_record_the_
 @pytest.mark.parametrize("actor", ["", "  ", "a\nb", "x" * 201])
 def test_an_action_needs_a_printable_actor(actor: str, engine: Engine) -> None:
     with pytest.raises(ValueError, match="actor"):
-        dlq.dismiss_dlq(uuid.uuid4(), actor=actor)
+        dlq.dismiss_dlq(holding(), uuid.uuid4(), actor=actor)
