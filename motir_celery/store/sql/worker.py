@@ -222,11 +222,6 @@ def renew_claims(conn: Conn, held: Sequence[tuple[uuid.UUID, uuid.UUID]], lease_
     return {r["id"] for r in rows(conn, RENEW_LEASES, params)}
 
 
-def renew_leases(conn: Conn, claims: Sequence[Claim], lease_seconds: float) -> set[uuid.UUID]:
-    """The heartbeat of every run a process holds, in one statement; the run ids still held."""
-    return renew_claims(conn, [(c.run_id, c.token) for c in claims], lease_seconds)
-
-
 def renew_lease(conn: Conn, claim_: Claim, lease_seconds: float) -> bool:
     return claim_.run_id in renew_claims(conn, [(claim_.run_id, claim_.token)], lease_seconds)
 
