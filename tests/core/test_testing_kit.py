@@ -242,9 +242,10 @@ def test_eager_mode_runs_a_delay_at_once_through_the_engine(motir: Motir, eager:
 def test_the_kits_clock_and_crashes_leave_the_production_path_as_it_was(motir: Motir) -> None:
     """``advance`` moves the instants the engine stored; it adds no clock to a statement: every
     statement of the worker's path reads the database's ``now()`` and nothing of the kit's, and
-    none is changed by a test that skips time and crashes. The crash hooks wrap ``StepRun`` for
-    the fixture's lifetime only."""
-    from motir_celery.core.worker.steps import StepRun
+    none is changed by a test that skips time and crashes. The crashes are the kit engine's
+    ``faults``: no class is patched, and once the fixture is gone the current engine injects none."""
+    from motir_celery.core.current import current
+    from motir_celery.core.worker.steps import Step
     from motir_celery.store.driver import Statement
     from motir_celery.store.sql import testing as testing_sql
     from motir_celery.store.sql import worker as worker_sql
@@ -263,4 +264,5 @@ def test_the_kits_clock_and_crashes_leave_the_production_path_as_it_was(motir: M
     assert handle.get() == {"paid": 7}
     assert {name: s.sql for name, s in vars(worker_sql).items() if isinstance(s, Statement)} == hot
     motir.uninstall()
-    assert (StepRun.run.__qualname__, StepRun.record.__qualname__) == ("StepRun.run", "StepRun.record")
+    assert (Step.run.__qualname__, Step.record.__qualname__) == ("Step.run", "Step.record")
+    assert current() is not motir.engine and current().faults is None
