@@ -36,13 +36,12 @@ from motir_celery import (
     send_event,
 )
 from motir_celery.core.producer.results import celery_state
-from motir_celery.core.worker.runner import execute
-from motir_celery.testing import Motir
+from motir_celery.testing import Held, Motir
 from tests.conftest import ROOT, celery_worker, count_effects, run_state, wait_for
 
 
 def test_delay_get_returns_the_result(kit: Motir) -> None:
-    engine = kit.engine
+    engine = kit.sql
     handle = dj.add.delay(2, 3, scale=10)
     assert handle.deduplicated is False
     kit.drain()
@@ -59,7 +58,7 @@ def test_delay_get_returns_the_result(kit: Motir) -> None:
 
 
 def test_a_failing_job_raises_its_error_from_get(kit: Motir) -> None:
-    engine = kit.engine
+    engine = kit.sql
     handle = dj.fail.apply_async(args=["card declined"])
     kit.drain()
     with pytest.raises(ValueError) as info:  # a built-in error comes back as itself (and JobFailed)
@@ -84,10 +83,11 @@ def test_a_failing_job_raises_its_error_from_get(kit: Motir) -> None:
 
 
 def test_direct_runs_join_a_framework_transaction(engine: Engine) -> None:
-    """events.join_transactions (contrib/django's hook): delay() writes there, publishes on its commit."""
+    """The engine's join_transactions (contrib/django's hook): delay() writes there, publishes on its commit."""
     from contextlib import contextmanager
 
-    from motir_celery.core.producer import events
+    from motir_celery.core.current import make_current
+    from tests.fixtures.engines import holding
 
     commits: list[Any] = []
 
@@ -96,17 +96,22 @@ def test_direct_runs_join_a_framework_transaction(engine: Engine) -> None:
         with engine.begin() as conn:
             yield conn, commits.append
 
-    before = events._join
-    events.join_transactions(joined)
+    published = Held()
+    motir = holding(published)
+    motir.join_transactions(joined)
+    before = make_current(motir)
     try:
         handle = dj.add.delay(1, 2)
     finally:
-        events.join_transactions(before)
+        make_current(before)
     assert run_state(engine, handle.id) == "queued" and len(commits) == 1
+    assert published == []  # not before the framework's commit
+    commits[0]()
+    assert [run_id for run_id, _, _ in published] == [handle.id]
 
 
 def test_same_task_id_twice_makes_one_run(kit: Motir) -> None:
-    engine = kit.engine
+    engine = kit.sql
     task_id = str(uuid.uuid4())
     first = dj.add.apply_async(args=[1, 1], task_id=task_id)
     second = dj.add.apply_async(args=[1, 1], task_id=task_id)
@@ -124,7 +129,7 @@ def test_same_task_id_twice_makes_one_run(kit: Motir) -> None:
 
 
 def test_countdown_and_eta_are_respected(kit: Motir) -> None:
-    engine = kit.engine
+    engine = kit.sql
     with engine.connect() as conn:
         db_now = conn.execute(text("SELECT now()")).scalar_one()
     later = dj.add.apply_async(args=[1, 2], countdown=2.5)
@@ -134,7 +139,7 @@ def test_countdown_and_eta_are_respected(kit: Motir) -> None:
     assert 2.0 <= countdowns[later.id] <= 2.5 and 2.0 <= countdowns[at.id] <= 2.5, countdowns
     # A message delivered early claims nothing: neither run is claimable yet.
     for handle in (later, at):
-        assert execute(handle.id, job_id="test.direct.add", worker="early", settings=kit.settings).state == "skipped"
+        assert kit.engine.execute(handle.id, job_id="test.direct.add", worker="early").state == "skipped"
     assert kit.drain() == []
     assert run_state(engine, later.id) == "queued" and run_state(engine, at.id) == "queued"
     assert later.state == "PENDING" and not later.ready()
@@ -182,7 +187,7 @@ def test_refusals_before_anything_is_written(engine: Engine) -> None:
 
 
 def test_session_rollback_writes_nothing_and_commit_runs_it(kit: Motir) -> None:
-    engine = kit.engine
+    engine = kit.sql
     with Session(engine) as session:
         handle = dj.add.apply_async(args=[5, 5], session=session)
         session.rollback()
@@ -248,8 +253,9 @@ def test_a_direct_run_in_the_app_roles_transaction(engine: Engine) -> None:
     """Under the app role (RLS, checked functions only): the run is written in the caller's
     workspace, a key reused there answers with the first run, and the same key in another
     workspace is that workspace's own (a run of its own; the first stays invisible to it)."""
-    from motir_celery.store.db import workspace_session
+    from tests.fixtures.engines import holding
 
+    workspace_session = holding().session
     key = f"order-{uuid.uuid4()}"
     with workspace_session("acme") as session:
         first = dj.add.apply_async(args=[1, 2], session=session, workspace_id="acme", task_id=key, countdown=300)
