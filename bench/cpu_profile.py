@@ -6,7 +6,7 @@
     python -m bench.cpu_profile --no-peers --no-profile        # the CPU table alone
 
 Needs CELERY_BROKER_URL only to be set to something (it is replaced): the bench runs on a
-Postgres and a Redis of its own (``tests.chaos.harness``: a private server with fsync,
+Postgres and a Redis of its own (``motir_celery.dev.private``: a private server with fsync,
 full_page_writes and synchronous_commit on, pg_stat_statements preloaded, planning
 tracked; a private redis-server), so every process that works for a run is one we can
 count, and nobody else's work is counted.
@@ -377,7 +377,7 @@ def _statement_name(query: str, catalogue: list[tuple[str, str]]) -> str:
 
 
 def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
-    from tests.chaos.harness import PrivateRedis
+    from motir_celery.dev.private import PrivateRedis
 
     work = Path(tempfile.mkdtemp(prefix="motir-bench-cpu-"))
     h.exit_on_sigterm()  # (before the first private server: a kill stops them all)

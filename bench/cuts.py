@@ -11,7 +11,7 @@ variable for a cut that kept one. The engine measured is a snapshot of this
 checkout's ``motir_celery`` taken at the start (others may edit the work tree
 meanwhile); each cut's OFF engine is that snapshot with its undo applied.
 
-The measurement runs on a Postgres and a Redis of the bench's own (``tests.chaos.harness``;
+The measurement runs on a Postgres and a Redis of the bench's own (``motir_celery.dev.private``;
 fsync and synchronous_commit on), so nobody else's work is in it. It is
 ``bench.ablation.measure`` (a drain of ``--runs`` queued runs on
 1 worker x 2: runs/s and CPU per run; then, on the same workers, one event every
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         envs[key] = dict(c.env)
     keys = list(cuts) + ([CONTROL] if args.control else [])
     plan = schedule(keys, args.rounds)
-    from tests.chaos.harness import PrivatePostgres, PrivateRedis
+    from motir_celery.dev.private import PrivatePostgres, PrivateRedis
 
     # Services of the bench's own: nobody else's statements or messages in the figures.
     h.exit_on_sigterm()  # (before the first private server: a kill stops them all)

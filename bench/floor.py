@@ -245,7 +245,7 @@ IO_SIDES = {"plain": "plain Celery", "floor_engine": "the floor: Celery carrying
 
 def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
     from bench.targets import PlainIO
-    from tests.chaos.harness import PrivateRedis
+    from motir_celery.dev.private import PrivateRedis
 
     work = Path(tempfile.mkdtemp(prefix="motir-bench-floor-"))
     h.exit_on_sigterm()

@@ -256,9 +256,9 @@ def drop_database(name: str, server: str | None = None) -> None:
 
 @contextmanager
 def private_postgres(*settings: str) -> Iterator[Any]:
-    """A Postgres server of the bench's own (``tests.chaos.harness.PrivatePostgres``) on a
+    """A Postgres server of the bench's own (``motir_celery.dev.private.PrivatePostgres``) on a
     free port, with ``settings``; stopped and deleted afterwards, on error too."""
-    from tests.chaos.harness import PrivatePostgres
+    from motir_celery.dev.private import PrivatePostgres
 
     exit_on_sigterm()
     pg = PrivatePostgres(settings=settings)

@@ -134,7 +134,7 @@ def call_rates(calls: int) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
-    from tests.chaos.harness import PrivateRedis
+    from motir_celery.dev.private import PrivateRedis
 
     work = Path(tempfile.mkdtemp(prefix="motir-bench-targets-"))
     h.exit_on_sigterm()  # (before the first private server: a kill stops them all)

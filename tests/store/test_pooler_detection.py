@@ -1,6 +1,6 @@
 """PgBouncer with no setting (issue 28): each engine finds a transaction pooler itself.
 
-A private PgBouncer (``tests/fixtures/pgbouncer.py``) in transaction pooling with ``default_pool_size
+A private PgBouncer (``motir_celery/dev/private.py``) in transaction pooling with ``default_pool_size
 = 1`` fronts this session's database, so every client connection shares one server session:
 a statement one client prepared there is the next client's clash (``DuplicatePreparedStatement``)
 or absence (``InvalidSqlStatementName``). With ``MOTIR_PREPARED_STATEMENTS`` unset, runs in two
@@ -27,11 +27,11 @@ from sqlalchemy import make_url, text
 from sqlalchemy.engine import Engine
 
 from motir_celery.core.worker import runner
+from motir_celery.dev.private import PgBouncer, pgbouncer_binary
 from motir_celery.settings import reset_settings
 from motir_celery.store import pooler
 from motir_celery.store.db import dispose_engines, get_pool
 from tests.fixtures.ops_helpers import emit
-from tests.fixtures.pgbouncer import PgBouncer, binary
 
 JOB = "test.three-steps"  # tests/fixtures/jobs.py: three steps, each a committed record
 
@@ -46,7 +46,7 @@ def _server(database_url: str) -> str:
 
 
 def _bouncer(database_url: str, mode: str, pool_size: int) -> Iterator[PgBouncer]:
-    if binary() is None:
+    if pgbouncer_binary() is None:
         if os.environ.get("CI"):
             pytest.fail("pgbouncer is not installed in CI (.ci/system-packages installs it)")
         pytest.skip("pgbouncer is not installed (apt-get install pgbouncer)")
