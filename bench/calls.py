@@ -1,15 +1,11 @@
 """What single calls cost, no worker running; the variants of each section take turns in rounds.
 
-    python -m bench.calls [--only delay,batch,adoption,wakeup,registry] [--rounds 3]
+    python -m bench.calls [--only delay,batch,adoption] [--rounds 3]
 
 ``delay``: ``job.delay()`` (and ``apply_async(task_id=)``, ``await delay_async()``) against Celery's
 ``task.delay()``, per call. ``batch`` (issue 20): ``send_events`` batches against ``send_event`` calls,
 events/s. ``adoption`` (issue 26: at most one more statement): a run adopted from a Celery-protocol
 message, and a copy of it, against a ``.delay()``-made run: the driver's executes and time per run.
-``wakeup``: a ``SELECT 1`` and a flushed one-row INSERT, back to back and after 20 ms idle.
-``registry`` (issue 28's ablation of the event indexes, core/jobs.py): ``send_event`` calls/s and
-client CPU a call with ``--jobs`` event jobs defined, through the indexes and through the scan of
-every job they replaced, each OFF between two ONs.
 """
 
 from __future__ import annotations
@@ -27,7 +23,7 @@ import psycopg
 from bench import harness as h
 
 QUEUE, PLAIN_QUEUE = "bench-calls", "bench-calls-plain"
-SECTIONS = ("delay", "batch", "adoption", "wakeup", "registry")
+SECTIONS = ("delay", "batch", "adoption")
 
 
 def delay(db: h.Database, args: Any) -> None:
@@ -182,68 +178,6 @@ def adoption(db: h.Database, args: Any) -> None:
     assert extra <= 1, "adoption must cost at most one more statement than .delay()"
 
 
-def wakeup(db: h.Database, args: Any) -> None:
-    def round_trip_ms(conn: psycopg.Connection[Any], sql: str, pause: float) -> float:
-        times = []
-        for _ in range(300):
-            time.sleep(pause)
-            t0 = time.perf_counter()
-            conn.execute(sql)  # type: ignore[arg-type]
-            times.append(time.perf_counter() - t0)
-        return h.median(times) * 1e3
-
-    with h.connect(db.url) as conn:
-        conn.execute("CREATE TABLE bench_wakeup (x int)")  # logged: its INSERT's commit waits for the flush
-        print("round trip, median ms        back to back   after 20 ms idle")
-        for label, sql in (("SELECT 1", "SELECT 1"), ("INSERT, flushed commit", "INSERT INTO bench_wakeup VALUES (1)")):
-            busy, idle = round_trip_ms(conn, sql, 0.0), round_trip_ms(conn, sql, 0.02)
-            print(f"{label:28s} {busy:8.3f}       {idle:8.3f}   (x{idle / busy:.1f})")
-
-
-def registry(db: h.Database, args: Any) -> None:
-    from motir_celery import define_job, send_event
-    from motir_celery.core import jobs
-    from motir_celery.core.producer import events
-
-    t0 = time.perf_counter()
-    for i in range(args.jobs):  # a codebase's jobs, each on an event of its own
-        define_job(f"bench.registry.{i:04d}", event=f"bench.registry.{i:04d}", retry_policy="none")(_item)
-    print(f"defining {args.jobs} jobs took {(time.perf_counter() - t0) * 1e3:.0f} ms")
-    indexed = events.subscribers, events.cancelled_by
-    defined = {job.id: job for job in jobs.all_jobs()}
-
-    def scanned_subscribers(name: str) -> list[Any]:  # the scan the index replaced, as it was
-        return [j for j in sorted(defined.values(), key=lambda j: j.id) if name in j.events]
-
-    def scanned_cancelled_by(name: str) -> list[Any]:
-        return [j for j in defined.values() if any(r.event == name for r in j.run_options.cancel_on)]
-
-    target = f"bench.registry.{args.jobs // 2:04d}"
-    h.timed(lambda i: send_event(target, {"i": i}), 300)  # connections, the lane's plan
-    n = max(1, args.calls // args.rounds)
-
-    def measure(on: bool) -> tuple[float, float]:
-        events.subscribers, events.cancelled_by = indexed if on else (scanned_subscribers, scanned_cancelled_by)
-        try:
-            c0 = time.process_time()
-            times = h.timed(lambda i: send_event(target, {"i": i}), n)
-            return n / sum(times), (time.process_time() - c0) / n * 1e6
-        finally:
-            events.subscribers, events.cancelled_by = indexed
-
-    on, off = [measure(True)], []
-    for _ in range(args.rounds):  # each OFF between two ONs
-        off.append(measure(False))
-        on.append(measure(True))
-    ratios = [(on[i][0] + on[i + 1][0]) / 2 / off[i][0] for i in range(len(off))]
-    saved = [off[i][1] - (on[i][1] + on[i + 1][1]) / 2 for i in range(len(off))]
-    print(f"send_event with {len(defined)} jobs defined: calls/s through the indexes {h.median([x[0] for x in on]):.0f}, "
-          f"through the scan {h.median([x[0] for x in off]):.0f}: x{h.median(ratios):.2f} (rounds "
-          + ", ".join(f"{r:.2f}" for r in ratios) + f"); client CPU a call {h.median([x[1] for x in on]):.0f} against "
-          f"{h.median([x[1] for x in off]):.0f} us, saved {h.median(saved):.0f} us (rounds "
-          + ", ".join(f"{x:.0f}" for x in saved) + ")")
-
-
 def main() -> None:
     parser = h.parser("bench.calls", __doc__, write=None)
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated, of {','.join(SECTIONS)}")
@@ -253,12 +187,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=100, help="batch: events per send_events call (default 100)")
     parser.add_argument("--no-publish", action="store_true", help="batch: the database side alone")
     parser.add_argument("--runs", type=int, default=400, help="adoption: runs per variant in all (default 400)")
-    parser.add_argument("--jobs", type=int, default=300, help="registry: event jobs defined (default 300)")
     args = parser.parse_args()
     sections = [s.strip() for s in args.only.split(",") if s.strip()]
     if unknown := set(sections) - set(SECTIONS):
         parser.error(f"--only: unknown section(s) {', '.join(sorted(unknown))}")
-    broker = bool({"delay", "batch", "registry"} & set(sections))
+    broker = bool({"delay", "batch"} & set(sections))
     h.need("MOTIR_DATABASE_URL", *(["CELERY_BROKER_URL"] if broker else []))
     from motir_celery.store.db import dispose_engines
 

@@ -104,9 +104,9 @@ class Sampler(threading.Thread):
 def run_fleet(db: h.Database, runs: int, hosts: int, procs: int, pool_size: int | None, timeout: float) -> FleetResult:
     """``hosts`` x ``procs`` workers drain ``runs`` events of ``fleet.two`` sent in batches meanwhile,
     through a PgBouncer of ``pool_size`` (None: straight to Postgres)."""
+    from motir_celery.dev.private import PgBouncer, database_errors
     from motir_celery.settings import Settings, reset_settings
     from motir_celery.store.db import dispose_engines
-    from tests.fixtures.pgbouncer import PgBouncer, database_errors
 
     db.truncate("bench.side_effect")
     queue = f"bench-fleet-{uuid.uuid4().hex[:8]}"
@@ -165,10 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     h.need("MOTIR_DATABASE_URL", "CELERY_BROKER_URL")
     from bench.jobs import LEDGER_DDL
-    from tests.fixtures.pgbouncer import binary
+    from motir_celery.dev.private import pgbouncer_binary
 
     started, command, log = h.now(), h.command("bench.fleet", argv), h.logger("fleet")
-    out = subprocess.run([binary() or "pgbouncer", "--version"], capture_output=True, text=True).stdout
+    out = subprocess.run([pgbouncer_binary() or "pgbouncer", "--version"], capture_output=True, text=True).stdout
     machine = h.machine(h.server_url(), PgBouncer=(re.findall(r"PgBouncer (\S+)", out) or ["?"])[0])
     results = []
     with h.Database.create(DB) as db:  # migrated direct: never through the pooler (operations.md)

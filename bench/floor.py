@@ -3,9 +3,9 @@
     python -m bench.floor                       # 3 rounds; rewrites its block of docs/performance.md
     python -m bench.floor --runs 600 --io-runs 600 --rounds 1 --no-write   # a smoke test (a minute)
 
-Needs CELERY_BROKER_URL only to be set to something (it is replaced): the bench runs on the
-private Postgres and Redis ``bench.cpu_profile`` uses, and reads CPU as it does (every process
-of the worker, of the Postgres server and of Redis, from ``/proc``, ms per run).
+Runs on a Postgres and a Redis of its own (``harness.private_stack``) and reads CPU as
+``bench.targets`` does (every process of the worker, of the Postgres server and of Redis, from
+``/proc``, ms per run).
 
 **The floor** is ``bench/floor_app.py``: a plain Celery worker whose one task sends a run's
 claim, its three step records and its settle, and does nothing else. Its delivery is the
@@ -35,7 +35,8 @@ Turns, each round:
 * the I/O-like workload (3 x 5 ms) at one worker x 8, ``--io-runs`` runs: plain Celery, the
   floor with each set, this engine; drain rates.
 
-docs/performance.md ("The floor of what durability adds") reads the figures.
+The last line gives this engine's CPU a run over the floor's with its own statements: what the
+engine's own code costs on top of what its statements must cost.
 """
 
 from __future__ import annotations
@@ -44,16 +45,13 @@ import argparse
 import multiprocessing
 import os
 import sys
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import psycopg
 
-from bench import cpu_profile as cp
 from bench import harness as h
 from motir_celery.settings import get_settings
 from motir_celery.store.driver import Statement
@@ -62,7 +60,7 @@ from motir_celery.store.sql import worker as worker_sql
 
 MODULE, DB = "bench.floor", "motir_bench_floor"
 QUEUE, FLOOR_QUEUE = "bench-floor-motir", "bench-floor"
-JOB, IO_JOB = "bench.three", "bench.three_io"
+JOB, IO_JOB = "bench.three", h.IO_JOB
 IO_SECONDS = 0.005  # bench/io_jobs.py's
 #: The three step outputs and the result bench.three's run stores (bench/functions.py's values).
 OUTPUTS = (("reserve", '{"reserved": %d}'), ("charge", '{"charged": %d}'), ("notify", '{"notified": %d}'))
@@ -196,7 +194,7 @@ def _client(url: str, which: str, ids: list[uuid.UUID], warmup: int, barrier: An
         out.put(stats)
 
 
-def statements_alone(server: cp.Server, which: str, runs: int, warmup: int) -> dict[str, Any]:
+def statements_alone(server: h.Stack, which: str, runs: int, warmup: int) -> dict[str, Any]:
     """Set ``which``'s statements for ``runs`` queued runs from ``CLIENTS`` processes at once: the
     clients' CPU and the server's (every process but the monitor), ms per run."""
     server.db.truncate("bench_floor_premise")
@@ -243,38 +241,24 @@ IO_SIDES = {"plain": "plain Celery", "floor_engine": "the floor: Celery carrying
             "motir": "this engine"}
 
 
-def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
-    from bench.targets import PlainIO
-    from tests.chaos.harness import PrivateRedis
-
-    work = Path(tempfile.mkdtemp(prefix="motir-bench-floor-"))
-    h.exit_on_sigterm()
-    redis = PrivateRedis(work / "redis").start()
-    os.environ["CELERY_BROKER_URL"] = redis.url
-    try:
-        with h.private_postgres(*cp.SERVER_SETTINGS) as pg:
-            db = h.Database.create(DB, pg.url("postgres"))
-            db.rows(PREMISE_TABLE)
-            server = cp.Server(pg, redis, db)
-            env = dict(cp.WORKER_ENV)
-            cpu = {"plain": h.Plain(), "plain_noack": h.Plain(env={"BENCH_NO_ACK_EMULATION": "1"}),
-                   "floor_engine": Floor(db), "floor_bare": Floor(db, "bare"),
-                   "motir": h.Motir(db, queue=QUEUE, imports="bench.workload,bench.io_jobs", env=env)}
-            io = {"plain": PlainIO(), "floor_engine": Floor(db, io_seconds=IO_SECONDS, job=IO_JOB),
-                  "floor_bare": Floor(db, "bare", io_seconds=IO_SECONDS, job=IO_JOB),
-                  "motir": h.Motir(db, job=IO_JOB, queue=QUEUE, imports="bench.workload,bench.io_jobs", env=env)}
-            turns: dict[str, Callable[[], Any]] = {
-                f"cpu {name}": (lambda s=s, name=name: cp.measure(s, server, args.runs, args.warmup, tag=f"fl-{name}"))
-                for name, s in cpu.items()}
-            turns.update({f"alone {which}": (lambda which=which: statements_alone(server, which, args.runs, args.warmup))
-                          for which in SETS})
-            turns.update({f"io {name}": (lambda s=s, name=name: h.drain(s, args.io_runs, 1, 8, tag=f"fl-io-{name}").rate)
-                          for name, s in io.items()})
-            rounds = h.interleave(turns, args.rounds, log=lambda m: log("  " + m.split(" {", 1)[0][:60]))
-            db.close()
-    finally:
-        redis.close()
-    return rounds
+def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, list[Any]]:
+    with h.private_stack(DB) as stack:
+        db, env = stack.db, dict(h.WORKER_ENV)
+        db.rows(PREMISE_TABLE)
+        cpu = {"plain": h.Plain(), "plain_noack": h.Plain(env={"BENCH_NO_ACK_EMULATION": "1"}),
+               "floor_engine": Floor(db), "floor_bare": Floor(db, "bare"),
+               "motir": h.Motir(db, queue=QUEUE, imports=h.IMPORTS, env=env)}
+        io = {"plain": h.PlainIO(), "floor_engine": Floor(db, io_seconds=IO_SECONDS, job=IO_JOB),
+              "floor_bare": Floor(db, "bare", io_seconds=IO_SECONDS, job=IO_JOB),
+              "motir": h.Motir(db, job=IO_JOB, queue=QUEUE, imports=h.IMPORTS, env=env)}
+        turns: dict[str, Callable[[], Any]] = {
+            f"cpu {name}": (lambda s=s, name=name: stack.cpu_per_run(s, args.runs, args.warmup, tag=f"fl-{name}"))
+            for name, s in cpu.items()}
+        turns.update({f"alone {which}": (lambda which=which: statements_alone(stack, which, args.runs, args.warmup))
+                      for which in SETS})
+        turns.update({f"io {name}": (lambda s=s, name=name: h.drain(s, args.io_runs, 1, 8, tag=f"fl-io-{name}").rate)
+                      for name, s in io.items()})
+        return h.interleave(turns, args.rounds, log=lambda m: log("  " + m.split(" {", 1)[0][:60]))
 
 
 def _med(rs: list[Any], key: str | None = "total") -> float:
@@ -291,8 +275,9 @@ def render(rounds: dict[str, list[Any]], args: argparse.Namespace, command: str,
     def adds(name: str) -> list[float]:
         return [a["total"] - p["total"] for a, p in zip(rounds[f"cpu {name}"], plain)]
 
-    md = ["## The floor of what durability adds (generated)", "",
-          f"Generated by `{command}` ({started}, {elapsed / 60:.0f} min; {h.machine(load=True)}). Method: "
+    md = ["### The floor of what durability adds (generated)", "",
+          f"Generated by `{command}` ({started}, {elapsed / 60:.0f} min; {h.machine(load=True)}; commit "
+          f"{h.describe()}). Method: "
           f"`bench/floor.py`'s docstring. {args.rounds} rounds, the turns taking turns; each figure the median of "
           "the rounds (the rounds in parentheses).", "",
           f"CPU ms a run, one worker x 2 draining {args.runs:,} queued runs (after {args.warmup}), every process:", "",
@@ -318,9 +303,12 @@ def render(rounds: dict[str, list[Any]], args: argparse.Namespace, command: str,
         md.append(f"| {title} | **{_med(rs, None):.0f}** ({_each(rs, '{:.0f}')}) | "
                   + ("" if name == "plain" else f"**{h.median(ratio):.2f}** ({_each(ratio, '{:.2f}')})") + " |")
     over = h.median(adds("motir")) - h.median(adds("floor_engine"))
-    md += ["", f"This engine spends **{over:+.2f}** ms a run over the floor with its own statements (its runner, "
-           "steps, leases and driver, the JSON checks, Celery's tracer around what its task returns, the sweeper's "
-           "periodic statements)."]
+    ratio = _med(rounds["cpu motir"]) / _med(rounds["cpu floor_engine"])
+    each = [a["total"] / f["total"] for a, f in zip(rounds["cpu motir"], rounds["cpu floor_engine"])]
+    md += ["", f"This engine spends **{over:+.2f}** ms a run over the floor with its own statements: its CPU a run "
+           f"is **x{ratio:.2f}** the floor's (the rounds' ratios: {_each(each, '{:.2f}')}): its runner, steps, leases "
+           "and driver, the JSON checks, Celery's tracer around what its task returns, the sweeper's periodic "
+           "statements."]
     return "\n".join(md) + "\n"
 
 
@@ -340,11 +328,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rounds = run(args, log)
     block = render(rounds, args, h.command(MODULE, argv), started, time.monotonic() - t0)
-    print(block)
-    if not args.no_write:
-        h.write_between(cp.DOC, f"<!-- {MODULE}: begin (generated by python -m {MODULE}; edits here are lost) -->",
-                        f"<!-- {MODULE}: end -->", block, anchor=h.NOTES_MARKER)
-        print(f"{MODULE}: wrote {cp.DOC.relative_to(h.ROOT)}", file=sys.stderr)
+    h.write_block(MODULE, block, h.PERFORMANCE_DOC, write=not args.no_write)
     return 0
 
 

@@ -1,16 +1,11 @@
 """The benchmarks' one set-up: a benchmark is its measurement, written on top of this.
 
-Services (a fresh, migrated database on the shared server or on a private Postgres
-with given settings; the broker queue), worker processes and their logs, producing
-(pre-queued runs, paced sends, a feeder), draining and timing, the CPU and RSS of
-process trees (workers, Postgres backends or a whole private server, Redis), rounds
-in which the sides take turns so that a baseline is measured in the same run, and the
-docs' generated blocks. To compare workload W on engine E with plain Celery::
-
-    db = Database.create("motir_bench_w")
-    sides = {"motir": Motir(db, job=W, imports=M, engine=E), "plain": Plain()}
-    cpu = interleave({k: lambda s=s: drain(s, 2000, cpu=True).cpu for k, s in sides.items()}, rounds=3)
-    report({k: [r["total_ms"] for r in v] for k, v in cpu.items()}, baseline="plain", unit="CPU ms/run")
+Services (a fresh, migrated database on the shared server, or a private Postgres and
+Redis of the bench's own: ``private_stack``), worker processes and their logs, producing
+(pre-queued runs, paced sends, a feeder), draining and timing, the CPU and RSS of process
+trees, rounds in which the sides take turns so that a baseline is measured in the same
+run, and the docs' generated blocks (``write_block``). bench/README.md shows a bench
+written on it.
 
 Only the standard library and psycopg are imported here at the top: the peers' drivers
 (bench/peers) import this module in a virtualenv without motir_celery, Celery or redis.
@@ -25,6 +20,7 @@ import importlib
 import math
 import os
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
@@ -43,11 +39,11 @@ from urllib.parse import urlsplit
 import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
-SCALING_DOC = ROOT / "docs" / "scaling.md"
-#: docs/performance.md: the suite rewrites what is above it; the ablation's section is below.
-NOTES_MARKER = "<!-- Everything below this line is kept when the suite rewrites this file. -->"
+SCALING_DOC, PERFORMANCE_DOC = ROOT / "docs" / "scaling.md", ROOT / "docs" / "performance.md"
 LOGS = Path(tempfile.gettempdir()) / "motir-bench"
 MOTIR_QUEUE, PLAIN_QUEUE = "bench-motir", "bench-plain"
+#: The modules of the benches' jobs: the trivial ``bench.three`` and the I/O-like ``bench.three_io``.
+IMPORTS, IO_JOB = "bench.workload,bench.io_jobs", "bench.three_io"
 TABLES = "job_run_dlq, job_step, job_run, job_queue, job_event"
 TICKS = os.sysconf("SC_CLK_TCK")
 T = TypeVar("T")
@@ -256,9 +252,9 @@ def drop_database(name: str, server: str | None = None) -> None:
 
 @contextmanager
 def private_postgres(*settings: str) -> Iterator[Any]:
-    """A Postgres server of the bench's own (``tests.chaos.harness.PrivatePostgres``) on a
+    """A Postgres server of the bench's own (``motir_celery.dev.private.PrivatePostgres``) on a
     free port, with ``settings``; stopped and deleted afterwards, on error too."""
-    from tests.chaos.harness import PrivatePostgres
+    from motir_celery.dev.private import PrivatePostgres
 
     exit_on_sigterm()
     pg = PrivatePostgres(settings=settings)
@@ -275,10 +271,6 @@ def exit_on_sigterm() -> None:
     stands and leaves them running. Only from the main thread, and only over the default handler."""
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
-
-
-def postmaster(pg: Any) -> int:
-    return int((pg.data / "postmaster.pid").read_text().split()[0])
 
 
 # --- processes ---------------------------------------------------------------------------
@@ -478,6 +470,91 @@ def pss_kb(pid: int) -> int:
     return next((int(line.split()[1]) for line in text.splitlines() if line.startswith("Pss:")), 0)
 
 
+# --- a private stack: a Postgres and a Redis that only the bench's processes use ------------
+
+#: A private server durable as production runs it (every commit flushed unless a statement
+#: says otherwise), and no checkpoint in the middle of a drain.
+PRIVATE_SETTINGS = ("fsync=on", "full_page_writes=on", "synchronous_commit=on", "checkpoint_timeout=30min",
+                    "max_wal_size=4GB")
+#: Workers draining a backlog queued before they started: not "lost messages" for the sweeper.
+WORKER_ENV = {"MOTIR_REPUBLISH_AFTER": "3600"}
+#: Postgres processes that are not a client's backend (their titles, PostgreSQL 13-17).
+BACKGROUND = ("postgres: walwriter", "postgres: checkpointer", "postgres: background writer", "postgres: autovacuum",
+              "postgres: logical replication", "postgres: stats", "postgres: archiver", "postgres: walsummarizer")
+
+
+@dataclass
+class Stack:
+    """The bench's private Postgres (``pg``) and Redis, its database, and the readings of their processes."""
+
+    pg: Any
+    redis: Any
+    db: Database
+
+    def pg_reading(self, side: Any = None) -> Reading:
+        """Every process of the server, but the pollers' backends (ours and the side's)."""
+        pollers = {self.db.monitor_pid}
+        if isinstance(getattr(side, "db", None), Database):
+            pollers.add(side.db.monitor_pid)
+        return read_cpu([self.pg.postmaster], exclude=pollers)
+
+    def split(self, a: Reading, b: Reading) -> tuple[float, float]:
+        """The server's CPU ms between two ``pg_reading``s: (client backends, the rest: WAL writer,
+        checkpointer, autovacuum, the postmaster and the children it reaped in between)."""
+        background = [pid for pid in b.ticks if cmdline(pid).startswith(BACKGROUND) or pid == self.pg.postmaster]
+        rest = cpu_ms(a, b, only=background) + (b.reaped - a.reaped) * 1000 / TICKS
+        return cpu_ms(a, b) - rest, rest
+
+    def redis_reading(self) -> Reading:
+        return read_cpu([self.redis.proc.pid], tree=False)
+
+    def cpu_per_run(self, side: Any, runs: int, warmup: int, *, tag: str, timeout: float = 1200) -> dict[str, float]:
+        """``warmup`` + ``runs`` runs queued, one worker x 2 started; CPU ms a run of every process
+        (the worker's main process and children, the server's client backends and the rest, Redis)
+        over the runs settled after the first ``warmup``."""
+        side.reset()
+        side.prequeue(warmup + runs)
+        with side.workers(1, 2, tag) as procs:
+            procs.wait(lambda: side.settled() >= warmup, timeout, poll=0.05)
+            n0 = side.settled()
+            w0, p0, r0 = read_cpu(procs.pids), self.pg_reading(side), self.redis_reading()
+            procs.wait(lambda: side.settled() >= warmup + runs, timeout, poll=0.05)
+            n = max(1, side.settled() - n0)
+            w1, p1, r1 = read_cpu(procs.pids), self.pg_reading(side), self.redis_reading()
+        main = cpu_ms(w0, w1, only=procs.pids)
+        pg_clients, pg_background = self.split(p0, p1)
+        out = {"main": main / n, "children": (cpu_ms(w0, w1) - main) / n, "pg_clients": pg_clients / n,
+               "pg_background": pg_background / n, "redis": cpu_ms(r0, r1) / n}
+        out["total"] = sum(out.values())
+        return out
+
+
+@contextmanager
+def private_stack(db_name: str) -> Iterator[Stack]:
+    """A private Postgres (``PRIVATE_SETTINGS``) with a fresh, migrated database ``db_name``, and a
+    private Redis that CELERY_BROKER_URL names meanwhile: every process that works for a run is
+    one the bench can count, and nobody else's work is counted. Stopped afterwards, on error too."""
+    from motir_celery.dev.private import PrivateRedis
+
+    exit_on_sigterm()  # (before the first server: a kill stops them all)
+    work = Path(tempfile.mkdtemp(prefix="motir-bench-redis-"))
+    redis = PrivateRedis(work).start()
+    broker = os.environ.get("CELERY_BROKER_URL")
+    os.environ["CELERY_BROKER_URL"] = redis.url
+    try:
+        with private_postgres(*PRIVATE_SETTINGS) as pg:
+            db = Database.create(db_name, pg.url("postgres"))
+            try:
+                yield Stack(pg, redis, db)
+            finally:
+                db.close()
+    finally:
+        redis.close()
+        shutil.rmtree(work, ignore_errors=True)
+        if broker is not None:
+            os.environ["CELERY_BROKER_URL"] = broker
+
+
 # --- sides: what is queued, run and settled ----------------------------------------------
 
 
@@ -615,6 +692,20 @@ class Plain:
 
     def backends(self) -> list[int]:
         return []
+
+
+@dataclass
+class PlainIO(Plain):
+    """Plain Celery running the I/O-like workload (``bench/plain_io_app.py``)."""
+
+    def send(self, i: int) -> str:
+        from bench.plain_io_app import app
+
+        app.send_task("bench.plain_io", args=[i, self.key], queue=self.queue)
+        return str(i)
+
+    def workers(self, n: int, concurrency: int, tag: str = "plain-io") -> Procs:
+        return workers("bench.plain_io_app", self.queue, n, concurrency, env=child_env(**self.env), tag=tag)
 
 
 # --- draining and timing -----------------------------------------------------------------
@@ -768,27 +859,32 @@ def machine(url: str | None = None, *, load: bool = False, **versions: str) -> s
     return ", ".join([*parts, f"Python {platform.python_version()}"])
 
 
-def write_between(doc: Path, begin: str, end: str, block: str, *, anchor: str | None = None) -> None:
-    """Replace the text between ``begin`` and ``end`` in ``doc`` (markers kept); a doc without
-    them gets them with the block just below ``anchor`` (if it has it), else at its end."""
+def write_between(doc: Path, begin: str, end: str, block: str) -> None:
+    """Replace the text between ``begin`` and ``end`` in ``doc`` (markers kept; at its end the first time)."""
     text = doc.read_text() if doc.exists() else ""
     if begin not in text:
-        if anchor and anchor in text:
-            head, tail = text.split(anchor, 1)
-            text = f"{head}{anchor}\n{begin}\n{end}\n{tail}"
-        else:
-            text += f"\n{begin}\n{end}\n"
+        text += f"\n{begin}\n{end}\n"
     head, rest = text.split(begin, 1)
     doc.write_text(f"{head}{begin}\n\n{block.strip()}\n\n{end}{rest.split(end, 1)[1]}")
 
 
 def write_block(module: str, block: str, doc: Path = SCALING_DOC, *, write: bool = True) -> None:
-    """Print the block ``python -m <module>`` regenerates, and (``write``) put it in ``doc``, between its markers."""
+    """Print the block ``python -m <module>`` regenerates, and (``write``) put it in ``doc``, between its
+    markers (at the doc's end the first time)."""
     print(block)
     if write:
         write_between(doc, f"<!-- {module}: begin (generated by python -m {module}; edits here are lost) -->",
                       f"<!-- {module}: end -->", block)
-        print(f"{module}: wrote {doc.relative_to(ROOT)}", file=sys.stderr)
+        print(f"{module}: wrote {doc}", file=sys.stderr)
+
+
+def describe(checkout: Path | str = ROOT) -> str:
+    """The commit a checkout is at (``git describe --always --dirty``), "?" when git cannot say."""
+    try:
+        return subprocess.run(["git", "-C", str(checkout), "describe", "--always", "--dirty"], capture_output=True,
+                              text=True, timeout=30).stdout.strip() or "?"
+    except (OSError, subprocess.SubprocessError):
+        return "?"
 
 
 def beat(url: str, job: str, slots: int, start_at: float, out: Any) -> None:

@@ -1,6 +1,5 @@
 """The durable jobs of the benches beside the suite's (``bench.workload``), one module for MOTIR_IMPORTS:
-``fleet.two`` (bench.fleet), ``retention.live`` (bench.retention), ``bench.flow.*`` (bench.flowcost),
-``bench.chord.*`` (bench.canvas_chord).
+``fleet.two`` (bench.fleet) and ``retention.live`` (bench.retention).
 """
 
 from __future__ import annotations
@@ -83,39 +82,3 @@ def live(event: Any, step: Any) -> int:
     step.run("one", _body, int(event.data["n"]), "one")
     step.run("two", _body, int(event.data["n"]), "two")
     return int(event.data["n"])
-
-
-# --- flowcost ------------------------------------------------------------------------------
-
-PLAIN, THROTTLED = "bench.flow.plain", "bench.flow.throttled"
-
-
-@define_job(PLAIN, event=PLAIN, retry_policy="none")
-def plain(event: Any, step: Any) -> int:
-    return int(event.data["n"])
-
-
-@define_job(THROTTLED, event=THROTTLED, retry_policy="none", throttle=(1000, 0.01))
-def throttled(event: Any, step: Any) -> int:
-    return int(event.data["n"])
-
-
-# --- canvas_chord --------------------------------------------------------------------------
-
-
-def counter() -> Any:
-    import redis
-
-    return redis.Redis.from_url(os.environ.get("BENCH_COUNTER_URL") or os.environ["CELERY_BROKER_URL"])
-
-
-@define_job("bench.chord.member", retry_policy="transient")
-def member(step: Any, i: int, key: str) -> int:
-    counter().hincrby(key, str(i), 1)  # every execution counts: outside step.run on purpose
-    return i
-
-
-@define_job("bench.chord.body", retry_policy="transient")
-def body(step: Any, results: list[int], key: str) -> int:
-    counter().hincrby(key, "body", 1)
-    return sum(results)

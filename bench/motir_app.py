@@ -1,8 +1,7 @@
 """The engine's default app with one Celery setting changed, for a comparison row.
 
 ``BENCH_TASK_EVENTS=1``: task events on, as while Flower watches (``attach()`` leaves
-them off, as Celery does). ``BENCH_LATE_ACKS=1``: late acknowledgements, as an app that
-chose them has (``python -m bench.cycle --late-acks``). ``celery -A bench.motir_app worker``.
+them off, as Celery does). ``celery -A bench.motir_app worker``.
 """
 
 from __future__ import annotations
@@ -15,6 +14,3 @@ app = default_app()
 if os.environ.get("BENCH_TASK_EVENTS") == "1":
     app.conf.worker_send_task_events = True
     app.conf.task_send_sent_event = True
-if os.environ.get("BENCH_LATE_ACKS") == "1":
-    app.conf.task_acks_late = True
-    app.conf.task_reject_on_worker_lost = True

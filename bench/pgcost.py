@@ -176,7 +176,7 @@ def measure(pg: Any, admin: psycopg.Connection[Any], db: h.Database, producer_ur
         dispose_engines()
         time.sleep(IDLE_FLUSH)  # the workers' backends stay: their warm-up statistics must be in s0
         admin.execute("SELECT pg_stat_statements_reset()")
-        s0 = snapshot(admin, h.postmaster(pg), mine)
+        s0 = snapshot(admin, pg.postmaster, mine)
         ids = h.send(runs, JOB, offset=WARMUP, data=data)
         dispose_engines()  # the producer's backend exits: its statistics are flushed
         _gone(admin, PRODUCER)
@@ -184,14 +184,14 @@ def measure(pg: Any, admin: psycopg.Connection[Any], db: h.Database, producer_ur
         if checkpoint_between:  # the backlog's pages were last written before a checkpoint
             admin.execute("CHECKPOINT")
         admin.execute("SELECT pg_stat_statements_reset()")
-        s1 = snapshot(admin, h.postmaster(pg), mine)
+        s1 = snapshot(admin, pg.postmaster, mine)
         polls = db.polls
         h.publish_runs(ids, JOB)
         h.settle(motir, workers, WARMUP + runs, timeout=timeout, poll=0.2)
         polls = db.polls - polls
     _gone(admin, "postgres")  # the workers stopped: their backends exited, statistics flushed
     drained = read_statements(admin)
-    s2 = snapshot(admin, h.postmaster(pg), mine)
+    s2 = snapshot(admin, pg.postmaster, mine)
     producer = Phase.between(s0, s1, runs, produced, waldump(pg.bindir, pg.data, s0.lsn, s1.lsn), 0)
     drain = Phase.between(s1, s2, runs, drained, waldump(pg.bindir, pg.data, s1.lsn, s2.lsn), polls)
     return Point(procs, runs, h.drain_rate(db.finished(ids).values()), producer, drain, checkpoint_between)

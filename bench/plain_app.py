@@ -17,11 +17,8 @@ from bench.functions import charge, notify, reserve
 
 app = Celery("bench_plain", broker=os.environ["CELERY_BROKER_URL"], set_as_current=False)
 app.conf.update(
-    # The same delivery settings the engine puts on its app (early acks, Celery's default);
-    # BENCH_LATE_ACKS=1 switches both sides to late acks (python -m bench.cycle --late-acks).
+    # The same delivery settings the engine puts on its app (early acks, Celery's default).
     worker_prefetch_multiplier=1,
-    task_acks_late=os.environ.get("BENCH_LATE_ACKS") == "1",
-    task_reject_on_worker_lost=os.environ.get("BENCH_LATE_ACKS") == "1",
     task_ignore_result=True,
     task_default_queue=os.environ.get("BENCH_PLAIN_QUEUE", "bench-plain"),
     broker_connection_retry_on_startup=True,

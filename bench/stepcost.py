@@ -4,12 +4,10 @@
 
 In process (no Celery), ``runner.execute`` of runs of ``bench.steps``. Time per step: a run of
 100 steps whose first attempt stores them all (misses) and fails on purpose; the second replays
-them (hits). Protocol: libpq's trace of the engine's connections (``PGconn.trace``), read back
-message by message. A round trip is a message the server answers on its own (a ``Query``, or an
-extended-protocol ``Sync``); a commit, a server transaction that wrote and did not roll back (a pool
-pre-ping, a BEGIN, a COMMIT count). Pipelined statements are round trips not waited for one by one:
-*waits* counts the turns from sending to reading in the trace, an upper bound on the answers the
-attempt waited for (an answer already in when it looks counts too).
+them (hits). Protocol: libpq's trace (``PGconn.trace``) of every connection psycopg opens in
+this process, read back message by message. A round trip is a message the server answers on
+its own (a ``Query``, or an extended-protocol ``Sync``); a commit, a server transaction that
+wrote and did not roll back.
 """
 
 from __future__ import annotations
@@ -24,17 +22,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import text
+import psycopg
 
+from bench import harness as h
 from bench import workload
-from bench.harness import median
 from motir_celery.core.producer import events
 from motir_celery.core.worker import runner
-from motir_celery.store.db import dispose_engines, get_engine, get_pool
 
-#: Seconds each body of the "slow" runs sleeps: longer than steps.MAX_LAG (1 ms), so
-#: every step but the last is stored on its own before the next body starts.
-SLOW_BODY = 0.002
 _WRITES = re.compile(r"\b(INSERT|UPDATE|DELETE)\b", re.IGNORECASE)
 _QUOTED = re.compile(r'"((?:[^"]|"")*)"')
 
@@ -44,7 +38,6 @@ class Protocol:
     round_trips: int = 0
     commits: int = 0
     statements: int = 0
-    waits: int = 0
 
 
 def _messages(data: str) -> list[list[str]]:
@@ -61,22 +54,16 @@ def _messages(data: str) -> list[list[str]]:
 
 def analyse_trace(window: str, prelude: str = "") -> Protocol:
     """Round trips and committed write transactions of the trace ``window``; ``prelude``, the trace
-    before it, is read only for the text of the statements psycopg prepared there (a later Bind
-    names them only)."""
+    before it, is read only for the text of the statements prepared there (a later Bind names them only)."""
     out, prepared, unnamed = Protocol(), {}, ""
     for direction, _, kind, rest in _messages(prelude):
         if direction == "F" and kind.strip() == "Parse" and len(q := _QUOTED.findall(rest)) >= 2 and q[0]:
             prepared[q[0]] = q[1]
-    # Each Query or Sync closes a segment the server answers with one ReadyForQuery;
-    # pipelined segments are sent before the answers to earlier ones arrive.
-    segments: deque[tuple[bool, bool]] = deque()
+    segments: deque[tuple[bool, bool]] = deque()  # each Query or Sync: one ReadyForQuery answers it
     writes = rolled_back = False  # of the segment being sent
     txn_writes = txn_rolled_back = False  # of the transaction being answered
-    last = ""
     for direction, _, kind, rest in _messages(window):
         kind, rest = kind.strip(), rest.rstrip("\n")
-        out.waits += direction == "B" and last == "F"
-        last = direction
         q = _QUOTED.findall(rest)
         if direction == "F" and kind == "Query":
             word = (q or [""])[0].strip().upper()
@@ -107,29 +94,42 @@ def analyse_trace(window: str, prelude: str = "") -> Protocol:
 
 
 class Tracer:
-    """Trace every connection this process's engine pool (the runner's, store/pg.py) makes from now
-    on into one file; ``since`` returns what was sent after a ``mark``."""
+    """Every psycopg connection this process opens from now on (``psycopg.connect`` and
+    ``Connection.connect``: the engine's pool's, whatever pool it is), traced into one file until
+    ``stop``; ``since`` returns what was sent after a ``mark``."""
 
     def __init__(self) -> None:
         self._fh = tempfile.NamedTemporaryFile("w+", prefix="bench-trace-", suffix=".txt", delete=False)
-        self._conns: list[Any] = []
-        dispose_engines()  # every connection (the runner's kept ones too) is made again, traced
-        self._pool = get_pool()
-        self._pool.listen("connect", self._connected)
+        self._conns: list[psycopg.Connection[Any]] = []
+        self._on = True
+        self._saved = psycopg.connect, psycopg.Connection.connect
+        make = psycopg.Connection.connect.__func__  # type: ignore[attr-defined]
 
-    def _connected(self, dbapi_conn: Any, _record: Any) -> None:
-        self._conns.append(dbapi_conn)
-        self._trace(dbapi_conn)
+        def connect(cls: Any, *args: Any, **kwargs: Any) -> Any:
+            conn = make(cls, *args, **kwargs)
+            self._conns.append(conn)
+            if self._on:
+                self._trace(conn)
+            return conn
 
-    def _trace(self, conn: Any) -> None:
+        psycopg.Connection.connect = classmethod(connect)  # type: ignore[method-assign, assignment]
+        psycopg.connect = psycopg.Connection.connect
+
+    def _trace(self, conn: psycopg.Connection[Any]) -> None:
         from psycopg import pq
 
         conn.pgconn.trace(self._fh.fileno())
         conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE)
 
+    def stop(self) -> None:
+        for c in self._conns:
+            if self._on and not c.closed:
+                c.pgconn.untrace()
+        self._on = False
+
     def mark(self) -> int:
         for c in self._conns:  # libpq buffers the trace in a FILE*: untrace flushes it, and we trace again
-            if not c.closed:
+            if self._on and not c.closed:
                 c.pgconn.untrace()
                 self._trace(c)
         return os.path.getsize(self._fh.name)
@@ -142,26 +142,26 @@ class Tracer:
         return data[mark:].decode("utf-8", "replace"), data[:mark].decode("utf-8", "replace")
 
     def close(self) -> None:
-        for c in self._conns:
-            if not c.closed:
-                c.pgconn.untrace()
-        self._pool.unlisten("connect", self._connected)
-        dispose_engines()
+        psycopg.connect, psycopg.Connection.connect = self._saved  # type: ignore[method-assign]
+        self.stop()
         os.unlink(self._fh.name)
 
 
-def measure(k_values: tuple[int, ...] = (0, 1, 3, 10), hits_k: int = 100, rounds: int = 5) -> dict[str, Any]:
-    def execute(data: dict[str, Any], *, fail_first: bool = False, tracer: Tracer | None = None) -> Protocol | None:
+def measure(tracer: Tracer, k_values: tuple[int, ...] = (0, 1, 3, 10), hits_k: int = 100,
+            rounds: int = 5) -> dict[str, Any]:
+    url = h.dsn(os.environ["MOTIR_DATABASE_URL"])
+
+    def execute(data: dict[str, Any], *, fail_first: bool = False, traced: bool = False) -> Protocol | None:
         """A run of ``data``; ``fail_first``: its first attempt fails, the second is measured (memo hits)."""
         run_id: uuid.UUID = events.send_event("bench.steps", {**data, **({"fail_first": True} if fail_first else {})},
-                                                   publish=None).run_ids[0]
+                                              publish=None).run_ids[0]
         if fail_first:
             assert runner.execute(run_id, job_id="bench.steps", worker="bench/stepcost", publish=None).state == "retrying"
-            with get_engine().begin() as conn:
-                conn.execute(text("UPDATE job_queue SET run_at = now() WHERE id = :id"), {"id": run_id})
-        mark = tracer.mark() if tracer else 0
+            with psycopg.connect(url, autocommit=True) as conn:  # due again now, not after its backoff
+                conn.execute("UPDATE job_queue SET run_at = now() WHERE id = %s", (run_id,))
+        mark = tracer.mark() if traced else 0
         assert runner.execute(run_id, job_id="bench.steps", worker="bench/stepcost", publish=None).state == "succeeded"
-        if tracer is None:
+        if not traced:
             return None
         sent = analyse_trace(*tracer.since(mark))
         if sent.round_trips < 2:  # a claim and a settle at least: else the trace missed the runner's connection
@@ -169,26 +169,20 @@ def measure(k_values: tuple[int, ...] = (0, 1, 3, 10), hits_k: int = 100, rounds
                              "it no longer follows the runner's connections")
         return sent
 
-    for _ in range(6):  # warm the pool and psycopg's prepared statements (a worker that has run a few jobs)
+    for _ in range(6):  # warm the pool and the prepared statements (a worker that has run a few jobs)
         execute({"k": 3})
+    runs: dict[str, dict[int, Any]] = {"fresh": {}, "replay": {}}
+    for k in k_values:
+        runs["fresh"][k] = vars(execute({"k": k}, traced=True))
+        runs["replay"][k] = vars(execute({"k": k}, fail_first=True, traced=True))
+    tracer.stop()  # (before the timed runs: the trace costs each statement a write)
     miss, hit = [], []
     for _ in range(rounds):  # misses on attempt 1, hits on attempt 2
         workload.STEP_TIMES.clear()
         execute({"k": hits_k}, fail_first=True)
-        miss.append(median(workload.STEP_TIMES[0]))
-        hit.append(median(workload.STEP_TIMES[1]))
-    tracer = Tracer()
-    try:
-        for _ in range(6):  # the traced pool warms up again (new connections, prepared statements)
-            execute({"k": 3})
-        runs: dict[str, dict[int, Any]] = {"fresh": {}, "slow": {}, "replay": {}}
-        for k in k_values:
-            runs["fresh"][k] = vars(execute({"k": k}, tracer=tracer))
-            runs["slow"][k] = vars(execute({"k": k, "sleep": SLOW_BODY}, tracer=tracer))
-            runs["replay"][k] = vars(execute({"k": k}, fail_first=True, tracer=tracer))
-    finally:
-        tracer.close()
-    return {"hits_k": hits_k, "miss_us": median(miss) * 1e6, "hit_us": median(hit) * 1e6, **runs}
+        miss.append(h.median(workload.STEP_TIMES[0]))
+        hit.append(h.median(workload.STEP_TIMES[1]))
+    return {"hits_k": hits_k, "miss_us": h.median(miss) * 1e6, "hit_us": h.median(hit) * 1e6, **runs}
 
 
 if __name__ == "__main__":
@@ -196,4 +190,12 @@ if __name__ == "__main__":
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--hits-k", type=int, default=100)
     args = p.parse_args()
-    print(json.dumps(measure(hits_k=args.hits_k, rounds=args.rounds)))
+    h.need("MOTIR_DATABASE_URL")
+    tracer = Tracer()  # from the first connection on: the engine's pool keeps its connections
+    with h.Database.create("motir_bench_stepcost") as db:
+        h.use_engine(db.url, "bench-stepcost", imports="bench.workload")
+        try:
+            result = measure(tracer, hits_k=args.hits_k, rounds=args.rounds)
+        finally:
+            tracer.close()
+    print(json.dumps(result))

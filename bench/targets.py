@@ -1,14 +1,14 @@
-"""Issue 28's targets in one interleaved run: CPU added, the I/O-like workload, the trivial one against Procrastinate, RSS, single calls.
+"""The engine against plain Celery, Procrastinate and (``--baseline``) another checkout, in one interleaved run.
 
     python -m bench.targets                               # 3 rounds; rewrites its block of docs/performance.md
     python -m bench.targets --baseline /path/to/checkout  # the engine before, as one more side
     python -m bench.targets --rounds 1 --runs 600 --no-write
 
-On a Postgres and a Redis of its own (as ``bench.cpu_profile``: fsync and synchronous_commit
+On a Postgres and a Redis of its own (``harness.private_stack``: fsync and synchronous_commit
 on), so nobody else's work is in the figures. Each round, every side takes its turn at:
 
-* **CPU added**: ``bench.cpu_profile.measure`` (one worker of 2; every process's CPU per run);
-  this engine's and the baseline's minus plain Celery's of the same round;
+* **CPU added**: ``Stack.cpu_per_run`` (one worker of 2; every process's CPU per run); this
+  engine's and the baseline's minus plain Celery's of the same round;
 * **trivial workload** (``bench.three``): drains of ``--runs`` queued runs at 1 worker x 2 and
   2 workers x 2, runs/s over the 5..95 % span; Procrastinate through ``bench.peers`` in its
   own virtualenv, pointed at the same private server;
@@ -23,48 +23,63 @@ on), so nobody else's work is in the figures. Each round, every side takes its t
 
 Targets (issue 28): CPU added <= 1.0 ms a run; I/O-like >= 0.9 x plain Celery; trivial >=
 1.1 x Procrastinate (median of rounds, no round under 1.0) and p50 <= Procrastinate's; RSS <=
-1.3 x plain Celery's at -c 2 and -c 8; single calls >= 1.2 x Procrastinate's ``defer``.
+1.3 x plain Celery's at -c 2 and -c 8; single calls >= 1.2 x Procrastinate's ``defer``. With
+``--baseline``, each of this engine's figures is also given as a ratio to the baseline's.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
-import tempfile
 import time
-import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from bench import cpu_profile, peersenv
 from bench import harness as h
+from bench import peersenv
 
 MODULE = "bench.targets"
-DB = "motir_bench_targets"
+DB, PEER_DB = "motir_bench_targets", "motir_bench_targets_procrastinate"
 QUEUE = "bench-targets"
-#: The modules that define the benches' jobs, the trivial and the I/O-like (``bench/io_jobs.py``), and the latter.
-IMPORTS = "bench.workload,bench.io_jobs"
-IO_JOB = "bench.three_io"
-WORKER_ENV = dict(cpu_profile.WORKER_ENV)
 CONFIGS = ((1, 2), (2, 2))
 
 
-@dataclass
-class PlainIO(h.Plain):
-    """Plain Celery running the I/O-like workload (``bench/plain_io_app.py``)."""
+class Procrastinate:
+    """Procrastinate running the three functions as one task, from the peers' virtualenv, driven
+    from here (a ``harness.Side`` for ``Stack.cpu_per_run``: its workers' CPU is read from /proc)."""
 
-    def send(self, i: int) -> str:
-        from bench.plain_io_app import app
+    def __init__(self, server: str, queue: str = "bench") -> None:
+        self.python, self.queue = str(peersenv.ensure(quiet=True)), queue
+        self.db = h.Database.create(PEER_DB, server, migrate=False)
+        self.env = {**h.child_env(), "BENCH_PEER_DSN": h.dsn(self.db.url), "PYTHONPATH": str(h.ROOT)}
+        self._peer("from bench.peers.procrastinate_app import app\nwith app.open(): app.schema_manager.apply_schema()")
 
-        app.send_task("bench.plain_io", args=[i, self.key], queue=self.queue)
-        return str(i)
+    def _peer(self, code: str) -> None:
+        done = subprocess.run([self.python, "-c", code], env=self.env, cwd=h.ROOT, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"procrastinate: {done.stderr[-3000:]}")
 
-    def workers(self, n: int, concurrency: int, tag: str = "plain-io") -> h.Procs:
-        return h.workers("bench.plain_io_app", self.queue, n, concurrency, env=h.child_env(**self.env), tag=tag)
+    def reset(self) -> None:
+        self.db.rows("TRUNCATE procrastinate_jobs CASCADE")
+
+    def prequeue(self, n: int, offset: int = 0) -> None:
+        self._peer("from bench.peers.procrastinate_app import app, three\nwith app.open():\n"
+                   f"    for i in range({offset}, {offset + n}, 1000):\n"
+                   f"        three.batch_defer(*({{'n': k}} for k in range(i, min({offset + n}, i + 1000))))")
+
+    def settled(self) -> int:
+        row = self.db.monitor.execute("SELECT count(*) FROM procrastinate_jobs WHERE status = 'succeeded'").fetchone()
+        return int(row[0]) if row else 0
+
+    def workers(self, n: int, concurrency: int, tag: str = "procrastinate") -> h.Procs:
+        procs = h.Procs(tag)
+        for i in range(n):
+            procs.start([self.python, "-m", "procrastinate", "--app", "bench.peers.procrastinate_app.app",
+                         "--log-level", "warning", "worker", "-q", self.queue, "-c", str(concurrency), "-n", f"{tag}-{i}"],
+                        self.env, h.ROOT)
+        return procs
 
 
 def memory_mb(procs: h.Procs) -> dict[str, float]:
@@ -133,83 +148,63 @@ def call_rates(calls: int) -> dict[str, float]:
     return out
 
 
+def one_round(stack: h.Stack, engines: dict[str, str | None], peers_db: Procrastinate, reuse: list[str],
+              args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
+    """Every side's turn at every figure, once."""
+    admin_dsn = h.dsn(stack.pg.url("postgres"))
+
+    def motir(engine: str | None, job: str = "bench.three") -> h.Motir:
+        return h.Motir(stack.db, job=job, imports=h.IMPORTS, queue=QUEUE, env=dict(h.WORKER_ENV), engine=engine)
+
+    got: dict[str, Any] = {"cpu": {}, "trivial": {}, "p50": {}, "io": {}, "rss": {}, "pss": {}, "calls": {}}
+    cpu_sides: dict[str, Any] = {**{n: motir(e) for n, e in engines.items()}, "plain": h.Plain(),
+                                 "procrastinate": peers_db}
+    for name, side in cpu_sides.items():
+        got["cpu"][name] = stack.cpu_per_run(side, args.cpu_runs, 200, tag=f"t-cpu-{name}")["total"]
+    log("cpu " + ", ".join(f"{k} {v:.2f}" for k, v in got["cpu"].items()))
+    for workers, conc in CONFIGS:
+        label = f"{workers}x{conc}"
+        sides: dict[str, Any] = {n: motir(e) for n, e in engines.items()}
+        if (workers, conc) == (1, 2):
+            sides["plain"] = h.Plain()
+        got["trivial"][label] = {}
+        for name, side in sides.items():
+            got["trivial"][label][name], mem = drain(side, args.runs, workers, conc, f"t-{name}")
+            if (workers, conc) == (1, 2):
+                got["rss"].setdefault("c2", {})[name], got["pss"].setdefault("c2", {})[name] = mem["rss"], mem["pss"]
+        got["trivial"][label]["procrastinate"] = peer(
+            "throughput", admin_dsn, "--runs", args.runs, "--workers", workers, "--concurrency", conc,
+            "--rounds", 1, *reuse)["rounds"][0]
+        reuse[:] = ["--reuse"]
+        log(f"trivial {label} " + ", ".join(f"{k} {v:.0f}" for k, v in got["trivial"][label].items()))
+    for name, side in {**{n: motir(e) for n, e in engines.items()}, "plain": h.Plain()}.items():
+        got["p50"][name] = h.latency(side, args.events, 0.02, 2)["p50"]
+    got["p50"]["procrastinate"] = peer("latency", admin_dsn, "--events", args.events, "--interval", 0.02,
+                                       "--concurrency", 2)["p50"]
+    reuse[:] = []  # (its latency run made that database again)
+    log("p50 " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in got["p50"].items()))
+    for name, side in {**{n: motir(e, h.IO_JOB) for n, e in engines.items()}, "plain": h.PlainIO()}.items():
+        got["io"][name], mem = drain(side, args.io_runs, 1, 8, f"t-io-{name}")
+        got["rss"].setdefault("c8", {})[name], got["pss"].setdefault("c8", {})[name] = mem["rss"], mem["pss"]
+    log("io -c 8 " + ", ".join(f"{k} {v:.0f}" for k, v in got["io"].items()) + "; rss " + json.dumps(
+        {k: {s: round(m) for s, m in v.items()} for k, v in got["rss"].items()}))
+    motir(None)  # the sender's engine: this checkout's, at the bench database
+    got["calls"] = call_rates(args.calls)
+    got["calls"]["procrastinate defer"] = defer_rate(h.dsn(peers_db.db.url), args.calls)
+    log("calls/s " + ", ".join(f"{k} {v:.0f}" for k, v in got["calls"].items()))
+    return got
+
+
 def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
-    from tests.chaos.harness import PrivateRedis
-
-    work = Path(tempfile.mkdtemp(prefix="motir-bench-targets-"))
-    h.exit_on_sigterm()  # (before the first private server: a kill stops them all)
-    redis = PrivateRedis(work / "redis").start()
-    os.environ["CELERY_BROKER_URL"] = redis.url
-    rounds: list[dict[str, Any]] = []
-    try:
-        with h.private_postgres(*cpu_profile.SERVER_SETTINGS) as pg:
-            server_url = pg.url("postgres")
-            admin_dsn = h.dsn(server_url)
-            db = h.Database.create(DB, server_url)
-            server = cpu_profile.Server(pg, redis, db)
-            engines: dict[str, str | None] = {"motir": None}
-            if args.baseline:
-                engines["baseline"] = args.baseline
-
-            def motir(engine: str | None, job: str = "bench.three") -> h.Motir:
-                return h.Motir(db, job=job, imports=IMPORTS, queue=QUEUE, env=dict(WORKER_ENV), engine=engine)
-
-            peers_db = cpu_profile.Procrastinate(server_url)  # its schema, for the CPU turn
-            reuse: list[str] = []  # the peers' throughput database: made by its first call
-            for r in range(args.rounds):
-                got: dict[str, Any] = {"cpu": {}, "trivial": {}, "p50": {}, "io": {}, "rss": {}, "pss": {}, "calls": {}}
-                for name, engine in engines.items():
-                    got["cpu"][name] = cpu_profile.measure(motir(engine), server, args.cpu_runs, 200,
-                                                           tag=f"t-cpu-{name}")["total"]
-                got["cpu"]["plain"] = cpu_profile.measure(h.Plain(), server, args.cpu_runs, 200, tag="t-cpu-plain")["total"]
-                got["cpu"]["procrastinate"] = cpu_profile.measure(peers_db, server, args.cpu_runs, 200,
-                                                                  tag="t-cpu-pr")["total"]
-                log(f"round {r + 1}: cpu " + ", ".join(f"{k} {v:.2f}" for k, v in got["cpu"].items()))
-                for workers, conc in CONFIGS:
-                    label = f"{workers}x{conc}"
-                    got["trivial"][label] = {}
-                    for name, engine in engines.items():
-                        rate, mem = drain(motir(engine), args.runs, workers, conc, f"t-{name}")
-                        got["trivial"][label][name] = rate
-                        if (workers, conc) == (1, 2):
-                            got["rss"].setdefault("c2", {})[name] = mem["rss"]
-                            got["pss"].setdefault("c2", {})[name] = mem["pss"]
-                    if (workers, conc) == (1, 2):
-                        rate, mem = drain(h.Plain(), args.runs, 1, 2, "t-plain")
-                        got["trivial"][label]["plain"], got["rss"]["c2"]["plain"] = rate, mem["rss"]
-                        got["pss"]["c2"]["plain"] = mem["pss"]
-                    got["trivial"][label]["procrastinate"] = peer(
-                        "throughput", admin_dsn, "--runs", args.runs, "--workers", workers, "--concurrency", conc,
-                        "--rounds", 1, *reuse)["rounds"][0]
-                    reuse = ["--reuse"]
-                    log(f"round {r + 1}: trivial {label} " + ", ".join(
-                        f"{k} {v:.0f}" for k, v in got["trivial"][label].items()))
-                for name, engine in engines.items():
-                    got["p50"][name] = h.latency(motir(engine), args.events, 0.02, 2)["p50"]
-                got["p50"]["plain"] = h.latency(h.Plain(), args.events, 0.02, 2)["p50"]
-                got["p50"]["procrastinate"] = peer("latency", admin_dsn, "--events", args.events, "--interval", 0.02,
-                                                   "--concurrency", 2)["p50"]
-                reuse = []  # (its latency run made that database again)
-                log(f"round {r + 1}: p50 " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in got["p50"].items()))
-                for name, engine in engines.items():
-                    rate, mem = drain(motir(engine, IO_JOB), args.io_runs, 1, 8, f"t-io-{name}")
-                    got["io"][name], got["rss"].setdefault("c8", {})[name] = rate, mem["rss"]
-                    got["pss"].setdefault("c8", {})[name] = mem["pss"]
-                rate, mem = drain(PlainIO(), args.io_runs, 1, 8, "t-io-plain")
-                got["io"]["plain"], got["rss"]["c8"]["plain"] = rate, mem["rss"]
-                got["pss"]["c8"]["plain"] = mem["pss"]
-                log(f"round {r + 1}: io -c 8 " + ", ".join(f"{k} {v:.0f}" for k, v in got["io"].items())
-                    + "; rss " + json.dumps({k: {s: round(m) for s, m in v.items()} for k, v in got["rss"].items()})
-                    + "; pss " + json.dumps({k: {s: round(m) for s, m in v.items()} for k, v in got["pss"].items()}))
-                motir(None)  # the sender's engine: this checkout's, at the bench database
-                got["calls"] = call_rates(args.calls)
-                got["calls"]["procrastinate defer"] = defer_rate(h.dsn(peers_db.db.url), args.calls)
-                log(f"round {r + 1}: calls/s " + ", ".join(f"{k} {v:.0f}" for k, v in got["calls"].items()))
-                rounds.append(got)
-            db.close()
+    engines: dict[str, str | None] = {"motir": None, **({"baseline": args.baseline} if args.baseline else {})}
+    with h.private_stack(DB) as stack:
+        peers_db = Procrastinate(stack.pg.url("postgres"))  # its schema, for the CPU turn
+        reuse: list[str] = []  # the peers' throughput database: made by its first call
+        try:
+            rounds = [one_round(stack, engines, peers_db, reuse, args, lambda m, r=r: log(f"round {r + 1}: {m}"))
+                      for r in range(args.rounds)]
+        finally:
             peers_db.db.close()
-    finally:
-        redis.close()
     return {"rounds": rounds, "engines": list(engines)}
 
 
@@ -230,7 +225,7 @@ def render(result: dict[str, Any], args: argparse.Namespace, meta: dict[str, Any
     rs: list[dict[str, Any]] = result["rounds"]
     engines: list[str] = result["engines"]
     names = {"motir": "this engine", "baseline": f"baseline ({meta.get('baseline_commit') or 'another checkout'})"}
-    md = ["## Issue 28's targets (generated)", "",
+    md = ["### The engine against plain Celery, Procrastinate and a baseline (generated)", "",
           f"Generated by `{meta['command']}` ({meta['date']}, {meta['elapsed'] / 60:.0f} min; {meta['machine']}; "
           f"commit {meta['commit']}). Method: `bench/targets.py`; {len(rs)} rounds, the sides taking turns; "
           "each figure the median of the rounds (the rounds in parentheses).", "",
@@ -259,14 +254,17 @@ def render(result: dict[str, Any], args: argparse.Namespace, meta: dict[str, Any
     for c in ("c2", "c8"):
         row(f"worker RSS at -{c[0]} {c[1:]} / plain Celery <= 1.3", lambda r, e, c=c: r["rss"][c][e] / r["rss"][c]["plain"],
             lambda m, _: m <= 1.3)
+    ab = "baseline" in engines  # this engine / the baseline, median of the rounds' ratios: the A/B
     md += ["", "Beside them (medians; rounds in parentheses):", "",
-           "| figure | " + " | ".join(names[e] for e in engines) + " | plain Celery | Procrastinate |",
-           "|---|" + "---:|" * (len(engines) + 2)]
+           "| figure | " + " | ".join(names[e] for e in engines) + (" | this / baseline" if ab else "")
+           + " | plain Celery | Procrastinate |", "|---|" + "---:|" * (len(engines) + 2 + ab)]
 
     def fig(what: str, key: Callable[[dict[str, Any], str], float], fmt: str = "{:.0f}", plain: bool = True,
             peer_: bool = True) -> None:
         cells = [f"{fmt.format(h.median(key(r, e) for r in rs))} ({_per_round(rs, lambda r, e=e: key(r, e), fmt)})"
                  for e in engines]
+        if ab:
+            cells.append(f"{h.median(key(r, 'motir') / key(r, 'baseline') for r in rs):.2f}")
         cells.append(f"{fmt.format(h.median(key(r, 'plain') for r in rs))}" if plain else "")
         cells.append(f"{fmt.format(h.median(key(r, 'procrastinate') for r in rs))}" if peer_ else "")
         md.append(f"| {what} | " + " | ".join(cells) + " |")
@@ -313,19 +311,11 @@ def main(argv: list[str] | None = None) -> int:
 
     peersenv.ensure(quiet=True)
     result = run(args, log)
-    commit = subprocess.run(["git", "-C", str(h.ROOT), "describe", "--always", "--dirty"], capture_output=True,
-                            text=True).stdout.strip()
-    baseline_commit = subprocess.run(["git", "-C", args.baseline, "describe", "--always"], capture_output=True,
-                                     text=True).stdout.strip() if args.baseline else ""
     meta = {"command": h.command(MODULE, argv), "date": started, "elapsed": time.monotonic() - t0,
-            "machine": machine, "commit": commit, "baseline_commit": baseline_commit, "id": str(uuid.uuid4())}
+            "machine": machine, "commit": h.describe(), "baseline_commit": h.describe(args.baseline) if args.baseline else ""}
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, **result}, indent=1))
-    block = render(result, args, meta)
-    print(block)
-    if not args.no_write:
-        h.write_between(h.ROOT / "docs" / "performance.md", f"<!-- {MODULE}: begin (generated by python -m {MODULE}; "
-                        "edits here are lost) -->", f"<!-- {MODULE}: end -->", block, anchor=h.NOTES_MARKER)
+    h.write_block(MODULE, render(result, args, meta), h.PERFORMANCE_DOC, write=not args.no_write)
     return 0
 
 

@@ -41,8 +41,8 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import OperationalError
 
 from motir_celery import settings as motir_settings
+from motir_celery.dev.private import database_errors
 from motir_celery.store.db import dispose_engines
-from tests.fixtures.pgbouncer import database_errors
 
 if TYPE_CHECKING:
     from playwright.sync_api import Browser
@@ -176,7 +176,7 @@ def _clean_tables(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 #: `make test-pgbouncer` sets MOTIR_TEST_SCAN_WORKER_LOGS=1: then a test whose worker (or beat)
-#: logs under its tmp_path name a database error (tests/fixtures/pgbouncer.py) fails, even if its
+#: logs under its tmp_path name a database error (motir_celery/dev/private.py, DATABASE_ERRORS) fails, even if its
 #: assertions passed.
 _scan_logs = os.environ.get("MOTIR_TEST_SCAN_WORKER_LOGS") == "1"
 _tmp_path_key = pytest.StashKey[Path]()

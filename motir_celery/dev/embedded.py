@@ -83,6 +83,8 @@ __all__ = [
     "stop_postgres",
     "stop_redis",
     "redis_server_binary",
+    "redis_client",
+    "free_port",
     "env_exports",
     "stop",
     "main",
@@ -217,7 +219,8 @@ def _redis_url(port: int) -> str:
     return f"redis://127.0.0.1:{port}/0"
 
 
-def _redis_client(port: int, timeout: float) -> redis.Redis:
+def redis_client(port: int, timeout: float) -> redis.Redis:
+    """A client of the Redis on localhost ``port`` that never retries."""
     import redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry
@@ -230,7 +233,7 @@ def _is_our_redis(port: int, folder: Path) -> bool:
     """True when a Redis answers on ``port`` and serves from ``folder``."""
     import redis
 
-    client = _redis_client(port, timeout=2)
+    client = redis_client(port, timeout=2)
     try:
         return Path(client.config_get("dir").get("dir") or "") == folder
     except redis.RedisError:
@@ -257,7 +260,8 @@ def _port_is_free(port: int) -> bool:
     return True
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A localhost TCP port nothing listens on (as the kernel hands one out)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
@@ -273,7 +277,7 @@ def start_redis(root: Path) -> str:
         return _redis_url(remembered)
 
     binary = redis_server_binary()
-    port = remembered if remembered is not None and _port_is_free(remembered) else _free_port()
+    port = remembered if remembered is not None and _port_is_free(remembered) else free_port()
     log = folder / "redis.log"
     # Defaults otherwise: RDB snapshots (dump.rdb) in --dir, so queued messages survive a restart.
     command = [str(binary), "--bind", "127.0.0.1", "--port", str(port), "--dir", str(folder), "--daemonize", "no"]
@@ -302,7 +306,7 @@ def stop_redis(root: Path) -> bool:
     port = _remembered_port(folder)
     if port is None or not _is_our_redis(port, folder):
         return False
-    client = _redis_client(port, timeout=TIMEOUT)
+    client = redis_client(port, timeout=TIMEOUT)
     try:
         client.shutdown()  # returns once the server closed the connection, i.e. has exited
     except redis.RedisError as exc:

@@ -25,8 +25,8 @@ from motir_celery.adapter.celery_app import create_app
 from motir_celery.adapter.messages import engine_of
 from motir_celery.core.current import make_current, peek
 from motir_celery.core.shapes import CANVAS_JOB_ID
+from motir_celery.dev.private import PrivateRedis
 from motir_celery.settings import Settings
-from tests.chaos.harness import PrivateRedis
 from tests.conftest import Worker, celery_worker, count_effects, run_state, wait_for
 
 IMPORTS = "tests.fixtures.jobs,tests.fixtures.canvas_jobs"

@@ -1,6 +1,6 @@
 """A worker imports no SQLAlchemy: its runs go through the engine's own pool (store/pg.py).
 
-SQLAlchemy is ~13 MB of every worker process's memory (``python -m bench.imports``); issue 28's
+SQLAlchemy is ~13 MB of every worker process's memory (its imports measured alone); issue 28's
 RSS target has room for it in none of them. A real ``celery worker`` (prefork, two children)
 runs a job, its sweeper and heartbeats run, and then neither the main process nor any child has
 SQLAlchemy loaded: not in ``sys.modules``, not mapped.

@@ -1,6 +1,6 @@
 """Every surface through PgBouncer in transaction pooling, on ONE server connection (issue 19).
 
-A private PgBouncer (``tests/fixtures/pgbouncer.py``) with ``default_pool_size = 1`` fronts this
+A private PgBouncer (``motir_celery/dev/private.py``) with ``default_pool_size = 1`` fronts this
 session's database: every client connection of the test shares one server session,
 so anything the engine left in it — a prepared statement, a ``SET`` without
 ``LOCAL``, a role, an advisory lock, a ``LISTEN``, a temporary table, a held cursor —
@@ -28,14 +28,14 @@ from sqlalchemy.orm import Session
 from starlette.testclient import TestClient
 
 import tests.fixtures.jobs  # noqa: F401  (the event jobs, for send_event's fan-out)
+from motir_celery.dev.private import PgBouncer, pgbouncer_binary
 from motir_celery.settings import Settings, reset_settings
 from motir_celery.store.db import dispose_engines, get_engine
-from tests.fixtures.pgbouncer import PgBouncer, binary
 
 
 @pytest.fixture(scope="module")
 def bouncer(database_url: str) -> Iterator[PgBouncer]:
-    if binary() is None:
+    if pgbouncer_binary() is None:
         if os.environ.get("CI"):
             pytest.fail("pgbouncer is not installed in CI (.ci/system-packages installs it)")
         pytest.skip("pgbouncer is not installed (apt-get install pgbouncer)")
@@ -184,7 +184,7 @@ def test_the_log_scan_finds_database_errors_and_not_runs_that_failed_on_purpose(
         tmp_path_factory: pytest.TempPathFactory) -> None:
     """What `make test-pgbouncer` fails a test on (tests/conftest.py, MOTIR_TEST_SCAN_WORKER_LOGS=1).
     Not in this test's tmp_path, which that scan reads."""
-    from tests.fixtures.pgbouncer import database_errors
+    from motir_celery.dev.private import database_errors
 
     tmp_path = tmp_path_factory.mktemp("log-scan")
 

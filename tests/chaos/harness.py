@@ -1,19 +1,15 @@
 """The chaos harness: real processes, injected faults, invariants read from the database.
 
 Used by the shortened scenarios of the test suite (``tests/chaos/test_chaos_*.py``)
-and by the full soak (``python -m bench.soak``, which also writes
+and by the full soak (``python -m tests.chaos.soak``, which also writes
 ``docs/reliability.md``). Nothing here trusts what a process *says* happened:
 every number in a report is a query against Postgres at the end of the scenario,
 and executions are counted from the ledger the step bodies write before they do
 anything (``tests/chaos/jobs.py``).
 
-Pieces:
+Pieces (the private servers a scenario restarts, ``PrivatePostgres``, ``PrivateRedis``
+and ``PrivateRabbit``, are ``motir_celery.dev.private``'s):
 
-* private services — ``PrivateRedis`` (a ``redis-server`` of our own on a free
-  port, nothing on disk, so a restart really drops every message),
-  ``PrivatePostgres`` (``initdb``/``pg_ctl`` in a temporary folder, restartable
-  without touching the machine's server), ``PrivateRabbit`` (a second RabbitMQ
-  node on free ports);
 * ``Cluster`` — ``celery worker`` / ``celery beat`` subprocesses, each in its own
   process group: SIGKILL and SIGSTOP reach the pool children too, SIGTERM goes to
   the main process only (as an init system sends it, for a warm shutdown);
@@ -27,14 +23,10 @@ from __future__ import annotations
 
 import logging
 import os
-import pwd
 import random
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -61,23 +53,6 @@ LEDGER_DDL = (
     " id bigserial PRIMARY KEY, run_id text NOT NULL, step text NOT NULL,"
     " attempt int, pid int, at timestamptz NOT NULL DEFAULT now())"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
 
 
 # --- databases ------------------------------------------------------------------------
@@ -127,262 +102,6 @@ def reset_tables(url: str) -> None:
     with eng.begin() as conn:
         conn.execute(text("TRUNCATE job_run_dlq, job_step, job_run, job_queue, job_event, test.side_effect CASCADE"))
     eng.dispose()
-
-
-# --- private services -----------------------------------------------------------------
-
-
-class PrivateRedis:
-    """A ``redis-server`` of our own: free port, no RDB, no AOF. A restart drops everything."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.restarts = 0
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def _binary(self) -> str:
-        found = shutil.which("redis-server")
-        if found:
-            return found
-        from motir_celery.dev.embedded import redis_server_binary
-
-        return str(redis_server_binary())
-
-    def _ping(self) -> bool:
-        import redis
-
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1, socket_connect_timeout=1)
-        try:
-            return bool(client.ping())
-        except redis.RedisError:
-            return False
-        finally:
-            client.close()
-
-    def start(self) -> "PrivateRedis":
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        log_file = open(self.workdir / f"redis-{self.port}.log", "ab")
-        self.proc = subprocess.Popen(
-            [self._binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.workdir), "--daemonize", "no"],
-            stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-        log_file.close()
-        _wait(self._ping, 15, f"private redis on port {self.port}", 0.02)
-        return self
-
-    def stop(self) -> None:
-        """``SHUTDOWN NOSAVE``: every queued and unacknowledged message is gone."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-
-        try:  # no retries: the dropped connection *is* the server going away
-            redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5,
-                        retry=Retry(NoBackoff(), 0)).shutdown(nosave=True)
-        except redis.ConnectionError:
-            pass  # the server closes the connection as it exits: that is the answer
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=5)
-
-    def restart(self, down_for: float = 1.0) -> None:
-        self.stop()
-        time.sleep(down_for)
-        self.start()
-        self.restarts += 1
-
-    def close(self) -> None:
-        self.stop()
-
-
-def _pg_bindir() -> Path:
-    for candidate in [os.environ.get("CHAOS_PG_BINDIR", "")] + sorted(
-        (str(p) for p in Path("/usr/lib/postgresql").glob("*/bin")), reverse=True
-    ):
-        if candidate and (Path(candidate) / "pg_ctl").exists():
-            return Path(candidate)
-    pg_ctl = shutil.which("pg_ctl")
-    if pg_ctl:
-        return Path(pg_ctl).resolve().parent
-    raise RuntimeError("no PostgreSQL binaries (pg_ctl, initdb) found; set CHAOS_PG_BINDIR")
-
-
-class PrivatePostgres:
-    """A Postgres server of our own (``initdb`` + ``pg_ctl``), on a free localhost port.
-
-    Run as root, the server runs as the ``postgres`` user (``initdb`` refuses
-    root). Restarting it disturbs nobody else: the machine's server, which
-    other test sessions share, is never touched.
-    """
-
-    def __init__(self, settings: Sequence[str] = ()) -> None:
-        #: Extra server settings, ``name=value`` each (``shared_preload_libraries=pg_stat_statements``).
-        self.settings = tuple(settings)
-        self.bindir = _pg_bindir()
-        self.dir = Path(tempfile.mkdtemp(prefix="motir-chaos-pg-"))
-        self.data = self.dir / "data"
-        self.port = free_port()
-        self.restarts = 0
-        self._user: pwd.struct_passwd | None = None
-        if os.geteuid() == 0:
-            for name in ("postgres", "embedded_postgres", "nobody"):
-                try:
-                    self._user = pwd.getpwnam(name)
-                    break
-                except KeyError:
-                    continue
-            os.chmod(self.dir, 0o755)
-            assert self._user is not None
-            os.chown(self.dir, self._user.pw_uid, self._user.pw_gid)
-
-    def _demote(self) -> None:
-        if self._user is not None:
-            os.setgid(self._user.pw_gid)
-            os.initgroups(self._user.pw_name, self._user.pw_gid)
-            os.setuid(self._user.pw_uid)
-
-    def _run(self, *args: str, timeout: float = 60) -> None:
-        result = subprocess.run([str(self.bindir / args[0]), *args[1:]], preexec_fn=self._demote,
-                                capture_output=True, timeout=timeout, cwd=self.dir)
-        if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(args)} failed ({result.returncode}): {result.stderr.decode()[-2000:]}\n"
-                               f"{self.log_tail()}")
-
-    def log_tail(self) -> str:
-        try:
-            return "\n".join((self.dir / "log").read_text(errors="replace").splitlines()[-15:])
-        except OSError:
-            return ""
-
-    def url(self, database: str = "postgres") -> str:
-        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{database}"
-
-    def init(self) -> "PrivatePostgres":
-        self._run("initdb", "-D", str(self.data), "-U", "postgres", "-A", "trust", "-E", "UTF8",
-                  "--locale=C", "--no-sync")
-        return self.start()
-
-    def start(self) -> "PrivatePostgres":
-        # fsync=off is safe for what we do to this server: a crash of the *server
-        # process* (immediate shutdown) keeps what was written to the OS. Never
-        # synchronous_commit=off: it acknowledges commits before their WAL is
-        # written, so an immediate shutdown really loses committed transactions
-        # (an early version of this harness "found" lost runs that way).
-        opts = (f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off "
-                f"-c full_page_writes=off -c max_connections=300")
-        opts += "".join(f" -c {setting}" for setting in self.settings)
-        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.dir / "log"), "-o", opts, "-w", "-t", "60", "start")
-        return self
-
-    def stop(self, mode: str = "fast") -> None:
-        """``fast``: sessions are terminated; ``immediate``: the postmaster and every backend
-        quit at once, as in a crash (recovery runs at the next start)."""
-        self._run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "-t", "60", "stop")
-
-    def restart(self, down_for: float = 2.0, mode: str = "fast") -> None:
-        self.stop(mode)
-        time.sleep(down_for)
-        self.start()
-        self.restarts += 1
-
-    def close(self) -> None:
-        try:
-            self.stop("immediate")
-        except Exception:  # noqa: BLE001 — already down
-            pass
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-class PrivateRabbit:
-    """A second RabbitMQ node (``rabbitmq-server`` under a node name and ports of its own).
-
-    Stopping and starting its app drops no other session's connections. Messages
-    survive a restart (Celery declares durable queues and sends persistent
-    messages), so this tests reconnection more than loss.
-    """
-
-    def __init__(self) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="motir-chaos-rabbit-"))
-        self.port = free_port()
-        self.node = f"chaos{self.port}@localhost"
-        self.restarts = 0
-        dist = free_port()
-        self.env = dict(os.environ)
-        self.env.update({
-            "RABBITMQ_NODENAME": self.node,
-            "RABBITMQ_NODE_PORT": str(self.port),
-            "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
-            "RABBITMQ_DIST_PORT": str(dist),
-            "RABBITMQ_MNESIA_BASE": str(self.dir / "mnesia"),
-            "RABBITMQ_LOG_BASE": str(self.dir / "log"),
-            "RABBITMQ_PID_FILE": str(self.dir / "pid"),
-            "RABBITMQ_ENABLED_PLUGINS_FILE": str(self.dir / "enabled_plugins"),
-            "RABBITMQ_CONFIG_FILE": str(self.dir / "rabbitmq"),
-            "RABBITMQ_ADVANCED_CONFIG_FILE": str(self.dir / "advanced.config"),
-            "RABBITMQ_CONF_ENV_FILE": str(self.dir / "rabbitmq-env.conf"),
-        })
-        (self.dir / "enabled_plugins").write_text("[].\n")
-        (self.dir / "rabbitmq.conf").write_text("loopback_users = none\n")
-        (self.dir / "rabbitmq-env.conf").write_text("")
-        if os.geteuid() == 0 and _has_user("rabbitmq"):
-            # run as root, rabbitmq-server drops to the rabbitmq user, which must own its folders
-            shutil.chown(self.dir, "rabbitmq", "rabbitmq")
-
-    @property
-    def url(self) -> str:
-        return f"amqp://guest:guest@127.0.0.1:{self.port}//"
-
-    def _ctl(self, *args: str, timeout: float = 60) -> None:
-        result = subprocess.run(["rabbitmqctl", "-n", self.node, *args], env=self.env, capture_output=True,
-                                timeout=timeout)
-        if result.returncode != 0:
-            raise RuntimeError(f"rabbitmqctl {' '.join(args)}: {result.stderr.decode()[-1500:]}")
-
-    def start(self) -> "PrivateRabbit":
-        subprocess.run(["rabbitmq-server", "-detached"], env=self.env, capture_output=True, timeout=60, check=True)
-        self._ctl("wait", str(self.dir / "pid"), "--timeout", "90", timeout=120)
-        _wait(lambda: _port_open(self.port), 60, f"rabbitmq node {self.node} on port {self.port}", 0.2)
-        return self
-
-    def restart(self, down_for: float = 2.0) -> None:
-        self._ctl("stop_app")
-        time.sleep(down_for)
-        self._ctl("start_app")
-        _wait(lambda: _port_open(self.port), 60, "rabbitmq app back", 0.2)
-        self.restarts += 1
-
-    def close(self) -> None:
-        try:
-            self._ctl("stop", timeout=60)
-        except Exception:  # noqa: BLE001
-            pass
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _has_user(name: str) -> bool:
-    try:
-        pwd.getpwnam(name)
-        return True
-    except KeyError:
-        return False
-
-
-def _port_open(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-        return True
-    except OSError:
-        return False
 
 
 # --- the environment of one scenario -------------------------------------------------

@@ -1,7 +1,7 @@
 """The ten chaos scenarios of issue 6, each a function of its size returning a ``Result``.
 
 The test suite runs shortened versions (``tests/chaos/test_chaos_*.py``); the soak
-(``python -m bench.soak``) runs every scenario at full size and writes
+(``python -m tests.chaos.soak``) runs every scenario at full size and writes
 ``docs/reliability.md``. A scenario starts its own broker (a private Redis, or a
 private RabbitMQ node) and, for the Postgres restart, its own Postgres server, so
 a fault never reaches another test session's services.
@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 from sqlalchemy import text
 
+from motir_celery.dev.private import PrivatePostgres, PrivateRabbit, PrivateRedis
 from motir_celery.store.models import Base as Schema
 
 from . import jobs as _jobs  # noqa: F401  (the event jobs, so send_event here fans out to them)
@@ -33,9 +34,6 @@ from .harness import (
     Cluster,
     Feeder,
     Injector,
-    PrivatePostgres,
-    PrivateRabbit,
-    PrivateRedis,
     Result,
     check,
     create_database,

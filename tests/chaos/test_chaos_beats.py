@@ -3,7 +3,7 @@ restarted half-way): one run per (job, slot), no slot of the catch-up job missed
 
 In ``make test-scale``, not ``make test``: tests/adapter/test_beat.py's three real beats (one
 SIGKILLed mid-run; every slot once, the catch-up and skip jobs) hold the same invariant there,
-and the soak runs this scenario for two minutes (``python -m bench.soak``)."""
+and the soak runs this scenario for two minutes (``python -m tests.chaos.soak``)."""
 
 from __future__ import annotations
 

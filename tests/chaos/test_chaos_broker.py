@@ -18,8 +18,8 @@ from pathlib import Path
 import redis
 
 from motir_celery.adapter.celery_app import create_app, publisher
+from motir_celery.dev.private import PrivateRedis
 from motir_celery.settings import Settings
-from tests.chaos.harness import PrivateRedis
 from tests.chaos.scenarios import Base, broker_restart
 
 

@@ -24,12 +24,13 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import InternalError
 from starlette.testclient import TestClient
 
+from motir_celery.dev.private import PrivatePostgres
 from motir_celery.ops.cli import main
 from motir_celery.ops.dashboard import DashboardConfig, create_app
 from motir_celery.ops.dashboard.auth import CsrfTokens, Identity
 from motir_celery.settings import Settings, reset_settings
 from motir_celery.store.db import dispose_engines, workspace_session
-from tests.chaos.harness import PrivatePostgres, create_database
+from tests.chaos.harness import create_database
 from tests.fixtures.ops_helpers import dead_letter, emit
 from tests.fixtures.replication import PrivateStandby, primary_lsn, wait_replayed
 

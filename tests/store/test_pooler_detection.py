@@ -1,6 +1,6 @@
 """PgBouncer with no setting (issue 28): each engine finds a transaction pooler itself.
 
-A private PgBouncer (``tests/fixtures/pgbouncer.py``) in transaction pooling with ``default_pool_size
+A private PgBouncer (``motir_celery/dev/private.py``) in transaction pooling with ``default_pool_size
 = 1`` fronts this session's database, so every client connection shares one server session:
 a statement one client prepared there is the next client's clash (``DuplicatePreparedStatement``)
 or absence (``InvalidSqlStatementName``). With ``MOTIR_PREPARED_STATEMENTS`` unset, runs in two
@@ -28,11 +28,11 @@ from sqlalchemy.engine import Engine
 
 import tests.fixtures.jobs  # noqa: F401  (test.three and its jobs)
 from motir_celery.core.engine import Engine as MotirEngine
+from motir_celery.dev.private import PgBouncer, pgbouncer_binary
 from motir_celery.settings import reset_settings
 from motir_celery.store import pooler
 from motir_celery.store.db import dispose_engines
 from motir_celery.testing import Held
-from tests.fixtures.pgbouncer import PgBouncer, binary
 
 JOB = "test.three-steps"  # tests/fixtures/jobs.py: three steps, each a committed record
 #: This process's engine as a worker's: settings from the environment each test points (``_point_at``),
@@ -50,7 +50,7 @@ def _server(database_url: str) -> str:
 
 
 def _bouncer(database_url: str, mode: str, pool_size: int) -> Iterator[PgBouncer]:
-    if binary() is None:
+    if pgbouncer_binary() is None:
         if os.environ.get("CI"):
             pytest.fail("pgbouncer is not installed in CI (.ci/system-packages installs it)")
         pytest.skip("pgbouncer is not installed (apt-get install pgbouncer)")

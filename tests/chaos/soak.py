@@ -1,6 +1,6 @@
 """The chaos soak: every scenario of ``tests/chaos/scenarios.py`` at full size; regenerates docs/reliability.md.
 
-    python -m bench.soak [--only sigkill,redis] [--scale 0.2 --report /tmp/r.md]
+    python -m tests.chaos.soak [--only sigkill,redis] [--scale 0.2 --report /tmp/r.md]
 
 Needs MOTIR_DATABASE_URL (the soak's database is made and dropped there) and the binaries
 the scenarios start privately: ``redis-server``, Postgres's ``initdb``/``pg_ctl``,
@@ -9,6 +9,7 @@ the scenarios start privately: ``redis-server``, Postgres's ``initdb``/``pg_ctl`
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import platform
@@ -18,12 +19,12 @@ import sys
 import tempfile
 import time
 import uuid
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from bench import harness as h
 from tests.chaos import scenarios
-from tests.chaos.harness import Result, create_database, drop_database, render_report
+from tests.chaos.harness import ROOT, Result, create_database, drop_database, render_report
 
 #: Full size of each scenario: (name in ALL, keyword arguments). ``--scale`` shrinks
 #: the counts and durations (never below what makes the scenario meaningful).
@@ -41,7 +42,7 @@ FULL: list[tuple[str, dict[str, Any]]] = [
     ("bad_input", {"runs": 200, "workers": 2, "rate": 20.0}),
     ("tenancy", {"runs": 600, "readers": 3, "workers": 3, "rate": 20.0}),
 ]
-DOC = h.ROOT / "docs" / "reliability.md"
+DOC = ROOT / "docs" / "reliability.md"
 FOUND = "## What the scenarios found"  # its numbered list is kept from one report to the next
 _FLOORS = {"runs": 20, "slow": 4, "poisons": 2, "seconds": 12.0, "fault_window": 10.0}
 
@@ -62,13 +63,14 @@ def scaled(kwargs: dict[str, Any], scale: float) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = h.parser("bench.soak", __doc__, write=None)
+    parser = argparse.ArgumentParser(prog="python -m tests.chaos.soak", description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--only", default="", help="comma-separated scenario names: " + ", ".join(n for n, _ in FULL))
     parser.add_argument("--scale", type=float, default=1.0, help="shrink runs and durations (default 1 = full)")
     parser.add_argument("--report", default=str(DOC), help="where to write the report")
     parser.add_argument("--keep-logs", action="store_true", help="keep every process log (printed folder)")
     args = parser.parse_args(argv)
-    h.need("MOTIR_DATABASE_URL")
+    if not os.environ.get("MOTIR_DATABASE_URL"):
+        parser.error("set MOTIR_DATABASE_URL (a Postgres server; the soak makes and drops its database there)")
     wanted = {n.strip() for n in args.only.split(",") if n.strip()}
     if unknown := wanted - {n for n, _ in FULL}:
         parser.error(f"unknown scenarios: {sorted(unknown)}")
@@ -81,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["MOTIR_DATABASE_URL"] = url = create_database(server, name)
     reset_settings()
     workdir = Path(tempfile.mkdtemp(prefix="motir-soak-"))
-    started, t0, results = h.now(), time.monotonic(), []
+    started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    t0, results = time.monotonic(), []
     try:
         base = scenarios.Base(url, workdir)
         for scenario, kwargs in FULL:
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             shutil.rmtree(workdir, ignore_errors=True)
     total = time.monotonic() - t0
-    command = "python -m bench.soak" + (f" --only {args.only}" if args.only else "") + (
+    command = "python -m tests.chaos.soak" + (f" --only {args.only}" if args.only else "") + (
         f" --scale {args.scale}" if args.scale != 1 else "")
     machine = f"{os.cpu_count()} CPUs, Python {platform.python_version()}, {platform.system()}"
     Path(args.report).parent.mkdir(parents=True, exist_ok=True)
