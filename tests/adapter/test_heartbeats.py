@@ -39,8 +39,9 @@ import pytest
 import redis
 from sqlalchemy import text
 
-from motir_celery.core.worker import leases, runner, sweeper
+from motir_celery.core.engine import Engine
 from motir_celery.settings import Settings
+from motir_celery.testing import Held
 from tests.conftest import Worker, celery_worker, count_effects, wait_for
 from tests.fixtures.jobs import beside, beside_until, gil_hog, long_first, time_limited, until_lost, until_released
 
@@ -294,10 +295,11 @@ def test_a_run_held_past_its_bound_is_no_longer_renewed_and_is_reclaimed(  # typ
         thread.start()
         return thread
 
-    duties = [every(0.1, leases.renew_due), every(0.2, lambda: sweeper.sweep(None, settings=settings))]
+    here = Engine(settings, host=Held())  # a worker's engine whose sweeps and runs publish nothing
+    duties = [every(0.1, here.leases.renew_due), every(0.2, here.sweep)]
     caplog.set_level(logging.WARNING, logger="motir_celery.leases")
     try:
-        outcome = runner.execute(run, job_id=job.id, worker="here", settings=settings)
+        outcome = here.execute(run, job_id=job.id, worker="here")
     finally:
         stop.set()
         for thread in duties:
