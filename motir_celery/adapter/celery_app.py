@@ -100,7 +100,13 @@ def default_engine(settings: Settings | None = None) -> Engine:
 
 
 def _default_host(engine: Engine) -> Host:
-    return _host_of(create_app(engine=engine))
+    # Built on the engine's first message: hosting it on its app must not make it current over
+    # the engine made current since (the test kit's, an attached app's).
+    before = peek()
+    app = create_app(engine=engine)
+    if before is not None:
+        make_current(before)
+    return _host_of(app)
 
 
 def _host_of(app: Celery) -> CeleryHost:

@@ -62,9 +62,9 @@ JoinTransaction = Callable[[str | None], "AbstractContextManager[Joined] | None"
 class Tuning:
     """The performance mechanisms that trade a measured gain against a stated hazard.
 
-    Not settings: each default is decided on the evidence (docs/performance.md, the ablation;
-    docs/reliability.md, what a crash can cost), and only a benchmark builds an engine with one
-    turned off, to measure it."""
+    Not settings: each default is decided on the evidence (docs/performance.md, "Ablation";
+    docs/reliability.md, "What a crash can cost"), and only a benchmark builds an engine with one
+    turned off, to measure it (docs/settings.md)."""
 
     #: The claim's commit does not wait for the WAL flush (store/sql/worker.py, CLAIM).
     claim_async_commit: bool = True

@@ -266,7 +266,7 @@ def workspace_session(
     url, role = reader_login(settings, admin=admin)
     engine = get_engine(settings, url)
     # Imported here, not with the module: the ORM is ~6 MB of every worker process's memory,
-    # and no worker path opens a Session (docs/performance.md, "The ORM out of the worker's memory").
+    # and no worker path opens a Session.
     from sqlalchemy.orm import Session
 
     with Session(engine) as orm, orm.begin():

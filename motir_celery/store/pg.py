@@ -2,8 +2,8 @@
 
 The engine sends only catalogued statements (``driver.py``), so it needs a pool, transactions
 and invalidation, not an SQL toolkit. SQLAlchemy's core is ~13 MB of every worker process's
-memory (``python -m bench.imports``), and its checkout a share of each run's CPU
-(docs/performance.md, "A worker without SQLAlchemy"). SQLAlchemy stays what a caller brings (a
+memory, and its checkout a share of each run's CPU (docs/performance.md, "Where a run's CPU
+goes"). SQLAlchemy stays what a caller brings (a
 ``Session``, an ``AsyncSession``), the models and migrations, and the RLS-enforced reads.
 
 ``Pool`` and ``PooledConnection`` offer the part of SQLAlchemy's ``Engine`` and ``Connection``
