@@ -30,7 +30,7 @@ from starlette.testclient import TestClient
 import tests.fixtures.jobs  # noqa: F401  (the event jobs, for send_event's fan-out)
 from motir_celery.dev.private import PgBouncer, pgbouncer_binary
 from motir_celery.settings import Settings, reset_settings
-from motir_celery.store.db import dispose_engines, get_engine
+from motir_celery.store.db import dispose_engines
 
 
 @pytest.fixture(scope="module")
@@ -84,33 +84,36 @@ def test_every_surface_works_through_pgbouncer_and_leaves_no_session_state(throu
                                                                            engine: Any, tmp_path: Path) -> None:
     from motir_celery.adapter.beat import MotirScheduler, enqueue_slot
     from motir_celery.adapter.celery_app import create_app
-    from motir_celery.core.producer import events
+    from motir_celery.adapter.messages import engine_of
+    from motir_celery.core.engine import Engine
     from motir_celery.core.schedule import latest_slot
-    from motir_celery.core.worker import sweeper
     from motir_celery.ops.cli import main
     from motir_celery.ops.dashboard import DashboardConfig
     from motir_celery.ops.dashboard import create_app as dashboard_app
+    from motir_celery.testing import Held
     from tests.fixtures import beat_jobs
     from tests.fixtures.ops_helpers import dead_letter, run_event
 
     settings = Settings.from_env()
     assert settings.prepared_statements is False and str(bouncer.port) in (settings.database_url or "")
+    quiet = Engine(settings, host=Held())  # an engine through the bouncer whose messages are held
 
     # send_event on its own connection, and in the caller's transaction (published only on commit)
-    sent = events.send_event("test.three", {"workspace_id": "ws-a"}, publish=None)
-    with Session(get_engine()) as session, session.begin():
-        in_tx = events.send_event("test.three", {"workspace_id": "ws-b"}, session=session, publish=None)
-    # a run's claim, step records and settle (runner.execute: what the worker's task calls), 3 runs
+    sent = quiet.send_event("test.three", {"workspace_id": "ws-a"})
+    with Session(quiet.sql_engine()) as session, session.begin():
+        in_tx = quiet.send_event("test.three", {"workspace_id": "ws-b"}, session=session)
+    # a run's claim, step records and settle (Engine.execute: what the worker's task calls), 3 runs
     for _ in range(3):
         run_event("test.three", {"workspace_id": "ws-a"})
     dead_run, _ = dead_letter(engine, "ws-a")
     # the sweeper, and beat: one slot enqueued, then a scheduler pass over every cron job
-    assert sweeper.sweep(None, settings=settings) is not None
+    assert quiet.sweep() is not None
     slot = latest_slot("* * * * * */2", "UTC", datetime.now(timezone.utc))
     assert slot is not None
-    assert type(enqueue_slot(beat_jobs.EVERY_2S, slot, publish=None)).__name__ == "Queued"
-    scheduler = MotirScheduler(app=create_app(settings), schedule_filename=str(tmp_path / "schedule"), lazy=True)
-    scheduler._motir_publish = lambda *a: None
+    assert type(enqueue_slot(quiet, beat_jobs.EVERY_2S, slot)).__name__ == "Queued"
+    beat_app = create_app(settings)
+    engine_of(beat_app).host_on(Held())  # the scheduler's messages held too
+    scheduler = MotirScheduler(app=beat_app, schedule_filename=str(tmp_path / "schedule"), lazy=True)
     assert scheduler._motir_pass() >= 0
 
     # the CLI's reads (development mode: the engine's login, SET LOCAL ROLE to the readers)
@@ -119,7 +122,7 @@ def test_every_surface_works_through_pgbouncer_and_leaves_no_session_state(throu
         result = cli.invoke(main, args, catch_exceptions=False)
         assert result.exit_code == 0, f"motir {' '.join(args)}: {result.output}"
     # the dashboard's reads, as an admin and as one workspace
-    client = TestClient(dashboard_app(DashboardConfig(secret="s"), publish=lambda *a: None),
+    client = TestClient(dashboard_app(DashboardConfig(secret="s"), engine=quiet),
                         follow_redirects=False, client=("127.0.0.1", 50000))
     ops = {"X-Motir-User": "ops", "X-Motir-Admin": "true"}
     alice = {"X-Motir-User": "alice", "X-Motir-Workspace": "ws-a"}
