@@ -228,6 +228,9 @@ def eager() -> Any:
 
 
 def test_eager_mode_runs_a_delay_at_once_through_the_engine(motir: Motir, eager: Any) -> None:
+    from motir_celery import current_engine
+
+    assert current_engine() is motir.engine  # building the app (the fixture) left the kit's engine current
     handle = pay_order.delay(11)
     assert handle.get(timeout=0) == {"paid": 11}      # ran before delay() returned
     assert motir.steps(handle) == ["charge", "email"] and gateway.calls == [11]
