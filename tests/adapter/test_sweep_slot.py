@@ -12,10 +12,12 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
 import tests.fixtures.jobs  # noqa: F401  (registers the test jobs)
-from motir_celery.core.producer import events
-from motir_celery.core.worker import sweeper
+from motir_celery.core.engine import Engine as MotirEngine
+from motir_celery.core.worker.sweeper import SweepReport
 from motir_celery.settings import Settings
+from motir_celery.testing import Held
 from tests.conftest import celery_worker, wait_for
+from tests.fixtures.engines import holding
 
 
 def _period() -> Settings:
@@ -23,28 +25,30 @@ def _period() -> Settings:
     return Settings.from_env({**os.environ, "MOTIR_SWEEP_INTERVAL": "30"})
 
 
+def _host(published: Held | None = None) -> MotirEngine:
+    """One host's engine on a 30 s sweep period, its messages held in ``published``."""
+    return MotirEngine(_period(), host=published if published is not None else Held())
+
+
 def _stale_runs(engine: Engine, n: int) -> set[Any]:
-    run_ids = {events.send_event("test.three", {"i": i}).run_ids[0] for i in range(n)}
+    quiet = holding()
+    run_ids = {quiet.send_event("test.three", {"i": i}).run_ids[0] for i in range(n)}
     with engine.begin() as conn:
         conn.execute(text("UPDATE job_queue SET dispatched_at = now() - interval '5 minutes'"))
     return run_ids
 
 
-def _sweep_at_once(hosts: int, **kwargs: Any) -> tuple[list[sweeper.SweepReport], list[Any]]:
+def _sweep_at_once(hosts: int, **kwargs: Any) -> tuple[list[SweepReport], list[Any]]:
     """``hosts`` sweepers released together, as a fleet whose periods line up."""
-    published: list[Any] = []
+    published = Held()  # every host's messages, in one list (appends are atomic)
     lock = threading.Lock()
-
-    def publish(run_id: Any, job_id: str, countdown: float = 0.0) -> None:
-        with lock:
-            published.append(run_id)
-
     start = threading.Barrier(hosts)
-    reports: list[sweeper.SweepReport] = []
+    reports: list[SweepReport] = []
 
     def host() -> None:
+        sweeping = _host(published)
         start.wait()
-        report = sweeper.sweep(publish, settings=_period(), **kwargs)
+        report = sweeping.sweep(**kwargs)
         with lock:
             reports.append(report)
 
@@ -54,7 +58,7 @@ def _sweep_at_once(hosts: int, **kwargs: Any) -> tuple[list[sweeper.SweepReport]
     for t in threads:
         t.join(60)
     assert len(reports) == hosts
-    return reports, published
+    return reports, [run_id for run_id, _job, _countdown in published]
 
 
 def test_eight_hosts_sweeping_in_one_period_make_one_sweep_that_does_the_whole_work(engine: Engine) -> None:
@@ -68,11 +72,11 @@ def test_eight_hosts_sweeping_in_one_period_make_one_sweep_that_does_the_whole_w
 
 
 def test_a_second_sweep_within_the_period_does_nothing_and_one_after_it_runs(engine: Engine) -> None:
-    assert sweeper.sweep(None, settings=_period(), once_per_period=True).swept
-    assert not sweeper.sweep(None, settings=_period(), once_per_period=True).swept
+    assert _host().sweep(once_per_period=True).swept
+    assert not _host().sweep(once_per_period=True).swept
     with engine.begin() as conn:  # the period passes (on the database clock, which decides)
         conn.execute(text("UPDATE job_sweep SET swept_at = now() - interval '28 seconds'"))
-    assert sweeper.sweep(None, settings=_period(), once_per_period=True).swept  # 28 s >= 0.9 x 30 s
+    assert _host().sweep(once_per_period=True).swept  # 28 s >= 0.9 x 30 s
     with engine.connect() as conn:
         by = conn.execute(text("SELECT swept_by FROM job_sweep WHERE name = 'fleet'")).scalar_one()
     assert by.endswith(f"/{os.getpid()}")
@@ -80,7 +84,7 @@ def test_a_second_sweep_within_the_period_does_nothing_and_one_after_it_runs(eng
 
 def test_a_direct_sweep_ignores_the_slot_as_hosts_of_the_previous_release_do(engine: Engine) -> None:
     _stale_runs(engine, 3)
-    assert sweeper.sweep(None, settings=_period(), once_per_period=True).swept
+    assert _host().sweep(once_per_period=True).swept
     reports, published = _sweep_at_once(2, batch=10)
     # Unslotted sweeps all run; SKIP LOCKED and the stamp still send each stale run once.
     assert all(r.swept for r in reports) and len(published) == 0  # the slotted sweep stamped them
