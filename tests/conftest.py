@@ -352,12 +352,12 @@ def dashboard(database_url: str, broker_url: str) -> Iterator[str]:
 
     import uvicorn
 
-    from motir_celery.adapter.celery_app import create_app as create_celery_app
-    from motir_celery.adapter.celery_app import publisher
+    from motir_celery.adapter.celery_app import default_engine
     from motir_celery.ops.dashboard import DashboardConfig, create_app
     from tests.fixtures.browser import free_port
 
-    app = create_app(DashboardConfig(secret=uuid.uuid4().hex), publish=publisher(create_celery_app()))
+    # An engine of the dashboard's own, its Celery app (the session's queue) built on its first replay.
+    app = create_app(DashboardConfig(secret=uuid.uuid4().hex), engine=default_engine())
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
     thread = threading.Thread(target=server.run, name="dashboard", daemon=True)
     thread.start()

@@ -45,7 +45,7 @@ def _settle_all(kit: Motir, *, step: float = 1.0, rounds: int = 5) -> None:
 
 
 def test_invoke_awaits_one_child_and_raises_its_failure_into_the_parent(kit: Motir) -> None:
-    engine = kit.engine
+    engine = kit.sql
     ok = kit.send_event("cb.parent", {"n": 21, "workspace_id": "acme"}).run_ids[0]
     bad = kit.send_event("cb.parent", {"n": 3, "fail": True, "workspace_id": "acme"}).run_ids[0]
     kit.drain()
@@ -65,7 +65,7 @@ def test_invoke_awaits_one_child_and_raises_its_failure_into_the_parent(kit: Mot
 
 
 def test_cancelling_the_parent_cancels_its_child_and_a_timeout_cancels_it_too(kit: Motir) -> None:
-    engine = kit.engine
+    engine = kit.sql
     parent = kit.send_event("cb.parent", {"n": 1, "sleepy": True}).run_ids[0]
     timed = kit.send_event("cb.parent", {"n": 2, "sleepy": True, "timeout": 1.5}).run_ids[0]
     detached = kit.send_event("cb.parent", {"n": 3, "sleepy": True, "detach": True}).run_ids[0]
@@ -89,7 +89,7 @@ def test_cancelling_the_parent_cancels_its_child_and_a_timeout_cancels_it_too(ki
 
 
 def test_a_fan_out_of_50_on_two_workers_runs_each_child_once_and_resumes_the_parent_once(kit: Motir) -> None:
-    engine = kit.engine
+    engine = kit.sql
     parent = kit.send_event("cb.fan", {"n": 50, "fail": [7], "workspace_id": "acme"}).run_ids[0]
     # Two threads take and run due runs concurrently, as two worker processes of one process each.
     run_concurrently(kit, 2, lambda: run_state(engine, parent) in ("succeeded", "failed", "cancelled"),
@@ -122,7 +122,7 @@ def test_the_dashboard_shows_parents_children_events_and_resumes_in_a_browser(
     # resumes are held by it too); kit and dashboard share the session's database.
     from playwright.sync_api import expect
 
-    assert kit.engine.url == engine.url
+    assert kit.sql.url == engine.url
     fan = kit.send_event("cb.fan", {"n": 3, "workspace_id": "ws-a"}).run_ids[0]
     single = kit.send_event("cb.parent", {"n": 4, "workspace_id": "ws-a"}).run_ids[0]
     order = kit.send_event("cb.order.paid", {"order": "K", "workspace_id": "ws-a"},
@@ -202,21 +202,21 @@ def test_the_dashboard_shows_parents_children_events_and_resumes_in_a_browser(
 def _claim(engine, run_id):  # type: ignore[no-untyped-def]
     from motir_celery.core.worker.steps import Step
     from motir_celery.store.sql import worker as worker_sql
+    from tests.fixtures.engines import holding
 
     conn = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
-    claim = worker_sql.claim(conn, run_id, job_id="cb.parent", worker="test", lease_seconds=30)
+    claim = worker_sql.claim(conn, run_id, job_id="cb.parent", worker="test", lease_seconds=30, async_commit=True)
     assert claim is not None
-    return conn, Step(claim, conn, max_bytes=1 << 20, lease_seconds=30, transaction=engine.begin,
-                      event_data=claim.event_data, publish=None, republish_after=60)
+    return conn, Step(holding(), claim, conn, event_data=claim.event_data)
 
 
 def test_one_child_per_parent_step_across_reclaims_and_the_settle_wakes_the_parent(engine):  # type: ignore[no-untyped-def]
     from sqlalchemy.exc import IntegrityError
 
-    from motir_celery.core.producer import events
     from motir_celery.errors import Suspended
+    from tests.fixtures.engines import send
 
-    (parent,) = events.send_event("cb.parent", {"n": 1, "workspace_id": "acme"}, publish=None).run_ids
+    (parent,) = send("cb.parent", {"n": 1, "workspace_id": "acme"}).run_ids
     trace = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     with engine.begin() as conn:
         conn.execute(text("UPDATE job_queue SET traceparent = :t WHERE id = :r"), {"t": trace, "r": parent})
