@@ -16,8 +16,9 @@ from starlette.testclient import TestClient
 from motir_celery.ops.dashboard import AuthConfig, DashboardConfig, create_app
 from motir_celery.ops.dashboard.auth import CsrfTokens, Identity
 from motir_celery.ops.dashboard.passwords import hash_password
-from motir_celery.store.db import engine_connection
 from motir_celery.store.sql import producer as producer_sql
+from motir_celery.testing import Held
+from tests.fixtures.engines import holding
 from tests.fixtures.ops_helpers import dead_letter, emit, fix_switch, run_event
 
 ALICE = {"X-Motir-User": "alice", "X-Motir-Workspace": "ws-a"}
@@ -26,20 +27,16 @@ OPS = {"X-Motir-User": "ops", "X-Motir-Admin": "true"}
 PROXY = ("127.0.0.1", 50000)
 
 
-class Published(list):  # type: ignore[type-arg]
-    def __call__(self, run_id: uuid.UUID, job_id: str, countdown: float) -> None:
-        self.append((run_id, job_id))
+@pytest.fixture
+def published() -> Held:
+    return Held()
 
 
 @pytest.fixture
-def published() -> Published:
-    return Published()
-
-
-@pytest.fixture
-def client(database_url: str, published: Published) -> TestClient:
+def client(database_url: str, published: Held) -> TestClient:
     # A loopback peer: header mode believes identity headers only from its trusted proxies (loopback by default).
-    return TestClient(create_app(DashboardConfig(secret="test-secret"), publish=published), follow_redirects=False,
+    return TestClient(create_app(DashboardConfig(secret="test-secret"), engine=holding(published)),
+                      follow_redirects=False,
                       client=PROXY)
 
 
@@ -120,7 +117,7 @@ def test_a_workspace_user_sees_only_their_workspace_and_gets_404_for_another_wor
 
 
 def test_system_runs_are_visible_to_admins_only(client: TestClient, engine: Any) -> None:
-    with engine_connection() as conn:
+    with holding().pool().begin() as conn:
         cron_run = producer_sql.enqueue_scheduled(conn, "test.some-cron", datetime(2024, 1, 1, tzinfo=timezone.utc),
                                            max_attempts=1, policy="none")
     assert str(cron_run.run_id) in run_ids(client.get("/runs", headers=OPS).text)  # type: ignore[union-attr]
@@ -155,7 +152,7 @@ def test_a_run_page_shows_the_step_timeline_attempts_errors_and_workers(client: 
 
 
 def test_replay_records_the_user_from_the_identity_and_shows_the_new_run(
-        client: TestClient, engine: Any, published: Published) -> None:
+        client: TestClient, engine: Any, published: Held) -> None:
     switch = uuid.uuid4().hex
     run_id, dlq_id = dead_letter(engine, "ws-a", switch)
     fix_switch(engine, switch)
@@ -167,7 +164,7 @@ def test_replay_records_the_user_from_the_identity_and_shows_the_new_run(
     with engine.connect() as conn:
         row = conn.execute(text("SELECT replayed_by, replay_run_id FROM job_run_dlq WHERE id = :d"), {"d": dlq_id}).one()
     assert row.replayed_by == "alice" and str(row.replay_run_id) == new_run
-    assert published == [(row.replay_run_id, "test.mixed-fail")]  # published after commit, that job only
+    assert published == [(row.replay_run_id, "test.mixed-fail", 0.0)]  # published after commit, that job only
     page = client.get(response.headers["location"], headers=ALICE).text
     assert "replayed: this is the new run" in page and "Replay of" in page
     assert '<meta http-equiv="refresh"' in page  # a queued run's page follows it
@@ -198,7 +195,7 @@ def test_replay_posted_from_another_site_is_refused_even_with_a_token(client: Te
     assert same.status_code == 303
 
 
-def test_a_user_cannot_replay_an_entry_of_another_workspace(client: TestClient, engine: Any, published: Published) -> None:
+def test_a_user_cannot_replay_an_entry_of_another_workspace(client: TestClient, engine: Any, published: Held) -> None:
     _, a_dlq = dead_letter(engine, "ws-a")
     response = client.post(f"/dlq/{a_dlq}/replay", data={"csrf": token_for("bob")}, headers=BOB)
     assert response.status_code == 404
@@ -266,9 +263,7 @@ def test_metrics_expose_depth_oldest_due_run_attempts_durations_and_dlq_without_
     assert ("motir_step_duration_seconds", (("job", "test.fail-after-two"), ("quantile", "0.5"))) in m
     assert not any("ws-a" in str(labels) or "workspace" in str(labels) for _, labels in m)  # no tenant ids
 
-    from motir_celery.core.operator.dlq import replay_dlq
-
-    replay_dlq(dlq_id, actor="ops")
+    holding().replay_dlq(dlq_id, actor="ops")
     m = _samples(client)
     assert m[("motir_dlq_open", (("job", "test.mixed-fail"),))] == 0
     assert m[("motir_dlq_replays_recent", (("job", "test.mixed-fail"),))] == 1
