@@ -14,9 +14,11 @@ from sqlalchemy import text
 
 import tests.fixtures.jobs  # noqa: F401  (registers the jobs in this process too, for send_event)
 from motir_celery import send_event
-from motir_celery.adapter.celery_app import create_app, publisher
+from motir_celery.adapter.celery_app import create_app
+from motir_celery.adapter.messages import engine_of
 from motir_celery.settings import Settings
 from tests.conftest import celery_worker, count_effects, run_state, wait_for
+from tests.fixtures.engines import holding
 
 
 def _final(engine, run_id, timeout=60.0):  # type: ignore[no-untyped-def]
@@ -89,12 +91,10 @@ def test_retry_does_not_repeat_completed_steps(engine, broker, app, tmp_path):  
 
 
 def test_same_run_published_five_times_concurrently_runs_its_body_once(engine, broker, app, tmp_path):  # type: ignore[no-untyped-def]
-    from motir_celery.core.producer import events
-
-    publish = publisher(app)
+    publish = engine_of(app).publish
     with celery_worker(tmp_path, broker=broker, concurrency=4):
         # Write the run without publishing, then publish its id five times at once.
-        (run_id,) = events.send_event("test.slow", {"sleep": 1}, publish=None).run_ids
+        (run_id,) = holding().send_event("test.slow", {"sleep": 1}).run_ids
         barrier = threading.Barrier(5)
 
         def fire() -> None:
@@ -156,10 +156,8 @@ def test_dlq_replay_through_a_worker_runs_only_the_failed_subscriber(engine, bro
 
 
 def test_a_run_whose_message_was_never_published_is_found_by_the_sweeper(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
-    from motir_celery.core.producer import events
-
     # A crash between the commit and the publish: the row exists, no message does.
-    (run_id,) = events.send_event("test.three", {}, publish=None).run_ids
+    (run_id,) = holding().send_event("test.three", {}).run_ids
     with celery_worker(tmp_path, broker=broker_url, env={"MOTIR_REPUBLISH_AFTER": "1"}, sweep_interval=0.5):
         assert _final(engine, run_id) == "succeeded"
 
