@@ -27,8 +27,7 @@ from starlette.testclient import TestClient
 import tests.fixtures.flow_jobs  # noqa: F401  (the jobs these tests run)
 from motir_celery import send_event
 from motir_celery.adapter.celery_app import create_app as create_celery_app
-from motir_celery.core.worker import rollup, runner
-from motir_celery.core.worker.sweeper import sweep
+from motir_celery.core.worker import rollup
 from motir_celery.ops.cli import main
 from motir_celery.ops.dashboard import DashboardConfig, create_app
 from motir_celery.ops.insights import percentile
@@ -41,6 +40,7 @@ from motir_celery.store.sql import maintenance
 from motir_celery.store.sql import reads as reads_sql
 from tests.conftest import celery_worker, wait_for
 from tests.fixtures.browser import CHROMIUM, CHROMIUM_ARGS
+from tests.fixtures.engines import holding
 from tests.fixtures.ops_helpers import emit, run_event
 
 ALICE = {"X-Motir-User": "alice", "X-Motir-Workspace": "ws-a"}
@@ -74,10 +74,10 @@ def test_a_settle_writes_nothing_to_the_rollup_and_the_sweep_folds_each_run_once
         run_event("flow.plain", {"n": n})
     run_event("flow.fail", {"n": 9})
     assert _one(engine, "SELECT count(*) FROM job_stats_rollup")[0] == 0  # no settle touched it
-    assert sweep(None).folded == 4
+    assert holding().sweep().folded == 4
     assert tuple(_totals(engine, "flow.plain"))[:2] == (3, 0) and tuple(_totals(engine, "flow.fails"))[:2] == (0, 1)
     assert tuple(_buckets(engine, "flow.plain")) == (3, 0)  # and in this 5-minute bucket
-    assert sweep(None).folded == 0  # folded once: the next sweeps find nothing
+    assert holding().sweep().folded == 0  # folded once: the next sweeps find nothing
     assert tuple(_totals(engine, "flow.plain"))[:2] == (3, 0)
     assert _one(engine, "SELECT count(*) FROM job_queue WHERE folded_at IS DISTINCT FROM finished_at")[0] == 0
 
@@ -85,7 +85,7 @@ def test_a_settle_writes_nothing_to_the_rollup_and_the_sweep_folds_each_run_once
 def test_the_rollup_counts_retries_attempts_and_a_duration_histogram(engine: Engine) -> None:
     for n in range(4):
         run_event("flow.flaky", {"n": n})  # attempt 1 fails, attempt 2 succeeds
-    sweep(None)
+    holding().sweep()
     totals = _totals(engine, "flow.flaky")
     assert (totals.succeeded, totals.failed, totals.retried, totals.attempts, totals.samples) == (4, 0, 4, 8, 4)
     (hist, sum_ms) = _one(engine, "SELECT duration_buckets, sum_duration_ms FROM job_stats_rollup "
@@ -131,7 +131,7 @@ def test_purge_while_runs_finish_leaves_nothing_uncounted_and_nothing_counted_tw
     def folding() -> None:
         try:
             while not stop.is_set():
-                folded["runs"] += rollup.fold(engine, batches=1, batch=20)
+                folded["runs"] += rollup.fold(holding().pool(), batches=1, batch=20)
                 time.sleep(0.05)
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
@@ -152,7 +152,7 @@ def test_purge_while_runs_finish_leaves_nothing_uncounted_and_nothing_counted_tw
             for t in threads:
                 t.join(timeout=60)
     assert not errors, errors
-    rollup.fold(engine)  # what is left: the failed runs (their open DLQ entries keep them) and the last ones
+    rollup.fold(holding().pool())  # what is left: the failed runs (their open DLQ entries keep them) and the last ones
     assert tuple(_totals(engine, "flow.plain"))[:2] == (ok, 0)
     assert tuple(_totals(engine, "flow.fails"))[:2] == (0, bad)
     assert tuple(_buckets(engine, "flow.plain")) == (ok, 0) and tuple(_buckets(engine, "flow.fails")) == (0, bad)
@@ -236,8 +236,8 @@ def test_metrics_counters_and_the_duration_histogram_come_from_the_rollup_and_su
     for n in range(3):
         run_event("flow.plain", {"n": n, "workspace_id": "ws-a"})
     run_event("flow.fail", {"n": 0, "workspace_id": "ws-b"})
-    sweep(None)
-    registry = build_registry()
+    holding().sweep()
+    registry = build_registry(settings=holding().settings)
     before = _samples(registry)
     assert before[("motir_runs_total", (("job", "flow.plain"), ("outcome", "succeeded")))] == 3
     assert before[("motir_runs_total", (("job", "flow.fails"), ("outcome", "failed")))] == 1
@@ -251,10 +251,10 @@ def test_metrics_counters_and_the_duration_histogram_come_from_the_rollup_and_su
     report = purge(timedelta(days=1))
     assert report.runs == 4 and report.folded == 0  # all counted by the sweep already
     assert _one(engine, "SELECT count(*) FROM job_queue")[0] == 0
-    after = _samples(build_registry())
+    after = _samples(build_registry(settings=holding().settings))
     assert {k: v for k, v in after.items() if k[0].startswith(("motir_runs_total", "motir_run_duration_seconds"))} == \
            {k: v for k, v in before.items() if k[0].startswith(("motir_runs_total", "motir_run_duration_seconds"))}
-    by_workspace = _samples(build_registry(by_workspace=True))
+    by_workspace = _samples(build_registry(settings=holding().settings, by_workspace=True))
     assert by_workspace[("motir_runs_total", (("job", "flow.plain"), ("outcome", "succeeded"),
                                               ("workspace", "ws-a")))] == 3
 
@@ -266,7 +266,7 @@ def test_motir_stats_prints_each_jobs_numbers_and_json(engine: Engine, database_
     for n in range(2):
         run_event("flow.plain", {"n": n})
     run_event("flow.fail", {"n": 0})
-    sweep(None)
+    holding().sweep()
     out = CliRunner().invoke(main, ["stats", "--json"], catch_exceptions=False)
     assert out.exit_code == 0, out.output
     found = {j["job"]: j for j in json.loads(out.stdout)["jobs"]}
@@ -285,7 +285,7 @@ def test_motir_stats_prints_each_jobs_numbers_and_json(engine: Engine, database_
 
 @pytest.fixture
 def client(database_url: str) -> TestClient:
-    return TestClient(create_app(DashboardConfig(secret="test-secret"), publish=lambda *a: None),
+    return TestClient(create_app(DashboardConfig(secret="test-secret"), engine=holding()),
                       follow_redirects=False, client=("127.0.0.1", 50000))
 
 
@@ -294,7 +294,7 @@ def test_the_insights_page_shows_each_workspace_its_own_jobs_and_an_admin_all(en
         run_event("flow.plain", {"n": n, "workspace_id": "ws-a"})
     run_event("flow.fail", {"n": 1, "workspace_id": "ws-a"})
     run_event("flow.flaky", {"n": 2, "workspace_id": "ws-b"})
-    sweep(None)
+    holding().sweep()
     alice = client.get("/insights?window=1h", headers=ALICE)
     assert alice.status_code == 200, alice.text
     assert 'data-job="flow.plain"' in alice.text and 'data-job="flow.fails"' in alice.text
@@ -316,7 +316,8 @@ def test_the_run_page_says_why_a_run_waits_on_flow_control(engine: Engine, clien
     assert 'data-testid="flow"' in page and "debouncing" in page and "<code>k</code>" in page
     throttled = [emit("flow.throttle", {"key": "t", "n": n, "workspace_id": "ws-a"})["flow.throttled"]
                  for n in range(tests.fixtures.flow_jobs.LIMIT + 2)]
-    outcomes = [runner.execute(r, job_id="flow.throttled", worker="t").state for r in throttled]
+    worker = holding()
+    outcomes = [worker.execute(r, job_id="flow.throttled", worker="t").state for r in throttled]
     assert outcomes == ["succeeded"] * tests.fixtures.flow_jobs.LIMIT + ["skipped"] * 2
     waiting = client.get(f"/runs/{throttled[-1]}", headers=ALICE).text
     assert "waiting for a throttle slot" in waiting and "1 run of the key ahead" in waiting
@@ -346,7 +347,7 @@ def _history(engine: Engine) -> None:
             conn.execute(text("UPDATE job_run SET started_at = started_at - make_interval(secs => :b + :t),"
                               " finished_at = finished_at - make_interval(secs => :b) WHERE run_id = :r"),
                          {"b": back, "t": took, "r": run_id})
-    sweep(None)
+    holding().sweep()
 
 
 def test_an_on_call_engineer_reads_the_insights_page_in_a_browser(
