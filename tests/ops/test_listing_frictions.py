@@ -7,7 +7,7 @@
   listed every attempt of a resumed run as "1").
 
 The CLI and the dashboard are called in this process (click's runner, Starlette's test client);
-the runs are the engine's own, executed by ``runner.execute`` (tests/fixtures/ops_helpers.py).
+the runs are the engine's own, executed by ``Engine.execute`` (tests/fixtures/ops_helpers.py).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from starlette.testclient import TestClient
 import tests.fixtures.direct_jobs  # noqa: F401  (registers test.direct.* in this process, as MOTIR_IMPORTS would)
 from motir_celery.core import jobs as job_registry
 from motir_celery.core.jobs import Job
-from motir_celery.core.operator.resume import resume_dlq
 from motir_celery.ops.cli import main
 from motir_celery.ops.dashboard import DashboardConfig, create_app
 from motir_celery.settings import reset_settings
+from tests.fixtures.engines import holding
 from tests.fixtures.ops_helpers import dead_letter, emit, fix_switch, settle
 
 OPS = {"X-Motir-User": "ops", "X-Motir-Admin": "true"}
@@ -92,7 +92,7 @@ def resumed_once(engine: Any) -> uuid.UUID:
     """test.mixed-fail (one attempt, no retry): failed into the DLQ, resumed, then succeeded."""
     switch = uuid.uuid4().hex
     run_id, dlq_id = dead_letter(engine, "ws-a", switch)
-    assert resume_dlq(dlq_id, actor="carol", publish=None).status == "resumed"
+    assert holding().resume_dlq(dlq_id, actor="carol").status == "resumed"
     fix_switch(engine, switch)
     assert settle(run_id, "test.mixed-fail").state == "succeeded"
     # The budget restarted at 1: the ledger's own numbers repeat, which is what was listed before.
@@ -106,7 +106,7 @@ def resumed_after_retries(engine: Any) -> uuid.UUID:
     assert settle(run_id, "test.doomed").state == "failed"
     with engine.connect() as conn:
         dlq_id = conn.execute(text("SELECT id FROM job_run_dlq WHERE run_id = :r"), {"r": run_id}).scalar_one()
-    assert resume_dlq(dlq_id, actor="carol", publish=None).status == "resumed"
+    assert holding().resume_dlq(dlq_id, actor="carol").status == "resumed"
     assert settle(run_id, "test.doomed").state == "failed"
     assert ledger(engine, run_id) == [(1, "retrying"), (2, "failed"), (1, "retrying"), (2, "failed")]
     return run_id

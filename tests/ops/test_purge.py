@@ -6,8 +6,9 @@ from datetime import timedelta
 
 from sqlalchemy import text
 
-from motir_celery.core.operator.dlq import dismiss_dlq, replay_dlq
+from motir_celery.core.operator.dlq import dismiss_dlq
 from motir_celery.ops.purge import purge
+from tests.fixtures.engines import holding
 from tests.fixtures.ops_helpers import age, dead_letter, emit, run_event
 
 THIRTY_DAYS = timedelta(days=30)
@@ -74,9 +75,9 @@ def test_purge_keeps_an_open_dlq_entry_and_its_failed_run_with_the_errors(engine
 def test_purge_deletes_dlq_entries_replayed_or_dismissed_before_the_cutoff(engine) -> None:  # type: ignore[no-untyped-def]
     _, replayed = dead_letter(engine, "ws-a")
     _, dismissed = dead_letter(engine, "ws-a")
-    result = replay_dlq(replayed, actor="alice")
+    result = holding().replay_dlq(replayed, actor="alice")
     assert result.status == "replayed"
-    assert dismiss_dlq(dismissed, actor="bob")
+    assert dismiss_dlq(holding(), dismissed, actor="bob")
     _make_old(engine)
     age(engine, "UPDATE job_queue SET state = 'succeeded', finished_at = now() - interval '40 days' WHERE id = :r",
         r=result.run_id)
@@ -90,7 +91,7 @@ def test_purge_deletes_dlq_entries_replayed_or_dismissed_before_the_cutoff(engin
 def test_purge_keeps_a_closed_dlq_entry_until_it_was_closed_longer_ago_than_the_cutoff(engine) -> None:  # type: ignore[no-untyped-def]
     run_id, dlq_id = dead_letter(engine, "ws-a")
     _make_old(engine)  # failed 40 days ago…
-    assert dismiss_dlq(dlq_id, actor="carol")  # …but dismissed just now
+    assert dismiss_dlq(holding(), dlq_id, actor="carol")  # …but dismissed just now
 
     report = purge(THIRTY_DAYS)
 
