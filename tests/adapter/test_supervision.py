@@ -225,7 +225,7 @@ def _samples(body: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def _workers_check() -> doctor.Check:
-    (check,) = [c for c in doctor.run_checks(timeout=1.0) if c.name == "workers"]
+    (check,) = [c for c in doctor.run_checks(get_settings(), timeout=1.0) if c.name == "workers"]
     return check
 
 
@@ -263,7 +263,8 @@ def test_a_broker_that_does_not_answer_costs_a_scrape_at_most_the_probes_wait(da
         time.sleep(10)
         return {}
 
-    collector = MotirCollector(probe=ConsumerProbe(ask=hangs, wait=0.5))
+    settings = get_settings()
+    collector = MotirCollector(settings=settings, probe=ConsumerProbe(settings, ask=hangs, wait=0.5))
     started = time.monotonic()
     names = {m.name: m for m in collector.collect()}
     assert time.monotonic() - started < 3
