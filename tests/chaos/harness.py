@@ -154,23 +154,36 @@ class ChaosEnv:
     def engine(self) -> Engine:
         from motir_celery.store.db import get_engine
 
-        return get_engine(self.database_url, settings=self.settings())
+        return get_engine(self.settings(), self.database_url)
 
-    def publisher(self, copies: int = 1) -> Callable[[uuid.UUID, str, float], None]:
-        """Publish through a Celery app of our own on the scenario's broker and queue;
-        ``copies`` > 1 sends every message that many times."""
-        from motir_celery.adapter.celery_app import create_app, publisher
+    def publishing(self, copies: int = 1) -> Any:
+        """A motir engine publishing through a Celery app of our own on the scenario's broker and
+        queue; ``copies`` > 1 sends every message that many times."""
+        from motir_celery.adapter.celery_app import create_app
+        from motir_celery.adapter.messages import engine_of
 
-        app = create_app(self.settings())
-        one = publisher(app)
-        if copies == 1:
-            return one
+        engine = engine_of(create_app(self.settings()))
+        if copies > 1:
+            engine.host_on(_Copies(engine.host, copies))
+        return engine
 
-        def many(run_id: uuid.UUID, job_id: str, countdown: float = 0.0) -> None:
-            for _ in range(copies):
-                one(run_id, job_id, countdown)
 
-        return many
+class _Copies:
+    """A host that sends every message ``copies`` times through ``host``."""
+
+    def __init__(self, host: Any, copies: int) -> None:
+        self.host, self.copies, self.eager = host, copies, host.eager
+
+    def publish(self, run_id: uuid.UUID, job_id: str, countdown: float = 0.0) -> None:
+        for _ in range(self.copies):
+            self.host.publish(run_id, job_id, countdown)
+
+    def publish_many(self, runs: Sequence[tuple[uuid.UUID, str]]) -> None:
+        for run_id, job_id in runs:
+            self.publish(run_id, job_id)
+
+    def routed(self, queue: str | None, priority: int | None) -> Callable[..., None]:
+        return self.publish
 
 
 # --- processes --------------------------------------------------------------------------
@@ -364,10 +377,7 @@ class Feeder(threading.Thread):
         self.runs_created = 0
 
     def run(self) -> None:
-        from motir_celery.core.producer import events
-
-        settings = self.env.settings()
-        publish = self.env.publisher(self.copies)
+        engine = self.env.publishing(self.copies)
         start = time.monotonic()
         for i in range(self.count):
             due = start + i / self.rate if self.rate > 0 else 0
@@ -377,8 +387,8 @@ class Feeder(threading.Thread):
             failed_before = False
             while True:
                 try:
-                    result = events.send_event(self.event, self.make_data(i), workspace_id=self.workspace(i),
-                                               idempotency_key=key, publish=publish, settings=settings)
+                    result = engine.send_event(self.event, self.make_data(i), workspace_id=self.workspace(i),
+                                               idempotency_key=key)
                 except Exception as exc:  # noqa: BLE001 — Postgres or the broker is down: try again
                     self.send_errors += 1
                     if len(self.errors) < 5:

@@ -575,8 +575,6 @@ def bad_input(base: Base, *, runs: int = 200, workers: int = 2, rate: float = 20
     error (raised before anything is written) or a logged drop; nothing else disturbed."""
     import kombu
 
-    from motir_celery.core.operator.dlq import replay_dlq
-    from motir_celery.core.producer import events
     from motir_celery.errors import PayloadError, WorkspaceError
     from motir_celery.store.db import workspace_session
 
@@ -609,14 +607,14 @@ def bad_input(base: Base, *, runs: int = 200, workers: int = 2, rate: float = 20
             _start_workers(cluster, workers)
             pids = sorted(p.pid for p in cluster.alive("worker"))
             settings = env.settings()
-            publish = env.publisher()
+            sender = env.publishing()  # an engine of our own on the scenario's broker
             feeder = Feeder(env, "chaos.work", runs // 2, rate, data=_work())
             feeder.start()
             with env.engine().connect() as conn:
                 before = conn.execute(text("SELECT count(*) FROM job_event WHERE name <> 'chaos.work'")).scalar_one()
 
             def send(name_: Any, data: Any, **kw: Any) -> Any:
-                return events.send_event(name_, data, publish=publish, settings=settings, **kw)
+                return sender.send_event(name_, data, **kw)
 
             # non-JSON and oversized payloads: refused before anything is written
             expect_error("data = a set", (PayloadError,), lambda: send("chaos.echo", {"s": {1, 2}}), "not JSON")
@@ -693,7 +691,7 @@ def bad_input(base: Base, *, runs: int = 200, workers: int = 2, rate: float = 20
                 problems.append(f"oversized step output: DLQ row {dlq_id}, failure {failure!r}")
             else:
                 cases.append("step output over the limit -> run failed into the DLQ with StepOutputError")
-                replay = replay_dlq(dlq_id, actor=SQL_NASTY, publish=publish, settings=settings)
+                replay = sender.replay_dlq(dlq_id, actor=SQL_NASTY)
                 if replay.status != "replayed":
                     problems.append(f"replay with a nasty actor: {replay.status}")
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import redis
 
-from motir_celery.adapter.celery_app import create_app, publisher
+from motir_celery.adapter.celery_app import create_app
+from motir_celery.adapter.messages import engine_of
 from motir_celery.dev.private import PrivateRedis
 from motir_celery.settings import Settings
 from tests.chaos.scenarios import Base, broker_restart
@@ -36,7 +37,7 @@ def test_an_app_built_from_settings_publishes_to_their_broker_not_the_environmen
     try:
         monkeypatch.setenv("CELERY_BROKER_URL", "redis://127.0.0.1:1/0")  # nothing listens there
         settings = Settings(broker_url=ours.url, queue=f"chaos-{uuid.uuid4().hex[:6]}")
-        publisher(create_app(settings))(uuid.uuid4(), "chaos.work", 0.0)
+        engine_of(create_app(settings)).publish(uuid.uuid4(), "chaos.work", 0.0)
         assert redis.Redis.from_url(ours.url).llen(settings.queue) == 1
     finally:
         ours.close()

@@ -13,14 +13,14 @@ from sqlalchemy import text
 import tests.chaos.jobs  # noqa: F401  (the chaos event jobs, for send_event's fan-out)
 from tests.chaos.harness import ChaosEnv, check, reset_tables
 from tests.chaos.scenarios import SUBSCRIBERS
+from tests.fixtures.engines import holding
 
 
 def _runs(env: ChaosEnv, n: int) -> list[tuple[str, str]]:
-    from motir_celery.core.producer import events
-
+    quiet = holding(settings=env.settings())
     out = []
     for i in range(n):
-        result = events.send_event("chaos.work", {"i": i}, workspace_id="ws-a", publish=None, settings=env.settings())
+        result = quiet.send_event("chaos.work", {"i": i}, workspace_id="ws-a")
         out += [(str(r.run_id), r.job_id) for r in result.runs]
     return out
 
@@ -104,10 +104,9 @@ def test_the_cross_tenant_check_sees_a_leak_when_there_is_one(database_url: str,
 
     reset_tables(database_url)
     env = ChaosEnv(database_url, "redis://127.0.0.1:1/0", tmp_path)
-    from motir_celery.core.producer import events
-
+    quiet = holding(settings=env.settings())
     for ws in ("ws-a", "ws-b"):
-        events.send_event("chaos.work", {}, workspace_id=ws, publish=None, settings=env.settings())
+        quiet.send_event("chaos.work", {}, workspace_id=ws)
     assert cross_tenant_rows(env) == 0
     real = db.workspace_session
     # admin=True is the cross-workspace escape hatch: a reader that (wrongly) had it sees B's rows.

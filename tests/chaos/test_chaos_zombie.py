@@ -15,15 +15,15 @@ import os
 from sqlalchemy import text
 
 import tests.chaos.jobs  # noqa: F401
-from motir_celery.core.producer import events
-from motir_celery.core.worker import runner
 from motir_celery.settings import Settings
+from tests.fixtures.engines import holding
 
 
 def test_a_worker_that_lost_its_run_while_frozen_starts_no_further_step_body(engine) -> None:  # type: ignore[no-untyped-def]
     settings = Settings.from_env({**os.environ, "MOTIR_LEASE_SECONDS": "1.5"})
-    (run_id,) = events.send_event("chaos.zombie", {"frozen": 1.0}, publish=None, settings=settings).run_ids
-    outcome = runner.execute(run_id, job_id="chaos.zombie", worker="zombie/1", settings=settings)
+    zombie = holding(settings=settings)  # this process's engine, its messages held
+    (run_id,) = zombie.send_event("chaos.zombie", {"frozen": 1.0}).run_ids
+    outcome = zombie.execute(run_id, job_id="chaos.zombie", worker="zombie/1")
     assert outcome.state == "lost", outcome
     with engine.connect() as conn:
         executed = dict(conn.execute(text(
