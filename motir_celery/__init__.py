@@ -110,7 +110,7 @@ def current_engine() -> Engine:
 
 def _engine(app: "Celery | None") -> Engine:
     if app is None:
-        return _current.current()
+        return _with_jobs(_current.current())
     from motir_celery.adapter.messages import hosts
 
     found = hosts(app)
@@ -118,7 +118,22 @@ def _engine(app: "Celery | None") -> Engine:
         attach(app)
         found = hosts(app)
         assert found is not None
-    return found
+    return _with_jobs(found)
+
+
+def _with_jobs(engine: Engine) -> Engine:
+    """``engine``, its Celery app's job modules (``MOTIR_IMPORTS``) imported: a producer fans an
+    event out to the jobs it knows, and a replay needs the job's definition."""
+    from motir_celery.adapter.celery_app import import_jobs
+    from motir_celery.adapter.messages import CeleryHost
+
+    try:
+        host = engine.host
+    except ConfigurationError:
+        return engine  # no broker configured here: the first publish says so, the sweeper publishes
+    if isinstance(host, CeleryHost) and not host.jobs_imported:
+        import_jobs(host.app)
+    return engine
 
 
 def send_event(
