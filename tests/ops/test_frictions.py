@@ -123,9 +123,9 @@ def test_attach_in_a_module_whose_tasks_the_jobs_import_is_not_circular(engine, 
     # The app module alone imports cleanly (attach() no longer imports the job modules at once).
     subprocess.run([sys.executable, "-c", "import circproj.celery"], cwd=tmp_path, env=env, check=True, timeout=60)
     from motir_celery import send_event
-    from motir_celery.adapter import celery_app
+    from motir_celery.core.current import make_current, peek
 
-    publishing_through = celery_app.default_app()
+    publishing_through = peek()
     os.environ["MOTIR_IMPORTS"] = "circproj.jobs"
     from motir_celery.settings import reset_settings
 
@@ -133,7 +133,7 @@ def test_attach_in_a_module_whose_tasks_the_jobs_import_is_not_circular(engine, 
     try:
         with console_worker(tmp_path, "circproj", env) as log, on_path(tmp_path):
             assert "motir.friction.circular" in log.read_text() and "circproj.notify" in log.read_text()
-            import circproj.celery  # noqa: F401  (attach: the default publisher now; jobs on first send)
+            import circproj.celery  # noqa: F401  (attach: the current engine now; jobs on first send)
 
             (run_id,) = send_event("friction.circular", {"n": 21}).run_ids  # the producer imported the jobs
             wait_for(lambda: run_state(engine, run_id) == "succeeded", what="the job that imports a task")
@@ -142,7 +142,7 @@ def test_attach_in_a_module_whose_tasks_the_jobs_import_is_not_circular(engine, 
     finally:
         os.environ.pop("MOTIR_IMPORTS", None)
         reset_settings()
-        celery_app.use_as_default(publishing_through)
+        make_current(publishing_through)
 
 
 def test_a_retrying_attempt_is_retry_in_flower_and_sends_no_extra_message(engine, broker_url, tmp_path):  # type: ignore[no-untyped-def]
@@ -282,9 +282,10 @@ def test_the_dashboards_local_mode_lets_a_developer_in_on_loopback_only(database
     from motir_celery.ops.dashboard.app import check_bind
     from motir_celery.ops.dashboard.auth import AuthConfig
     from motir_celery.settings import get_settings
+    from tests.fixtures.engines import holding
 
     config = DashboardConfig(auth=AuthConfig.from_env({"MOTIR_DASHBOARD_AUTH": "local"}), secret="s")
-    app = create_app(config, publish=lambda *a: None)
+    app = create_app(config, engine=holding())
     page = TestClient(app, client=("127.0.0.1", 50000), base_url="http://127.0.0.1:8089").get("/runs")
     assert page.status_code == 200 and "local mode" in page.text.lower()  # labelled on the page
     assert "all workspaces" in page.text
