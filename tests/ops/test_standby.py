@@ -29,8 +29,9 @@ from motir_celery.ops.cli import main
 from motir_celery.ops.dashboard import DashboardConfig, create_app
 from motir_celery.ops.dashboard.auth import CsrfTokens, Identity
 from motir_celery.settings import Settings, reset_settings
-from motir_celery.store.db import dispose_engines, workspace_session
+from motir_celery.store.db import dispose_engines
 from tests.chaos.harness import create_database
+from tests.fixtures.engines import holding
 from tests.fixtures.ops_helpers import dead_letter, emit
 from tests.fixtures.replication import PrivateStandby, primary_lsn, wait_replayed
 
@@ -118,9 +119,7 @@ def primary(cluster: Cluster, logins: Settings) -> Engine:
 
 @pytest.fixture
 def dashboard(logins: Settings) -> TestClient:
-    published: list[Any] = []
-    app = create_app(DashboardConfig(secret="standby-test"), settings=logins,
-                     publish=lambda run_id, job_id, countdown: published.append(run_id))
+    app = create_app(DashboardConfig(secret="standby-test"), engine=holding(settings=logins))
     return TestClient(app, follow_redirects=False, client=PROXY)
 
 
@@ -179,10 +178,10 @@ def received(cluster: Cluster) -> None:
 
 
 def test_the_reading_logins_are_on_a_standby_where_a_write_is_refused(primary: Engine, logins: Settings) -> None:
-    with workspace_session("ws-a", settings=logins) as s:
+    with holding(settings=logins).session("ws-a") as s:
         assert s.execute(text("SELECT pg_is_in_recovery(), current_user")).one() == (True, "t_app")
     with pytest.raises(InternalError, match="read-only transaction"):
-        with workspace_session("ws-a", settings=logins) as s:
+        with holding(settings=logins).session("ws-a") as s:
             s.execute(text("INSERT INTO job_event (id, name, data, workspace_id) "
                            "VALUES (gen_random_uuid(), 'x', '{}', 'ws-a')"))
 
