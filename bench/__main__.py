@@ -140,10 +140,10 @@ def pgbench(db: h.Database, clients: int, seconds: int) -> dict[str, Any]:
     return {"tps": float(re.search(r"tps = ([0-9.]+)", out).group(1)), "clients": clients}  # type: ignore[union-attr]
 
 
-# The sender is half of a latency: the baseline's publishes too, from a process whose
-# motir_celery is the baseline's (imported before this checkout's bench is put first).
-_BASELINE_SENDER = ("import json, sys; import motir_celery; sys.path.insert(0, sys.argv[1]); from bench import harness as h; "
-                    "print(json.dumps(h.latency(h.Motir(h.Database(sys.argv[2])), int(sys.argv[3]), float(sys.argv[4]))))")
+# The sender is half of a latency: the baseline's publishes too, from a process that runs the
+# baseline checkout's own code (its working directory first on the path: its motir_celery and bench).
+_BASELINE_SENDER = ("import json, sys; from bench import harness as h; "
+                    "print(json.dumps(h.latency(h.Motir(h.Database(sys.argv[1])), int(sys.argv[2]), float(sys.argv[3]))))")
 
 
 def section_latency(db: h.Database, sz: dict[str, Any], args: argparse.Namespace, log: Log) -> dict:
@@ -153,7 +153,7 @@ def section_latency(db: h.Database, sz: dict[str, Any], args: argparse.Namespace
     n, interval = sz["latency_events"], 0.02
 
     def baseline() -> dict:
-        done = subprocess.run([sys.executable, "-c", _BASELINE_SENDER, str(h.ROOT), db.url, str(n), str(interval)],
+        done = subprocess.run([sys.executable, "-c", _BASELINE_SENDER, db.url, str(n), str(interval)],
                               env=h.child_env(args.baseline, BENCH_ENGINE_PATH=args.baseline), cwd=args.baseline,
                               capture_output=True, text=True)
         if done.returncode:
@@ -225,21 +225,22 @@ DEPTH_SEED = """
 def depth_timings(runs: int = 300, sweeps: int = 20) -> dict[str, float]:
     """Fresh runs claimed and settled with the engine's statements on one autocommit connection, as a
     worker does, and the sweeper's two statements in their own transactions; medians, ms."""
-    from motir_celery.core.producer.events import send_event
-    from motir_celery.store.db import get_engine
     from motir_celery.store.sql import flow, maintenance, producer, worker
+
+    engine = h.held()  # runs written, their messages held
+    sql, tuning = engine.sql_engine(), engine.tuning
 
     t: dict[str, list[float]] = {"send_ms": [], "claim_ms": [], "settle_ms": [], "throttle_ms": [], "gather_ms": [],
                                  "next_ms": [], "cancel_ms": [], "reclaim_ms": [], "republish_ms": []}
     ids = []
     for i in range(runs):
         t0 = time.perf_counter()
-        ids.append(send_event("bench.three", {"n": i}, publish=None).run_ids[0])
+        ids.append(engine.send_event("bench.three", {"n": i}).run_ids[0])
         t["send_ms"].append(time.perf_counter() - t0)
     # Flow control's lookups by key (jobs with throttle= / debounce=): a throttled claim's count of the
     # runs of its key waiting ahead, and a send's gather of its new run into its key's open one.
-    gathered = [send_event("bench.three", {"n": i}, publish=None).run_ids[0] for i in range(runs)]
-    with get_engine().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+    gathered = [engine.send_event("bench.three", {"n": i}).run_ids[0] for i in range(runs)]
+    with sql.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         waiting = conn.exec_driver_sql(
             "INSERT INTO job_queue (job_id, event_name, max_attempts, retry_policy, flow_wait, throttle_key) "
             "SELECT 'bench.throttled', 'e', 3, 'transient', 'throttle', 'k' FROM generate_series(1, 20) "
@@ -266,18 +267,20 @@ def depth_timings(runs: int = 300, sweeps: int = 20) -> dict[str, float]:
             t0 = time.perf_counter()
             producer.cancel_by_key(conn, "bench.depth", f"key-{i}", None, None)
             t["cancel_ms"].append(time.perf_counter() - t0)
-    with get_engine().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+    with sql.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         for run_id in ids:
             t0 = time.perf_counter()
-            c = worker.claim(conn, run_id, job_id="bench.three", worker="bench/depth", lease_seconds=60)
+            c = worker.claim(conn, run_id, job_id="bench.three", worker="bench/depth", lease_seconds=60,
+                             async_commit=tuning.claim_async_commit)
             t1 = time.perf_counter()
-            assert c is not None and worker.settle_succeeded(conn, c, '{"ok":true}')
+            assert c is not None and worker.settle_succeeded(conn, c, '{"ok":true}',
+                                                             async_commit=tuning.settle_async_commit)
             t["claim_ms"].append(t1 - t0)
             t["settle_ms"].append(time.perf_counter() - t1)
     for _ in range(sweeps):
         for key, sweep in (("reclaim_ms", lambda c: maintenance.reclaim_expired(c)),
                            ("republish_ms", lambda c: maintenance.republish_due(c, after_seconds=3600))):
-            with get_engine().begin() as conn:
+            with sql.begin() as conn:
                 t0 = time.perf_counter()
                 found = sweep(conn)
                 t[key].append(time.perf_counter() - t0)
@@ -321,20 +324,21 @@ def section_depth(db: h.Database, sz: dict[str, Any], args: argparse.Namespace, 
 
 def section_fanout(db: h.Database, sz: dict[str, Any], args: argparse.Namespace, log: Log) -> dict:
     """One event with 50 subscribers: ``send_event`` writes the event and its runs in one transaction,
-    then publishes 50 messages (purged after); with publishing, and database only (``publish=None``)."""
+    then publishes 50 messages (purged after); with publishing, and database only (messages held)."""
     import motir_celery
     from bench import workload
-    from motir_celery.core.producer import events
 
     workload.fanout_subscribers()
     motir = h.Motir(db)
     motir.reset()
     motir_celery.send_event(workload.FANOUT_EVENT, {"warm": True})  # pool, prepared statements, broker connection
     times: dict[str, list[float]] = {"with": [], "db": []}
+    held = h.held()
+    held.send_event(workload.FANOUT_EVENT, {"warm": True})
     for i in range(sz["fanout_rounds"]):
-        for kind, publish in (("with", motir_celery.send_event), ("db", events.send_event)):
+        for kind, send in (("with", motir_celery.send_event), ("db", held.send_event)):
             t0 = time.perf_counter()
-            r = publish(workload.FANOUT_EVENT, {"i": i}, **({} if kind == "with" else {"publish": None}))
+            r = send(workload.FANOUT_EVENT, {"i": i})
             times[kind].append(time.perf_counter() - t0)
             assert len(r.run_ids) == workload.FANOUT
     motir.reset()
@@ -523,7 +527,7 @@ def render(results: dict[str, Any], env: dict[str, str], command: str, elapsed: 
         md += ["", f"#### 5. Fan-out (1 event x {fo['subscribers']} subscribers)", "",
                "| send_event | ms | rows/s |", "|---|---:|---:|",
                f"| with publishing ({fo['subscribers']} messages) | {fo['ms']:.1f} | {fo['rows_per_s']:.0f} |",
-               f"| database only (publish=None) | {fo['db_ms']:.1f} | {fo['db_rows_per_s']:.0f} |"]
+               f"| database only (messages held) | {fo['db_ms']:.1f} | {fo['db_rows_per_s']:.0f} |"]
 
     if bt := results.get("beat"):
         md += ["", f"#### 6. Beat ({bt['beats']} concurrent beats on the same {bt['slots']} slots)", "",

@@ -103,11 +103,14 @@ def use_engine(url: str, queue: str, imports: str = "bench.workload", **extra: s
         os.environ.pop(name, None)
     os.environ.setdefault("BENCH_SERVER_URL", os.environ.get("MOTIR_DATABASE_URL", url))
     os.environ.update(MOTIR_DATABASE_URL=url, MOTIR_QUEUE=queue, MOTIR_IMPORTS=imports, **extra)
+    import motir_celery  # noqa: F401  (names how the default engine is built)
+    from motir_celery.core.current import make_current
     from motir_celery.settings import reset_settings
     from motir_celery.store.db import dispose_engines
 
     reset_settings()
     dispose_engines()
+    make_current(None)  # the current engine: the default, built anew from this environment (its app's queue too)
     import_all(imports)
 
 
@@ -580,22 +583,29 @@ PREQUEUE = """
 """
 
 
-def publish_runs(ids: Iterable[Any], job: str, app: Any = None) -> None:
-    """One message per run, through the engine's publisher."""
-    from motir_celery.adapter.celery_app import default_app, publisher
+def publish_runs(ids: Iterable[Any], job: str) -> None:
+    """One message per run, through the current engine (``motir_celery.current_engine()``)."""
+    from motir_celery import current_engine
 
-    publish = publisher(app or default_app())
+    engine = current_engine()
     for run_id in ids:
-        publish(run_id if isinstance(run_id, uuid.UUID) else uuid.UUID(str(run_id)), job, 0.0)
+        engine.publish(run_id if isinstance(run_id, uuid.UUID) else uuid.UUID(str(run_id)), job)
 
 
-def send(n: int, job: str = "bench.three", *, offset: int = 0, publish: Any = None,
+def held() -> Any:
+    """An engine on this process's environment whose messages are held, not sent (``Held``)."""
+    from motir_celery import Engine
+    from motir_celery.testing import Held
+
+    return Engine(host=Held())
+
+
+def send(n: int, job: str = "bench.three", *, offset: int = 0,
          data: Callable[[int], dict[str, Any]] = lambda n: {"n": n}) -> list[uuid.UUID]:
-    """``n`` events, one ``send_event`` (one transaction) each, as an application sends them;
-    ``publish=None`` holds their messages back (``publish_runs`` sends them)."""
-    from motir_celery.core.producer.events import send_event
-
-    return [i for k in range(offset, offset + n) for i in send_event(job, data(k), publish=publish).run_ids]
+    """``n`` events, one ``send_event`` (one transaction) each, as an application sends them, their
+    messages held back (``publish_runs`` sends them)."""
+    engine = held()
+    return [i for k in range(offset, offset + n) for i in engine.send_event(job, data(k)).run_ids]
 
 
 @dataclass
@@ -922,18 +932,18 @@ class Feeder(threading.Thread):
         self.error: BaseException | None = None
 
     def run(self) -> None:
-        from motir_celery.adapter.celery_app import create_app, publisher
-        from motir_celery.core.producer.batch import send_events
+        from motir_celery.adapter.celery_app import create_app
+        from motir_celery.adapter.messages import engine_of
 
         try:
             import_all(self.settings.imports)
-            publish = publisher(create_app(self.settings))
+            engine = engine_of(create_app(self.settings))
             t0 = time.monotonic()
             while not self.halt.is_set() and (self.rate is not None or self.sent < self.total):
                 due = (int((time.monotonic() - t0) * self.rate) if self.rate is not None else self.total) - self.sent
                 if due > 0:
                     items = [(self.job, self.data(self.sent + k)) for k in range(min(due, self.batch))]
-                    send_events(items, publish=publish, settings=self.settings)
+                    engine.send_events(items)
                     self.sent += len(items)
                 if self.rate is not None:
                     self.halt.wait(0.1)

@@ -2,7 +2,7 @@
 
     python -m bench.stepcost [--rounds 5]     # prints one JSON object
 
-In process (no Celery), ``runner.execute`` of runs of ``bench.steps``. Time per step: a run of
+In process (no Celery), ``Engine.execute`` of runs of ``bench.steps`` (an engine whose messages are held). Time per step: a run of
 100 steps whose first attempt stores them all (misses) and fails on purpose; the second replays
 them (hits). Protocol: libpq's trace (``PGconn.trace``) of every connection psycopg opens in
 this process, read back message by message. A round trip is a message the server answers on
@@ -26,8 +26,6 @@ import psycopg
 
 from bench import harness as h
 from bench import workload
-from motir_celery.core.producer import events
-from motir_celery.core.worker import runner
 
 _WRITES = re.compile(r"\b(INSERT|UPDATE|DELETE)\b", re.IGNORECASE)
 _QUOTED = re.compile(r'"((?:[^"]|"")*)"')
@@ -150,17 +148,18 @@ class Tracer:
 def measure(tracer: Tracer, k_values: tuple[int, ...] = (0, 1, 3, 10), hits_k: int = 100,
             rounds: int = 5) -> dict[str, Any]:
     url = h.dsn(os.environ["MOTIR_DATABASE_URL"])
+    engine = h.held()
 
     def execute(data: dict[str, Any], *, fail_first: bool = False, traced: bool = False) -> Protocol | None:
         """A run of ``data``; ``fail_first``: its first attempt fails, the second is measured (memo hits)."""
-        run_id: uuid.UUID = events.send_event("bench.steps", {**data, **({"fail_first": True} if fail_first else {})},
-                                              publish=None).run_ids[0]
+        run_id: uuid.UUID = engine.send_event("bench.steps",
+                                              {**data, **({"fail_first": True} if fail_first else {})}).run_ids[0]
         if fail_first:
-            assert runner.execute(run_id, job_id="bench.steps", worker="bench/stepcost", publish=None).state == "retrying"
+            assert engine.execute(run_id, job_id="bench.steps", worker="bench/stepcost").state == "retrying"
             with psycopg.connect(url, autocommit=True) as conn:  # due again now, not after its backoff
                 conn.execute("UPDATE job_queue SET run_at = now() WHERE id = %s", (run_id,))
         mark = tracer.mark() if traced else 0
-        assert runner.execute(run_id, job_id="bench.steps", worker="bench/stepcost", publish=None).state == "succeeded"
+        assert engine.execute(run_id, job_id="bench.steps", worker="bench/stepcost").state == "succeeded"
         if not traced:
             return None
         sent = analyse_trace(*tracer.since(mark))
