@@ -69,28 +69,23 @@ def _item(event: Any, step: Any) -> None:
 
 
 def batch(db: h.Database, args: Any) -> None:
-    from motir_celery import define_job
-    from motir_celery.adapter.batch_publish import publish_many
-    from motir_celery.adapter.celery_app import create_app, publisher
-    from motir_celery.core.producer.batch import send_events
-    from motir_celery.core.producer.events import send_event
-    from motir_celery.settings import Settings
+    from motir_celery import current_engine, define_job
 
-    job, app = "bench.batch-item", create_app(Settings.from_env())
+    job = "bench.batch-item"
     define_job(job, event=job)(_item)
-    publish, many = (None, None) if args.no_publish else (publisher(app), publish_many(app))
+    engine = h.held() if args.no_publish else current_engine()
 
     def single() -> float:
-        return args.events / sum(h.timed(lambda i: send_event(job, {"i": i, "workspace_id": "acme"}, publish=publish),
+        return args.events / sum(h.timed(lambda i: engine.send_event(job, {"i": i, "workspace_id": "acme"}),
                                          args.events))
 
     def batched() -> float:
-        return args.events / sum(h.timed(lambda b: send_events(
-            [(job, {"i": i, "workspace_id": "acme"}) for i in range(b * args.batch, min((b + 1) * args.batch, args.events))],
-            publish=publish, publish_many=many), -(-args.events // args.batch)))
+        return args.events / sum(h.timed(lambda b: engine.send_events(
+            [(job, {"i": i, "workspace_id": "acme"}) for i in range(b * args.batch, min((b + 1) * args.batch, args.events))]),
+            -(-args.events // args.batch)))
 
-    send_event(job, {"warm": 1}, publish=publish)
-    send_events([(job, {"warm": 1})] * 2, publish=publish, publish_many=many)
+    engine.send_event(job, {"warm": 1})
+    engine.send_events([(job, {"warm": 1})] * 2)
     rounds = h.interleave({"send_event": single, f"send_events batch={args.batch}": batched}, args.rounds,
                           print, lambda v: f"{v:.0f} events/s")
     print(f"events/s, median of {args.rounds} rounds of {args.events} "
@@ -128,23 +123,23 @@ def counting() -> Iterator[list[int]]:
 def adoption(db: h.Database, args: Any) -> None:
     from motir_celery import define_job
     from motir_celery.adapter.protocol import run_to_execute
-    from motir_celery.core.producer import direct
-    from motir_celery.core.worker.runner import execute
 
     @define_job("bench.adoption.add", retry_policy="none")
     def add(step: Any, x: int, y: int) -> int:
         return step.run("add", lambda: x + y)  # type: ignore[no-any-return]
 
+    engine = h.held()  # no broker: each run executed here
+
     def adopt(task_id: str) -> str:
         """What a worker does with Celery's request of ``send_task(name, (2, 3))`` (protocol 2)."""
         message = SimpleNamespace(id=task_id, task=add.task_name, argsrepr="(2, 3)", kwargsrepr="{}")
-        run_id = run_to_execute(message, add, (2, 3), {})
+        run_id = run_to_execute(engine, message, add, (2, 3), {})
         assert run_id == task_id
-        return execute(run_id, job_id=add.id, worker="bench").state  # type: ignore[arg-type]
+        return engine.execute(run_id, job_id=add.id, worker="bench").state
 
     def delayed(_: int) -> None:
-        handle = direct.apply_async(add, (2, 3), {}, {}, publish_for=lambda q, p: lambda r, j, c=0.0: None)
-        assert execute(handle.id, job_id=add.id, worker="bench").state == "succeeded"  # type: ignore[arg-type]
+        handle = engine.apply_async(add, (2, 3), {}, {})
+        assert engine.execute(handle.id, job_id=add.id, worker="bench").state == "succeeded"  # type: ignore[arg-type]
 
     adopted: list[str] = []
 
