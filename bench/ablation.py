@@ -5,9 +5,13 @@
     python -m bench.ablation --engine /path/to/checkout --output -   # another checkout's motir_celery
 
 Issue 16's rule: a mechanism that buys under 5 % throughput and under 0.3 ms p50 is
-removed. Each is switched by one environment variable the engine reads (``MECHANISMS``;
-ON is the engine's default), given to sender and workers alike; every measurement runs
-in a fresh process with it (``measure``): a drain of ``--runs`` queued runs on 1 worker x 2
+removed. Each is turned off in the engine's ``Tuning`` (core/engine.py; prepared statements
+in its settings) through the bench's own ``BENCH_TUNING`` (e.g. ``claim_async_commit=0``),
+which bench/motir_app.py builds its engine from: the workers run that app and the sender
+imports it (``MECHANISMS``; ON is no variable, the engine's defaults). A checkout from
+before the engine object (``--engine``) is switched by the environment variable its engine
+reads instead. Every measurement runs in a fresh process, on the checkout's own code
+(``measure``): a drain of ``--runs`` queued runs on 1 worker x 2
 (runs/s, and CPU per run: not in the rule), then on the same workers one event every 20 ms
 (p50 enqueue -> completion, the sender included). Drift here is larger than the effects, so
 every OFF measurement sits between two ON ones (ON, off A, ON, off B, ..., ON, rotated each
@@ -40,30 +44,46 @@ KEEP_RATIO, KEEP_MS = 1.05, 0.3
 @dataclass(frozen=True)
 class Mechanism:
     key: str
-    var: str
-    on: str  # the engine's default
+    field: str  # its name in BENCH_TUNING (bench/motir_app.py): a field of Tuning, or prepared_statements
+    var: str  # the environment switch of an engine from before the engine object (af00f2f and older)
+    on: str  # the engine's default (the same value for the field and the switch)
     off: str
     what: str
 
 
 MECHANISMS = (
-    Mechanism("direct_publish", "MOTIR_DIRECT_PUBLISH", "1", "0",
+    Mechanism("direct_publish", "direct_publish", "MOTIR_DIRECT_PUBLISH", "1", "0",
               "a run's message pushed onto Redis with one LPUSH instead of Celery's send_task"),
-    Mechanism("prepared_statements", "MOTIR_PREPARED_STATEMENTS", "1", "0",
+    Mechanism("prepared_statements", "prepared_statements", "MOTIR_PREPARED_STATEMENTS", "1", "0",
               "server-side prepared statements for claim, step write and settle"),
-    Mechanism("claim_async_commit", "MOTIR_CLAIM_ASYNC_COMMIT", "1", "0",
+    Mechanism("claim_async_commit", "claim_async_commit", "MOTIR_CLAIM_ASYNC_COMMIT", "1", "0",
               "the claim's commit does not wait for the WAL flush"),
-    Mechanism("settle_async_commit", "MOTIR_SETTLE_ASYNC_COMMIT", "1", "0",
+    Mechanism("settle_async_commit", "settle_async_commit", "MOTIR_SETTLE_ASYNC_COMMIT", "1", "0",
               "a succeeded run's settle does not wait for the WAL flush"),
-    Mechanism("no_ack_emulation", "MOTIR_REDIS_ACK_EMULATION", "0", "1",
-              "kombu's Redis ack emulation off in the default app (on is kombu's default)"),
+    Mechanism("no_ack_emulation", "redis_ack_emulation", "MOTIR_REDIS_ACK_EMULATION", "0", "1",
+              "kombu's Redis ack emulation off in the app the engine builds (on is kombu's default)"),
 )
 CONTROL = "control"
+
+
+def tuned() -> bool:
+    """Whether the checkout measured (BENCH_ENGINE_PATH or this one) builds its bench engine from BENCH_TUNING."""
+    app = h.child_cwd() / "bench" / "motir_app.py"
+    return app.is_file() and "BENCH_TUNING" in app.read_text(errors="replace")
 
 
 def engine_reads(var: str) -> bool:
     """Whether the engine that the workers run (BENCH_ENGINE_PATH or this checkout) mentions ``var``."""
     return any(var in p.read_text(errors="replace") for p in (h.child_cwd() / "motir_celery").rglob("*.py"))
+
+
+def switch(m: Mechanism) -> dict[str, str]:
+    """The environment that turns ``m`` off in the checkout measured (ON is no variable: its defaults)."""
+    return {"BENCH_TUNING": f"{m.field}={m.off}"} if tuned() else {m.var: m.off}
+
+
+def switch_name(m: Mechanism) -> str:
+    return f"`BENCH_TUNING` `{m.field}`" if tuned() else f"`{m.var}`"
 
 
 # --- one measurement, in a process of its own ----------------------------------------
@@ -72,7 +92,9 @@ def engine_reads(var: str) -> bool:
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """A drain (``harness.settle``, CPU from 10 % of it), then a latency run on the same, now warm,
     workers (``harness.send_paced``), with this process's environment: one worker start, not two."""
-    motir = h.Motir(h.Database(spec["url"]), queue=spec["queue"])
+    motir = h.Motir(h.Database(spec["url"]), queue=spec["queue"], app="bench.motir_app")
+    import bench.motir_app  # noqa: F401  (its engine, BENCH_TUNING's, made current: the sender's too)
+
     n, events = spec["runs"], spec["events"]
     motir.reset()
     t0 = time.perf_counter()
@@ -87,18 +109,20 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             "cpu_ms": cpu["total_ms"], "tp_s": t1 - t0, "lat_s": time.perf_counter() - t1}
 
 
-# The engine the workers run is the sender's too: motir_celery is imported from the child's
-# working directory (--engine, or this checkout) before this checkout's bench is put first.
-_CHILD = ("import json, sys; import motir_celery; sys.path.insert(0, sys.argv[1]); from bench.ablation import measure; "
-          "print(json.dumps(measure(json.loads(sys.argv[2]))))")
+# The checkout measured (--engine, or this one) runs its own bench.ablation.measure: the child's
+# working directory is first on its path, for motir_celery and bench alike.
+_CHILD = ("import json, sys; from bench.ablation import measure; "
+          "print(json.dumps(measure(json.loads(sys.argv[1]))))")
 
 
 def _slot(url: str, setting: dict[str, str], runs: int, events: int) -> dict[str, Any]:
-    env = h.child_env(MOTIR_DATABASE_URL=url, MOTIR_IMPORTS="bench.workload", MOTIR_QUEUE=QUEUE, **setting)
+    env = h.child_env(MOTIR_DATABASE_URL=url, MOTIR_IMPORTS="bench.workload", MOTIR_QUEUE=QUEUE)
+    env.pop("BENCH_TUNING", None)  # ON: the engine's defaults
+    env.update(setting)
     spec = json.dumps({"url": url, "queue": QUEUE, "runs": runs, "events": events})
     last = ""
     for attempt in range(2):  # the engine may be mid-edit in a work tree: one retry
-        done = subprocess.run([sys.executable, "-c", _CHILD, str(h.ROOT), spec], env=env, cwd=h.child_cwd(),
+        done = subprocess.run([sys.executable, "-c", _CHILD, spec], env=env, cwd=h.child_cwd(),
                               capture_output=True, text=True, timeout=600)
         if done.returncode == 0:
             result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -173,7 +197,7 @@ def render(rows: dict[str, dict[str, Any]], skipped: list[Mechanism], meta: dict
             name, v = "control: nothing switched off", "(noise)"
         else:
             m = by_key[key]
-            name, v = f"{m.what} (`{m.var}` {m.on} / {m.off})", verdict(r)
+            name, v = f"{m.what} ({switch_name(m)}: {m.on} / {m.off})", verdict(r)
             if control and not (r["ratio"] - 1 > drift_tp or r["delta"] * 1e3 > drift_ms):
                 v, marked = v + " *", True
         md.append(f"| {name} | {r['on_tp']:.0f} | {r['off_tp']:.0f} | {r['ratio']:.2f} | {r['on_p50'] * 1e3:.2f} "
@@ -186,7 +210,7 @@ def render(rows: dict[str, dict[str, Any]], skipped: list[Mechanism], meta: dict
         f"{key} " + ", ".join(f"{x:.2f}" for x in r["ratios"]) + " / "
         + ", ".join(f"{d * 1e3:+.2f}" for d in r["deltas"]) for key, r in rows.items()) + "."]
     if skipped:
-        md += ["", "Not measured (the engine does not read the switch): "
+        md += ["", "Not measured (the engine measured does not read the switch): "
                + ", ".join(f"`{m.var}`" for m in skipped) + "."]
     return "\n".join(md) + "\n"
 
@@ -214,10 +238,10 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown mechanism(s): {', '.join(sorted(unknown))}")
     chosen = [m for m in MECHANISMS if m.key in wanted]
-    active = [m for m in chosen if engine_reads(m.var)]
+    active = [m for m in chosen if tuned() or engine_reads(m.var)]
     skipped = [m for m in chosen if m not in active]
     for m in skipped:
-        print(f"skipped: the engine does not read {m.var}", flush=True)
+        print(f"skipped: the engine measured does not read {m.var}", flush=True)
     if not active:
         sys.exit("no mechanism to measure")
 
@@ -229,10 +253,9 @@ def main() -> None:
         print(f"[{time.perf_counter() - started:6.0f}s] {msg}", flush=True)
 
     db = h.Database.create(DB)
-    defaults = {m.var: m.on for m in active}
     keys = [m.key for m in active] + ([CONTROL] if args.control else [])
-    settings: dict[str | None, dict[str, str]] = {None: defaults, CONTROL: defaults}
-    settings.update({m.key: {**defaults, m.var: m.off} for m in active})
+    settings: dict[str | None, dict[str, str]] = {None: {}, CONTROL: {}}
+    settings.update({m.key: switch(m) for m in active})
     planned = schedule(keys, args.rounds)
     seq: list[str | None] = []
     results: list[dict[str, Any]] = []
