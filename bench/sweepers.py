@@ -2,7 +2,7 @@
 
     python -m bench.sweepers [--sweeps 1,10,100] [--no-write]
 
-N calls of ``sweeper.sweep`` back to back in this process, on an ``idle`` or a ``stale`` table
+N calls of ``Engine.sweep`` back to back in this process, on an ``idle`` or a ``stale`` table
 (``STATES``), every host sweeping and one sweep per period (the slot); docs/scaling.md says more.
 """
 
@@ -13,7 +13,6 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
 
 from bench import harness as h
 
@@ -45,9 +44,10 @@ class Row:
 def measure(db: h.Database, state: str, sweeps: int, interval: float, slotted: bool) -> Row:
     """The transactions (``pg_stat_database``, flushed), the backends' CPU, the wall time and the runs
     re-published of ``sweeps`` calls in one period."""
-    from motir_celery.core.worker import sweeper
+    from motir_celery import Engine
     from motir_celery.settings import Settings
-    from motir_celery.store.db import dispose_engines, get_pool
+    from motir_celery.store.db import dispose_engines
+    from motir_celery.testing import Held
 
     db.truncate()
     db.rows("UPDATE job_sweep SET swept_at = '-infinity'")  # a new period
@@ -55,12 +55,13 @@ def measure(db: h.Database, state: str, sweeps: int, interval: float, slotted: b
         db.rows(INSERT, {**part, "finished": datetime.now(timezone.utc) if part["finished"] else None})
     db.rows("VACUUM ANALYZE job_queue")
     settings = Settings(database_url=db.url, sweep_interval=interval, republish_after=60.0)
-    published: list[Any] = []
+    published = Held()
+    engine = Engine(settings, host=published)
     dispose_engines()
     with h.connect(h.server_url()) as admin:  # on another database: its reads are not counted
 
         def flushed_xacts() -> int:
-            with get_pool(settings=settings).connect() as conn:  # the sweeper's connection, made before measuring
+            with engine.pool().connect() as conn:  # the sweeper's connection, made before measuring
                 conn.raw.execute("SELECT pg_stat_force_next_flush()")
             time.sleep(0.6)  # flushed at the end of that statement's transaction
             return int(admin.execute("SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = %s",
@@ -73,8 +74,7 @@ def measure(db: h.Database, state: str, sweeps: int, interval: float, slotted: b
         x0 = flushed_xacts()
         c0, t0 = h.read_cpu(backends(), tree=False), time.perf_counter()
         for _ in range(sweeps):
-            sweeper.sweep(lambda run_id, job_id, countdown=0.0: published.append(run_id), settings=settings,
-                          once_per_period=slotted)
+            engine.sweep(once_per_period=slotted)
         wall = (time.perf_counter() - t0) * 1000
         cpu = h.cpu_ms(c0, h.read_cpu(backends(), tree=False))
         x1 = flushed_xacts() - 1  # less the first flush's own transaction
