@@ -100,13 +100,9 @@ def default_engine(settings: Settings | None = None) -> Engine:
 
 
 def _default_host(engine: Engine) -> Host:
-    # Built on the engine's first message: hosting it on its app must not make it current over
+    # Built on the engine's first message: hosting it on its app does not make it current over
     # the engine made current since (the test kit's, an attached app's).
-    before = peek()
-    app = create_app(engine=engine)
-    if before is not None:
-        make_current(before)
-    return _host_of(app)
+    return _host_of(create_app(engine=engine, current=False))
 
 
 def _host_of(app: Celery) -> CeleryHost:
@@ -141,9 +137,9 @@ def control_app(settings: Settings) -> Celery:
 
 
 def create_app(settings: Settings | None = None, *, main: str = "motir_celery",
-               engine: Engine | None = None) -> Celery:
+               engine: Engine | None = None, current: bool = True) -> Celery:
     """A Celery app of the engine's own, configured from ``settings`` (those of ``engine`` when
-    given, else the environment's), with the engine attached."""
+    given, else the environment's), with the engine attached (``attach``'s ``current``)."""
     engine = engine if engine is not None else Engine(settings)
     settings = engine.settings
     if not settings.broker_url:
@@ -177,14 +173,15 @@ def create_app(settings: Settings | None = None, *, main: str = "motir_celery",
     elif settings.broker_url.startswith(("amqp://", "pyamqp://")):
         # The same on RabbitMQ: a message a worker cannot take goes to <queue>.malformed (guard.py).
         app.conf.broker_transport = GUARDED_AMQP_TRANSPORT
-    return attach(app, engine=engine)
+    return attach(app, engine=engine, current=current)
 
 
 def attach(app: Celery, *, settings: Settings | None = None, engine: Engine | None = None,
-           tuning: Tuning | None = None) -> Celery:
+           tuning: Tuning | None = None, current: bool = True) -> Celery:
     """Host an engine on ``app`` (``engine``, else a new one with ``settings``, else the
-    environment's) and make it current: register every job (and every later one) as a task,
-    run the sweeper in its workers, and import ``MOTIR_IMPORTS`` there.
+    environment's) and, with ``current``, make it current (``job.delay()`` then publishes through
+    the app): register every job (and every later one) as a task, run the sweeper in its
+    workers, and import ``MOTIR_IMPORTS`` there.
 
     The job modules are not imported here but when Celery imports the app's own
     (``app.conf.imports``: the ``import_modules`` signal of a worker, beat, ``celery
@@ -196,7 +193,8 @@ def attach(app: Celery, *, settings: Settings | None = None, engine: Engine | No
     """
     attached = hosts(app)
     if attached is not None:
-        make_current(attached)
+        if current:
+            make_current(attached)
         return app
     if engine is None:
         engine = Engine(settings, tuning=tuning)
@@ -205,7 +203,8 @@ def attach(app: Celery, *, settings: Settings | None = None, engine: Engine | No
             engine.join_transactions(before.transactions)  # Django's app was ready before this attach
     engine.host_on(CeleryHost(app, engine))
     host(app, engine)
-    make_current(engine)
+    if current:
+        make_current(engine)
     for key, value in {
         "worker_prefetch_multiplier": 1,
         # Not task_acks_late, nor task events: Celery's defaults (off); see the module docstring.
