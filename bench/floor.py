@@ -53,7 +53,8 @@ from typing import Any, Callable
 import psycopg
 
 from bench import harness as h
-from motir_celery.settings import get_settings
+from motir_celery.core.engine import Tuning
+from motir_celery.settings import Settings
 from motir_celery.store.driver import Statement
 from motir_celery.store.driver import through_libpq_prepared as send
 from motir_celery.store.sql import worker as worker_sql
@@ -66,6 +67,8 @@ IO_SECONDS = 0.005  # bench/io_jobs.py's
 OUTPUTS = (("reserve", '{"reserved": %d}'), ("charge", '{"charged": %d}'), ("notify", '{"notified": %d}'))
 RESULT = '{"notified": %d}'
 TARGET_MS, IO_TARGET = 1.0, 0.9
+#: The engine's defaults: its lease, and whether the claim's and the settle's commits wait for the flush.
+LEASE_SECONDS, TUNING = Settings().lease_seconds, Tuning()
 
 # --- the statements ----------------------------------------------------------------------
 
@@ -104,14 +107,14 @@ def one_run(conn: psycopg.Connection[Any], which: str, run_id: uuid.UUID, n: int
     ``io_seconds``); False when one of them wrote nothing."""
     if which == "premise":
         return all(send(conn, st, {"v": n}) for st in (PREMISE_ASYNC, *[PREMISE_FLUSHED] * 3, PREMISE_ASYNC))
-    settings, token = get_settings(), uuid.uuid4()
+    token = uuid.uuid4()
     if which == "engine":
         claim, step, settle = worker_sql.CLAIM, worker_sql.STORE_STEP, worker_sql.SETTLE_SUCCEEDED
     else:
         claim, step, settle = BARE_CLAIM, BARE_STEP, BARE_SETTLE
     job = IO_JOB if io_seconds else JOB
-    if not send(conn, claim, {"run_id": run_id, "job_id": job, "worker": worker, "lease": settings.lease_seconds,
-                              "limit": None, "async_commit": settings.claim_async_commit, "token": token}):
+    if not send(conn, claim, {"run_id": run_id, "job_id": job, "worker": worker, "lease": LEASE_SECONDS,
+                              "limit": None, "async_commit": TUNING.claim_async_commit, "token": token}):
         return False
     for step_id, output in OUTPUTS:
         if io_seconds:
@@ -120,7 +123,7 @@ def one_run(conn: psycopg.Connection[Any], which: str, run_id: uuid.UUID, n: int
                                  "elapsed": 0.0001}):
             return False
     settled = send(conn, settle, {"run_id": run_id, "token": token, "result": RESULT % n,
-                                  "async_commit": settings.settle_async_commit})
+                                  "async_commit": TUNING.settle_async_commit})
     return settled is not None and any(row["settled"] == 1 for row in settled)
 
 
