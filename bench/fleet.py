@@ -2,7 +2,7 @@
 
     python -m bench.fleet [--runs 5000 --hosts 4 --procs 2 --pool-size 4] [--no-direct] [--no-write]
 
-Needs MOTIR_DATABASE_URL, CELERY_BROKER_URL and Debian's ``pgbouncer`` (``tests/fixtures/pgbouncer.py``);
+Needs MOTIR_DATABASE_URL, CELERY_BROKER_URL and Debian's ``pgbouncer`` (``motir_celery.dev.private.PgBouncer``);
 docs/scaling.md says what runs and what is checked (a failed check fails the bench).
 """
 
@@ -111,8 +111,8 @@ def run_fleet(db: h.Database, runs: int, hosts: int, procs: int, pool_size: int 
     db.truncate("bench.side_effect")
     queue = f"bench-fleet-{uuid.uuid4().hex[:8]}"
     bouncer = PgBouncer(db.url, pool_size=pool_size).start() if pool_size else None
-    env = h.engine_env(bouncer.url(DB) if bouncer else db.url, queue, "bench.jobs", PYTHONUNBUFFERED="1",
-                       MOTIR_PREPARED_STATEMENTS="0" if bouncer else "1")
+    # Behind PgBouncer the engine finds the pooler at its first connection and prepares nothing.
+    env = h.engine_env(bouncer.url(DB) if bouncer else db.url, queue, "bench.jobs", PYTHONUNBUFFERED="1")
     sampler, stats, logs = Sampler(db, bouncer), [], h.LOGS / f"fleet-{'pgbouncer' if bouncer else 'direct'}"
     shutil.rmtree(logs, ignore_errors=True)  # database_errors reads every log there
     try:
