@@ -1,8 +1,9 @@
-"""Settings, read from the environment once per process and validated.
+"""Settings, read from the environment and validated (docs/settings.md is their table).
 
-Every knob has one environment variable. A malformed value is an error that
-names the variable, so a typo in a deployment fails at start-up, not at the
-first run that needs the value.
+Every setting has one environment variable. A malformed value is an error that names the
+variable, so a typo in a deployment fails at start-up, not at the first run that needs the
+value. The engine reads them where it is built (core/engine.py), once per process unless
+``reset_settings()`` says the environment changed.
 """
 
 from __future__ import annotations
@@ -20,13 +21,17 @@ __all__ = ["Settings", "get_settings", "reset_settings"]
 
 @dataclass(frozen=True)
 class Settings:
+    """What an engine is configured with: the ``MOTIR_*`` environment (``from_env``; the table of
+    docs/settings.md), and the few fields below the line that a program sets (a test, a benchmark)
+    but no environment variable does."""
+
     #: Engine connection (dispatcher, claim, step writes, sweeper). In
     #: production this logs in as the engine role; in development it is
     #: whatever owns the database.
     database_url: str | None = None
     #: Connection for RLS-enforced reads (CLI, dashboard, user code). Unset:
     #: the engine URL is reused and each transaction does SET LOCAL ROLE to
-    #: ``app_role``, which needs membership in that role.
+    #: ``motir_app``, which needs membership in that role.
     app_database_url: str | None = None
     #: Connection that owns the schema, for ``motir migrate``. Unset: the engine URL.
     migrate_database_url: str | None = None
@@ -36,13 +41,8 @@ class Settings:
     queue: str = "celery"
     #: Modules that define jobs, imported by workers, beat and the CLI.
     imports: tuple[str, ...] = ()
-    app_role: str = "motir_app"
-    engine_role: str = "motir_engine"
     #: How long a claim holds a run without a heartbeat.
     lease_seconds: float = 60.0
-    #: How long one attempt's lease is renewed at most, for a job with no ``time_limit=``
-    #: (nor a worker time limit): past it, a process wedged with its run alive loses it.
-    max_hold_seconds: float = 3600.0
     #: Sweeper period (reclaim expired leases, re-publish lost messages).
     sweep_interval: float = 10.0
     #: A due queued run whose message is older than this is re-published.
@@ -50,40 +50,32 @@ class Settings:
     #: Largest accepted JSON payload (event data, step output), in bytes.
     max_payload_bytes: int = 1_000_000
     pool_size: int = 5
-    #: The performance switches (docs/performance.md, "Ablation", measures each on
-    #: and off; their hazards are stated where each is implemented).
-    #: Server-side prepared statements for the hot statements (store/driver.py). They do not
-    #: survive a transaction pooler such as PgBouncer: with MOTIR_PREPARED_STATEMENTS unset
-    #: (``detect_pooler``) each engine probes for one at its first connection and prepares
-    #: nothing if it finds one (store/pooler.py); ``0`` never prepares, ``1`` always does.
-    prepared_statements: bool = True
-    #: MOTIR_PREPARED_STATEMENTS is unset: find a transaction pooler rather than be told.
-    detect_pooler: bool = True
-    #: The claim's commit does not wait for the WAL flush (store/sql/worker.py, CLAIM).
-    claim_async_commit: bool = True
-    #: A succeeded run's settle does not wait for the WAL flush (store/sql/worker.py, SETTLE_SUCCEEDED).
-    settle_async_commit: bool = True
-    #: On a plain Redis broker, push run messages onto kombu's lists directly
-    #: (adapter/messages.py) instead of through ``send_task``; ``0`` always uses ``send_task``.
-    direct_publish: bool = True
     #: Publish run messages under the alias ``motir.<job_id>`` instead of the job's Celery name
     #: (core/jobs.py), routed as the Celery name is: for a rolling cut-over, while workers of the
     #: code before it (plain Celery tasks of those names) still consume (docs/migrating.md).
     publish_alias: bool = False
-    #: kombu's Redis acknowledgement emulation in the default app (adapter/celery_app.py):
-    #: off by default; ``1`` gives kombu's own default back.
-    redis_ack_emulation: bool = False
     #: The result backend (``AsyncResult(id)``) answers for a run of any workspace, through the
     #: engine login: for an operator's process such as Flower only. Off: it reads in the caller's
     #: workspace (``in_workspace``; system runs outside one), as a result handle does.
     results_any_workspace: bool = False
-    extra: Mapping[str, str] = field(default_factory=dict)
     #: Connection for admin reads (``workspace_session(..., admin=True)``: the CLI's
     #: reads, the dashboard's admins, metrics): a login that is a member of
     #: ``motir_admin``, the only role for which ``motir.system_admin`` counts
     #: (docs/security.md). Unset without an app URL (development): the engine URL
     #: with SET LOCAL ROLE motir_admin.
     admin_database_url: str | None = None
+    extra: Mapping[str, str] = field(default_factory=dict)
+
+    # --- set by a program, never by the environment ---------------------------------------
+    #: How long one attempt's lease is renewed at most, for a job with no ``time_limit=`` (nor a
+    #: worker time limit): past it, a process wedged with its run alive loses it.
+    max_hold_seconds: float = 3600.0
+    #: Server-side prepared statements for the hot statements (store/driver.py), unless
+    #: ``detect_pooler`` finds a transaction pooler (PgBouncer in transaction mode) in front of the
+    #: URL at an engine's first connection (store/pooler.py). A benchmark turns them off to
+    #: measure them; a test of the pooler's detection turns the probe off.
+    prepared_statements: bool = True
+    detect_pooler: bool = True
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
@@ -97,21 +89,12 @@ class Settings:
             result_backend=env.get("CELERY_RESULT_BACKEND") or None,
             queue=env.get("MOTIR_QUEUE", "").strip() or "celery",
             imports=tuple(m.strip() for m in env.get("MOTIR_IMPORTS", "").split(",") if m.strip()),
-            app_role=_identifier(env, "MOTIR_APP_ROLE", "motir_app"),
-            engine_role=_identifier(env, "MOTIR_ENGINE_ROLE", "motir_engine"),
             lease_seconds=_positive(env, "MOTIR_LEASE_SECONDS", 60.0),
-            max_hold_seconds=_positive(env, "MOTIR_MAX_HOLD_SECONDS", 3600.0),
             sweep_interval=_positive(env, "MOTIR_SWEEP_INTERVAL", 10.0),
             republish_after=_positive(env, "MOTIR_REPUBLISH_AFTER", 60.0),
             max_payload_bytes=_count(env, "MOTIR_MAX_PAYLOAD_BYTES", 1_000_000),
             pool_size=_count(env, "MOTIR_POOL_SIZE", 5),
-            prepared_statements=_flag(env, "MOTIR_PREPARED_STATEMENTS", True),
-            detect_pooler=not env.get("MOTIR_PREPARED_STATEMENTS", "").strip(),
-            claim_async_commit=_flag(env, "MOTIR_CLAIM_ASYNC_COMMIT", True),
-            settle_async_commit=_flag(env, "MOTIR_SETTLE_ASYNC_COMMIT", True),
-            direct_publish=_flag(env, "MOTIR_DIRECT_PUBLISH", True),
             publish_alias=_flag(env, "MOTIR_PUBLISH_ALIAS", False),
-            redis_ack_emulation=_flag(env, "MOTIR_REDIS_ACK_EMULATION", False),
             results_any_workspace=_flag(env, "MOTIR_RESULTS_ANY_WORKSPACE", False),
         )
 
@@ -172,13 +155,6 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     if raw in ("0", "false", "no", "off"):
         return False
     raise ConfigurationError(f"{name}={raw!r} is not a boolean (1/0, true/false, yes/no, on/off)")
-
-
-def _identifier(env: Mapping[str, str], name: str, default: str) -> str:
-    value = env.get(name, "").strip() or default
-    if not value.replace("_", "").isalnum() or value[0].isdigit():
-        raise ConfigurationError(f"{name}={value!r} is not a plain SQL identifier")
-    return value
 
 
 @lru_cache(maxsize=1)

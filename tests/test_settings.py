@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import ast
+import re
+from pathlib import Path
+
 import pytest
 
 from motir_celery.errors import ConfigurationError
@@ -56,8 +60,48 @@ def test_a_missing_database_url_is_an_error_naming_the_variable_when_needed() ->
         settings.require_database_url()
 
 
-@pytest.mark.parametrize("raw", ["motir-app", "1role", 'x"; DROP TABLE job_queue; --'])
-def test_a_role_name_that_is_not_a_plain_identifier_is_refused(raw: str) -> None:
-    # The role is interpolated into SET LOCAL ROLE; only plain identifiers may get there.
-    with pytest.raises(ConfigurationError, match="MOTIR_APP_ROLE"):
-        Settings.from_env({"MOTIR_APP_ROLE": raw})
+# --- every name the package reads, against docs/settings.md --------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+NAME = re.compile(r"MOTIR_[A-Z0-9_]+")
+
+
+def names_read(text: str) -> set[str]:
+    """The ``MOTIR_*`` names a module reads: string literals that are a name and nothing else
+    (``env.get("MOTIR_X")``, ``getattr(settings, "MOTIR_X")``), not names quoted in messages."""
+    return {node.value for node in ast.walk(ast.parse(text))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and NAME.fullmatch(node.value)}
+
+
+def documented() -> dict[str, set[str]]:
+    """docs/settings.md's names by section (``## For users``, ...)."""
+    sections: dict[str, set[str]] = {}
+    current = ""
+    for line in (ROOT / "docs" / "settings.md").read_text().splitlines():
+        if line.startswith("## "):
+            current = line[3:].strip()
+        elif line.startswith("|"):
+            sections.setdefault(current, set()).update(NAME.findall(line.split("|")[1]))
+    return sections
+
+
+def test_names_read_finds_a_name_read_and_not_one_quoted() -> None:
+    assert names_read('import os\nos.environ.get("MOTIR_X")\nraise ValueError("MOTIR_Y is not set")') == {"MOTIR_X"}
+
+
+def test_every_motir_name_the_package_reads_is_in_the_settings_table_and_at_most_20_are_for_users() -> None:
+    read = {name for path in (ROOT / "motir_celery").rglob("*.py") for name in names_read(path.read_text())}
+    assert {"MOTIR_DATABASE_URL", "MOTIR_IMPORTS", "MOTIR_DASHBOARD_AUTH"} <= read  # the scan sees them
+    docs = documented()
+    for_users = docs["For users"]
+    kept = for_users | docs["Inputs of one command, and development"]
+    assert read - kept == set(), "read by the package, not in docs/settings.md's tables"
+    assert kept - read == set(), "in docs/settings.md's tables, not read by the package"
+    assert read & docs["Names that are gone"] == set(), "a name docs/settings.md says is gone is read"
+    assert len(for_users) <= 20, sorted(for_users)
+
+
+def test_the_switches_that_are_gone_change_nothing() -> None:
+    gone = {"MOTIR_CLAIM_ASYNC_COMMIT": "0", "MOTIR_SETTLE_ASYNC_COMMIT": "0", "MOTIR_DIRECT_PUBLISH": "0",
+            "MOTIR_REDIS_ACK_EMULATION": "1", "MOTIR_PREPARED_STATEMENTS": "0", "MOTIR_MAX_HOLD_SECONDS": "5"}
+    assert Settings.from_env(gone) == Settings.from_env({})

@@ -266,10 +266,10 @@ def _set_role_passwords(url: str, settings: Settings) -> None:
     from sqlalchemy import create_engine
     from sqlalchemy.pool import NullPool
 
-    from motir_celery.store.rls import ADMIN_ROLE
+    from motir_celery.store.rls import ADMIN_ROLE, APP_ROLE, ENGINE_ROLE
     from motir_celery.store.sql import setup
 
-    wanted = {settings.app_role: "MOTIR_APP_PASSWORD", settings.engine_role: "MOTIR_ENGINE_PASSWORD"}
+    wanted = {APP_ROLE: "MOTIR_APP_PASSWORD", ENGINE_ROLE: "MOTIR_ENGINE_PASSWORD"}
     missing = [var for var in wanted.values() if not os.environ.get(var)]
     if missing:
         raise click.ClickException(f"--set-role-passwords needs {', '.join(missing)} in the environment")
@@ -938,9 +938,27 @@ def purge(older_than: str, batch_size: int, dry_run: bool, as_json: bool) -> Non
 @click.option("--local", is_flag=True,
               help="Local mode (MOTIR_DASHBOARD_AUTH=local): no sign-in, you are an admin of every workspace; "
                    "loopback only, labelled on every page. For a developer's machine.")
+@click.option("--user-header", default="X-Motir-User", show_default=True,
+              help="Header mode: the header your proxy puts the user's name in.")
+@click.option("--workspace-header", default="X-Motir-Workspace", show_default=True,
+              help="Header mode: the header of the user's workspace.")
+@click.option("--admin-header", default="X-Motir-Admin", show_default=True,
+              help="Header mode: the header that makes the user an admin of every workspace.")
+@click.option("--metrics-window", default=300.0, show_default=True, type=click.FloatRange(min=1.0),
+              callback=_finite, help="Seconds the *_recent series of /metrics look back.")
+@click.option("--metrics-by-workspace", is_flag=True,
+              help="A workspace label on the stats rollup's series (bounded by jobs × workspaces).")
+@click.option("--flower-url", default=None, help="A link to Flower in the navigation bar (http or https).")
+@click.option("--allow-plaintext-passwords", is_flag=True,
+              help="Basic mode: accept clear-text passwords in the users file. Development only.")
 @click.pass_context
-def dashboard(ctx: click.Context, host: str, port: int, log_level: str, local: bool) -> None:
-    """Serve the web dashboard (runs, run timelines, DLQ with Replay, queue health, /metrics)."""
+def dashboard(ctx: click.Context, host: str, port: int, log_level: str, local: bool, user_header: str,
+              workspace_header: str, admin_header: str, metrics_window: float, metrics_by_workspace: bool,
+              flower_url: str | None, allow_plaintext_passwords: bool) -> None:
+    """Serve the web dashboard (runs, run timelines, DLQ with Replay, queue health, /metrics).
+
+    Identity and the CSRF secret come from MOTIR_DASHBOARD_AUTH, MOTIR_DASHBOARD_USERS_FILE,
+    MOTIR_DASHBOARD_TRUSTED_PROXIES and MOTIR_DASHBOARD_SECRET (docs/settings.md)."""
     if ctx.invoked_subcommand is not None:
         return
     try:
@@ -953,7 +971,11 @@ def dashboard(ctx: click.Context, host: str, port: int, log_level: str, local: b
     settings = _settings()
     import os
 
-    config = DashboardConfig.from_env({**os.environ, "MOTIR_DASHBOARD_AUTH": "local"} if local else None)
+    given = DashboardConfig.from_env({**os.environ, "MOTIR_DASHBOARD_AUTH": "local"} if local else None)
+    auth = dataclasses.replace(given.auth, user_header=user_header, workspace_header=workspace_header,
+                               admin_header=admin_header, allow_plaintext=allow_plaintext_passwords)
+    config = dataclasses.replace(given, auth=auth, metrics_window=metrics_window, flower_url=flower_url,
+                                 metrics_by_workspace=metrics_by_workspace)
     check_bind(host, config, settings)  # ConfigurationError: a one-line refusal, before anything listens
     if not settings.app_database_url:
         _progress("development mode: reads drop to motir_app from the engine's login (SET LOCAL ROLE); "

@@ -57,7 +57,7 @@ from motir_celery.settings import Settings
 from motir_celery.store import pooler
 from motir_celery.store.db import set_workspace_context
 from motir_celery.store.models import Base
-from motir_celery.store.rls import ADMIN_ROLE, compare_grants, policies_of
+from motir_celery.store.rls import ADMIN_ROLE, APP_ROLE, ENGINE_ROLE, compare_grants, policies_of
 from motir_celery.store.sql import catalog, reads, session
 
 __all__ = ["Check", "run_checks", "exit_status"]
@@ -193,7 +193,7 @@ def _migrations(engine: Engine, settings: Settings) -> Check:
 
 
 def _roles(engine: Engine, settings: Settings) -> Check:
-    wanted = [settings.app_role, ADMIN_ROLE, settings.engine_role]
+    wanted = [APP_ROLE, ADMIN_ROLE, ENGINE_ROLE]
     with engine.connect() as conn:
         found = catalog.present_roles(conn, wanted)
     missing = [r for r in wanted if r not in found]
@@ -224,12 +224,12 @@ def _rls(engine: Engine, settings: Settings) -> Check:
     try:
         with app_engine.begin() as conn:
             if not settings.app_database_url:
-                session.reader_role(conn, settings.app_role)  # SET LOCAL ROLE, as a workspace session does
+                session.reader_role(conn, APP_ROLE)  # SET LOCAL ROLE, as a workspace session does
             set_workspace_context(conn, "motir-doctor-probe")
             row = reads.rls_probe(conn)
-            login, exits = reads.login_escapes(conn, engine_role=settings.engine_role, admin_role=ADMIN_ROLE)
+            login, exits = reads.login_escapes(conn, engine_role=ENGINE_ROLE, admin_role=ADMIN_ROLE)
     except Exception as exc:  # noqa: BLE001
-        how = "MOTIR_APP_DATABASE_URL" if settings.app_database_url else f"SET ROLE {settings.app_role}"
+        how = "MOTIR_APP_DATABASE_URL" if settings.app_database_url else f"SET ROLE {APP_ROLE}"
         return _fail("row-level security", f"cannot open the app connection ({how}): {_first_line(exc)}",
                      "set MOTIR_APP_DATABASE_URL to a login of motir_app, or GRANT motir_app TO the engine login")
     if not row["active"] or row["bypass"]:
@@ -249,7 +249,7 @@ def _rls(engine: Engine, settings: Settings) -> Check:
     if exits:
         return _fail("row-level security", f"the app login {login} can leave the app role: it is or may become "
                      f"{', '.join(exits)}",
-                     f"log in as a role that is only a member of {settings.app_role} "
+                     f"log in as a role that is only a member of {APP_ROLE} "
                      f"(REVOKE the others FROM {login})")
     admin = _admin_login(settings)
     if admin is not None:
@@ -267,7 +267,7 @@ def _admin_login(settings: Settings) -> Check | None:
     eng = _engine(settings.admin_database_url, 3)
     try:
         with eng.connect() as conn:
-            login, exits = reads.login_escapes(conn, engine_role=settings.engine_role, admin_role=ADMIN_ROLE)
+            login, exits = reads.login_escapes(conn, engine_role=ENGINE_ROLE, admin_role=ADMIN_ROLE)
     except Exception as exc:  # noqa: BLE001
         return _fail("row-level security", f"cannot open the admin connection: {_first_line(exc)}",
                      "check MOTIR_ADMIN_DATABASE_URL")
@@ -303,12 +303,11 @@ def _pooler(conn: Any, settings: Settings) -> Check | None:
              "a pooler or proxy sits in between")
     if not settings.prepared_statements:
         return _ok("pooler", where + "; prepared statements are off, as transaction pooling needs")
-    if settings.detect_pooler:  # MOTIR_PREPARED_STATEMENTS unset: the engine probes for itself
+    if settings.detect_pooler:  # the engine probes for itself (always, from the environment)
         return _ok("pooler", where + "; " + pooler.describe(settings, pooler.probe_url(settings.database_url or "")))
-    return Check("pooler", "WARN", where + " and MOTIR_PREPARED_STATEMENTS is on",
-                 "behind PgBouncer in transaction mode leave MOTIR_PREPARED_STATEMENTS unset (the engine finds "
-                 "the pooler and prepares nothing) or set MOTIR_PREPARED_STATEMENTS=0; =1 is for a pooler that keeps "
-                 "each client's statements apart (docs/operations.md, Behind PgBouncer)")
+    return Check("pooler", "WARN", where + " and this process's settings prepare statements without probing",
+                 "behind PgBouncer in transaction mode the engine must find the pooler (detect_pooler, the "
+                 "default; docs/operations.md, Behind PgBouncer)")
 
 
 def _sweeper(conn: Any, settings: Settings) -> Check:

@@ -38,7 +38,7 @@ from motir_celery.forks import per_process
 from motir_celery.settings import Settings
 from motir_celery.store import pooler
 from motir_celery.store.pg import Pool, PooledConnection
-from motir_celery.store.rls import ADMIN_ROLE
+from motir_celery.store.rls import ADMIN_ROLE, APP_ROLE
 from motir_celery.store.sql import session
 
 if TYPE_CHECKING:
@@ -241,7 +241,7 @@ def reader_login(settings: Settings, *, admin: bool) -> tuple[str, str | None]:
         return settings.require_database_url(), ADMIN_ROLE
     if settings.app_database_url:
         return settings.app_database_url, None
-    return settings.require_database_url(), settings.app_role
+    return settings.require_database_url(), APP_ROLE
 
 
 def primary_wal_lsn(settings: Settings) -> str:

@@ -11,13 +11,12 @@ SQLAlchemy one. A connection the error left unusable is invalidated first, so it
 replaces it (and every older one): ``pg.ConnectionLost`` on the engine's,
 ``exc.connection_invalidated`` on SQLAlchemy's.
 
-Hazard of ``MOTIR_PREPARED_STATEMENTS`` (on by default): a server-side prepared
-statement lives in the server session, so a transaction pooler (PgBouncer in
-transaction mode) hands it to the wrong client. Unset, each engine finds such a
-pooler itself and prepares nothing there (store/pooler.py: a probe at its first
-connection; a statement refused for a prepared name is sent again unprepared);
-``0`` turns preparing off everywhere, psycopg's automatic preparation of every
-other statement with it (db.py).
+Hazard of server-side prepared statements (on by default): a prepared statement lives in
+the server session, so a transaction pooler (PgBouncer in transaction mode) hands it to the
+wrong client. Each engine finds such a pooler itself and prepares nothing there
+(store/pooler.py: a probe at its first connection; a statement refused for a prepared name
+is sent again unprepared); settings with ``prepared_statements=False`` turn preparing off
+everywhere, psycopg's automatic preparation of every other statement with it (db.py).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ prepares any other one it sees five times) live in the server session. A transac
 another client after each transaction, so one client's ``_pg3_0`` is missing, clashes by name,
 or — names and parameters matching — is run with another client's parameters.
 
-With ``MOTIR_PREPARED_STATEMENTS`` unset, ``install`` makes each engine **probe** its URL when
+``install`` makes each engine **probe** its URL when
 its pool opens its first connection, before anything is sent on it (``probe``): two
 connections of ours ask for their server process's pid in turn, three times each. Directly or
 through a session pooler each keeps its own session: two pids, one each. Through a
@@ -25,9 +25,11 @@ and no attempt is charged — ``driver.rows`` sends it again unprepared. What no
 see: a statement sent under another client's name with the same parameter types runs that
 client's statement. That is why the probe runs before the first statement, not after an error.
 
-``MOTIR_PREPARED_STATEMENTS=0``: nothing prepared, no probe. ``=1``: prepared, no probe — for a
-pooler that keeps each client's statements apart (PgBouncer 1.21+ with
-``max_prepared_statements``), which the probe cannot tell from one that does not.
+Not a setting (docs/settings.md): a pooler that keeps each client's statements apart
+(PgBouncer 1.21+ with ``max_prepared_statements``) is taken for one that does not, and gets
+unprepared statements — correct, a little slower. A program may still build settings with
+``prepared_statements=False`` (nothing prepared, no probe: a benchmark's "off") or
+``detect_pooler=False`` (prepared, no probe: a test of the probe itself).
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def install(engine: Source, settings: Settings) -> None:
         return  # db.py's connect_args: prepare_threshold=None on every connection already
     state = _states[engine] = _State(detect=settings.detect_pooler)
     if not state.detect:
-        return  # MOTIR_PREPARED_STATEMENTS=1: prepared, whatever sits in between
+        return  # detect_pooler=False: prepared, whatever sits in between
     args, kwargs = _connect_args(engine)
     where = _where(engine)
 
@@ -173,9 +175,9 @@ def probe_url(url: str, *, timeout: float = PROBE_SECONDS) -> bool | None:
 def describe(settings: Settings, pooled: bool | None) -> str:
     """The statement mode ``settings`` give a URL that ``probe`` found ``pooled``, in words."""
     if not settings.prepared_statements:
-        return "statements sent unprepared (MOTIR_PREPARED_STATEMENTS=0)"
+        return "statements sent unprepared (prepared_statements=False)"
     if not settings.detect_pooler:
-        return "statements prepared (MOTIR_PREPARED_STATEMENTS=1)"
+        return "statements prepared (detect_pooler=False)"
     if pooled:
         return "statements sent unprepared: a transaction pooler was found (no setting needed)"
     if pooled is False:
@@ -191,7 +193,7 @@ def refused(conn: PooledConnection | Connection, raw: psycopg.Connection[Any], e
         return False
     state = None if conn.engine is None else _states.get(conn.engine)
     if conn.engine is None or state is None or not state.detect:
-        return False  # not ours to decide: MOTIR_PREPARED_STATEMENTS=1 said prepare, or someone else's connection
+        return False  # not ours to decide: detect_pooler=False said prepare, or someone else's connection
     with state.lock:
         state.pooled = True
         _warn(state, _where(conn.engine),
@@ -204,9 +206,9 @@ def mode(engine: Source) -> str:
     """What ``engine``'s connections do now, for ``motir doctor`` and logs."""
     state = _states.get(engine)
     if state is None:
-        return "unprepared (MOTIR_PREPARED_STATEMENTS=0)"
+        return "unprepared (prepared_statements=False)"
     if not state.detect:
-        return "prepared (MOTIR_PREPARED_STATEMENTS=1)"
+        return "prepared (detect_pooler=False)"
     if state.pooled:
         return "unprepared (a transaction pooler was found)"
     return "prepared (no transaction pooler found)" if state.pooled is False else "prepared (not probed yet)"
@@ -217,10 +219,8 @@ def _warn(state: _State, where: str, why: str) -> None:
         return
     state.warned = True
     log.warning("%s reaches Postgres through a transaction pooler (%s): this process's connections to it "
-                "send every statement unprepared from now on, as a transaction pooler needs. "
-                "MOTIR_PREPARED_STATEMENTS=0 says so and skips this check; =1 prepares anyway, for a pooler "
-                "that keeps each client's statements apart (PgBouncer 1.21+ with max_prepared_statements)",
-                where, why)
+                "send every statement unprepared from now on, as a transaction pooler needs (no setting "
+                "is needed: docs/operations.md, Behind PgBouncer)", where, why)
 
 
 def unprepared(dbapi_connection: Any) -> None:

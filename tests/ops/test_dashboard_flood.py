@@ -87,15 +87,28 @@ def get(port: int, path: str, *, source: str, auth: tuple[str, str] | None = Non
         conn.close()
 
 
-def _serve(database_url: str, users: Path, **env: str) -> Iterator[int]:
+#: The dashboard as ``motir dashboard`` serves it, with its verifier pool sized by the test (a size no
+#: option of the command sets: 2 threads and 4 waiting sign-ins).
+SERVE = """
+import dataclasses, sys, uvicorn
+from motir_celery.ops.dashboard import DashboardConfig, create_app
+config = DashboardConfig.from_env()
+auth = dataclasses.replace(config.auth, verify_threads=int(sys.argv[2]), verify_queue=int(sys.argv[3]))
+uvicorn.run(create_app(dataclasses.replace(config, auth=auth)), host="127.0.0.1", port=int(sys.argv[1]),
+            log_level="warning", proxy_headers=False, server_header=False)
+"""
+
+
+def _serve(database_url: str, users: Path, *, verify_threads: int = 2, verify_queue: int = 4) -> Iterator[int]:
     port = _free_port()
     child = {k: v for k, v in os.environ.items() if not k.startswith("MOTIR_DASHBOARD_")}
     child.update({"PYTHONPATH": str(ROOT), "MOTIR_DATABASE_URL": database_url, "MOTIR_DASHBOARD_AUTH": "basic",
                   "MOTIR_DASHBOARD_USERS_FILE": str(users), "MOTIR_DASHBOARD_SECRET": "s",
-                  "MOTIR_DASHBOARD_TRUSTED_PROXIES": f"{PROXY}/32", **env})
-    proc = subprocess.Popen([sys.executable, "-m", "motir_celery.ops.cli", "dashboard", "--port", str(port),
-                             "--log-level", "warning"], env=child, cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                  "MOTIR_DASHBOARD_TRUSTED_PROXIES": f"{PROXY}/32"})
+    command = ([sys.executable, "-m", "motir_celery.ops.cli", "dashboard", "--port", str(port), "--log-level",
+                "warning"] if (verify_threads, verify_queue) == (2, 4) else
+               [sys.executable, "-c", SERVE, str(port), str(verify_threads), str(verify_queue)])
+    proc = subprocess.Popen(command, env=child, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 90
         while True:
@@ -436,7 +449,7 @@ def one_thread_dashboard(database_url: str, tmp_path_factory: pytest.TempPathFac
 
     slow = PasswordHasher(time_cost=6, memory_cost=65536, parallelism=2).hash("pw")
     users = _users_file(tmp_path_factory.mktemp("tiny") / "users", [f"slow:{slow}:ws-a"])
-    yield from _serve(database_url, users, MOTIR_DASHBOARD_VERIFY_THREADS="1", MOTIR_DASHBOARD_VERIFY_QUEUE="0")
+    yield from _serve(database_url, users, verify_threads=1, verify_queue=0)
 
 
 def test_a_full_verifier_pool_answers_503_with_retry_after_and_does_not_count_it_as_a_failure(

@@ -9,7 +9,7 @@ commits, rolls back or closes it; no SQLAlchemy is imported (a Django-hosted wor
 memory).
 
 On Django's connection, Django's cursor class (client-side binding by default) is used:
-nothing is prepared server-side there whatever ``MOTIR_PREPARED_STATEMENTS`` says (safe
+nothing is prepared server-side there, whatever the engine does on its own connections (safe
 behind PgBouncer, as Django's own default is), and ``jsonb`` comes back as text
 (Django's loader). The write path reads neither.
 

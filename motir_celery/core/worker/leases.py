@@ -18,7 +18,7 @@ lease a third of its lease old (``Ledger``) — come from one of two places:
 The bound, stated plainly: with the renewer, a body that holds the GIL longer
 than the lease costs nothing, to its own run or any other, as long as its
 process lives and the attempt is within its bound (the job's ``time_limit=``,
-else the worker's Celery time limit, else ``MOTIR_MAX_HOLD_SECONDS``); past the
+else the worker's Celery time limit, else one hour); past the
 bound its lease runs out. Without the renewer, the old bound holds: such a body
 starves every thread of its process, heartbeats too, and past the lease the
 runs of that process are reclaimed and their current steps run again.
@@ -66,7 +66,7 @@ class Lease:
     #: time.monotonic() of the next renewal, and the instant past which it is not renewed.
     next_at: float
     until: float
-    #: what ``until`` comes from, for the log line (``time_limit=600``, ``MOTIR_MAX_HOLD_SECONDS=3600``)
+    #: what ``until`` comes from, for the log line (``time_limit=600``, ``task_time_limit=900``, ``1 hour``)
     bound: str
     #: renewed once at least: a refusal after that means the claim is gone (a refusal
     #: before may be a claim not committed yet: registered before it, kept until released)
@@ -264,7 +264,7 @@ class LeaseKeeper:
         if self.worker_time_limit is not None:
             return self.worker_time_limit, f"task_time_limit={self.worker_time_limit:g}"
         hold = self._engine.settings.max_hold_seconds
-        return hold, f"MOTIR_MAX_HOLD_SECONDS={hold:g}"
+        return hold, f"at most {hold:g} s without a time limit"
 
     @contextmanager
     def hold(self, run_id: uuid.UUID, job_id: str) -> Iterator[uuid.UUID]:

@@ -93,31 +93,22 @@ class DashboardConfig:
     metrics_window: float = 300.0
     #: Optional link to Flower in the navigation bar.
     flower_url: str | None = None
-    #: A workspace label on the stats rollup's counters (MOTIR_METRICS_BY_WORKSPACE=1): bounded by
+    #: A workspace label on the stats rollup's counters (``--metrics-by-workspace``): bounded by
     #: jobs × workspaces, so off unless asked.
     metrics_by_workspace: bool = False
 
+    def __post_init__(self) -> None:
+        if self.flower_url and urlsplit(self.flower_url).scheme not in ("http", "https"):
+            raise ConfigurationError(f"the Flower URL {self.flower_url!r} must be an http(s) URL")
+        if not self.metrics_window > 0:
+            raise ConfigurationError(f"the metrics window must be a positive number of seconds, got {self.metrics_window!r}")
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "DashboardConfig":
+        """Identity and the CSRF secret from the environment (docs/settings.md); the rest are
+        ``motir dashboard``'s options, or this class's fields for an app made in code."""
         env = os.environ if env is None else env
-        raw_window = env.get("MOTIR_METRICS_WINDOW", "").strip() or "300"
-        try:
-            window = float(raw_window)
-        except ValueError:
-            raise ConfigurationError(f"MOTIR_METRICS_WINDOW={raw_window!r} is not a number of seconds") from None
-        flower = env.get("MOTIR_FLOWER_URL", "").strip() or None
-        if flower and urlsplit(flower).scheme not in ("http", "https"):
-            raise ConfigurationError(f"MOTIR_FLOWER_URL={flower!r} must be an http(s) URL")
-        by_workspace = env.get("MOTIR_METRICS_BY_WORKSPACE", "").strip().lower()
-        if by_workspace not in ("", "0", "1", "true", "false", "yes", "no"):
-            raise ConfigurationError(f"MOTIR_METRICS_BY_WORKSPACE={by_workspace!r} is not a boolean (1 or 0)")
-        return cls(
-            auth=AuthConfig.from_env(env),
-            secret=env.get("MOTIR_DASHBOARD_SECRET", "").strip() or None,
-            metrics_window=window,
-            flower_url=flower,
-            metrics_by_workspace=by_workspace in ("1", "true", "yes"),
-        )
+        return cls(auth=AuthConfig.from_env(env), secret=env.get("MOTIR_DASHBOARD_SECRET", "").strip() or None)
 
 
 class _Dashboard:

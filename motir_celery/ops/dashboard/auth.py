@@ -17,7 +17,7 @@ Two ways to say who the caller is (``MOTIR_DASHBOARD_AUTH``; docs/security.md):
   one ``user:hash:workspace`` per line; workspace ``*`` makes an admin. The hash
   comes from ``motir dashboard hash-password`` (argon2id or scrypt,
   ``passwords.py``). Clear text is refused unless
-  ``MOTIR_DASHBOARD_ALLOW_PLAINTEXT_PASSWORDS=1`` (development only), unsalted
+  ``motir dashboard --allow-plaintext-passwords`` (development only), unsalted
   ``sha256:`` always. A file others may write is refused; one they may read is
   loudly warned about.
 
@@ -183,32 +183,12 @@ class AuthConfig:
         users_file = env.get("MOTIR_DASHBOARD_USERS_FILE", "").strip() or None
         if mode == "basic" and not users_file:
             raise ConfigurationError("MOTIR_DASHBOARD_AUTH=basic needs MOTIR_DASHBOARD_USERS_FILE")
-        plaintext = env.get("MOTIR_DASHBOARD_ALLOW_PLAINTEXT_PASSWORDS", "").strip().lower()
-        if plaintext not in ("", "0", "1", "false", "true"):
-            raise ConfigurationError(f"MOTIR_DASHBOARD_ALLOW_PLAINTEXT_PASSWORDS={plaintext!r}: use 1 or 0")
-        threads = _count_setting(env, "MOTIR_DASHBOARD_VERIFY_THREADS", cls.verify_threads, low=1)
-        queue = _count_setting(env, "MOTIR_DASHBOARD_VERIFY_QUEUE", cls.verify_queue, low=0)
         return cls(
             mode=mode,
-            user_header=env.get("MOTIR_DASHBOARD_USER_HEADER", "").strip() or cls.user_header,
-            workspace_header=env.get("MOTIR_DASHBOARD_WORKSPACE_HEADER", "").strip() or cls.workspace_header,
-            admin_header=env.get("MOTIR_DASHBOARD_ADMIN_HEADER", "").strip() or cls.admin_header,
             users_file=users_file,
             trusted_proxies=parse_networks(env.get("MOTIR_DASHBOARD_TRUSTED_PROXIES", "")),
-            allow_plaintext=plaintext in ("1", "true"),
             local_user=f"local:{_os_user()}",
-            verify_threads=threads,
-            verify_queue=queue,
         )
-
-
-def _count_setting(env: Mapping[str, str], name: str, default: int, *, low: int) -> int:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    if not raw.isdigit() or not low <= int(raw) <= 64:
-        raise ConfigurationError(f"{name}={raw!r}: a whole number from {low} to 64")
-    return int(raw)
 
 
 def _os_user() -> str:
@@ -269,7 +249,7 @@ def load_users(path: str | Path, *, allow_plaintext: bool = False) -> dict[str, 
             if not allow_plaintext:
                 raise ConfigurationError(
                     f"{path}:{number}: user {user!r} has a clear-text password; store a hash from "
-                    "`motir dashboard hash-password` (MOTIR_DASHBOARD_ALLOW_PLAINTEXT_PASSWORDS=1 accepts clear "
+                    "`motir dashboard hash-password` (motir dashboard --allow-plaintext-passwords accepts clear "
                     "text, for development only)")
             plaintext.append(user)
         admin = workspace == "*"
@@ -277,7 +257,7 @@ def load_users(path: str | Path, *, allow_plaintext: bool = False) -> dict[str, 
     _check_file_mode(path, plaintext=bool(plaintext))
     if plaintext:
         log.warning("WARNING: %s holds clear-text passwords (users %s), accepted because "
-                    "MOTIR_DASHBOARD_ALLOW_PLAINTEXT_PASSWORDS=1: development only", path, ", ".join(plaintext))
+                    "--allow-plaintext-passwords: development only", path, ", ".join(plaintext))
     return users
 
 
