@@ -5,7 +5,7 @@
 # make lint  - ruff check (the repository) and mypy motir_celery, as CI runs them
 # make test-pgbouncer - the worker end-to-end, engine-semantics, canvas, Django and SIGKILL chaos tests again,
 #              through a private PgBouncer in transaction pooling (tests/fixtures/pgbouncer.py) with
-#              MOTIR_PREPARED_STATEMENTS unset (the engine finds the pooler); a database error in any worker
+#              nothing set about it (the engine finds the pooler); a database error in any worker
 #              log fails the test
 # make test-scale - the long tests make test leaves out (-m scale: a chord of 10,000 on real workers, the
 #              chaos beats scenario)
@@ -55,7 +55,7 @@ test-scale: system-packages setup
 
 # The second pass (CI runs it beside `make test`): the tests whose workers and engine talk to the
 # database most, through PgBouncer (pool_mode = transaction, default_pool_size 4) in front of the same
-# server, with MOTIR_PREPARED_STATEMENTS unset as a user leaves it. The session creates, migrates and
+# server, with nothing set about it, as a user leaves it. The session creates, migrates and
 # drops its database through it too. The chaos tests of brokers, beats and bad input are not here: they
 # test no database path the SIGKILL one does not, nor do the RabbitMQ variants of the end-to-end tests
 # (their Redis twins send the same statements), nor test_hot_path.py (bodies that hold the GIL, huge
