@@ -937,7 +937,7 @@ class Feeder(threading.Thread):
 
         try:
             import_all(self.settings.imports)
-            engine = engine_of(create_app(self.settings))
+            engine = engine_of(create_app(self.settings, current=False))  # this thread's own, not the process's
             t0 = time.monotonic()
             while not self.halt.is_set() and (self.rate is not None or self.sent < self.total):
                 due = (int((time.monotonic() - t0) * self.rate) if self.rate is not None else self.total) - self.sent
