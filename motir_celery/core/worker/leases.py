@@ -66,7 +66,8 @@ class Lease:
     #: time.monotonic() of the next renewal, and the instant past which it is not renewed.
     next_at: float
     until: float
-    #: what ``until`` comes from, for the log line (``time_limit=600``, ``task_time_limit=900``, ``1 hour``)
+    #: what ``until`` comes from, one word (a field of the protocol line): ``time_limit=600``,
+    #: ``task_time_limit=900``, ``default_hold=3600s``
     bound: str
     #: renewed once at least: a refusal after that means the claim is gone (a refusal
     #: before may be a claim not committed yet: registered before it, kept until released)
@@ -264,7 +265,7 @@ class LeaseKeeper:
         if self.worker_time_limit is not None:
             return self.worker_time_limit, f"task_time_limit={self.worker_time_limit:g}"
         hold = self._engine.settings.max_hold_seconds
-        return hold, f"at most {hold:g} s without a time limit"
+        return hold, f"default_hold={hold:g}s"  # one word: a field of the holders' protocol line
 
     @contextmanager
     def hold(self, run_id: uuid.UUID, job_id: str) -> Iterator[uuid.UUID]:
