@@ -4,8 +4,8 @@ A private PgBouncer (``motir_celery/dev/private.py``) with ``default_pool_size =
 session's database: every client connection of the test shares one server session,
 so anything the engine left in it — a prepared statement, a ``SET`` without
 ``LOCAL``, a role, an advisory lock, a ``LISTEN``, a temporary table, a held cursor —
-would be seen by the next client, and is looked for at the end. Through it, with
-``MOTIR_PREPARED_STATEMENTS=0``: ``send_event`` (alone and in the caller's
+would be seen by the next client, and is looked for at the end. Through it, with no setting
+(each engine finds the pooler, store/pooler.py): ``send_event`` (alone and in the caller's
 transaction), a run's claim, steps and settle, the sweeper, beat's slot enqueue and
 a scheduler pass, the CLI's reads and the dashboard's pages.
 
@@ -47,10 +47,9 @@ def bouncer(database_url: str) -> Iterator[PgBouncer]:
 
 @pytest.fixture
 def through(bouncer: PgBouncer, database_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """This process's engine settings point at the bouncer, prepared statements off."""
+    """This process's engine settings point at the bouncer (no setting: the engines find it)."""
     url = bouncer.url(make_url(database_url).database)
     monkeypatch.setenv("MOTIR_DATABASE_URL", url)
-    monkeypatch.setenv("MOTIR_PREPARED_STATEMENTS", "0")
     monkeypatch.delenv("MOTIR_APP_DATABASE_URL", raising=False)
     monkeypatch.delenv("MOTIR_ADMIN_DATABASE_URL", raising=False)
     dispose_engines()
@@ -90,18 +89,20 @@ def test_every_surface_works_through_pgbouncer_and_leaves_no_session_state(throu
     from motir_celery.ops.cli import main
     from motir_celery.ops.dashboard import DashboardConfig
     from motir_celery.ops.dashboard import create_app as dashboard_app
+    from motir_celery.store import pooler
     from motir_celery.testing import Held
     from tests.fixtures import beat_jobs
     from tests.fixtures.ops_helpers import dead_letter, run_event
 
     settings = Settings.from_env()
-    assert settings.prepared_statements is False and str(bouncer.port) in (settings.database_url or "")
+    assert str(bouncer.port) in (settings.database_url or "")
     quiet = Engine(settings, host=Held())  # an engine through the bouncer whose messages are held
 
     # send_event on its own connection, and in the caller's transaction (published only on commit)
     sent = quiet.send_event("test.three", {"workspace_id": "ws-a"})
     with Session(quiet.sql_engine()) as session, session.begin():
         in_tx = quiet.send_event("test.three", {"workspace_id": "ws-b"}, session=session)
+    assert pooler.mode(quiet.pool()) == "unprepared (a transaction pooler was found)"
     # a run's claim, step records and settle (Engine.execute: what the worker's task calls), 3 runs
     for _ in range(3):
         run_event("test.three", {"workspace_id": "ws-a"})
@@ -166,21 +167,20 @@ def test_a_migrated_database_needs_no_session_state_to_check_through_pgbouncer(t
     assert result.exit_code == 0 and "no drift" in result.stdout, result.output
 
 
-@pytest.mark.parametrize("prepared, status", [("1", "WARN"), ("0", "OK")])
-def test_doctor_sees_the_pooler_and_says_whether_prepared_statements_are_off(
-        through: str, monkeypatch: pytest.MonkeyPatch, prepared: str, status: str) -> None:
-    import json
+@pytest.mark.parametrize("setting, status", [({}, "OK"), ({"detect_pooler": False}, "WARN")],
+                         ids=["no setting", "detect_pooler=False"])
+def test_doctor_sees_the_pooler_and_says_whether_statements_are_prepared_without_probing(
+        through: str, setting: dict[str, bool], status: str) -> None:
+    from dataclasses import replace
 
-    from motir_celery.ops.cli import main
+    from motir_celery.ops import doctor
 
-    monkeypatch.setenv("MOTIR_PREPARED_STATEMENTS", prepared)
-    reset_settings()
-    result = CliRunner().invoke(main, ["doctor", "--timeout", "1", "--json"], catch_exceptions=False)
-    checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
-    assert checks["pooler"]["status"] == status, checks["pooler"]
-    assert "a pooler or proxy sits in between" in checks["pooler"]["detail"]
+    settings = replace(Settings.from_env(), **setting)
+    (check,) = [c for c in doctor.run_checks(settings, timeout=1.0) if c.name == "pooler"]
+    assert check.status == status, check
+    assert "a pooler or proxy sits in between" in check.detail
     if status == "WARN":
-        assert "MOTIR_PREPARED_STATEMENTS=0" in checks["pooler"]["fix"]
+        assert "detect_pooler" in check.fix
 
 
 def test_the_log_scan_finds_database_errors_and_not_runs_that_failed_on_purpose(

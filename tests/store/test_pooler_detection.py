@@ -3,13 +3,13 @@
 A private PgBouncer (``motir_celery/dev/private.py``) in transaction pooling with ``default_pool_size
 = 1`` fronts this session's database, so every client connection shares one server session:
 a statement one client prepared there is the next client's clash (``DuplicatePreparedStatement``)
-or absence (``InvalidSqlStatementName``). With ``MOTIR_PREPARED_STATEMENTS`` unset, runs in two
+or absence (``InvalidSqlStatementName``). With no setting, runs in two
 threads at once (two clients) all succeed on their first attempt, because the engine's probe
 (``store/pooler.py``) found the pooler at its first connection and prepares nothing; one
 WARNING says so. When the probe misses it, the first refused name does the same and the
 statement is sent again: still no attempt charged. A session pooler and a direct connection
-keep their statements prepared; the setting overrides the probe; ``motir doctor`` says which
-mode is in force.
+keep their statements prepared; an engine's settings that turn prepared statements or the probe
+off override it; ``motir doctor`` says which mode is in force.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 import uuid
+from dataclasses import replace
 from typing import Any, Iterator
 
 import psycopg
@@ -29,7 +30,7 @@ from sqlalchemy.engine import Engine
 import tests.fixtures.jobs  # noqa: F401  (test.three and its jobs)
 from motir_celery.core.engine import Engine as MotirEngine
 from motir_celery.dev.private import PgBouncer, pgbouncer_binary
-from motir_celery.settings import reset_settings
+from motir_celery.settings import Settings, reset_settings
 from motir_celery.store import pooler
 from motir_celery.store.db import dispose_engines
 from motir_celery.testing import Held
@@ -69,12 +70,8 @@ def session_bouncer(database_url: str) -> Iterator[PgBouncer]:
     yield from _bouncer(database_url, "session", 8)
 
 
-def _point_at(monkeypatch: pytest.MonkeyPatch, url: str, prepared: str | None = None) -> None:
+def _point_at(monkeypatch: pytest.MonkeyPatch, url: str) -> None:
     monkeypatch.setenv("MOTIR_DATABASE_URL", url)
-    if prepared is None:
-        monkeypatch.delenv("MOTIR_PREPARED_STATEMENTS", raising=False)
-    else:
-        monkeypatch.setenv("MOTIR_PREPARED_STATEMENTS", prepared)
     for name in ("MOTIR_APP_DATABASE_URL", "MOTIR_ADMIN_DATABASE_URL"):
         monkeypatch.delenv(name, raising=False)
     dispose_engines()
@@ -83,7 +80,7 @@ def _point_at(monkeypatch: pytest.MonkeyPatch, url: str, prepared: str | None = 
 
 @pytest.fixture
 def through(bouncer: PgBouncer, database_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """This process's engine at the transaction pooler, MOTIR_PREPARED_STATEMENTS unset."""
+    """This process's engine at the transaction pooler, with no setting."""
     url = bouncer.url(make_url(database_url).database)
     _point_at(monkeypatch, url)
     yield url
@@ -92,8 +89,8 @@ def through(bouncer: PgBouncer, database_url: str, monkeypatch: pytest.MonkeyPat
     reset_settings()
 
 
-def _queued(n: int) -> list[uuid.UUID]:
-    return [next(r.run_id for r in ENGINE.send_event("test.three", {"n": i}).runs if r.job_id == JOB)
+def _queued(n: int, engine: MotirEngine = ENGINE) -> list[uuid.UUID]:
+    return [next(r.run_id for r in engine.send_event("test.three", {"n": i}).runs if r.job_id == JOB)
             for i in range(n)]
 
 
@@ -154,7 +151,7 @@ def test_runs_behind_a_transaction_pooler_with_no_setting_all_succeed_first_time
     assert _attempts(engine, runs) == [(1, "succeeded", 1)] * 6  # no attempt charged by the pooler
     (warning,) = _warnings(caplog)
     assert "transaction pooler" in warning and "shared one server session" in warning
-    assert "MOTIR_PREPARED_STATEMENTS=0" in warning and "prepared statement" not in warning  # (the log scan's words)
+    assert "no setting" in warning and "prepared statement" not in warning  # (the log scan's words)
     assert pooler.mode(ENGINE.pool()) == "unprepared (a transaction pooler was found)"
     dispose_engines()
     assert _prepared_in_the_one_session(through) == 0
@@ -193,20 +190,22 @@ def test_a_session_pooler_and_a_direct_connection_keep_statements_prepared(
         dispose_engines()
 
 
-@pytest.mark.parametrize("setting, mode", [("0", "unprepared (MOTIR_PREPARED_STATEMENTS=0)"),
-                                           ("1", "prepared (MOTIR_PREPARED_STATEMENTS=1)")])
-def test_the_setting_overrides_the_probe(setting: str, mode: str, bouncer: PgBouncer, database_url: str,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("setting, mode", [({"prepared_statements": False}, "unprepared (prepared_statements=False)"),
+                                           ({"detect_pooler": False}, "prepared (detect_pooler=False)")],
+                         ids=["prepared_statements=False", "detect_pooler=False"])
+def test_the_engines_settings_override_the_probe(setting: dict[str, bool], mode: str, bouncer: PgBouncer,
+                                                 database_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     def never(*args: Any, **kwargs: Any) -> bool:
-        raise AssertionError("probed though MOTIR_PREPARED_STATEMENTS was set")
+        raise AssertionError(f"probed though the engine's settings say {setting}")
 
     monkeypatch.setattr(pooler, "probe", never)
     url = bouncer.url(make_url(database_url).database)
-    _point_at(monkeypatch, url, setting)
+    _point_at(monkeypatch, url)
+    told = MotirEngine(replace(Settings.from_env(), **setting), host=Held())  # (its pool is made first, here)
     try:
-        (run_id,) = _queued(1)  # one client at a time: =1 works here too, by luck of the one session
-        assert ENGINE.execute(run_id, job_id=JOB, worker="pooler-test/1").state == "succeeded"
-        assert pooler.mode(ENGINE.pool()) == mode
+        (run_id,) = _queued(1, told)  # one client at a time: detect_pooler=False works here too, by luck
+        assert told.execute(run_id, job_id=JOB, worker="pooler-test/1").state == "succeeded"
+        assert pooler.mode(told.pool()) == mode
     finally:
         dispose_engines()
         _deallocate(url)
