@@ -32,7 +32,7 @@ import tests.fixtures.jobs  # noqa: F401  (event jobs, for the "event enqueue un
 from motir_celery import enqueue_scheduled
 from motir_celery.adapter.beat import SCHEDULER, MotirScheduler, OverlapSkipped, enqueue_slot
 from motir_celery.adapter.celery_app import attach, create_app
-from motir_celery.adapter.messages import engine_of
+from motir_celery.adapter.messages import host
 from motir_celery.core.jobs import get_job
 from motir_celery.core.producer.events import dispatch_event
 from motir_celery.core.schedule import latest_slot, schedule_options, slots_between
@@ -296,8 +296,8 @@ def published() -> Held:
 
 @pytest.fixture
 def scheduler(broker_url: str, tmp_path: Path, published: Held) -> Iterator[MotirScheduler]:
-    app = create_app(Settings.from_env())
-    engine_of(app).host_on(published)  # the app's engine holds its messages instead of sending them
+    app = Celery("beat-test", set_as_current=False)
+    host(app, holding(published))  # the beat's app hosts an engine that holds its messages
     sched = MotirScheduler(app=app, schedule_filename=str(tmp_path / "schedule"), lazy=True)
     yield sched
 

@@ -81,9 +81,10 @@ def test_prepared_statements_collide_through_transaction_pooling(through: str) -
 
 def test_every_surface_works_through_pgbouncer_and_leaves_no_session_state(through: str, bouncer: PgBouncer,
                                                                            engine: Any, tmp_path: Path) -> None:
+    from celery import Celery
+
     from motir_celery.adapter.beat import MotirScheduler, enqueue_slot
-    from motir_celery.adapter.celery_app import create_app
-    from motir_celery.adapter.messages import engine_of
+    from motir_celery.adapter.messages import host
     from motir_celery.core.engine import Engine
     from motir_celery.core.schedule import latest_slot
     from motir_celery.ops.cli import main
@@ -112,8 +113,8 @@ def test_every_surface_works_through_pgbouncer_and_leaves_no_session_state(throu
     slot = latest_slot("* * * * * */2", "UTC", datetime.now(timezone.utc))
     assert slot is not None
     assert type(enqueue_slot(quiet, beat_jobs.EVERY_2S, slot)).__name__ == "Queued"
-    beat_app = create_app(settings)
-    engine_of(beat_app).host_on(Held())  # the scheduler's messages held too
+    beat_app = Celery("beat-test", set_as_current=False)
+    host(beat_app, quiet)  # the beat's app hosts the engine whose messages are held
     scheduler = MotirScheduler(app=beat_app, schedule_filename=str(tmp_path / "schedule"), lazy=True)
     assert scheduler._motir_pass() >= 0
 

@@ -161,11 +161,10 @@ class ChaosEnv:
         queue; ``copies`` > 1 sends every message that many times."""
         from motir_celery.adapter.celery_app import create_app
         from motir_celery.adapter.messages import engine_of
+        from motir_celery.core.engine import Engine as MotirEngine
 
-        engine = engine_of(create_app(self.settings()))
-        if copies > 1:
-            engine.host_on(_Copies(engine.host, copies))
-        return engine
+        engine = engine_of(create_app(self.settings(), current=False))
+        return engine if copies == 1 else MotirEngine(engine.settings, host=_Copies(engine.host, copies))
 
 
 class _Copies:
