@@ -20,7 +20,7 @@ step body records each execution (``count_effects``).
 * the renewer killed (its own process, under threads): the holders renew in process
   meanwhile, the worker starts it again, and the run in flight is not harmed; the new
   renewer carries a GIL holder;
-* a run held past its bound (the job's ``time_limit=``, else ``MOTIR_MAX_HOLD_SECONDS``)
+* a run held past its bound (the job's ``time_limit=``, else the engine's ``max_hold_seconds``)
   is no longer renewed, and is reclaimed (in process: the renewer's ledger is the same).
 """
 
@@ -32,6 +32,7 @@ import re
 import signal
 import threading
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -278,14 +279,14 @@ def test_a_killed_renewer_is_started_again_and_the_runs_in_flight_keep_their_lea
 # --- the bound -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("job, env, bound", [
+@pytest.mark.parametrize("job, setting, bound", [
     (time_limited, {}, "time_limit=1"),
-    (until_lost, {"MOTIR_MAX_HOLD_SECONDS": "1"}, "MOTIR_MAX_HOLD_SECONDS=1"),
-], ids=["the job's time_limit", "MOTIR_MAX_HOLD_SECONDS"])
+    (until_lost, {"max_hold_seconds": 1.0}, "default_hold=1s"),
+], ids=["the job's time_limit", "the engine's max_hold_seconds"])
 def test_a_run_held_past_its_bound_is_no_longer_renewed_and_is_reclaimed(  # type: ignore[no-untyped-def]
-        engine, broker_url, caplog, job, env, bound):
+        engine, broker_url, caplog, job, setting, bound):
     """In this process, with its heartbeat and a sweeper running as a worker's would."""
-    settings = Settings.from_env({**os.environ, "MOTIR_LEASE_SECONDS": "1", **env})
+    settings = replace(Settings.from_env({**os.environ, "MOTIR_LEASE_SECONDS": "1"}), **setting)
     queue = _queue()  # nobody consumes it: this process runs the run
     run = job.apply_async([60], queue=queue).id  # its step runs until the run is reclaimed
     stop = threading.Event()
