@@ -78,7 +78,7 @@ from celery.exceptions import Retry
 
 from motir_celery.adapter.backend import BACKEND
 from motir_celery.adapter.guard import GUARDED_AMQP_TRANSPORT
-from motir_celery.adapter.messages import GUARDED_TRANSPORT, CeleryHost, engine_of, host, hosts
+from motir_celery.adapter.messages import GUARDED_TRANSPORT, CeleryHost, engine_of, host, hosted, hosts
 from motir_celery.adapter.protocol import run_to_execute
 from motir_celery.adapter.worker import EngineStep, engine_thread
 from motir_celery.core.current import current, default, make_current, peek
@@ -107,9 +107,8 @@ def _default_host(engine: Engine) -> Host:
 
 def _host_of(app: Celery) -> CeleryHost:
     """The host of attached ``app``."""
-    engine = hosts(app)
-    found = engine.host if engine is not None else None
-    if not isinstance(found, CeleryHost) or found.app is not app:
+    found = hosted(app)
+    if found is None:
         raise ConfigurationError(f"Celery app {app.main!r} is not attached (motir_celery.attach(app))")
     return found
 
@@ -201,8 +200,7 @@ def attach(app: Celery, *, settings: Settings | None = None, engine: Engine | No
         before = peek()
         if before is not None and before.transactions is not None:
             engine.join_transactions(before.transactions)  # Django's app was ready before this attach
-    engine.host_on(CeleryHost(app, engine))
-    host(app, engine)
+    engine.host_on(host(app, engine))
     if current:
         make_current(engine)
     for key, value in {

@@ -71,7 +71,7 @@ from motir_celery.core.publish import Publish
 from motir_celery.core.worker.inline import Inline
 from motir_celery.forks import per_process
 
-__all__ = ["CeleryHost", "host", "hosts", "engine_of", "RedisLane", "GuardedRedisTransport", "MALFORMED_SUFFIX", "GUARDED_TRANSPORT",
+__all__ = ["CeleryHost", "host", "hosted", "hosts", "engine_of", "RedisLane", "GuardedRedisTransport", "MALFORMED_SUFFIX", "GUARDED_TRANSPORT",
            "task_options", "argsrepr", "redis_lane", "routed_options", "publish_name"]
 
 log = logging.getLogger("motir_celery.adapter.messages")
@@ -172,20 +172,32 @@ class CeleryHost:
         return publish
 
 
-#: The attribute of a Celery app that holds the engine it hosts (``attach`` sets it).
-ENGINE_ATTRIBUTE = "motir_engine"
+#: The attribute of a Celery app that holds its ``CeleryHost`` (``attach`` sets it).
+HOST_ATTRIBUTE = "motir_host"
 
 
-def host(app: Celery, engine: Engine) -> None:
+def host(app: Celery, engine: Engine) -> CeleryHost:
     """``app`` hosts ``engine`` from now on: the engine the adapter's parts serving the app use
-    (a task's run, the worker's side duties, the result backend, the beat)."""
-    setattr(app, ENGINE_ATTRIBUTE, engine)
+    (a task's run, the worker's side duties, the result backend, the beat). The app keeps the
+    ``CeleryHost`` (and its bookkeeping: the task names registered, the job modules imported)
+    whatever the engine publishes through later."""
+    found = hosted(app)
+    if found is None or found.engine is not engine:
+        found = CeleryHost(app, engine)
+        setattr(app, HOST_ATTRIBUTE, found)
+    return found
+
+
+def hosted(app: Any) -> CeleryHost | None:
+    """The ``CeleryHost`` of an attached app, or None."""
+    found = getattr(app, HOST_ATTRIBUTE, None)
+    return found if isinstance(found, CeleryHost) else None
 
 
 def hosts(app: Any) -> Engine | None:
     """The engine ``app`` was attached to, or None."""
-    found = getattr(app, ENGINE_ATTRIBUTE, None)
-    return found if isinstance(found, Engine) else None
+    found = hosted(app)
+    return found.engine if found is not None else None
 
 
 def engine_of(app: Any) -> Engine:

@@ -106,7 +106,7 @@ def get_pool(settings: Settings, url: str | None = None, *, runs: int = 1) -> Po
         return pool
 
     engines = _engines()
-    return engines.once(engines.pools, url, make)
+    return engines.once(engines.pools, _key(url, settings), make)
 
 
 def get_engine(settings: Settings, url: str | None = None) -> Engine:
@@ -125,7 +125,7 @@ def get_engine(settings: Settings, url: str | None = None) -> Engine:
         return engine
 
     engines = _engines()
-    return engines.once(engines.by_url, url, make)
+    return engines.once(engines.by_url, _key(url, settings), make)
 
 
 def _connect_args(settings: Settings) -> dict[str, Any]:
@@ -148,7 +148,13 @@ def side_engine(settings: Settings) -> Pool:
         return pool
 
     engines = _engines()
-    return engines.once(engines.pools, "side:" + url, make)
+    return engines.once(engines.pools, "side:" + _key(url, settings), make)
+
+
+def _key(url: str, settings: Settings) -> str:
+    """A pool is made per URL and per way of sending statements (two engines of one process on one
+    URL, one preparing and one not, do not share connections)."""
+    return f"{url} prepare={settings.prepared_statements} probe={settings.detect_pooler}"
 
 
 def dispose_engines() -> None:
