@@ -74,7 +74,8 @@ class Recorder:
     @pytest.hookimpl(trylast=True)
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         test = self.tests.setdefault(report.nodeid, Outcome(report.nodeid))
-        if report.outcome == "rerun":  # pytest-rerunfailures: this attempt failed, another starts
+        outcome: str = report.outcome  # pytest-rerunfailures adds "rerun" to pytest's three
+        if outcome == "rerun":  # this attempt failed, another starts
             test.outcome, test.message, test.attempts = "passed", "", test.attempts + 1
             return
         xfail = hasattr(report, "wasxfail")

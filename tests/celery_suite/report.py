@@ -76,8 +76,10 @@ HEADER = ["feature", "tests", "plain Celery passes", "durable passes", "durable 
 
 def render_text(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in [HEADER, *rows]) for i in range(len(HEADER))]
-    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
-                                   for i, (c, w) in enumerate(zip(cells, widths)))
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
     return "\n".join([line(HEADER), "  ".join("-" * w for w in widths), *map(line, rows)])
 
 

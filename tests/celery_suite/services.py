@@ -63,7 +63,7 @@ def redis_from_env() -> Redis:
     try:
         client = redis.Redis(found.host, found.port, socket_connect_timeout=5)
         client.ping()
-        count = int(client.config_get("databases")["databases"])
+        count = int(str(client.config_get("databases")["databases"]))
     except redis.RedisError as exc:
         raise ServiceError(f"Redis at {found.host}:{found.port} (CELERY_BROKER_URL) does not answer: {exc}") from exc
     needed = max(db for pair in DATABASES.values() for db in pair) + 1

@@ -133,8 +133,8 @@ def add_durable(source: str) -> tuple[str, int]:
                 continue
             if any(k.arg == "durable" for k in deco.keywords):
                 continue
-            last = max([*deco.args, *deco.keywords], key=lambda n: (n.end_lineno or 0, n.end_col_offset or 0),
-                       default=None)
+            arguments: list[ast.expr | ast.keyword] = [*deco.args, *deco.keywords]
+            last = max(arguments, key=lambda n: (n.end_lineno or 0, n.end_col_offset or 0), default=None)
             if last is None:  # @shared_task(): before the closing parenthesis
                 edits.append((deco.end_lineno - 1, deco.end_col_offset - 1, b"durable=True"))
             else:
