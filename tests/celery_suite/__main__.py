@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from importlib.metadata import version as installed_version
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from tests.celery_suite import VARIANT_VAR, report
 from tests.celery_suite.services import (
@@ -69,6 +69,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--report", type=Path, default=None,
                    help="the Markdown report: the table and every test whose outcome differs "
                         "(default <cache>/report.md; make celery-suite writes docs/celery-suite.md)")
+    p.add_argument("--rerender", action="store_true",
+                   help="run nothing: the table and --report again from the last run's <cache>/results.json "
+                        "(after a change to features.py, say)")
     p.add_argument("--fail-under", type=float, metavar="PCT",
                    help="exit 1 when durable passes fewer than PCT %% of the tests plain Celery passes")
     args = p.parse_args(argv)
@@ -216,25 +219,20 @@ def _git_head() -> str:
     return (done.stdout.strip() or "unknown") + (" (with uncommitted changes)" if dirty else "")
 
 
-def summarize(args: argparse.Namespace, source: CelerySource, runs: dict[str, VariantRun],
-              variants: dict[str, Variant]) -> int:
+def collect(args: argparse.Namespace, source: CelerySource, runs: dict[str, VariantRun],
+            variants: dict[str, Variant]) -> dict[str, Any]:
+    """The run's outcomes and what the report says about how they were measured, saved as
+    <cache>/results.json (``--rerender`` reads it back)."""
     raws = {name: report.read(run.results_path) for name, run in runs.items()}
     nodeids = list(dict.fromkeys(n for raw in raws.values() for n in raw.collected))
     results = {name: report.complete(raws[name], nodeids, runs[name].incomplete or "pytest stopped before it")
                for name in runs}
-    empty = {n: report.Result(report.NOT_RUN, "variant not selected (--variants)", 0, 0.0) for n in nodeids}
-    plain, durable = results.get("plain", empty), results.get("durable", empty)
-    rows = report.table(plain, durable)
-    print()
-    print(report.render_text(rows))
-    for name in runs:
-        print(f"{name}: {report.counts(results[name])} in {runs[name].seconds / 60:.1f} min"
-              + (f" -- INCOMPLETE: {runs[name].incomplete}" if runs[name].incomplete else ""))
+    minutes = ", ".join(f"{name} {run.seconds / 60:.1f} min" for name, run in runs.items())
     preamble = [
         f"Measured {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC at commit {_git_head()}, Celery "
         f"{installed_version('celery')} installed, its suite from {source.origin} (version {source.version}); "
         f"`t/integration/test_canvas.py` and `test_tasks.py`, {len(nodeids)} tests"
-        + (f" selected by `-k {args.keyword}`" if args.keyword else "") + ".",
+        + (f" selected by `-k {args.keyword}`" if args.keyword else "") + f"; {minutes}.",
         "",
         f"One real `celery worker -P prefork -c {args.concurrency}` per variant, Redis as broker and result "
         f"backend; an attempt of a test stopped after {args.test_timeout:g} s, a flaky-marked test re-run at most "
@@ -243,11 +241,31 @@ def summarize(args: argparse.Namespace, source: CelerySource, runs: dict[str, Va
         "`durable=True`, and `motir_celery.attach(app)` on every app the suite makes.",
         *(f"\n**{name} incomplete**: {run.incomplete}." for name, run in runs.items() if run.incomplete),
     ]
+    saved = {
+        "preamble": preamble,
+        "runs": {name: {"seconds": run.seconds, "incomplete": run.incomplete} for name, run in runs.items()},
+        "results": {name: {n: asdict(r) for n, r in res.items()} for name, res in results.items()},
+    }
+    (args.cache / "results.json").write_text(json.dumps(saved, indent=1))
+    return saved
+
+
+def summarize(args: argparse.Namespace, saved: dict[str, Any]) -> int:
+    """Print the table, write the report; the exit status."""
+    results = {name: {n: report.Result(**r) for n, r in res.items()} for name, res in saved["results"].items()}
+    nodeids = list(dict.fromkeys(n for res in results.values() for n in res))
+    empty = {n: report.Result(report.NOT_RUN, "variant not selected (--variants)", 0, 0.0) for n in nodeids}
+    plain, durable = results.get("plain", empty), results.get("durable", empty)
+    rows = report.table(plain, durable)
+    print()
+    print(report.render_text(rows))
+    for name, run in saved["runs"].items():
+        print(f"{name}: {report.counts(results[name])} in {run['seconds'] / 60:.1f} min"
+              + (f" -- INCOMPLETE: {run['incomplete']}" if run["incomplete"] else ""))
     report_path = args.report or args.cache / "report.md"
-    compared = len(runs) == 2
-    report.write_markdown(report_path, preamble=preamble, rows=rows, plain=plain, durable=durable, compared=compared)
-    (args.cache / "results.json").write_text(json.dumps(
-        {name: {n: asdict(r) for n, r in res.items()} for name, res in results.items()}, indent=1))
+    compared = len(results) == 2
+    report.write_markdown(report_path, preamble=saved["preamble"], rows=rows, plain=plain, durable=durable,
+                          compared=compared)
     if compared:
         print(f"{len(report.differing(plain, durable))} tests differ between the variants: listed in {report_path}")
     else:
@@ -259,12 +277,18 @@ def summarize(args: argparse.Namespace, source: CelerySource, runs: dict[str, Va
         if ratio < args.fail_under:
             print(f"durable passes {ratio:.1f} % of plain Celery's passes, under --fail-under {args.fail_under:g}")
             return 1
-    return 3 if any(run.incomplete for run in runs.values()) else 0
+    return 3 if any(run["incomplete"] for run in saved["runs"].values()) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.cache = args.cache.resolve()
+    if args.rerender:
+        saved = args.cache / "results.json"
+        if not saved.is_file():
+            print(f"celery-suite: --rerender: no {saved} (run the suite first)", file=sys.stderr)
+            return 2
+        return summarize(args, json.loads(saved.read_text()))
     logs = args.cache / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     celery_version = installed_version("celery")
@@ -289,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     except ServiceError as exc:
         print(f"celery-suite: {exc}", file=sys.stderr)
         return 2
-    return summarize(args, source, runs, variants)
+    return summarize(args, collect(args, source, runs, variants))
 
 
 if __name__ == "__main__":
