@@ -9,6 +9,10 @@
 #              log fails the test
 # make test-scale - the long tests make test leaves out (-m scale: a chord of 10,000 on real workers, the
 #              chaos beats scenario)
+# make celery-suite - the yardstick of issue 43: Celery's own t/integration/test_canvas.py and test_tasks.py
+#              (from the installed Celery's sdist) against a real prefork worker and Redis, plain and with
+#              durable=True on each task; 20-40 minutes; prints the table, writes docs/celery-suite.md
+#              (tests/celery_suite/README.md; extra arguments: make celery-suite CELERY_SUITE_ARGS="-k chord")
 #
 # Unset service URLs are filled in by `python -m motir_celery.dev.embedded env`, which
 # starts embedded Postgres / Redis under $MOTIR_DATA_DIR (default .motir/) and
@@ -40,7 +44,7 @@ define with-services
 embedded_env="$$($(PYTHON) -m motir_celery.dev.embedded env)"; eval "$$embedded_env"; $(1)
 endef
 
-.PHONY: run test test-pgbouncer test-scale lint setup system-packages stop-embedded
+.PHONY: run test test-pgbouncer test-scale celery-suite lint setup system-packages stop-embedded
 
 run: setup
 	$(call with-services,$(PYTHON) -m motir_celery.dev.demo)
@@ -52,6 +56,12 @@ test: system-packages setup
 
 test-scale: system-packages setup
 	$(call with-services,$(PYTHON) -m pytest -m scale $(PYTEST_ARGS))
+
+# Celery's suite is not ours to collect in make test (tests/conftest.py ignores tests/celery_suite): the
+# runner downloads it, copies it twice and runs each copy against a worker of its own.
+CELERY_SUITE_ARGS ?=
+celery-suite: setup
+	$(call with-services,$(PYTHON) -m tests.celery_suite --report docs/celery-suite.md $(CELERY_SUITE_ARGS))
 
 # The second pass (CI runs it beside `make test`): the tests whose workers and engine talk to the
 # database most, through PgBouncer (pool_mode = transaction, default_pool_size 4) in front of the same

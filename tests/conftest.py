@@ -53,6 +53,9 @@ SESSION = uuid.uuid4().hex[:8]
 #: Held (pg_advisory_lock on the server's own database) while a session migrates its new database:
 #: the first migration on a server creates the cluster-wide roles, and two at once would both try.
 _MIGRATE_LOCK = 0x6D6F746972  # "motir"
+#: Celery's own integration suite and its runner: a command of their own (make celery-suite), never
+#: collected here (the runner loads tests/celery_suite/plugin.py into Celery's pytest run instead).
+collect_ignore = ["celery_suite"]
 
 
 def _require(name: str) -> str:
