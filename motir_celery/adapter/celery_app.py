@@ -70,8 +70,9 @@ import logging
 import os
 import re
 import threading
+import weakref
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Callable
 
 from celery import Celery, signals
 from celery.exceptions import Retry
@@ -220,7 +221,7 @@ def attach(app: Celery, *, settings: Settings | None = None, engine: Engine | No
     if "beat_scheduler" not in app.conf.changes and app.conf.beat_scheduler == "celery.beat:PersistentScheduler":
         app.conf.beat_scheduler = "motir_celery.beat:MotirScheduler"
     from motir_celery.core import system_jobs  # noqa: F401  (registers system.daily-health-check)
-    on_job_defined(lambda job: _register(app, job))
+    on_job_defined(_registrar(app))
     signals.import_modules.connect(_on_import_modules, sender=app, weak=False)
     return app
 
@@ -276,6 +277,21 @@ def run_job(task: Any, job_id: str, run_id: str) -> Any:
     ending = asdict(outcome)
     del ending["result"]
     return ending
+
+
+def _registrar(app: Celery) -> Callable[[Job], bool]:
+    """Registers each job as a task of ``app`` while the app lives (a weak reference: an app a
+    process drops, a test's, is not kept by the job registry)."""
+    ref = weakref.ref(app)
+
+    def register(job: Job) -> bool:
+        found = ref()
+        if found is None:
+            return False
+        _register(found, job)
+        return True
+
+    return register
 
 
 def _register(app: Celery, job: Job) -> None:

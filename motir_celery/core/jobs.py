@@ -310,7 +310,7 @@ TASK_OPTIONS = ("queue", "time_limit", "soft_time_limit")
 _registry: dict[str, Job] = {}
 #: Task name -> job id, for every job's task name (a name two jobs claim is refused).
 _names: dict[str, str] = {}
-_listeners: list[Callable[[Job], None]] = []
+_listeners: list[Callable[[Job], bool]] = []
 _lock = threading.RLock()
 #: Event name -> its subscribing jobs (by id), and -> the jobs a cancel_on rule of it cancels: what
 #: every send_event asks, kept by each definition (_index_events, under _lock), so a send costs the
@@ -405,7 +405,8 @@ def define_job(
             _index_events(job, existing)
             listeners = list(_listeners)
         for listener in listeners:
-            listener(job)
+            if not listener(job):
+                _forget(listener)
         return job
 
     return decorate
@@ -480,10 +481,19 @@ def cancelled_by(event_name: str) -> list[Job]:
     return list(_cancelled_by.get(event_name, ()))
 
 
-def on_job_defined(listener: Callable[[Job], None]) -> None:
-    """Call ``listener`` for every job defined so far and every job defined later."""
+def on_job_defined(listener: Callable[[Job], bool]) -> None:
+    """Call ``listener`` for every job defined so far and every job defined later, until it
+    returns False (what it registered jobs with is gone: it is forgotten)."""
     with _lock:
         _listeners.append(listener)
         jobs = list(_registry.values())
     for job in jobs:
-        listener(job)
+        if not listener(job):
+            _forget(listener)
+            return
+
+
+def _forget(listener: Callable[[Job], bool]) -> None:
+    with _lock:
+        if listener in _listeners:
+            _listeners.remove(listener)
