@@ -14,8 +14,12 @@ the Celery task id of its messages, and the task id a call gave when it was a UU
   own (``redis://…``, ``db+…``) keeps it, wrapped by ``RunsFirst``: a task id that is
   a run's is answered from the runs table, any other from the app's backend as
   before, which still stores the results of the app's other tasks.
-* What a worker would store for a durable task (started, retry, success, failure) is
-  not stored: the run's row already says it. ``forget`` of a run does nothing (``motir
+* What a worker would store for a durable task (started, retry) is not stored: the run's
+  row already says it. Its **final** state (success, failure) is also written to the app's
+  own backend while it has one, so a process of the code before the switch, with no motir
+  in it, reads the run's result with ``AsyncResult(id).get()`` (``RunsFirst.copy_final``;
+  ``motir_copy_results = False`` in the app's configuration turns it off once no such
+  process is left). ``forget`` of a run does nothing (``motir
   purge`` keeps the retention). Any other task on ``MotirBackend`` alone is as on
   Celery's disabled backend: nothing stored, ``PENDING``.
 
@@ -52,22 +56,28 @@ from motir_celery.store.db import caller_workspace
 from motir_celery.store.driver import database_errors, first
 from motir_celery.store.sql import adapter as adapter_sql
 
-__all__ = ["MotirBackend", "RunsFirst", "BACKEND", "runs_first"]
+__all__ = ["MotirBackend", "RunsFirst", "BACKEND", "COPY_RESULTS", "runs_first"]
 
 log = logging.getLogger("motir_celery.adapter.backend")
 
 #: The import path for ``result_backend`` (and what ``attach`` sets as ``app.backend_cls``).
 BACKEND = f"{__name__}:MotirBackend"
+#: How the runs table is named where a backend names itself (a worker's banner, ``celery report``).
+RUNS_TABLE = "motir://runs-table"
 _DISABLED = ("", "disabled", "disabled://")
+#: The app configuration key (Django: ``CELERY_MOTIR_COPY_RESULTS``) that turns off the copy of
+#: durable runs' final states into the app's own result backend (``RunsFirst.copy_final``).
+COPY_RESULTS = "motir_copy_results"
 
 
-def run_meta(engine: Engine, task_id: Any) -> dict[str, Any] | None:
-    """Celery's task meta for the run whose id is ``task_id``; None when no run has that id."""
+def run_meta(engine: Engine, task_id: Any, *, any_workspace: bool = False) -> dict[str, Any] | None:
+    """Celery's task meta for the run whose id is ``task_id``; None when no run has that id.
+    ``any_workspace``: read through the engine login (the worker copying a run it settled)."""
     try:
         run_id = task_id if isinstance(task_id, uuid.UUID) else uuid.UUID(str(task_id))
     except ValueError:
         return None  # not a UUID: never a run id
-    if engine.settings.results_any_workspace:  # an operator's process (Flower): any workspace's run
+    if any_workspace or engine.settings.results_any_workspace:  # an operator's process (Flower): any run
         with engine.pool().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             row = first(conn, adapter_sql.RUN_META, {"run_id": run_id})
     else:  # the caller's workspace only, as a result handle reads: another's run is not found
@@ -149,8 +159,12 @@ class RunsTable:
     def store_result(self, task_id: Any, result: Any, state: str, traceback: Any = None, request: Any = None,
                      **kwargs: Any) -> Any:
         if _durable(request):
-            return result  # the run's row is the record: nothing to keep in step
+            return self.store_durable(task_id, result, state, traceback, request, **kwargs)
         return self.store_other(task_id, result, state, traceback, request, **kwargs)
+
+    def store_durable(self, task_id: Any, result: Any, state: str, traceback: Any, request: Any,
+                      **kwargs: Any) -> Any:
+        return result  # the run's row is the record: nothing to keep in step
 
     def store_other(self, task_id: Any, result: Any, state: str, traceback: Any, request: Any,
                     **kwargs: Any) -> Any:
@@ -186,7 +200,7 @@ class MotirBackend(RunsTable, BaseBackend):
                 "children": [], "date_done": None}
 
     def as_uri(self, include_password: bool = False) -> str:
-        return "motir://runs-table"  # what a worker's banner and `celery report` show
+        return RUNS_TABLE  # what a worker's banner and `celery report` show
 
     def other_wait_for_pending(self, result: Any, **options: Any) -> Any:
         options.pop("no_ack", None)
@@ -243,6 +257,37 @@ class RunsFirst(RunsTable):
 
     def forget_other(self, task_id: Any) -> None:
         super(RunsTable, self).forget(task_id)  # type: ignore[misc]
+
+    def store_durable(self, task_id: Any, result: Any, state: str, traceback: Any, request: Any,
+                      **kwargs: Any) -> Any:
+        """A durable run's message ended: its final state is copied into the app's own backend."""
+        if state in states.READY_STATES:
+            self.copy_final(task_id, request)
+        return result
+
+    def copy_final(self, task_id: Any, request: Any) -> None:
+        """The run's final state, as Postgres has it, written to the app's own backend under its
+        task id: what a producer of the code before the switch (plain Celery, no motir) reads with
+        ``AsyncResult(id).get()`` during a workers-first cut-over. Read back from the runs table
+        rather than taken from the tracer, which sees a duplicate delivery's "skipped" or a
+        ``RunFailed`` where the run has its own result or exception. Off with the app key
+        ``motir_copy_results = False`` (docs/migrating.md, "Results during the switch")."""
+        if not self.app.conf.get(COPY_RESULTS, True):
+            return
+        meta = run_meta(engine_of(self.app), task_id, any_workspace=True)
+        if meta is None or meta["status"] not in (states.SUCCESS, states.FAILURE):
+            return  # queued again (a retry), or not a run: nothing final to copy
+        result = meta["result"]
+        if meta["status"] == states.FAILURE:
+            result = self.exception_to_python(result)
+        super(RunsTable, self).store_result(task_id, result, meta["status"],  # type: ignore[misc]
+                                            traceback=meta["traceback"], request=request)
+
+    def as_uri(self, include_password: bool = False) -> str:
+        own: str = super(RunsTable, self).as_uri(include_password)  # type: ignore[misc]
+        if isinstance(self, RPCBackend):
+            return own  # Celery's worker recognises rpc:// by this very string
+        return f"{RUNS_TABLE} + {own}"  # the banner's results: durable runs, then the app's own tasks
 
 
 _mixed: dict[type, type] = {}
