@@ -279,7 +279,7 @@ class RunsFirst(RunsTable):
             return  # queued again (a retry), or not a run: nothing final to copy
         result = meta["result"]
         if meta["status"] == states.FAILURE:
-            result = self.exception_to_python(result)
+            result = super(RunsTable, self).exception_to_python(result)  # type: ignore[misc]
         super(RunsTable, self).store_result(task_id, result, meta["status"],  # type: ignore[misc]
                                             traceback=meta["traceback"], request=request)
 
