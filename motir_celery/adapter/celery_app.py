@@ -201,6 +201,7 @@ def attach(app: Celery, *, settings: Settings | None = None, engine: Engine | No
         before = peek()
         if before is not None and before.transactions is not None:
             engine.join_transactions(before.transactions)  # Django's app was ready before this attach
+            engine.lend_connections(before.lender)
     engine.host_on(host(app, engine))
     if current:
         make_current(engine)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Mapping, Protocol, Sequence, cast
 
 from motir_celery.core.publish import Host, NoBroker, Publish
 from motir_celery.core.worker import canvas as _canvas_job  # noqa: F401  (defines the job system.canvas)
@@ -47,8 +47,9 @@ if TYPE_CHECKING:
     from motir_celery.core.worker.steps import Step
     from motir_celery.core.worker.sweeper import SweepReport
     from motir_celery.store.driver import Conn
+    from motir_celery.store.lent import LentPool
 
-__all__ = ["Engine", "Tuning", "Faults", "Joined", "JoinTransaction"]
+__all__ = ["Engine", "Tuning", "Faults", "Joined", "JoinTransaction", "LendConnections"]
 
 #: A framework's open transaction that a write without ``session=`` joins: the connection to
 #: write on (in that transaction), and ``on_commit(fn)``, which calls ``fn`` once it has
@@ -56,6 +57,9 @@ __all__ = ["Engine", "Tuning", "Faults", "Joined", "JoinTransaction"]
 Joined = tuple["Conn", Callable[[Callable[[], None]], None]]
 #: ``join(workspace_id)``: the framework's transaction to write in, or None (contrib/django).
 JoinTransaction = Callable[[str | None], "AbstractContextManager[Joined] | None"]
+#: ``lend()``: a framework's connection every statement of the engine goes on for now (a
+#: ``LentPool``: Django's, inside a ``TestCase``'s transaction; contrib/django/testdb.py), or None.
+LendConnections = Callable[[], "LentPool | None"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,7 @@ class Engine:
         #: How many runs this process runs at once (Celery's threads pool: its concurrency).
         self.runs_per_process = 1
         self._join: JoinTransaction | None = None
+        self._lend: LendConnections | None = None
 
     def __repr__(self) -> str:
         return f"<motir Engine host={type(self._host).__name__}>"
@@ -157,8 +162,26 @@ class Engine:
         return self.host.routed(queue, priority)
 
     def pool(self) -> Pool:
-        """This process's engine-role connections (runs, producers, operator actions)."""
+        """This process's engine-role connections (runs, producers, operator actions) — or, while a
+        framework lends its own (``lend_connections``), that one connection."""
+        lent = self.lent()
+        if lent is not None:
+            # A LentPool has connect() and begin(), all that the paths of a run ask of a pool.
+            return cast(Pool, lent)
         return db.get_pool(self.settings, runs=self.runs_per_process)
+
+    def lend_connections(self, lend: LendConnections | None) -> None:
+        """Let a framework whose test holds everything in one transaction (Django's ``TestCase``)
+        lend the connection that transaction is on: ``lend()`` is asked at every checkout."""
+        self._lend = lend
+
+    @property
+    def lender(self) -> LendConnections | None:
+        return self._lend
+
+    def lent(self) -> LentPool | None:
+        """The connection a framework lends now (``lend_connections``), or None."""
+        return self._lend() if self._lend is not None else None
 
     def side_pool(self) -> Pool:
         """One connection of its own per process, for the worker's side duties (heartbeats, sweeps)."""
@@ -266,6 +289,7 @@ class Engine:
         twin = Engine(self._settings, faults=self.faults, tuning=self.tuning)
         twin.runs_per_process = self.runs_per_process
         twin.join_transactions(self._join)
+        twin.lend_connections(self._lend)
         twin.host_on(Inline(twin))
         return twin
 

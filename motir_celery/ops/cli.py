@@ -153,11 +153,24 @@ def _use_app(path: str) -> Any:
 
 
 def _load_jobs(settings: Settings) -> None:
-    """Import MOTIR_IMPORTS, as a worker does: ``jobs``, ``send`` and replay need the registry."""
+    """Import the job modules as a worker does — the Celery app's own (``imports``, ``include``,
+    ``autodiscover_tasks()``), then MOTIR_IMPORTS: ``jobs``, ``send`` and replay need the registry."""
     from celery.utils.imports import import_from_cwd
+
+    from motir_celery.adapter.messages import CeleryHost
 
     # The engine's own jobs (system.*), which every attached app registers on its workers.
     importlib.import_module("motir_celery.core.system_jobs")
+    app = _app()
+    if app is None:
+        import motir_celery
+
+        host = motir_celery.current_engine().built_host  # the app attach() hosted it on (Django: at setup)
+        app = host.app if isinstance(host, CeleryHost) else None
+    if app is not None:
+        # What a worker does at start-up: Celery's autodiscovery and the app's imports (the
+        # import_modules signal, which also imports MOTIR_IMPORTS for an attached app).
+        app.loader.import_default_modules()
     for module in settings.imports:
         try:
             import_from_cwd(module)  # the current folder on the path while importing, as a worker does
@@ -714,7 +727,7 @@ def cancel(run_id: str) -> None:
 @click.option("--slots", default=3, show_default=True, type=click.IntRange(0, 20), help="Next cron slots to show.")
 @json_option
 def jobs(slots: int, as_json: bool) -> None:
-    """The job registry (from MOTIR_IMPORTS): triggers, cron and its next slots, retry policy."""
+    """The job registry (the Celery app's task modules, MOTIR_IMPORTS): triggers, cron and its next slots, retry policy."""
     from motir_celery.core.jobs import all_jobs
 
     settings = _settings()
@@ -739,7 +752,8 @@ def jobs(slots: int, as_json: bool) -> None:
         return
     if not registry:
         raise click.ClickException(
-            f"no jobs defined: set MOTIR_IMPORTS to the modules that define them (now: {','.join(settings.imports) or 'unset'})")
+            "no jobs defined: none in the Celery app's task modules (-A APP, or the app attach() hosted the "
+            "engine on) nor in MOTIR_IMPORTS (now: " + (",".join(settings.imports) or "unset") + ")")
 
     def trigger(e: dict[str, Any]) -> str:
         if e["cron"]:

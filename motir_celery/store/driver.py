@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import psycopg
 from psycopg import pq
 from psycopg.adapt import Transformer
+from psycopg.types.json import JsonbLoader, JsonLoader
 
 from motir_celery.store import pooler
 from motir_celery.store.pg import ConnectionLost, PooledConnection
@@ -163,6 +164,10 @@ class Kept:
 
     def __init__(self, raw: psycopg.Connection[Any]) -> None:
         self.cursor = raw.cursor()
+        # JSON as psycopg loads it, whatever the connection's owner registered for itself (Django
+        # loads jsonb as text on its connection): the cursor's loaders are its own copy.
+        self.cursor.adapters.register_loader("jsonb", JsonbLoader)
+        self.cursor.adapters.register_loader("json", JsonLoader)
         #: psycopg's own loaders for this connection (its adapters, its time zone).
         self.loaders = Transformer(raw)
         #: The statements prepared under a name of ours on this connection, by SQL.

@@ -274,6 +274,7 @@ class Motir:
             self.before = make_current(self.engine)
             if self.before is not None and self.before.transactions is not None:
                 self.engine.join_transactions(self.before.transactions)  # Django's atomic(), joined as before
+                self.engine.lend_connections(self.before.lender)
 
     def uninstall(self) -> None:
         if self._installed:

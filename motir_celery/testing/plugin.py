@@ -9,6 +9,15 @@
 * ``motir`` (function): a ``Motir`` kit over it, from empty tables, crash injection
   installed (``kit.py``).
 
+**With pytest-django**, in a project whose ``INSTALLED_APPS`` has ``motir_celery.contrib.django``,
+the database is Django's test database (``django_db_setup``: created, migrated — motir's tables
+too — and dropped by Django; the engine follows it, contrib/django/testdb.py), and ``motir``
+implies ``transactional_db``: the kit's runs commit, as a worker's would. No conftest is needed.
+
+**Embedded Postgres.** When this run started the embedded Postgres (no ``MOTIR_DATABASE_URL``, none
+running under ``MOTIR_DATA_DIR`` before), the run stops it at its end; one that was running
+already is left running.
+
 Loaded by every pytest run once the package is installed; it does nothing until a test
 asks for one of its fixtures.
 """
@@ -39,14 +48,60 @@ def _server_url() -> str:
     from motir_celery.dev import embedded
 
     try:
-        return embedded.env_exports({**os.environ})["MOTIR_DATABASE_URL"]
+        # The database only: the kit needs no broker.
+        return embedded.env_exports({**os.environ, "CELERY_BROKER_URL": "unused"})["MOTIR_DATABASE_URL"]
     except embedded.EmbeddedServiceError as exc:
         pytest.exit(f"motir_celery.testing: no MOTIR_DATABASE_URL, and the embedded Postgres: {exc}", returncode=3)
 
 
+_EMBEDDED_BEFORE = pytest.StashKey[bool]()
+
+
+def _embedded_running() -> bool | None:
+    """Whether the embedded Postgres of ``MOTIR_DATA_DIR`` runs (None: a database is configured,
+    the embedded one is none of this run's business)."""
+    if motir_settings.Settings.from_env().database_url:
+        return None
+    from motir_celery.dev import embedded
+
+    return (embedded.data_dir() / "pg" / "postmaster.pid").exists()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the run's own process (pytest-xdist's controller)
+        running = _embedded_running()
+        if running is not None:
+            config.stash[_EMBEDDED_BEFORE] = running
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Stop the embedded Postgres this run started (the module docstring)."""
+    if config.stash.get(_EMBEDDED_BEFORE, True) is False and _embedded_running():
+        from motir_celery.dev import embedded
+
+        embedded.stop_postgres(embedded.data_dir())
+
+
+def _django_project(request: pytest.FixtureRequest) -> bool:
+    """Whether pytest-django runs a Django project that installs motir's Django app."""
+    if not request.config.pluginmanager.hasplugin("django"):
+        return False
+    from django.conf import settings
+
+    if not settings.configured:
+        return False
+    from django.apps import apps
+
+    return bool(apps.ready and apps.is_installed("motir_celery.contrib.django"))
+
+
 @pytest.fixture(scope="session")
-def motir_database_url() -> Iterator[str]:
+def motir_database_url(request: pytest.FixtureRequest) -> Iterator[str]:
     """A migrated database of this session's own (see the module docstring); its URL."""
+    if _django_project(request):
+        request.getfixturevalue("django_db_setup")  # Django's test database, which the engine follows
+        yield motir_settings.Settings.from_env().require_database_url()
+        return
     server = make_url(_server_url())
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     name = f"motir_kit_{worker}_{uuid.uuid4().hex[:8]}"
@@ -77,9 +132,14 @@ def motir_database_url() -> Iterator[str]:
 
 
 @pytest.fixture
-def motir(motir_database_url: str) -> Iterator[Motir]:
+def motir(request: pytest.FixtureRequest, motir_database_url: str) -> Iterator[Motir]:
     """Jobs run in this process against the session's database: run, send_event, drain,
     crash_after / crash_before, advance, steps, attempts, dlq (docs/testing.md)."""
+    if _django_project(request):
+        # The kit's runs commit, as a worker's would: pytest-django's transactional database (its
+        # helper reads the test's marker, so the marker says so too).
+        request.node.add_marker(pytest.mark.django_db(transaction=True))
+        request.getfixturevalue("transactional_db")
     kit = Motir(settings=motir_settings.Settings.from_env())
     kit.reset()
     kit.install()

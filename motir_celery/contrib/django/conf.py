@@ -93,11 +93,21 @@ def database_url_of(db_alias: str) -> str:
     return f"postgresql+psycopg://{where}{name}" + (f"?{urlencode(query)}" if query else "")
 
 
+#: The module of each installed app that Celery's autodiscovery imports (``app.autodiscover_tasks()``).
+TASKS_MODULE = "tasks"
+
+
 def import_jobs() -> None:
-    """Import ``MOTIR_IMPORTS`` (and the engine's own jobs), from the current folder too."""
+    """Import the engine's own jobs, each installed app's ``tasks`` module as Celery's autodiscovery
+    finds it (``find_related_module``: a missing module is skipped, an error inside one is raised),
+    then ``MOTIR_IMPORTS`` (modules autodiscovery cannot see), from the current folder too."""
+    from celery.loaders.base import find_related_module
     from celery.utils.imports import import_from_cwd
+    from django.apps import apps
 
     import_from_cwd("motir_celery.core.system_jobs")
+    for config in apps.get_app_configs():
+        find_related_module(config.name, TASKS_MODULE)
     for module in current().settings.imports:
         import_from_cwd(module)
 

@@ -21,7 +21,8 @@ in apps.py):
   trips; a failed statement marks the whole transaction for rollback, as Postgres
   has aborted it anyway), and the messages are published on
   ``transaction.on_commit`` — after the commit, never after a rollback;
-* outside one (autocommit): None — motir's own engine, autocommit, as usual;
+* outside one (autocommit): None — motir's own engine, autocommit, as usual; so is code inside
+  nothing but a ``TestCase``'s own transaction, which the engine then writes in (testdb.py);
 * under Django's manual transaction management (``set_autocommit(False)``): refused
   (``on_commit`` cannot work there, and a write on another connection would commit
   without the user's data).
@@ -32,7 +33,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Callable, ContextManager, Iterator
 
-from motir_celery.contrib.django import conf
+from motir_celery.contrib.django import conf, testdb
 from motir_celery.contrib.django.middleware import request_workspace
 from motir_celery.core.engine import Joined
 from motir_celery.errors import ConfigurationError
@@ -57,8 +58,10 @@ def join(workspace_id: str | None) -> ContextManager[Joined] | None:
 
     db_alias = conf.alias()
     wrapper = connections[db_alias]
-    if wrapper.in_atomic_block:
+    if wrapper.in_atomic_block and not testdb.only_test_case_atomics(wrapper):
         return _joined(db_alias, workspace_id)
+    if wrapper.in_atomic_block:
+        return None  # a TestCase's own transaction: the code under test is in autocommit (testdb.py)
     if wrapper.connection is not None and not wrapper.get_autocommit():
         raise ConfigurationError(
             "a motir write (job.delay(), .apply_async(), .delay_on_commit(), send_event(), ...) under Django's "

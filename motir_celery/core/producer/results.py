@@ -139,7 +139,10 @@ def read_result(engine: Engine, run_id: uuid.UUID, workspace_id: str | None) -> 
     app role with row-level security there, a system run (None) through the engine login; the
     statement names the workspace too. None: no such run in that workspace (another's is not found)."""
     params = {"run_id": run_id, "workspace_id": workspace_id}
-    if workspace_id is not None:
+    # While a framework lends its connection (a Django TestCase's transaction), the run may exist
+    # on that connection only: it is read there, through the engine login; the statement still
+    # names the workspace, so another workspace's run is not found.
+    if workspace_id is not None and engine.lent() is None:
         with engine.session(workspace_id) as session:
             return first(session.connection(), producer_sql.RUN_RESULT, params)
     with engine.pool().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
