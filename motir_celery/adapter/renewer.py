@@ -11,7 +11,14 @@ process runs the bodies, it is a small process of its own. Each process of the
 worker that holds runs (the main one under solo and threads, each child under
 prefork) keeps a connection to its Unix socket, in a directory only the worker's
 user may enter, and writes one line per claim it holds and releases
-(``core/worker/leases.py``; no database round trip on a run's path).
+(``core/worker/leases.py``; no database round trip on a run's path). The renewer
+reads those lines a tenth of a second at a time (``READ_EVERY``, at most a thirtieth of
+the lease), not as each arrives: a busy worker's runs cost it a wake-up a period rather
+than two a run (docs/performance.md, "Ablation"), and a run shorter than a period is
+never in its ledger (its hold and release cancel out). What that costs, stated plainly:
+a hold is taken as written at the previous read, so its first renewal is never later
+than if read at once (earlier by up to a period and a second); a holder that died is
+seen, and its leases no longer renewed, up to a period later than before.
 
 A connection per holding process, rather than a file or shared memory, because
 the kernel closes it when that process dies, however it dies: the renewer then
@@ -56,6 +63,9 @@ log = logging.getLogger("motir_celery.renewer")
 
 #: How long the worker waits for a renewer it started to listen.
 READY_TIMEOUT = 15.0
+#: How long the renewer's reader sleeps between two reads of its holders' lines (at most a
+#: thirtieth of the lease).
+READ_EVERY = 0.1
 #: A line longer than this is no holder's: the connection is closed (its holder then tells again).
 MAX_LINE = 1024
 #: The renewers' socket directories, under the temporary directory; one nobody has listened in
@@ -128,16 +138,28 @@ class Renewer:
             pass
 
     def _read(self) -> None:
+        lease_seconds = self.engine.settings.lease_seconds
+        # Each read takes every line waiting; between two it sleeps READ_EVERY (a fraction of the
+        # lease at most), so a busy worker's holds and releases cost a wake-up a period, not two a run.
+        every, wait = min(READ_EVERY, lease_seconds / 30), min(1.0, lease_seconds / 6)
+        before = time.monotonic()
         while True:
             try:
-                ready = self.selector.select(timeout=1.0)
+                ready = self.selector.select(timeout=wait)
             except (OSError, ValueError):  # closed (close_sockets): this renewer is done
                 return
+            now = time.monotonic()
             for key, _ in ready:
                 if key.data is None:
                     self._accept()
                 else:
-                    self._receive(key.data)
+                    # A line read now was written after the previous read: taken as written then,
+                    # its renewal comes no later than if it had been read at once (earlier by up to
+                    # a read period and a wait).
+                    self._receive(key.data, before)
+            before = now
+            if ready:
+                time.sleep(every)
 
     def _accept(self) -> None:
         try:
@@ -149,7 +171,7 @@ class Renewer:
         self.holders.append(holder)
         self.selector.register(sock, selectors.EVENT_READ, holder)
 
-    def _receive(self, holder: _Holder) -> None:
+    def _receive(self, holder: _Holder, written: float) -> None:
         try:
             data = holder.sock.recv(65536)
         except BlockingIOError:
@@ -161,10 +183,21 @@ class Renewer:
             self._gone(holder, "its connection closed")
             return
         *lines, holder.buffer = (holder.buffer + data).split(b"\n")
-        now = time.monotonic()
+        # A hold released within the same read (a run shorter than a read period: most of them)
+        # never reaches the ledger: its two lines cancel out, unparsed.
+        released = {raw[2:] for raw in lines if raw[:2] == b"R "}
+        cancelled: set[bytes] = set()
         for raw in lines:
+            if released:
+                if raw[:2] == b"H ":
+                    token = raw.split(b" ", 3)[2:3]
+                    if token and token[0] in released:
+                        cancelled.add(token[0])
+                        continue
+                elif raw[:2] == b"R " and raw[2:] in cancelled:
+                    continue
             try:
-                item = leases.parse(raw.decode("ascii"), now)
+                item = leases.parse(raw.decode("ascii"), written)
             except (ValueError, UnicodeDecodeError) as exc:
                 log.error("lease renewer: holder pid %s wrote a line that is not the protocol (%s); closing its "
                           "connection (it renews in process and tells its claims again)", holder.pid, exc)
