@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import uuid
+from typing import Callable
 
 __all__ = [
     "MotirError",
@@ -15,6 +17,7 @@ __all__ = [
     "WorkspaceError",
     "NonRetriableError",
     "RetryAfterError",
+    "RetryRequested",
     "LostClaim",
     "RunCancelled",
     "RateLimited",
@@ -76,6 +79,18 @@ class RetryAfterError(MotirError):
     def __init__(self, delay: float, message: str = "") -> None:
         self.delay = checked_delay("RetryAfterError delay", delay)
         super().__init__(message or f"retry requested in {self.delay}s")
+
+
+class RetryRequested(RetryAfterError):
+    """A retry a Celery task asked for itself (``self.retry``, ``autoretry_for``): the run is queued
+    again after ``delay`` whatever its attempt budget (the task's ``max_retries`` decided already),
+    and, when ``publish`` is given, its next message is the one Celery built for the retry (its
+    arguments, its ``retries`` count), sent once the settle is committed."""
+
+    def __init__(self, delay: float, message: str = "", *,
+                 publish: Callable[[uuid.UUID, str, float], None] | None = None) -> None:
+        super().__init__(delay, message)
+        self.publish = publish
 
 
 class LostClaim(MotirError):

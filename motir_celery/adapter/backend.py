@@ -40,6 +40,7 @@ import logging
 import threading
 import time
 import uuid
+from functools import partial
 from typing import Any, Callable
 
 from celery import states
@@ -49,8 +50,9 @@ from celery.backends.rpc import RPCBackend
 from celery.exceptions import TimeoutError as CeleryTimeout
 
 from motir_celery.adapter.messages import engine_of
+from motir_celery.adapter.tasks import REPLACED, run_id_of, tagged
 from motir_celery.core.engine import Engine
-from motir_celery.core.jobs import job_for_task
+from motir_celery.core.jobs import find_job, job_for_task
 from motir_celery.core.producer.results import FIRST_POLL, MAX_POLL, POLL_GROWTH, celery_state, read_result
 from motir_celery.store.db import caller_workspace
 from motir_celery.store.driver import database_errors, first
@@ -70,30 +72,52 @@ _DISABLED = ("", "disabled", "disabled://")
 COPY_RESULTS = "motir_copy_results"
 
 
+#: How many replacements (``self.replace``) a result is followed through.
+_MAX_REPLACED = 20
+
+
 def run_meta(engine: Engine, task_id: Any, *, any_workspace: bool = False) -> dict[str, Any] | None:
-    """Celery's task meta for the run whose id is ``task_id``; None when no run has that id.
-    ``any_workspace``: read through the engine login (the worker copying a run it settled)."""
-    try:
-        run_id = task_id if isinstance(task_id, uuid.UUID) else uuid.UUID(str(task_id))
-    except ValueError:
-        return None  # not a UUID: never a run id
-    if any_workspace or engine.settings.results_any_workspace:  # an operator's process (Flower): any run
+    """Celery's task meta for the run of ``task_id`` (the run id; a durable Celery task's task id,
+    tasks.run_id_of); None when no run has that id. A run replaced by ``self.replace`` answers with
+    its replacement's. ``any_workspace``: read through the engine login (the worker copying a run
+    it settled)."""
+    read = partial(_row, engine, any_workspace or engine.settings.results_any_workspace)
+    row = read(run_id_of(task_id))
+    for _ in range(_MAX_REPLACED):
+        if row is None or not _replaced(row):
+            break
+        row = read(run_id_of(task_id, row["result"][REPLACED]))
+        if row is None:  # the replacement's run is not written yet
+            return {"task_id": str(task_id), "status": states.PENDING, "result": None, "traceback": None,
+                    "children": [], "date_done": None}
+    return None if row is None else _meta(task_id, row)
+
+
+def _replaced(row: dict[str, Any]) -> bool:
+    result = row["result"]
+    return row["state"] == "succeeded" and isinstance(result, dict) and isinstance(result.get(REPLACED), int)
+
+
+def _row(engine: Engine, any_workspace: bool, run_id: uuid.UUID) -> dict[str, Any] | None:
+    if any_workspace:  # an operator's process (Flower), a worker copying what it settled: any run
         with engine.pool().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            row = first(conn, adapter_sql.RUN_META, {"run_id": run_id})
-    else:  # the caller's workspace only, as a result handle reads: another's run is not found
-        row = read_result(engine, run_id, caller_workspace())
-    if row is None:
-        return None
+            found: dict[str, Any] | None = first(conn, adapter_sql.RUN_META, {"run_id": run_id})
+            return found
+    return read_result(engine, run_id, caller_workspace())  # the caller's workspace only: another's is not found
+
+
+def _meta(task_id: Any, row: dict[str, Any]) -> dict[str, Any]:
     state = celery_state(row["state"], row["last_outcome"])
     error = row["last_error"] or {}
     result: Any = None
     traceback = None
     if state == states.SUCCESS:
-        result = row["result"]
+        result = tagged(row["result"])  # as Celery's JSON serializer reads it (a durable task's bytes...)
     elif state in (states.FAILURE, states.RETRY):
         module, _, name = str(error.get("type") or "builtins.Exception").rpartition(".")
-        result = {"exc_type": name or "Exception", "exc_module": module or None,
-                  "exc_message": [str(error.get("message") or "")]}
+        # A durable Celery task's exception as Celery's backends keep one (its class and arguments).
+        result = error.get("celery") or {"exc_type": name or "Exception", "exc_module": module or None,
+                                         "exc_message": [str(error.get("message") or "")]}
         traceback = str(error.get("traceback") or "") or None
     elif state == states.REVOKED:
         result = {"exc_type": "TaskRevokedError", "exc_module": "celery.exceptions",
@@ -105,8 +129,16 @@ def run_meta(engine: Engine, task_id: Any, *, any_workspace: bool = False) -> di
 
 
 def _durable(request: Any) -> bool:
-    """Whether the worker is storing the state of a durable run (its row is the record)."""
-    return request is not None and job_for_task(str(getattr(request, "task", "") or "")) is not None
+    """Whether the worker is storing the state of a job's run (its row is the record). A durable
+    Celery task's results are stored as Celery stores them: its canvas reads them there."""
+    job = None if request is None else job_for_task(str(getattr(request, "task", "") or ""))
+    return job is not None and not job.celery
+
+
+def _celery_task(meta: dict[str, Any]) -> bool:
+    """Whether a run's meta is a durable Celery task's (or a job's this process does not know)."""
+    job = find_job(str(meta.get("name") or ""))
+    return job is None or job.celery
 
 
 class RunsTable:
@@ -130,10 +162,10 @@ class RunsTable:
         pause, ceiling = FIRST_POLL, max(min(interval or MAX_POLL, MAX_POLL), FIRST_POLL)
         while True:
             meta = self.get_task_meta(task_id, cache=False)
+            if on_interval:
+                on_interval()  # first, as Celery's own backends: a failed parent's error is raised before this one's
             if meta["status"] in states.READY_STATES:
                 return meta
-            if on_interval:
-                on_interval()
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise CeleryTimeout("The operation timed out.")
@@ -237,6 +269,17 @@ class RunsFirst(RunsTable):
     def not_a_run(self, task_id: Any, cache: bool = True) -> dict[str, Any]:
         meta: dict[str, Any] = super(RunsTable, self).get_task_meta(task_id, cache)  # type: ignore[misc]
         return meta
+
+    def get_task_meta(self, task_id: Any, cache: bool = True) -> dict[str, Any]:
+        """A durable Celery task's run: what the app's backend stored for it (Celery's own record,
+        with its children), unless that says nothing yet or the run was revoked; a job's run: its row."""
+        meta = self.run_meta(task_id)
+        if meta is None:
+            return self.not_a_run(task_id, cache)
+        if meta["status"] == states.REVOKED or not _celery_task(meta):
+            return meta
+        theirs = self.not_a_run(task_id, False)
+        return theirs if theirs.get("status") != states.PENDING else meta
 
     def other_wait_for_pending(self, result: Any, **options: Any) -> Any:
         if isinstance(self, RPCBackend):

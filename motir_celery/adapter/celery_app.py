@@ -77,6 +77,7 @@ from typing import Any, Callable
 from celery import Celery, signals
 from celery.exceptions import Retry
 
+from motir_celery.adapter import tasks
 from motir_celery.adapter.backend import BACKEND
 from motir_celery.adapter.guard import GUARDED_AMQP_TRANSPORT
 from motir_celery.adapter.messages import GUARDED_TRANSPORT, CeleryHost, engine_of, host, hosted, hosts
@@ -222,6 +223,7 @@ def attach(app: Celery, *, settings: Settings | None = None, engine: Engine | No
     if "beat_scheduler" not in app.conf.changes and app.conf.beat_scheduler == "celery.beat:PersistentScheduler":
         app.conf.beat_scheduler = "motir_celery.beat:MotirScheduler"
     from motir_celery.core import system_jobs  # noqa: F401  (registers system.daily-health-check)
+    tasks.install(app)  # @app.task(durable=True): the app's own tasks, durable (tasks.py)
     on_job_defined(_registrar(app))
     signals.import_modules.connect(_on_import_modules, sender=app, weak=False)
     return app
@@ -298,6 +300,8 @@ def _registrar(app: Celery) -> Callable[[Job], bool]:
 def _register(app: Celery, job: Job) -> None:
     # Our own record, not `name in app.tasks`: that would finalize the app early,
     # and a job re-defined before finalization would be queued twice.
+    if job.celery:
+        return  # a durable Celery task's job: the task is the app's own (tasks.py)
     names = _host_of(app).task_names
     # (priority= is ours, 0-9 higher first; messages.publisher maps it per broker.)
     options = {k: job.options[k] for k in TASK_OPTIONS if k in job.options}
@@ -305,7 +309,8 @@ def _register(app: Celery, job: Job) -> None:
         if name in names:
             continue
         names.add(name)
-        app.task(name=name, bind=True, shared=False, **options)(_task_of(job))
+        # durable=False: the engine's own task, never made durable by motir_durable_tasks (tasks.py).
+        app.task(name=name, bind=True, shared=False, durable=False, **options)(_task_of(job))
 
 
 def _task_of(defined: Job) -> Any:

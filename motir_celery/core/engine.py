@@ -294,11 +294,18 @@ class Engine:
         return twin
 
     def adopt(self, job: Job, args: Any, kwargs: Any, task_id: str, *, task_name: str,
-              shown: Mapping[str, str]) -> Any:
+              shown: Mapping[str, str], celery: Mapping[str, Any] | None = None) -> Any:
         """A message in Celery's protocol stored as the run ``.delay()`` would have written."""
         from motir_celery.core.producer import direct
 
-        return direct.adopt(self, job, args, kwargs, task_id, task_name=task_name, shown=shown)
+        return direct.adopt(self, job, args, kwargs, task_id, task_name=task_name, shown=shown, celery=celery)
+
+    def enqueue(self, job: Job, args: Sequence[Any], kwargs: Mapping[str, Any], options: Mapping[str, Any],
+                celery: Mapping[str, Any]) -> Any:
+        """A durable Celery task's run, written before Celery sends its message (``direct.enqueue``)."""
+        from motir_celery.core.producer import direct
+
+        return direct.enqueue(self, job, args, kwargs, options, celery)
 
     def adopt_canvas(self, job: Job, args: Sequence[Any], kwargs: Mapping[str, Any], task_id: str,
                      parts: Mapping[str, Any], *, task_name: str, shown: Mapping[str, str]) -> Any:

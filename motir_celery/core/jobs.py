@@ -46,8 +46,8 @@ if TYPE_CHECKING:
     from motir_celery.core.engine import Engine
     from motir_celery.core.producer.results import RunHandle
 
-__all__ = ["Job", "define_job", "get_job", "find_job", "all_jobs", "subscribers", "cancelled_by", "on_job_defined",
-           "task_name", "alias_name", "celery_name", "job_for_task", "CanvasNotSupported", "CallStep",
+__all__ = ["Job", "define_job", "define_task_job", "get_job", "find_job", "all_jobs", "subscribers",
+           "cancelled_by", "on_job_defined", "task_name", "alias_name", "celery_name", "job_for_task", "CanvasNotSupported", "CallStep",
            "DirectCallUnsupported", "StepLike"]
 
 JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,199}$")
@@ -74,6 +74,10 @@ class Job:
     #: A direct job's handler takes the step first (``handler(step, *args)``, where a bound task had
     #: ``self``); False: the call's own arguments only, as an unbound Celery task's body.
     bind: bool = True
+    #: The job stands for a Celery task made durable (``@app.task(durable=True)``,
+    #: adapter/tasks.py): the task is the app's own, registered by Celery; its runs are that
+    #: task's messages.
+    celery: bool = False
 
     @property
     def task_name(self) -> str:
@@ -384,32 +388,45 @@ def define_job(
         job = Job(id=id, handler=handler, events=events, cron=cron, timezone=zone,
                   retry_policy=policy, options=options, run_options=shaped,
                   name=name if name is not None else (celery_name(handler) if direct else None), bind=bind)
-        with _lock:
-            existing = _registry.get(id)
-            if existing is not None and _origin(existing.handler) != _origin(handler):
-                raise JobDefinitionError(
-                    f"job id {id!r} is already defined by {_origin(existing.handler)}"
-                )
-            owner = _names.get(job.task_name)
-            if owner is not None and owner != id:
-                raise JobDefinitionError(
-                    f"job {id!r}: its task name {job.task_name!r} is already job {owner!r}'s "
-                    f"({'given as name=' if name is not None else 'the name Celery gives its function'}); "
-                    "give one of them a name= of its own")
-            # Same function re-imported (e.g. a module imported under two names
-            # by a test runner): keep one definition, not an error.
-            if existing is not None:
-                _names.pop(existing.task_name, None)
-            _registry[id] = job
-            _names[job.task_name] = id
-            _index_events(job, existing)
-            listeners = list(_listeners)
-        for listener in listeners:
-            if not listener(job):
-                _forget(listener)
-        return job
+        return _add(job, "given as name=" if name is not None else "the name Celery gives its function")
 
     return decorate
+
+
+def define_task_job(id: str, name: str, handler: Callable[..., Any], retry_policy: RetryPolicy,
+                    options: Mapping[str, Any]) -> Job:
+    """Register the job of Celery task ``name`` made durable (adapter/tasks.py): a direct job whose
+    runs are that task's messages, whose ``handler(step, *args, **kwargs)`` runs the task's body."""
+    if not JOB_ID.fullmatch(id):
+        raise JobDefinitionError(f"job id {id!r} must be 1-200 characters of letters, digits, '.', '_' or '-'")
+    job = Job(id=id, handler=handler, retry_policy=retry_policy, options=dict(options), name=name, celery=True)
+    return _add(job, "a Celery task's name")
+
+
+def _add(job: Job, named: str) -> Job:
+    """Put ``job`` in the registry (its id's earlier definition from the same function replaced)
+    and tell the listeners."""
+    with _lock:
+        existing = _registry.get(job.id)
+        if existing is not None and _origin(existing.handler) != _origin(job.handler):
+            raise JobDefinitionError(f"job id {job.id!r} is already defined by {_origin(existing.handler)}")
+        owner = _names.get(job.task_name)
+        if owner is not None and owner != job.id:
+            raise JobDefinitionError(
+                f"job {job.id!r}: its task name {job.task_name!r} is already job {owner!r}'s ({named}); "
+                "give one of them a name= of its own")
+        # Same function re-imported (e.g. a module imported under two names
+        # by a test runner): keep one definition, not an error.
+        if existing is not None:
+            _names.pop(existing.task_name, None)
+        _registry[job.id] = job
+        _names[job.task_name] = job.id
+        _index_events(job, existing)
+        listeners = list(_listeners)
+    for listener in listeners:
+        if not listener(job):
+            _forget(listener)
+    return job
 
 
 def _index_events(job: Job, existing: Job | None) -> None:

@@ -77,7 +77,7 @@ if TYPE_CHECKING:  # the ORM only for a caller's own Session: a worker never imp
     from motir_celery.core.engine import Engine
     from motir_celery.store.driver import Conn
 
-__all__ = ["DirectCall", "prepare", "apply_async", "APPLY_ASYNC_OPTIONS", "Adopted", "adopt", "refuse", "MAX_SHOWN",
+__all__ = ["DirectCall", "prepare", "apply_async", "APPLY_ASYNC_OPTIONS", "Adopted", "adopt", "enqueue", "refuse", "MAX_SHOWN",
            "Written", "write", "delayed", "should_publish"]
 
 log = logging.getLogger("motir_celery.core.producer.direct")
@@ -118,8 +118,10 @@ class DirectCall:
 
 
 def prepare(job: Job, args: Sequence[Any], kwargs: Mapping[str, Any], options: Mapping[str, Any],
-            settings: Settings) -> DirectCall:
-    """Check one call before anything is written: its options, its arguments, its timing."""
+            settings: Settings, *, celery: Mapping[str, Any] | None = None) -> DirectCall:
+    """Check one call before anything is written: its options, its arguments, its timing.
+    ``celery``: a Celery task's run keeps its message's own fields beside its arguments (what a
+    message the engine sends for it again needs: adapter/tasks.py)."""
     from_canvas = [k for k in options if k in _CANVAS_OPTIONS]
     if from_canvas:
         raise CanvasNotSupported(
@@ -142,7 +144,9 @@ def prepare(job: Job, args: Sequence[Any], kwargs: Mapping[str, Any], options: M
     workspace_id = options.get("workspace_id")
     if workspace_id is None and isinstance(kwargs.get("workspace_id"), str):
         workspace_id = kwargs["workspace_id"]  # as send_event takes data["workspace_id"]
-    data = {"args": list(args), "kwargs": dict(kwargs)}
+    data: dict[str, Any] = {"args": list(args), "kwargs": dict(kwargs)}
+    if celery:
+        data["celery"] = dict(celery)
     name = event_name(job.id)
     try:
         encoded, workspace_id = validate_event(name, data, workspace_id, key, settings.max_payload_bytes)
@@ -291,7 +295,7 @@ class Adopted:
 
 
 def adopt(engine: Engine, job: Job, args: Any, kwargs: Any, task_id: str, *, task_name: str,
-          shown: Mapping[str, str]) -> Adopted:
+          shown: Mapping[str, str], celery: Mapping[str, Any] | None = None) -> Adopted:
     """Store the message ``task_id`` (``args``, ``kwargs``) of direct job ``job`` as its run, as
     ``job.apply_async(args, kwargs, task_id=task_id)`` would, committed before this returns; a
     copy of a message adopted already is that run (``deduplicated``). Arguments ``.delay()``
@@ -299,12 +303,23 @@ def adopt(engine: Engine, job: Job, args: Any, kwargs: Any, task_id: str, *, tas
     is what its DLQ entry keeps of them."""
     settings = engine.settings
     try:
-        call = prepare(job, args, kwargs, {"task_id": task_id}, settings)
+        call = prepare(job, args, kwargs, {"task_id": task_id}, settings, celery=celery)
     except Exception as exc:  # noqa: BLE001 — whatever the checks (or a key function) refuse: not adoptable
         return refuse(engine, job, task_id, task_name, shown, exc)
     with engine.pool().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         written = write(conn, call, settings)
     return Adopted(written.run_id, written.deduplicated)
+
+
+def enqueue(engine: Engine, job: Job, args: Sequence[Any], kwargs: Mapping[str, Any], options: Mapping[str, Any],
+            celery: Mapping[str, Any]) -> Written:
+    """A Celery task's run, written by its producer before Celery sends the task's message
+    (adapter/tasks.py): ``prepare``'s checks (a refusal is raised to the caller), then the run,
+    committed, keyed on ``options["task_id"]``, due after ``countdown`` / at ``eta``. A key used
+    already is that run (``deduplicated``). No message: Celery sends the task's own."""
+    call = prepare(job, args, kwargs, options, engine.settings, celery=celery)
+    with engine.pool().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        return write(conn, call, engine.settings)
 
 
 def refuse(engine: Engine, job: Job, task_id: str, task_name: str, shown: Mapping[str, str],

@@ -7,7 +7,8 @@ the claim, each step record and the settle are one statement and one commit.
 How an attempt ends: ``LostClaim`` / ``RunCancelled`` (a fenced write was
 refused: write nothing more); ``NonRetriableError``, ``StepOutputError`` or an
 unknown job → failed + DLQ now; ``RateLimited`` → deferred, no attempt charged;
-``RetryAfterError`` → its delay; anything else → the retry policy, then the DLQ.
+``RetryAfterError`` → its delay (``RetryRequested``, a Celery task's own retry: whatever attempts are
+left, its message the task's); anything else → the retry policy, then the DLQ.
 Nothing a handler raises or returns can make the settle fail: errors are made
 storable (``failures.py``), delays are checked where raised, results JSON-checked.
 A settle Postgres still refuses fails the attempt with the database's message.
@@ -38,6 +39,7 @@ from motir_celery.errors import (
     NonRetriableError,
     RateLimited,
     RetryAfterError,
+    RetryRequested,
     RunCancelled,
     StepOutputError,
     Suspended,
@@ -75,6 +77,8 @@ class Outcome:
     detail: str = ""
     #: What the handler returned (succeeded only): the task's return value, so Flower shows it.
     result: Any = None
+    #: What ended the attempt (retrying, failed, deferred): the exception the settle stored.
+    error: BaseException | None = None
 
 
 def execute(engine: Engine, run_id: uuid.UUID | str, *, job_id: str, worker: str) -> Outcome:
@@ -210,7 +214,7 @@ def _write_settle(engine: Engine, claim: records.Claim, conn: PooledConnection, 
         if defer and delay is not None:
             settled, state = worker_sql.suspend(conn, claim, outcome="deferred", delay=delay, error_json=error,
                                                 republish_after=republish_after) is not None, "deferred"
-        elif delay is not None and claim.attempt < claim.max_attempts:
+        elif delay is not None and (claim.attempt < claim.max_attempts or isinstance(exc, RetryRequested)):
             settled, state = worker_sql.settle_retry(conn, claim, error, delay), "retrying"
         else:
             dlq_id = worker_sql.settle_failed(conn, claim, error)
@@ -220,14 +224,15 @@ def _write_settle(engine: Engine, claim: records.Claim, conn: PooledConnection, 
     if state == "failed":
         log.error("run %s of %s failed for good after %d attempt(s): %s; DLQ entry %s",
                   run, claim.job_id, claim.attempt, describe(exc), dlq_id)
-        return Outcome(run, "failed", str(dlq_id))
+        return Outcome(run, "failed", str(dlq_id), error=exc)
     log.info("run %s attempt %d %s (%s) for %.1fs", run, claim.attempt, state, type(exc).__name__, delay)
     # A short delay rides on a Celery countdown; a long one is published by the
     # sweeper once due (a long countdown is what Redis's visibility timeout
     # redelivers in a loop). The claim refuses a message that arrives early.
     if delay is not None and delay <= republish_after:
-        publish_or_log(engine.publish, claim.run_id, claim.job_id, delay)
-    return Outcome(run, state, f"in {delay:.1f}s")
+        own = exc.publish if isinstance(exc, RetryRequested) else None
+        publish_or_log(own or engine.publish, claim.run_id, claim.job_id, delay)
+    return Outcome(run, state, f"in {delay:.1f}s", error=exc)
 
 
 def _backoff(claim: records.Claim) -> float:

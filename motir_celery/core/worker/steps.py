@@ -108,6 +108,11 @@ class Step:
         return self.claim.attempt
 
     @property
+    def event_data(self) -> Any:
+        """The data of the event that started the run (a direct run's: its arguments)."""
+        return self._event_data
+
+    @property
     def records(self) -> Mapping[str, Any]:
         """Every step stored for this run so far, by key (read-only)."""
         return MappingProxyType(self._memo)

@@ -67,3 +67,24 @@ ADOPT_REFUSED = Statement(
     SELECT id AS dlq_id, run_id FROM dlq
     """,
 )
+
+# Celery's revoke of a durable task's run (adapter/tasks.py: AsyncResult(id).revoke(),
+# app.control.revoke, a worker dropping a revoked or expired message).
+REVOKE = Statement(
+    "revoke",
+    "Cancel the run of a revoked Celery task: a queued one; with terminate, a running one too (stops at its next step).",
+    """
+    WITH revoked AS (
+      UPDATE job_queue
+      SET state = 'cancelled', finished_at = now(), claim_token = NULL, lease_expires_at = NULL, wait_event = NULL
+      WHERE id = %(run_id)s
+        AND (state = 'queued'                   -- not started: it never runs
+             OR (%(terminate)s AND state = 'running'))   -- terminate=True: its next write is refused
+      RETURNING id
+    ), ledger AS (
+      UPDATE job_run r SET outcome = 'cancelled', finished_at = now()
+      FROM revoked c WHERE r.run_id = c.id AND r.outcome = 'running'   -- the open attempt
+    )
+    SELECT count(*) AS revoked FROM revoked
+    """,
+)

@@ -1,0 +1,129 @@
+"""A team's own Celery task made durable by ``durable=True`` (adapter/tasks.py), through real workers.
+
+The tasks are ``tests/fixtures/durable_tasks.py``: Celery's decorator and options, ``self.request``,
+``self.retry``, ``autoretry_for``, ``self.step``; this process is their producer, a real
+``celery worker`` (prefork) their consumer, Redis their broker and result backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+import signal
+import uuid
+from datetime import datetime, timezone
+from decimal import Decimal
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Iterator
+
+import pytest
+from celery import chord
+from celery.exceptions import TaskRevokedError
+from sqlalchemy import text
+from sqlalchemy.engine import Engine
+
+from tests.conftest import celery_worker, run_state, wait_for
+
+APP = "tests.fixtures.durable_tasks"
+
+
+@pytest.fixture
+def tasks(broker_url: str, database_url: str) -> Iterator[ModuleType]:
+    module = importlib.import_module(APP)
+    yield module
+
+
+def effects(engine: Engine, key: str) -> list[str]:
+    with engine.connect() as conn:
+        return list(conn.execute(text("SELECT step FROM test.side_effect WHERE run_id = :k ORDER BY id"),
+                                 {"k": key}).scalars())
+
+
+def dlq_failure(engine: Engine, run_id: str) -> dict[str, Any] | None:
+    with engine.connect() as conn:
+        return conn.execute(text("SELECT failure FROM job_run_dlq WHERE run_id = :r"), {"r": run_id}).scalar()
+
+
+def test_autoretry_for_retries_the_bound_task_until_it_succeeds(tmp_path: Path, tasks: ModuleType,
+                                                                 engine: Engine, broker_url: str) -> None:
+    key = uuid.uuid4().hex
+    with celery_worker(tmp_path, broker=broker_url, app=APP):
+        result = tasks.flaky.delay(key, 2)
+        assert result.get(timeout=30) == 2
+    assert effects(engine, key) == ["retries=0", "retries=1", "retries=2"]   # self.request.retries, as Celery counts
+    assert run_state(engine, result.id) == "succeeded"                        # one run, under the task's id
+    with engine.connect() as conn:
+        outcomes = conn.execute(text("SELECT outcome FROM job_run WHERE run_id = :r ORDER BY attempt"),
+                                {"r": result.id}).scalars().all()
+    assert outcomes == ["retrying", "retrying", "succeeded"]
+
+
+def test_a_retry_after_a_stored_step_does_not_run_the_step_again(tmp_path: Path, tasks: ModuleType,
+                                                                  engine: Engine, broker_url: str) -> None:
+    key = uuid.uuid4().hex
+    with celery_worker(tmp_path, broker=broker_url, app=APP):
+        result = tasks.charge_then_retry.delay(key)
+        assert result.get(timeout=30) == "charge"   # the second attempt read the step's stored result
+    assert effects(engine, key) == ["charge"]
+
+
+def test_exhausted_retries_land_in_the_dlq_with_the_tasks_own_exception(tmp_path: Path, tasks: ModuleType,
+                                                                        engine: Engine, broker_url: str) -> None:
+    key = uuid.uuid4().hex
+    with celery_worker(tmp_path, broker=broker_url, app=APP):
+        result = tasks.exhausts.delay(key)
+        with pytest.raises(tasks.Declined, match=f"declined {key}"):
+            result.get(timeout=30)
+    assert effects(engine, key) == ["attempt"] * 3                 # max_retries=2: three attempts
+    assert run_state(engine, result.id) == "failed"
+    failure = dlq_failure(engine, result.id)
+    assert failure is not None and failure["type"] == "tests.fixtures.durable_tasks.Declined"
+    assert failure["message"] == f"declined {key}"
+
+
+def test_celerys_chord_of_durable_tasks_runs_once_through_a_kill_9(tmp_path: Path, tasks: ModuleType,
+                                                                  engine: Engine, broker_url: str) -> None:
+    key, parts = uuid.uuid4().hex, 6
+    env = {"MOTIR_REPUBLISH_AFTER": "3"}
+    with celery_worker(tmp_path, broker=broker_url, app=APP, lease=2, env=env, name="doomed") as doomed:
+        result = chord([tasks.part.s(key, i, 2.0) for i in range(parts)], tasks.total.s(key)).delay()
+        wait_for(lambda: len(effects(engine, key)) >= 2, timeout=30, what="two parts under way")
+        doomed.kill(signal.SIGKILL)   # mid-chord: two parts past their step, in their sleep
+    with celery_worker(tmp_path, broker=broker_url, app=APP, lease=2, env=env, name="heir"):
+        assert result.get(timeout=90) == sum(range(parts))
+    done = effects(engine, key)
+    assert sorted(done) == sorted([f"part-{i}" for i in range(parts)] + ["total"]), done   # each exactly once
+    with engine.connect() as conn:
+        again = conn.execute(text("SELECT count(*) FROM job_queue WHERE job_id = :j AND attempts > 1"),
+                             {"j": tasks.part.name}).scalar()
+    assert again >= 2   # the parts the kill cut short ran again, from their stored step on
+
+
+def test_revoke_of_a_queued_run_cancels_it_and_it_never_runs(tmp_path: Path, tasks: ModuleType,
+                                                            engine: Engine, broker_url: str) -> None:
+    key = uuid.uuid4().hex
+    result = tasks.add.delay(key, 1, 2)    # queued: no worker yet
+    result.revoke()                       # heard by no worker: the run is cancelled in Postgres
+    assert run_state(engine, result.id) == "cancelled"
+    assert result.state == "REVOKED"
+    with celery_worker(tmp_path, broker=broker_url, app=APP) as worker:
+        wait_for(lambda: "was revoked: not run" in worker.output(), timeout=30, what="the message refused")
+        with pytest.raises(TaskRevokedError):
+            result.get(timeout=10)
+    assert effects(engine, key) == []
+
+
+def test_values_come_back_as_celerys_json_serializer_gives_them(tmp_path: Path, tasks: ModuleType,
+                                                               broker_url: str) -> None:
+    value = {"bytes": b"\x01raw", "when": datetime(2026, 12, 4, tzinfo=timezone.utc), "amount": Decimal("1.10"),
+             "pair": (1, 2)}
+    with celery_worker(tmp_path, broker=broker_url, app=APP):
+        assert tasks.echo.delay(value).get(timeout=30) == {**value, "pair": [1, 2]}
+
+
+def test_a_direct_call_runs_the_body_here_and_stores_nothing(tasks: ModuleType, engine: Engine) -> None:
+    key = uuid.uuid4().hex
+    assert tasks.add(key, 2, 3) == 5
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM job_queue")).scalar() == 0
+    assert effects(engine, key) == ["add"]
