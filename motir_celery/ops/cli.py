@@ -720,6 +720,54 @@ def cancel(run_id: str) -> None:
     raise click.ClickException(f"run {rid} is already {detail.run.state}; only queued or running runs can be cancelled")
 
 
+# --- rollback ----------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--job", "job_ids", multiple=True, metavar="JOB", help="A direct job (its id or task name); repeat it.")
+@click.option("--all", "every", is_flag=True, help="Every direct job.")
+@click.option("--dry-run", is_flag=True, help="Say what would be done; change nothing.")
+@click.option("--no-purge", is_flag=True, help="Leave the queues as they are (the run messages in them too).")
+@json_option
+def rollback(job_ids: tuple[str, ...], every: bool, dry_run: bool, no_purge: bool, as_json: bool) -> None:
+    """The way back to plain Celery: purge the run messages of the jobs' queues, then cancel each
+    queued run and re-send its work as a plain Celery message (same task name and arguments), in one
+    step per run. Run it after stopping the workers of this release, before starting the old ones."""
+    from motir_celery.adapter.celery_app import default_app
+    from motir_celery.adapter.rollback import direct_jobs, roll_back
+
+    if every == bool(job_ids):
+        raise click.UsageError("name the jobs (--job JOB, repeated) or give --all")
+    import motir_celery
+
+    _load_jobs(_settings())
+    try:
+        jobs = direct_jobs(None if every else job_ids)
+    except LookupError as exc:
+        raise click.ClickException(str(exc)) from None
+    app = _app() or default_app()
+    report = roll_back(motir_celery.current_engine(), app, jobs, dry_run=dry_run, purge=not no_purge)
+    if as_json:
+        _print_json(dataclasses.asdict(report))
+    else:
+        would = "would " if dry_run else ""
+        for queue, length in sorted(report.queues.items()):
+            click.echo(f"queue {queue}: {length} message(s) before")
+        if not no_purge:
+            click.echo(f"{would}purge the run messages" if dry_run else
+                       f"purged {report.purged} run message(s), put {report.kept} other message(s) back")
+        for run_id, name, task_id in report.resent:
+            click.echo(f"{would}cancel run {run_id}; {would}send {name} as task {task_id}")
+        if report.with_steps:
+            click.echo(f"{len(report.with_steps)} of them had stored steps: the plain task runs its body from the top")
+        for run_id in report.running:
+            click.echo(f"run {run_id} is running: left to its worker (a warm shutdown finishes it)")
+        for run_id, why in report.failed:
+            click.echo(f"run {run_id} NOT handed back (still queued): {why}", err=True)
+    if report.failed:
+        raise SystemExit(1)
+
+
 # --- jobs ------------------------------------------------------------------------
 
 

@@ -291,3 +291,45 @@ def open_entries(conn: Conn, *, job: str | None, workspace: str | None, error_li
                  since: datetime | None, until: datetime | None, limit: int) -> list[dict[str, Any]]:
     return rows(conn, OPEN_ENTRIES, {"job": job, "workspace": workspace, "error": error_like, "since": since,
                                      "until": until, "limit": limit})
+
+
+# --- the way back to plain Celery (adapter/rollback.py) ------------------------------------------
+
+ROLLBACK_PENDING = Statement(
+    "rollback_pending",
+    "The queued and running runs of direct jobs the way back to plain Celery would touch, with their arguments.",
+    """
+    SELECT q.id, q.job_id, q.state, q.run_at, GREATEST(q.run_at - now(), interval '0') AS due_in,
+           e.data AS call,
+           (SELECT count(*) FROM job_step s WHERE s.run_id = q.id) AS steps
+    FROM job_queue q
+    JOIN job_event e ON e.id = q.event_id
+    WHERE q.job_id = ANY(%(jobs)s)                   -- the jobs being rolled back, and only those
+      AND q.state IN ('queued', 'running')           -- finished runs have nothing to hand back
+    ORDER BY q.created_at, q.id
+    """,
+)
+
+
+def rollback_pending(conn: Conn, jobs: list[str]) -> list[dict[str, Any]]:
+    return rows(conn, ROLLBACK_PENDING, {"jobs": jobs})
+
+
+ROLLBACK_CANCEL = Statement(
+    "rollback_cancel",
+    "Cancel one queued run whose work is being handed back to plain Celery, marked as such.",
+    """
+    UPDATE job_queue
+    SET state = 'cancelled', finished_at = now(), claim_token = NULL, lease_expires_at = NULL,
+        wait_event = NULL, claimed_by = 'motir rollback',
+        result = jsonb_build_object('rolled_back_as', %(task_id)s::text)
+    WHERE id = %(run_id)s
+      AND state = 'queued'      -- only a run no worker holds: of two rollbacks, or a rollback and a claim, one wins
+    RETURNING id
+    """,
+)
+
+
+def rollback_cancel(conn: Conn, run_id: uuid.UUID, task_id: str) -> bool:
+    """Cancel ``run_id`` if it is still queued (True), its work re-sent as Celery task ``task_id``."""
+    return first(conn, ROLLBACK_CANCEL, {"run_id": run_id, "task_id": task_id}) is not None
