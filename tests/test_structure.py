@@ -379,11 +379,12 @@ def layer_findings(source: Source, modules: set[str]) -> list[str]:
 #: Where the settings are read from the environment: where the engine is built (an engine built
 #: without settings follows the process's environment).
 SETTINGS_READERS = {"motir_celery.core.engine"}
-#: Module-level state a function may set from its arguments: the current-engine lookup, and the
-#: job registry's listeners (``on_job_defined``: how an attached app learns of jobs defined later,
-#: as Celery's own apps learn of ``shared_task``s).
+#: Module-level state a function may set from its arguments: the current-engine lookup, the job
+#: registry itself (``_add``: a job, defined at import time as Celery's ``shared_task`` is) and its
+#: listeners (``on_job_defined``: how an attached app learns of jobs defined later, as Celery's own
+#: apps learn of ``shared_task``s).
 HOOK_OWNERS = {"motir_celery.core.current": {"make_current", "use_default"},
-               "motir_celery.core.jobs": {"on_job_defined"}}
+               "motir_celery.core.jobs": {"_add", "on_job_defined"}}
 #: The core's rooms, by audience: none imports another (what they share lives below them).
 ROOMS = ("motir_celery.core.worker", "motir_celery.core.producer", "motir_celery.core.operator")
 
