@@ -533,8 +533,8 @@ class Stack:
 
 
 @contextmanager
-def private_stack(db_name: str) -> Iterator[Stack]:
-    """A private Postgres (``PRIVATE_SETTINGS``) with a fresh, migrated database ``db_name``, and a
+def private_stack(db_name: str, settings: Sequence[str] = PRIVATE_SETTINGS) -> Iterator[Stack]:
+    """A private Postgres (``settings``) with a fresh, migrated database ``db_name``, and a
     private Redis that CELERY_BROKER_URL names meanwhile: every process that works for a run is
     one the bench can count, and nobody else's work is counted. Stopped afterwards, on error too."""
     from motir_celery.dev.private import PrivateRedis
@@ -545,7 +545,7 @@ def private_stack(db_name: str) -> Iterator[Stack]:
     broker = os.environ.get("CELERY_BROKER_URL")
     os.environ["CELERY_BROKER_URL"] = redis.url
     try:
-        with private_postgres(*PRIVATE_SETTINGS) as pg:
+        with private_postgres(*settings) as pg:
             db = Database.create(db_name, pg.url("postgres"))
             try:
                 yield Stack(pg, redis, db)

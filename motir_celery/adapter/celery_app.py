@@ -300,12 +300,12 @@ def _registrar(app: Celery) -> Callable[[Job], bool]:
 def _register(app: Celery, job: Job) -> None:
     # Our own record, not `name in app.tasks`: that would finalize the app early,
     # and a job re-defined before finalization would be queued twice.
-    if job.celery:
-        return  # a durable Celery task's job: the task is the app's own (tasks.py)
     names = _host_of(app).task_names
     # (priority= is ours, 0-9 higher first; messages.publisher maps it per broker.)
     options = {k: job.options[k] for k in TASK_OPTIONS if k in job.options}
-    for name in job.task_names:  # its Celery name, then its alias motir.<job_id>
+    # Its Celery name, then its alias motir.<job_id>. A durable Celery task's own name is the
+    # app's task (tasks.py): only its alias is ours (run messages under MOTIR_PUBLISH_ALIAS).
+    for name in job.task_names[1:] if job.celery else job.task_names:
         if name in names:
             continue
         names.add(name)
