@@ -53,6 +53,7 @@ its run as well (``task_revoked``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -107,6 +108,8 @@ CRASHES = 3
 FOREVER = 100_000
 #: A run replaced by ``self.replace(sig)`` keeps this key, with the replacement's nesting, as result.
 REPLACED = "__motir_replaced__"
+#: The message header naming the run of a call that reused a task id with other arguments.
+RUN_HEADER = "motir_run"
 #: The canvas fields of a task's message kept with its run (what a message sent again needs).
 _FIELDS = ("callbacks", "errbacks", "chain", "chord", "group", "group_index", "root_id", "parent_id",
            "replaced_task_nesting")
@@ -242,6 +245,10 @@ def _around_apply_async(orig: Callable[..., Any]) -> Callable[..., Any]:
         running = _current()
         if (running is not None and running.task.name == self.name and "retries" in options
                 and task_id == running.task.request.id):
+            if running.run_id != run_id_of(task_id, _nesting(running.task.request)):  # a second call's run
+                options["headers"] = {**(options.get("headers") or {}), RUN_HEADER: str(running.run_id)}
+                send = partial(orig, self, args, kwargs, task_id=task_id, producer=producer, link=link,
+                               link_error=link_error, shadow=shadow, **options)
             running.retry_send = send  # self.retry's message: sent once the settle is committed
             return self.AsyncResult(task_id)
         if self.typing:
@@ -250,18 +257,32 @@ def _around_apply_async(orig: Callable[..., Any]) -> Callable[..., Any]:
         nesting = int(options.get("replaced_task_nesting") or 0)
         if running is not None and task_id == running.task.request.id and nesting > _nesting(running.task.request):
             running.replaced_by = nesting
-        fields = _fields_of(app, task_id, link, link_error, options)
         job = _job_of(self)
         timing = {k: options[k] for k in ("countdown", "eta") if options.get(k) is not None}
         try:
-            engine_of(app).enqueue(job, plain(list(args or ())), plain(dict(kwargs or {})),
-                                   {"task_id": str(run_id_of(task_id, nesting)), **timing}, plain(fields))
+            stored = plain(list(args or ())), plain(dict(kwargs or {})), plain(_fields_of(app, task_id, link,
+                                                                                       link_error, options))
+            written = engine_of(app).enqueue(job, *stored[:2], {"task_id": str(run_id_of(task_id, nesting)),
+                                                                **timing}, stored[2])
+            if written.conflict:
+                # The task id was another call's (Celery lets a frozen signature, an errback linked to
+                # each member of a group, be sent again): this call is a run of its own, and its
+                # message names it.
+                again = _second_run(run_id_of(task_id, nesting), stored[0], stored[1])
+                engine_of(app).enqueue(job, *stored[:2], {"task_id": str(again), **timing}, stored[2])
+                options["headers"] = {**(options.get("headers") or {}), RUN_HEADER: str(again)}
         except PayloadError as exc:
             raise PayloadError(f"task {self.name!r}: {exc}") from None
         return orig(self, args, kwargs, task_id=task_id, producer=producer, link=link, link_error=link_error,
                     shadow=shadow, **options)
 
     return apply_async
+
+
+def _second_run(first: uuid.UUID, args: Any, kwargs: Any) -> uuid.UUID:
+    """The run of a call that reuses a task id with other arguments: one per (task id, arguments)."""
+    digest = hashlib.sha256(json.dumps([args, kwargs], sort_keys=True).encode()).hexdigest()[:32]
+    return uuid.uuid5(first, f"call:{digest}")
 
 
 def _step_of(task: Task) -> Any:
@@ -296,14 +317,20 @@ def _durably(task: Task, body: Callable[..., Any], args: list[Any], kwargs: dict
     request = task.request
     job = _job_of(task)
     recovered = is_run_message(request, job.id, tuple(args), kwargs) and _is_uuid(args[0])
-    run_id = uuid.UUID(args[0]) if recovered else run_id_of(request.id, _nesting(request))
+    named = getattr(request, RUN_HEADER, None)  # a second call under a task id (apply_async)
+    if recovered:
+        run_id = uuid.UUID(args[0])
+    elif isinstance(named, str) and _is_uuid(named):
+        run_id = uuid.UUID(named)
+    else:
+        run_id = run_id_of(request.id, _nesting(request))
     run = _Run(task, body, args, kwargs, run_id, recovered)
     worker = f"{request.hostname or 'worker'}/{os.getpid()}"
     _runs.stack.append(run)
     try:
         outcome = engine.execute(run_id, job_id=job.id, worker=worker)
         if outcome.state == "skipped" and not recovered and _adopted(engine, task, job, run):
-            outcome = engine.execute(run_id, job_id=job.id, worker=worker)
+            outcome = engine.execute(run.run_id, job_id=job.id, worker=worker)  # (another run id on a conflict)
     finally:
         _runs.stack.pop()
     return _ending(engine, run, outcome.state, outcome.detail)
@@ -331,6 +358,9 @@ def _adopted(engine: Engine, task: Task, job: Job, run: _Run) -> bool:
     except PayloadError:  # refused below, with its reason, into the DLQ
         args, kwargs, kept = run.args, run.kwargs, None
     adopted = engine.adopt(job, args, kwargs, str(run.run_id), task_name=task.name, shown=shown, celery=kept)
+    if adopted.conflict and kept is not None:  # the task id was another message's: this one is a run of its own
+        run.run_id = _second_run(run.run_id, args, kwargs)
+        adopted = engine.adopt(job, args, kwargs, str(run.run_id), task_name=task.name, shown=shown, celery=kept)
     if adopted.reason is not None:
         log.error("a message of durable task %s (id %.100s) cannot be stored as a run: %s; DLQ entry %s",
                   task.name, request.id, adopted.reason[:500], adopted.dlq_id)
@@ -590,7 +620,8 @@ def _on_revoked(sender: Any = None, request: Any = None, terminated: bool = Fals
     if sender is None or request is None or not is_durable(sender):
         return
     try:
-        revoke_runs(engine_of(sender.app), [getattr(request, "id", None) or request.task_id], True)
+        # terminate=True stops a running run too; a plain revoke (or an expiry) only a queued one.
+        revoke_runs(engine_of(sender.app), [getattr(request, "id", None) or request.task_id], bool(terminated))
     except Exception as exc:  # noqa: BLE001 — the message is dropped all the same; the claim refuses it later
         log.warning("could not cancel the run of revoked task %s: %s", getattr(request, "id", "?"), exc)
 

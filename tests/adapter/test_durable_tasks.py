@@ -127,3 +127,19 @@ def test_a_direct_call_runs_the_body_here_and_stores_nothing(tasks: ModuleType, 
     with engine.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM job_queue")).scalar() == 0
     assert effects(engine, key) == ["add"]
+
+
+def test_a_task_id_sent_again_runs_once_and_with_other_arguments_is_a_call_of_its_own(
+        tmp_path: Path, tasks: ModuleType, engine: Engine, broker_url: str) -> None:
+    key, task_id = uuid.uuid4().hex, str(uuid.uuid4())
+    with celery_worker(tmp_path, broker=broker_url, app=APP) as worker:
+        first = tasks.add.apply_async((key, 1, 2), task_id=task_id)
+        assert first.get(timeout=30) == 3
+        tasks.add.apply_async((key, 1, 2), task_id=task_id)        # a copy: its run is done already
+        other = tasks.add.apply_async((key, 5, 5), task_id=task_id)  # an errback's frozen id, sent again
+        wait_for(lambda: effects(engine, key) == ["add", "add"], timeout=30, what="the second call")
+        wait_for(lambda: worker.output().count(f"[{task_id}] ignored") == 1, timeout=30, what="the copy refused")
+        assert other.id == task_id
+    with engine.connect() as conn:
+        results = conn.execute(text("SELECT result FROM job_queue WHERE state = 'succeeded'")).scalars().all()
+    assert sorted(results) == [3, 10]   # two calls, two runs; the copy none

@@ -178,6 +178,8 @@ class Written:
     run_id: uuid.UUID | None
     deduplicated: bool
     due_in: float = 0.0
+    #: A refused call's key had been used with other arguments (the existing run is another call's).
+    conflict: bool = False
 
 
 def interpret(call: DirectCall, row: Mapping[str, Any] | None) -> Written | None:
@@ -190,10 +192,11 @@ def interpret(call: DirectCall, row: Mapping[str, Any] | None) -> Written | None
 
 def existing(call: DirectCall, row: Mapping[str, Any] | None) -> Written:
     """The refused call's existing run (None when row-level security hides it)."""
-    if row is None or row.get("same") is False:
+    conflict = row is None or row.get("same") is False
+    if conflict and not call.job.celery:  # (a Celery task id used twice is a second call: adapter/tasks.py)
         log.warning("idempotency key %r of job %r was already used with other arguments or another workspace: "
                     "nothing was written, the first run stands", call.key, call.job.id)
-    return Written(row["run_id"] if row else None, True)
+    return Written(row["run_id"] if row else None, True, conflict=conflict)
 
 
 def write(conn: Conn, call: DirectCall, settings: Settings) -> Written:
@@ -292,6 +295,8 @@ class Adopted:
     deduplicated: bool = False
     dlq_id: uuid.UUID | None = None
     reason: str | None = None
+    #: The task id had been used with other arguments: the run found is another message's.
+    conflict: bool = False
 
 
 def adopt(engine: Engine, job: Job, args: Any, kwargs: Any, task_id: str, *, task_name: str,
@@ -308,7 +313,7 @@ def adopt(engine: Engine, job: Job, args: Any, kwargs: Any, task_id: str, *, tas
         return refuse(engine, job, task_id, task_name, shown, exc)
     with engine.pool().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         written = write(conn, call, settings)
-    return Adopted(written.run_id, written.deduplicated)
+    return Adopted(written.run_id, written.deduplicated, conflict=written.conflict)
 
 
 def enqueue(engine: Engine, job: Job, args: Sequence[Any], kwargs: Mapping[str, Any], options: Mapping[str, Any],
