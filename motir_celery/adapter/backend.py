@@ -314,7 +314,7 @@ class RunsFirst(RunsTable):
         ``AsyncResult(id).get()`` during a workers-first cut-over. Read back from the runs table
         rather than taken from the tracer, which sees a duplicate delivery's "skipped" or a
         ``RunFailed`` where the run has its own result or exception. Off with the app key
-        ``motir_copy_results = False`` (docs/migrating.md, "Results during the switch")."""
+        ``motir_copy_results = False`` (docs/operations.md, "Results during the switch")."""
         if not self.app.conf.get(COPY_RESULTS, True):
             return
         meta = run_meta(engine_of(self.app), task_id, any_workspace=True)

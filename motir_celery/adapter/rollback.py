@@ -1,4 +1,4 @@
-"""The way back to plain Celery, as one command (``motir rollback``; docs/migrating.md, "The way back").
+"""The way back to plain Celery, as one command (``motir rollback``; docs/operations.md, "Rolling back to plain Celery").
 
 For the direct jobs named (or all of them), while no worker of this release consumes their queues:
 

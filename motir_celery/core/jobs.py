@@ -109,7 +109,7 @@ class Job:
         """Neither ``event=`` nor ``cron=``: started by ``delay()`` / ``apply_async()``."""
         return not self.events and self.cron is None
 
-    # --- Celery-shaped calls (core/direct.py; docs/migrating.md) -------------
+    # --- Celery-shaped calls (core/direct.py; docs/tasks-to-jobs.md) -------------
 
     def delay(self, *args: Any, **kwargs: Any) -> RunHandle:
         """One durable run of this direct job with these arguments; its result handle."""
@@ -337,7 +337,7 @@ def define_job(
     ``event`` names the event(s) that start a run; ``cron`` schedules one
     instead (see docs/jobs.md, "Scheduled jobs"); with neither, the job is
     direct: ``job.delay(*args, **kwargs)`` starts a run of
-    ``handler(step, *args, **kwargs)`` (docs/migrating.md). ``retry_policy`` is
+    ``handler(step, *args, **kwargs)`` (docs/tasks-to-jobs.md). ``retry_policy`` is
     ``"transient"`` (default), ``"idempotent"``, ``"none"`` or a ``RetryPolicy``.
     Durable-flow options (docs/jobs.md): ``priority=0..9``, ``singleton_key=``,
     ``concurrency=(limit, key)``, ``cancel_on=[CancelOn(...)]``, ``throttle=(limit, period[, key])``,

@@ -1,5 +1,5 @@
 """The cut-over: a Celery project moves to durable jobs without renaming a task, dropping a message
-or changing a call site (issue 26; docs/migrating.md, "Cutting over").
+or changing a call site (issue 26; docs/tasks-to-jobs.md, "Cutting over").
 
 Real workers on the real broker (this session's Redis queue), real Postgres. The project is
 tests/cutover/: ``before/shop`` is plain Celery, ``after/shop`` the same tasks as durable jobs

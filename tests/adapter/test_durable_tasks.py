@@ -143,3 +143,15 @@ def test_a_task_id_sent_again_runs_once_and_with_other_arguments_is_a_call_of_it
     with engine.connect() as conn:
         results = conn.execute(text("SELECT result FROM job_queue WHERE state = 'succeeded'")).scalars().all()
     assert sorted(results) == [3, 10]   # two calls, two runs; the copy none
+
+
+def test_one_setting_makes_every_task_of_an_app_durable_but_one_that_opts_out(
+        tmp_path: Path, engine: Engine, broker_url: str, database_url: str) -> None:
+    module = importlib.import_module("tests.fixtures.durable_everything")
+    with celery_worker(tmp_path, broker=broker_url, app="tests.fixtures.durable_everything"):
+        doubled, tripled, halved = module.double.delay(4), module.triple.delay(4), module.halve.delay(4)
+        assert (doubled.get(timeout=30), tripled.get(timeout=30), halved.get(timeout=30)) == (8, 12, 2.0)
+    with engine.connect() as conn:
+        runs = dict(conn.execute(text("SELECT id::text, job_id FROM job_queue WHERE state = 'succeeded'")).all())
+    assert runs == {doubled.id: "tests.fixtures.durable_everything.double",
+                    tripled.id: "tests.fixtures.durable_everything.triple"}   # halve stayed a plain task

@@ -1,4 +1,4 @@
-"""The way back as a command, rolled back and forward twice (docs/migrating.md, "The way back").
+"""The way back as a command, rolled back and forward twice (docs/operations.md, "Rolling back to plain Celery").
 
 Two versions of one project share a broker queue and the session's database: ``oldwork`` (a plain
 Celery task ``work.record``) and ``newwork`` (the same task name as a durable job). Each piece of

@@ -1,4 +1,4 @@
-"""Old producers keep their results through a workers-first switch (docs/migrating.md, "Results during the switch").
+"""Old producers keep their results through a workers-first switch (docs/operations.md, "Results during the switch").
 
 Two versions of one small project, as a team has them on the day of the switch: ``oldproj`` (plain
 Celery: ``@app.task``, a result backend of its own, here SQLite as in Celery's Django example) and

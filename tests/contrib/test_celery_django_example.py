@@ -1,6 +1,6 @@
 """Celery's own Django example, cut over (examples/celery_django): real Postgres, broker and worker.
 
-The project is Celery's ``examples/django`` after docs/migrating.md's "Cutting over": its
+The project is Celery's ``examples/django`` after docs/tasks-to-jobs.md's "Cutting over": its
 tasks module changed its decorators and imports only. Django runs in processes of its own
 (``manage.py``, scripts that set Django up), the worker is a real ``celery -A proj worker``,
 the database is this session's (``DATABASE_URL``; motir's URL derived from ``DATABASES``).

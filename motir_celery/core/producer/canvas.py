@@ -666,7 +666,7 @@ def adopt_canvas(engine: Engine, job: Job, args: Sequence[Any], kwargs: Mapping[
             raise CanvasNotSupported(
                 f"message {task_id} is a member of a chord built by Celery's chord(): its siblings and its body "
                 "are counted in Celery's result backend, which no durable run settles; rebuild the chord with "
-                "motir_celery.chord (docs/migrating.md, Canvas)")
+                "motir_celery.chord (docs/tasks-to-jobs.md, Canvas)")
         head: Canvas = Signature(job, tuple(args), dict(kwargs))
         rest = [maybe_signature(s) for s in reversed(list(parts.get("chain") or []))]  # Celery keeps it reversed
         made = chain(head, *rest) if rest else head
