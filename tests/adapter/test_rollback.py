@@ -12,6 +12,7 @@ handed a run's message.
 
 from __future__ import annotations
 
+import base64
 import importlib
 import json
 import os
@@ -160,6 +161,8 @@ def test_a_durable_celery_tasks_queued_run_is_handed_back_once(broker_url: str, 
     report = roll_back(motir_celery.current_engine(), tasks.app, [job])
     handed = str(uuid.uuid5(RESENT, result.id))
     assert (report.purged, report.kept, report.resent) == (1, 0, [(result.id, tasks.flaky.name, handed)])
-    left = [json.loads(m)["headers"] for m in queue.lrange(os.environ["MOTIR_QUEUE"], 0, -1)]
-    assert [(h["task"], h["id"]) for h in left] == [(tasks.flaky.name, handed)]   # the work, once
+    left = [json.loads(m) for m in queue.lrange(os.environ["MOTIR_QUEUE"], 0, -1)]
+    assert [(m["headers"]["task"], m["headers"]["id"]) for m in left] == [(tasks.flaky.name, handed)]  # once
+    args, kwargs, _ = json.loads(base64.b64decode(left[0]["body"]))
+    assert (args, kwargs) == (["handed-back", 0], {})   # the same arguments
     assert run_state(engine, result.id) == "cancelled"
