@@ -25,6 +25,10 @@ admits the first INSERT and answers ``AlreadyQueued`` to the rest. A beat's
 own memory (``_fired`` below) only saves it redundant INSERTs; it never decides
 what a slot is or whether it runs. One beat is still the recommended deployment
 (docs/jobs.md, "Scheduled jobs").
+
+The engine's own cron job, ``system.daily-health-check`` (core/system_jobs.py), is fired with the
+app's; an app whose configuration says ``motir_health_check = False`` (Django:
+``CELERY_MOTIR_HEALTH_CHECK = False``) does not fire it.
 """
 
 from __future__ import annotations
@@ -44,16 +48,21 @@ from motir_celery.adapter.messages import engine_of
 from motir_celery.core.engine import Engine
 from motir_celery.core.jobs import Job, all_jobs, get_job, job_for_task
 from motir_celery.core.schedule import ScheduleOptions, is_slot, latest_slot, newest_slots, next_slot, schedule_options
+from motir_celery.core.system_jobs import HEALTH_CHECK
 from motir_celery.errors import JobDefinitionError
 from motir_celery.store.records import AlreadyQueued, OverlapSkipped, Queued
 from motir_celery.store.sql import producer as producer_sql
 
-__all__ = ["enqueue_slot", "OverlapSkipped", "MotirCronMixin", "MotirScheduler", "SCHEDULER", "beat_tick_id"]
+__all__ = ["enqueue_slot", "OverlapSkipped", "MotirCronMixin", "MotirScheduler", "SCHEDULER", "beat_tick_id",
+           "FIRE_HEALTH_CHECK"]
 
 log = logging.getLogger("motir_celery.adapter.beat")
 
 #: The value ``attach()`` puts in ``beat_scheduler``.
 SCHEDULER = "motir_celery.beat:MotirScheduler"
+#: The app configuration key (Django: ``CELERY_MOTIR_HEALTH_CHECK``) that, ``False``, keeps the beat
+#: from firing the engine's own ``system.daily-health-check``.
+FIRE_HEALTH_CHECK = "motir_health_check"
 
 #: Most slots one job may enqueue in one pass (a catch-up window over a dense
 #: schedule); the newest are kept.
@@ -195,8 +204,9 @@ class MotirCronMixin:
 
     def _motir_jobs(self) -> list[tuple[Job, ScheduleOptions]]:
         jobs = []
+        health_check = bool(self.app.conf.get(FIRE_HEALTH_CHECK, True))
         for job in all_jobs():
-            if job.cron is None:
+            if job.cron is None or (job.id == HEALTH_CHECK and not health_check):
                 continue
             try:
                 jobs.append((job, schedule_options(job.id, job.options)))

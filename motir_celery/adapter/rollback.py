@@ -2,11 +2,14 @@
 
 For the direct jobs named (or all of them), while no worker of this release consumes their queues:
 
-1. **purge the run messages** — a run's message carries the run id as its one argument (and as
-   its task id), which a plain task would take as its own argument (``TypeError: add() missing 1
-   required positional argument``). Every message of the jobs' queues is taken off; a run's
-   message is dropped, any other message (the team's other tasks, a producer's call in Celery's
-   protocol) is put back as it was — its content kept, not its place in the queue;
+1. **purge the run messages** — a job's run message carries the run id as its one argument (and
+   as its task id), which a plain task would take as its own argument (``TypeError: add() missing
+   1 required positional argument``); a durable Celery task's (``@app.task(durable=True)``) is
+   Celery's own message under its run's id, which a plain worker would run beside the work handed
+   back in step 2. Every message of the jobs' queues is taken off; a run's message (either shape:
+   a job's, or any message of these jobs whose task id is a queued or running run's) is dropped,
+   any other message (the team's other tasks, a producer's call in Celery's protocol that no run
+   was written for) is put back as it was — its content kept, not its place in the queue;
 2. **hand each queued run back**: in one transaction, the run is cancelled (a conditional UPDATE:
    only a run still queued, marked ``claimed_by = 'motir rollback'``) and its work is sent as a
    plain Celery message — the same task name, the same arguments, its countdown kept — under a
@@ -83,10 +86,15 @@ def _queues(app: Celery, jobs: list[Job]) -> list[str]:
     return sorted(names)
 
 
-def _is_run_message(message: Any, names: set[str]) -> bool:
+def _is_run_message(message: Any, names: set[str], runs: set[str]) -> bool:
+    """A run's message: one of the jobs' tasks, and its id a pending run's (``runs``: a durable
+    Celery task's message is Celery's own, under its run's id), or a job's run message (one
+    argument, the run id)."""
     headers = message.headers or {}
     if headers.get("task") not in names:
         return False
+    if str(headers.get("id")) in runs:
+        return True
     try:
         args, kwargs, _ = message.decode()
     except Exception:  # noqa: BLE001 — not Celery's protocol 2: not one of ours either
@@ -96,7 +104,7 @@ def _is_run_message(message: Any, names: set[str]) -> bool:
         run == headers.get("id") or headers.get("argsrepr") == argsrepr(str(headers.get("task")), run))
 
 
-def _purge(app: Celery, queue: str, names: set[str], report: Rollback) -> None:
+def _purge(app: Celery, queue: str, names: set[str], runs: set[str], report: Rollback) -> None:
     with app.connection_for_write() as conn:
         channel = conn.default_channel
         bound = Queue(queue, routing_key=queue)(channel)  # type: ignore[no-untyped-call]
@@ -106,7 +114,7 @@ def _purge(app: Celery, queue: str, names: set[str], report: Rollback) -> None:
             message = bound.get(no_ack=False)  # type: ignore[no-untyped-call]
             if message is None:
                 break
-            if _is_run_message(message, names):
+            if _is_run_message(message, names, runs):
                 report.purged += 1
             else:
                 props = message.properties
@@ -133,13 +141,14 @@ def roll_back(engine: Engine, app: Celery, jobs: list[Job], *, dry_run: bool = F
     report = Rollback([j.id for j in jobs], dry_run=dry_run)
     by_id = {j.id: j for j in jobs}
     names = {n for j in jobs for n in (j.task_name, alias_name(j.id))}
+    with engine.pool().connect() as conn, conn.begin():
+        pending = operator_sql.rollback_pending(conn, list(by_id))
     if purge:
+        runs = {str(run["id"]) for run in pending}
         for queue in _queues(app, jobs):
             report.queues[queue] = _length(app, queue)
             if not dry_run:
-                _purge(app, queue, names, report)
-    with engine.pool().connect() as conn, conn.begin():
-        pending = operator_sql.rollback_pending(conn, list(by_id))
+                _purge(app, queue, names, runs, report)
     for run in pending:
         run_id = str(run["id"])
         if run["state"] == "running":

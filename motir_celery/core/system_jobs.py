@@ -5,6 +5,10 @@ beat computes the slot, the run row is inserted once, a worker claims it and
 the ledger (``job_run``) records ``scheduled.system.daily-health-check``. It
 does nothing else, so a missing or failed run of it points at the pipeline
 (beat down, workers down, database unreachable), never at its own logic.
+
+Every app that hosts the engine has it (README, "The engine's own job"); an app whose
+configuration says ``motir_health_check = False`` keeps it registered but its beat never
+fires it (adapter/beat.py).
 """
 
 from __future__ import annotations

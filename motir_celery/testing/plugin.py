@@ -11,8 +11,12 @@
 
 **With pytest-django**, in a project whose ``INSTALLED_APPS`` has ``motir_celery.contrib.django``,
 the database is Django's test database (``django_db_setup``: created, migrated — motir's tables
-too — and dropped by Django; the engine follows it, contrib/django/testdb.py), and ``motir``
-implies ``transactional_db``: the kit's runs commit, as a worker's would. No conftest is needed.
+too — and dropped by Django; the engine follows it, contrib/django/testdb.py), and a test that
+asks for ``motir`` is marked ``django_db(transaction=True)`` when it is collected: pytest-django
+then sets up the test database even when no other test asks for it, and the kit's runs commit, as
+a worker's would. No conftest is needed. The kit never runs on the database Django started on:
+when Django is not on a test database by the time ``motir`` is asked for (a ``django_db_setup`` of
+the project's own that keeps it there), the session stops with that reason.
 
 **Embedded Postgres.** When this run started the embedded Postgres (no ``MOTIR_DATABASE_URL``, none
 running under ``MOTIR_DATA_DIR`` before), the run stops it at its end; one that was running
@@ -82,9 +86,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         embedded.stop_postgres(embedded.data_dir())
 
 
-def _django_project(request: pytest.FixtureRequest) -> bool:
+def _django_project(config: pytest.Config) -> bool:
     """Whether pytest-django runs a Django project that installs motir's Django app."""
-    if not request.config.pluginmanager.hasplugin("django"):
+    if not config.pluginmanager.hasplugin("django"):
         return False
     from django.conf import settings
 
@@ -95,11 +99,27 @@ def _django_project(request: pytest.FixtureRequest) -> bool:
     return bool(apps.ready and apps.is_installed("motir_celery.contrib.django"))
 
 
+#: What a test that asks for ``motir`` is, in a Django project (the module docstring).
+_KIT_IN_DJANGO = pytest.mark.django_db(transaction=True)
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """A test that asks for ``motir`` in a Django project needs Django's test database: said by
+    its marker, which pytest-django reads to choose the databases it sets up and the order of the tests."""
+    if "motir" in getattr(item, "fixturenames", ()) and _django_project(item.config):
+        item.add_marker(_KIT_IN_DJANGO)
+
+
 @pytest.fixture(scope="session")
 def motir_database_url(request: pytest.FixtureRequest) -> Iterator[str]:
     """A migrated database of this session's own (see the module docstring); its URL."""
-    if _django_project(request):
+    if _django_project(request.config):
+        from motir_celery.contrib.django import testdb
+
         request.getfixturevalue("django_db_setup")  # Django's test database, which the engine follows
+        if testdb.test_database() is None:
+            pytest.exit("motir_celery.testing: Django is still on the database it started on after django_db_setup; "
+                        "the kit empties its tables, so it runs on a test database only", returncode=3)
         yield motir_settings.Settings.from_env().require_database_url()
         return
     server = make_url(_server_url())
@@ -135,10 +155,9 @@ def motir_database_url(request: pytest.FixtureRequest) -> Iterator[str]:
 def motir(request: pytest.FixtureRequest, motir_database_url: str) -> Iterator[Motir]:
     """Jobs run in this process against the session's database: run, send_event, drain,
     crash_after / crash_before, advance, steps, attempts, dlq (docs/testing.md)."""
-    if _django_project(request):
-        # The kit's runs commit, as a worker's would: pytest-django's transactional database (its
-        # helper reads the test's marker, so the marker says so too).
-        request.node.add_marker(pytest.mark.django_db(transaction=True))
+    if _django_project(request.config):
+        # The kit's runs commit, as a worker's would: pytest-django's transactional database (the
+        # test carries the marker since its collection: pytest_itemcollected).
         request.getfixturevalue("transactional_db")
     kit = Motir(settings=motir_settings.Settings.from_env())
     kit.reset()

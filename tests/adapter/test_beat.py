@@ -336,6 +336,14 @@ def test_a_scheduler_pass_enqueues_each_cron_job_once_and_sleeps_until_the_next_
     assert all(c[1] not in (HEALTH_CHECK, bj.FAILING) for c in published[before:])
 
 
+def test_an_app_that_turns_the_health_check_off_fires_every_cron_job_but_it(engine, scheduler, published):  # type: ignore[no-untyped-def]
+    scheduler.app.conf.motir_health_check = False   # Django: CELERY_MOTIR_HEALTH_CHECK = False
+    scheduler._motir_pass()
+    assert rows(engine, HEALTH_CHECK) == [] and HEALTH_CHECK not in {c[1] for c in published}
+    assert len(rows(engine, bj.EVERY_2S)) == 1 and len(rows(engine, bj.FAILING)) == 1
+    assert HEALTH_CHECK not in scheduler.info and bj.EVERY_2S in scheduler.info
+
+
 def test_attach_installs_our_scheduler_unless_the_user_chose_one(broker_url):  # type: ignore[no-untyped-def]
     plain = Celery("plain", set_as_current=False)
     plain.conf.broker_url = "memory://"

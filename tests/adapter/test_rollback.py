@@ -12,17 +12,25 @@ handed a run's message.
 
 from __future__ import annotations
 
+import base64
+import importlib
+import json
 import os
 import signal
 import subprocess
 import sys
+import uuid
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import redis
 from sqlalchemy import make_url, text
 
-from tests.conftest import ROOT, celery_worker, wait_for
+import motir_celery
+from motir_celery.adapter.rollback import RESENT, roll_back
+from motir_celery.core.jobs import job_for_task
+from tests.conftest import ROOT, celery_worker, run_state, wait_for
 
 BODY = '''
 import os, time
@@ -136,3 +144,25 @@ def test_roll_back_and_forward_twice_each_piece_of_work_once(tmp_path: Path, bro
         left = conn.execute(text("SELECT count(*) FROM job_queue WHERE state IN ('queued', 'running')")).scalar_one()
         handed_back = conn.execute(text("SELECT count(*) FROM job_queue WHERE claimed_by = 'motir rollback'")).scalar_one()
     assert left == 0 and handed_back > 0
+
+
+def test_a_durable_celery_tasks_queued_run_is_handed_back_once(broker_url: str, database_url: str,
+                                                               engine: Any) -> None:
+    """``@app.task(durable=True)``: the run's message is Celery's own, arguments and all, under the
+    run's id. Kept in the queue beside the work handed back, an old worker would run it twice."""
+    tasks = importlib.import_module("tests.fixtures.durable_tasks")
+    queue = redis.Redis.from_url(broker_url)
+    queue.delete(os.environ["MOTIR_QUEUE"])
+    result = tasks.flaky.delay("handed-back", 0)       # its run written, then Celery's message sent
+    job = job_for_task(tasks.flaky.name)
+    assert job is not None and job.celery
+    dry = roll_back(motir_celery.current_engine(), tasks.app, [job], dry_run=True)
+    assert dry.queues == {os.environ["MOTIR_QUEUE"]: 1} and dry.purged == 0 and len(dry.resent) == 1
+    report = roll_back(motir_celery.current_engine(), tasks.app, [job])
+    handed = str(uuid.uuid5(RESENT, result.id))
+    assert (report.purged, report.kept, report.resent) == (1, 0, [(result.id, tasks.flaky.name, handed)])
+    left = [json.loads(m) for m in queue.lrange(os.environ["MOTIR_QUEUE"], 0, -1)]
+    assert [(m["headers"]["task"], m["headers"]["id"]) for m in left] == [(tasks.flaky.name, handed)]  # once
+    args, kwargs, _ = json.loads(base64.b64decode(left[0]["body"]))
+    assert (args, kwargs) == (["handed-back", 0], {})   # the same arguments
+    assert run_state(engine, result.id) == "cancelled"

@@ -124,7 +124,7 @@ def runs_of(engine: Any) -> list[Any]:
 
 def django_worker(tmp_path: Path, broker_url: str, django_env: dict[str, str], **kwargs: Any) -> Any:
     env = {k: v for k, v in django_env.items() if k in ("DATABASE_URL", "DJANGO_SETTINGS_MODULE", "PYTHONPATH")}
-    # Derived from DATABASES['default'] in the worker too; settings.py names the job modules.
+    # Derived from DATABASES['default'] in the worker too; the job module is found by autodiscovery.
     env.update({"MOTIR_DATABASE_URL": "", "MOTIR_IMPORTS": ""})
     env.update(kwargs.pop("env", {}))
     return celery_worker(tmp_path, broker=broker_url, app="shop", env=env, name="django", **kwargs)
@@ -141,7 +141,7 @@ def test_manage_py_commands_read_djangos_settings(django_env, engine):  # type: 
     manage(django_env, "motir_migrate")
     assert manage(django_env, "motir_migrate", "--check").returncode == 0
     jobs = manage(django_env, "motir", "jobs").stdout
-    assert "orders.confirm" in jobs and "event order.placed" in jobs  # MOTIR_IMPORTS from settings.py
+    assert "orders.confirm" in jobs and "event order.placed" in jobs  # orders/tasks.py, autodiscovered
     checked = manage(django_env, "check")
     assert "no issues" in checked.stdout + checked.stderr
     # An engine URL reaching another database than Django's is worth a warning.

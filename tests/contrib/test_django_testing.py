@@ -105,3 +105,11 @@ def test_manage_py_motir_jobs_lists_every_job_without_motir_imports(project_env:
     jobs = {j["id"]: j["task"] for j in json.loads(proc.stdout) if not j["id"].startswith("system.")}
     assert jobs == {"loans.send-receipt": "loans.tasks.send_receipt", "loans.flag-overdue": "loans.tasks.flag_overdue",
                     "loans.count": "loans.tasks.count_loans"}
+
+
+def test_a_web_process_knows_every_job_without_motir_imports(project_env: dict[str, str]) -> None:
+    """``django.setup()`` alone, as a web process (runserver, gunicorn) has it: no worker started, so
+    nobody ran Celery's autodiscovery; the Django app's ready() imported each app's tasks module."""
+    jobs = script(project_env, "from motir_celery.core.jobs import all_jobs\n"
+                               "print(json.dumps(sorted(j.id for j in all_jobs() if not j.id.startswith('system.'))))")
+    assert jobs == ["loans.count", "loans.flag-overdue", "loans.send-receipt"]

@@ -151,3 +151,36 @@ def test_a_service_that_cannot_start_is_named_and_exits_non_zero(tmp_path: Path,
     assert result.returncode != 0
     assert result.stdout == ""
     assert "embedded redis" in result.stderr
+
+
+KIT_TEST = "def test_the_kit(motir):\n    assert motir.drain() == []\n"
+
+
+def kit_session(folder: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """A user's pytest run of one test that asks for the kit (motir_celery.testing's plugin)."""
+    (folder / "test_kit.py").write_text(KIT_TEST)
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_kit.py"],
+                          cwd=folder, env=env, capture_output=True, text=True, timeout=240)
+
+
+def test_a_pytest_run_stops_the_embedded_postgres_it_started_and_starts_no_redis(
+    tmp_path: Path, clean_env: dict[str, str]
+) -> None:
+    data = tmp_path / "motir"
+    env = {**clean_env, "MOTIR_DATA_DIR": str(data)}
+    try:
+        done = kit_session(tmp_path, env)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "1 passed" in done.stdout
+        assert (data / "pg").is_dir() and not (data / "pg" / "postmaster.pid").exists()   # started, then stopped
+        assert not (data / "redis").exists()                                              # the kit needs no broker
+    finally:
+        embedded("stop", env)
+
+
+def test_a_pytest_run_leaves_the_embedded_postgres_it_found_running(
+    tmp_path: Path, clean_env: dict[str, str], urls: dict[str, str]
+) -> None:
+    done = kit_session(tmp_path, clean_env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert select_one(urls["MOTIR_DATABASE_URL"]) == 1

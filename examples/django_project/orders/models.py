@@ -6,5 +6,5 @@ class Order(models.Model):
     quantity = models.PositiveIntegerField(default=1)
     workspace = models.CharField(max_length=100)
     created_at = models.DateTimeField(auto_now_add=True)
-    #: Set by the durable job orders.confirm (orders/jobs.py).
+    #: Set by the durable job orders.confirm (orders/tasks.py).
     confirmed_at = models.DateTimeField(null=True, blank=True)

@@ -7,8 +7,8 @@ from django.views.decorators.http import require_POST
 
 from motir_celery import send_event
 from motir_celery.contrib.django.middleware import request_workspace
-from orders.jobs import receipt
 from orders.models import Order
+from orders.tasks import receipt
 
 
 class OutOfStock(Exception):

@@ -10,8 +10,10 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "shop.settings")
 
 app = Celery("shop")
 app.config_from_object("django.conf:settings", namespace="CELERY")
-# The job modules come from MOTIR_IMPORTS (settings.py); attach() imports them when
-# Celery imports its own (after django.setup()), so they may import models and tasks.
+# Each installed app's tasks module (orders/tasks.py), imported once Django is set up, so a job
+# module may import models: the worker finds the jobs this way, the web process and manage.py
+# motir through motir's Django app.
+app.autodiscover_tasks()
 motir_celery.attach(app)
 
 

@@ -45,9 +45,9 @@ CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/
 CELERY_TASK_DEFAULT_QUEUE = os.environ.get("MOTIR_QUEUE", "celery")
 CELERY_TASK_IGNORE_RESULT = True
 
-# motir-celery: any MOTIR_* setting of docs/operations.md. MOTIR_DATABASE_URL is left
-# out: it is derived from DATABASES["default"] (set it for an engine login of its own).
-MOTIR_IMPORTS = ["orders.jobs"]
+# motir-celery: any MOTIR_* setting of docs/settings.md. MOTIR_DATABASE_URL is left out: it is
+# derived from DATABASES["default"] (set it for an engine login of its own). No MOTIR_IMPORTS: the
+# jobs live in orders/tasks.py, which Celery's autodiscovery finds, as motir's Django app does.
 MOTIR_QUEUE = CELERY_TASK_DEFAULT_QUEUE
 # Whose workspace a request writes in: here a header, for the example only — derive it
 # from the authenticated user in a real project.

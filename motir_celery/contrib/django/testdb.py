@@ -39,7 +39,7 @@ from motir_celery.settings import reset_settings
 from motir_celery.store.db import dispose_engines
 from motir_celery.store.lent import LentPool, in_open_transaction
 
-__all__ = ["start", "follow", "migrate_or_flush", "lend", "only_test_case_atomics", "database_of"]
+__all__ = ["start", "follow", "migrate_or_flush", "lend", "only_test_case_atomics", "database_of", "test_database"]
 
 #: The URLs that follow Django's database (when they named the one Django was on).
 URL_NAMES = ("MOTIR_DATABASE_URL", "MOTIR_APP_DATABASE_URL", "MOTIR_ADMIN_DATABASE_URL", "MOTIR_MIGRATE_DATABASE_URL")
@@ -71,6 +71,11 @@ def database_of(url: str) -> str:
 def _renamed(url: str, name: str) -> str:
     parts = urlsplit(url)
     return urlunsplit(parts._replace(path="/" + quote(name, safe="")))
+
+
+def test_database() -> str | None:
+    """The test database the engine follows now, or None while it is on the one Django started on."""
+    return _following.current if _following.testing else None
 
 
 def start() -> None:

@@ -1,4 +1,5 @@
-"""The durable job: confirm an order (MOTIR_IMPORTS = ["orders.jobs"])."""
+"""The durable jobs: confirm an order, render its receipt. Celery's autodiscovery finds this module
+(``app.autodiscover_tasks()`` in shop/celery.py), and so do the operator tools and the web process."""
 
 from typing import Any
 
