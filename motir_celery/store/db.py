@@ -5,7 +5,7 @@ Two ways in:
 * ``get_pool(settings)`` / ``engine_connection(settings)`` — the engine role: dispatcher, claim, step
   writes, settle, sweeper. It may see every tenant's rows (a policy of its own, see
   ``models.py``), because a worker must claim whatever run its message names. Its
-  connections are psycopg's in a pool of ours (``store/pg.py``): a worker imports no
+  connections are psycopg's in psycopg's own pool (``store/pg.py``): a worker imports no
   SQLAlchemy.
 * ``workspace_session(workspace_id, admin=...)`` — the app role with row-level
   security enforced (``motir_admin``, a member of it, for admin reads). CLI
@@ -96,7 +96,7 @@ def get_pool(settings: Settings, url: str | None = None, *, runs: int = 1) -> Po
         size = max(settings.pool_size, runs)
         # A run holds one connection while it runs (and briefly a second for a wait's transaction
         # or a step's send_event): `size` covers one per concurrent run of this process, the
-        # overflow the rest. No ping on checkout: a socket a database restart left dead fails its
+        # overflow the rest; none is opened before it is asked for. No ping on checkout: a socket a database restart left dead fails its
         # first statement, the pool replaces every older one (driver.rows), and the runner claims
         # once more on a fresh one (runner.execute). Pinging bought nothing the ablation could
         # measure (docs/performance.md) and would cost every run a round trip. Every timestamp is

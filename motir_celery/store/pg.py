@@ -1,4 +1,4 @@
-"""The engine role's own connections: psycopg in a pool of ours, with no SQLAlchemy in between.
+"""The engine role's own connections: psycopg in psycopg's own pool, with no SQLAlchemy in between.
 
 The engine sends only catalogued statements (``driver.py``), so it needs a pool, transactions
 and invalidation, not an SQL toolkit. SQLAlchemy's core is ~13 MB of every worker process's
@@ -9,20 +9,26 @@ goes"). SQLAlchemy stays what a caller brings (a
 ``Pool`` and ``PooledConnection`` offer the part of SQLAlchemy's ``Engine`` and ``Connection``
 the engine's code uses — ``connect()``, ``begin()``, ``execution_options(isolation_level=
 "AUTOCOMMIT")``, ``invalidate()``, ``dispose()`` — with the same meaning, so one store function
-serves a connection of either kind. Errors are psycopg's own; a connection a statement found
-broken is invalidated and the statement raises ``ConnectionLost`` (``driver.rows``).
+serves a connection of either kind, over ``psycopg_pool.ConnectionPool`` (a pool of our own
+measured no faster: docs/performance.md, "Tried and did not pay"). Errors are psycopg's own; a
+connection a statement found broken is invalidated and the statement raises ``ConnectionLost``
+(``driver.rows``), and every older connection of its pool is replaced (``drain``).
 
-Hazards, as with SQLAlchemy's pool configured as store/db.py did: a connection is not pinged
-when lent (the side pool's are), so a socket a restart killed fails its first statement; a
-connection is kept however old it is; one its borrower never closes is never taken back. A
-connection comes back rolled back and out of autocommit; session state a borrower set with
-``SET`` (not ``set_config(..., true)``) would stay, and no statement of the engine's does that.
+Hazards, psycopg_pool's as configured here: a connection is not pinged when lent (the side
+pool's are: ``check_connection``), so a socket a restart killed fails its first statement. New
+connections are made by the pool's worker threads (three, and its scheduler: per process, a
+child making its own after a fork): while Postgres cannot be reached a checkout waits up to the
+pool's timeout (30 s) for one and then raises ``PoolTimeout``, the reason in the pool's WARNINGs,
+where a connect of the caller's own would fail at once. None is opened before it is asked for
+(``min_size`` 0); one left idle beyond what a process uses is closed after ``max_idle`` (10 min),
+and each is replaced after ``max_lifetime`` (1 h). One its borrower never closes is never taken
+back. A connection comes back rolled back and out of autocommit; session state a borrower set
+with ``SET`` (not ``set_config(..., true)``) would stay, and no statement of the engine's does that.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from contextlib import contextmanager
 from types import TracebackType
 from typing import Any, Callable, Iterator
@@ -30,6 +36,8 @@ from urllib.parse import SplitResult, urlsplit, urlunsplit
 
 import psycopg
 from psycopg import pq
+from psycopg_pool import ConnectionPool
+from psycopg_pool import PoolTimeout as LibraryTimeout
 
 __all__ = ["Pool", "PooledConnection", "BorrowedConnection", "Transaction", "ConnectionLost", "PoolTimeout",
            "conninfo", "hide_password"]
@@ -67,8 +75,10 @@ def hide_password(url: str) -> str:
 
 
 class Pool:
-    """Up to ``size + overflow`` psycopg connections to one URL, ``size`` of them kept idle
-    between uses (last used, first reused). Thread-safe; made per process (``store/db.py``)."""
+    """Up to ``size + overflow`` psycopg connections to one URL, in psycopg's own pool
+    (``psycopg_pool.ConnectionPool``): made on demand by its worker threads, kept idle between
+    uses and closed after ``max_idle`` unused beyond ``min_size`` (0). Thread-safe; made per
+    process (``store/db.py``): its threads do not survive a fork, and a child makes its own."""
 
     def __init__(self, url: str, *, size: int, overflow: int, connect_args: dict[str, Any],
                  pre_ping: bool = False, timeout: float = 30.0) -> None:
@@ -77,13 +87,25 @@ class Pool:
         self.conninfo = conninfo(url)
         self.connect_args = dict(connect_args)
         self.size, self.overflow, self.pre_ping, self.timeout = size, overflow, pre_ping, timeout
-        self._cond = threading.Condition()
-        self._idle: list[tuple[psycopg.Connection[Any], float]] = []  # (connection, made at)
-        self._count = 0  # connections in existence: idle and checked out
-        #: Connections made before this moment are closed at their next checkout or checkin
-        #: (``invalidate_older``, ``dispose``).
-        self._epoch = 0.0
         self._listeners: dict[str, list[Listener]] = {"connect": [], "checkout": []}
+        self._lock = threading.Lock()
+        self._pool: ConnectionPool[Any] | None = None
+
+    def _library(self) -> ConnectionPool[Any]:
+        pool = self._pool
+        if pool is None:
+            with self._lock:
+                pool = self._pool
+                if pool is None:
+                    pool = self._pool = ConnectionPool(
+                        self.conninfo, kwargs=self.connect_args, min_size=0, max_size=self.size + self.overflow,
+                        timeout=self.timeout, configure=self._configure, name=f"motir {self.where}",
+                        check=ConnectionPool.check_connection if self.pre_ping else None, open=True)
+        return pool
+
+    def _configure(self, raw: psycopg.Connection[Any]) -> None:
+        for listener in self._listeners["connect"]:
+            listener(raw, None)
 
     def listen(self, name: str, listener: Listener) -> None:
         """Call ``listener`` at each new connection (``"connect"``) or each checkout (``"checkout"``)."""
@@ -95,8 +117,19 @@ class Pool:
 
     def connect(self) -> PooledConnection:
         """A connection of the pool, checked out until its ``close()`` (or its ``with`` block's end)."""
-        raw, made = self._checkout()
-        return PooledConnection(self, raw, made)
+        library = self._library()
+        try:
+            raw = library.getconn()
+        except LibraryTimeout as exc:
+            raise PoolTimeout(f"no connection to {self.where} came free in {self.timeout:g}s "
+                              f"({self.checkedout()} checked out)") from exc
+        try:
+            for listener in self._listeners["checkout"]:
+                listener(raw, None, None)
+        except BaseException:
+            library.putconn(raw)
+            raise
+        return PooledConnection(self, raw, library)
 
     @contextmanager
     def begin(self) -> Iterator[PooledConnection]:
@@ -106,114 +139,48 @@ class Pool:
 
     def dispose(self) -> None:
         """Close every idle connection; those checked out are closed when they come back."""
-        with self._cond:
-            self._epoch = time.monotonic()
-            idle, self._idle = self._idle, []
-            self._count -= len(idle)
-            self._cond.notify_all()
-        for raw, _ in idle:
-            raw.close()
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
 
     def invalidate_older(self) -> None:
         """Every connection made until now is replaced at its next checkout (a restart killed them all)."""
-        with self._cond:
-            self._epoch = time.monotonic()
+        pool = self._pool
+        if pool is not None:
+            pool.drain()
 
     def checkedout(self) -> int:
         """Connections lent now (SQLAlchemy's pool says the same with ``checkedout()``)."""
-        with self._cond:
-            return self._count - len(self._idle)
+        pool = self._pool
+        if pool is None:
+            return 0
+        stats = pool.get_stats()
+        return stats.get("pool_size", 0) - stats.get("pool_available", 0)
 
-    # --- checkout and checkin -------------------------------------------------------------
-
-    def _checkout(self) -> tuple[psycopg.Connection[Any], float]:
-        deadline = time.monotonic() + self.timeout
-        while True:
-            with self._cond:
-                while not self._idle and self._count >= self.size + self.overflow:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise PoolTimeout(f"no connection to {self.where} came free in {self.timeout:g}s "
-                                          f"({self._count} checked out)")
-                    self._cond.wait(left)
-                if self._idle:
-                    raw, made = self._idle.pop()
-                else:
-                    raw, made = None, 0.0
-                    self._count += 1
-            if raw is None:
-                return self._new(), time.monotonic()
-            if made < self._epoch or raw.closed or (self.pre_ping and not _answers(raw)):
-                self._discard(raw)
-                continue
-            for listener in self._listeners["checkout"]:
-                listener(raw, None, None)
-            return raw, made
-
-    def _new(self) -> psycopg.Connection[Any]:
-        raw = None
-        try:
-            raw = psycopg.connect(self.conninfo, **self.connect_args)
-            for listener in self._listeners["connect"]:
-                listener(raw, None)
-            for listener in self._listeners["checkout"]:
-                listener(raw, None, None)
-        except BaseException:
-            with self._cond:
-                self._count -= 1
-                self._cond.notify()
-            if raw is not None:
+    def checkin(self, raw: psycopg.Connection[Any], library: ConnectionPool[Any]) -> None:
+        """``raw`` back from its borrower: rolled back, out of autocommit, and back to its pool (which
+        drops a broken one, or one made before a ``dispose`` or an ``invalidate_older``)."""
+        if not (raw.closed or raw.broken):
+            try:
+                if raw.info.transaction_status != pq.TransactionStatus.IDLE:
+                    raw.rollback()  # as SQLAlchemy's reset on return: nothing leaks to the next borrower
+                if raw.autocommit:
+                    raw.autocommit = False
+            except psycopg.Error:
                 raw.close()
-            raise
-        return raw
-
-    def _discard(self, raw: psycopg.Connection[Any]) -> None:
-        with self._cond:
-            self._count -= 1
-            self._cond.notify()
-        raw.close()
-
-    def checkin(self, raw: psycopg.Connection[Any], made: float) -> None:
-        """``raw`` back from its borrower: rolled back, out of autocommit, and kept or closed."""
-        if raw.closed or raw.broken or made < self._epoch:
-            self._discard(raw)
-            return
-        try:
-            if raw.info.transaction_status != pq.TransactionStatus.IDLE:
-                raw.rollback()  # as SQLAlchemy's reset on return: nothing leaks to the next borrower
-            if raw.autocommit:
-                raw.autocommit = False
-        except psycopg.Error:
-            self._discard(raw)
-            return
-        with self._cond:
-            if len(self._idle) < self.size and made >= self._epoch:
-                self._idle.append((raw, made))
-                self._cond.notify()
-                return
-        self._discard(raw)
-
-
-def _answers(raw: psycopg.Connection[Any]) -> bool:
-    """The side pool's ping: a round trip before the connection is lent."""
-    try:
-        raw.execute("SELECT 1")
-        if not raw.autocommit:
-            raw.rollback()
-        return True
-    except psycopg.Error:
-        return False
+        library.putconn(raw)
 
 
 class PooledConnection:
     """One connection checked out of a ``Pool``: SQLAlchemy ``Connection``'s ``begin()``,
     ``execution_options(isolation_level=…)``, ``invalidate()``, ``close()`` and ``in_transaction()``."""
 
-    def __init__(self, pool: Pool | None, raw: psycopg.Connection[Any], made: float) -> None:
+    def __init__(self, pool: Pool | None, raw: psycopg.Connection[Any], library: ConnectionPool[Any] | None) -> None:
         #: The pool it goes back to (None: a ``BorrowedConnection``, nobody's).
         self.engine = pool
         self.raw = raw
-        self._made = made
+        self._library = library
         self._closed = False
 
     def execution_options(self, *, isolation_level: str) -> PooledConnection:
@@ -238,9 +205,9 @@ class PooledConnection:
         self.raw.close()
 
     def close(self) -> None:
-        if not self._closed and self.engine is not None:
+        if not self._closed and self.engine is not None and self._library is not None:
             self._closed = True
-            self.engine.checkin(self.raw, self._made)
+            self.engine.checkin(self.raw, self._library)
 
     def __enter__(self) -> PooledConnection:
         return self
@@ -255,7 +222,7 @@ class BorrowedConnection(PooledConnection):
     connection — ``begin()`` groups nothing, ``close()`` and ``invalidate()`` leave it be."""
 
     def __init__(self, raw: psycopg.Connection[Any]) -> None:
-        super().__init__(None, raw, 0.0)
+        super().__init__(None, raw, None)
 
     def execution_options(self, *, isolation_level: str) -> PooledConnection:
         raise RuntimeError("a borrowed connection's transaction is its owner's")

@@ -1,7 +1,8 @@
-"""The engine's own pool (store/pg.py): what SQLAlchemy's pool promised the engine, kept without it.
+"""The engine's pool (store/pg.py, over psycopg_pool): what SQLAlchemy's pool promised the engine, kept without it.
 
 Against a real Postgres: a pool of ``size + overflow`` never opens more connections under
-concurrent checkouts, and a borrower beyond that waits, then times out with a clear error; a
+concurrent checkouts (and none before one is asked for), and a borrower beyond that waits, then
+times out with a clear error; a
 connection comes back to the next borrower rolled back and out of autocommit; a transaction
 commits at its block's end and rolls back on an error; ``dispose`` closes what is idle at once and
 what is lent when it returns; the side pool's ping replaces a connection whose server process died.
@@ -52,6 +53,7 @@ def _opened(engine: Engine, expected: int) -> bool:
 def test_concurrent_borrowers_never_open_more_than_size_plus_overflow_connections(
         database_url: str, engine: Engine) -> None:
     pool = _pool(database_url, timeout=20)
+    assert _opened(engine, 0)  # none before one is asked for
     peak, lent, lock = [0], [0], threading.Lock()
     start = threading.Barrier(8)
 
@@ -74,7 +76,7 @@ def test_concurrent_borrowers_never_open_more_than_size_plus_overflow_connection
             t.join(60)
         assert peak[0] == 3  # eight threads, three connections at most, all three used
         assert pool.checkedout() == 0
-        assert _opened(engine, 2)  # the overflow closed when it came back; `size` kept idle
+        assert _opened(engine, 3)  # kept idle (one unused for psycopg_pool's max_idle is closed)
     finally:
         pool.dispose()
     assert _opened(engine, 0)
