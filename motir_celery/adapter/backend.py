@@ -235,10 +235,12 @@ class MotirBackend(RunsTable, BaseBackend):
         return RUNS_TABLE  # what a worker's banner and `celery report` show
 
     def other_wait_for_pending(self, result: Any, **options: Any) -> Any:
-        options.pop("no_ack", None)
+        # An id that is no run's yet (a durable chain's next link, a chord's body: written when the
+        # link before it ends) is waited for until it is; anything else stays PENDING until the
+        # timeout, as on Celery's disabled backend.
         self.wait_for(result.id, timeout=options.get("timeout"), interval=options.get("interval") or 0.5,
-                      on_interval=options.get("on_interval"))  # PENDING until the timeout, as Celery's own
-        return None
+                      on_interval=options.get("on_interval"))
+        return result.maybe_throw(propagate=options.get("propagate", True), callback=options.get("callback"))
 
     def _forget(self, task_id: Any) -> None:
         return None

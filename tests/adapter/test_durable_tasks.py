@@ -17,7 +17,7 @@ from types import ModuleType
 from typing import Any, Iterator
 
 import pytest
-from celery import chord
+from celery import chain, chord
 from celery.exceptions import TaskRevokedError
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
@@ -147,11 +147,15 @@ def test_a_task_id_sent_again_runs_once_and_with_other_arguments_is_a_call_of_it
 
 def test_one_setting_makes_every_task_of_an_app_durable_but_one_that_opts_out(
         tmp_path: Path, engine: Engine, broker_url: str, database_url: str) -> None:
-    module = importlib.import_module("tests.fixtures.durable_everything")
-    with celery_worker(tmp_path, broker=broker_url, app="tests.fixtures.durable_everything"):
+    module = importlib.import_module("tests.fixtures.durable_everything")   # no result backend: the runs table
+    with celery_worker(tmp_path, broker=broker_url, app="tests.fixtures.durable_everything") as worker:
         doubled, tripled, halved = module.double.delay(4), module.triple.delay(4), module.halve.delay(4)
-        assert (doubled.get(timeout=30), tripled.get(timeout=30), halved.get(timeout=30)) == (8, 12, 2.0)
+        assert (doubled.get(timeout=30), tripled.get(timeout=30)) == (8, 12)
+        assert chain(module.double.s(1), module.double.s(), module.triple.s()).delay().get(timeout=30) == 12
+        assert chord([module.double.s(i) for i in range(4)], module.total.s()).delay().get(timeout=60) == 12
+        wait_for(lambda: f"halve[{halved.id}] succeeded" in worker.output(), timeout=30, what="the plain task")
     with engine.connect() as conn:
-        runs = dict(conn.execute(text("SELECT id::text, job_id FROM job_queue WHERE state = 'succeeded'")).all())
-    assert runs == {doubled.id: "tests.fixtures.durable_everything.double",
-                    tripled.id: "tests.fixtures.durable_everything.triple"}   # halve stayed a plain task
+        jobs = set(conn.execute(text("SELECT job_id FROM job_queue WHERE state = 'succeeded'")).scalars())
+        plain = conn.execute(text("SELECT count(*) FROM job_queue WHERE id = :r"), {"r": halved.id}).scalar()
+    assert jobs == {f"tests.fixtures.durable_everything.{name}" for name in ("double", "triple", "total")}
+    assert plain == 0   # halve stayed a plain Celery task
