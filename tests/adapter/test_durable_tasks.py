@@ -159,3 +159,22 @@ def test_one_setting_makes_every_task_of_an_app_durable_but_one_that_opts_out(
         plain = conn.execute(text("SELECT count(*) FROM job_queue WHERE id = :r"), {"r": halved.id}).scalar()
     assert jobs == {f"tests.fixtures.durable_everything.{name}" for name in ("double", "triple", "total")}
     assert plain == 0   # halve stayed a plain Celery task
+
+
+def test_a_dead_lettered_task_resumes_from_its_stored_steps(tmp_path: Path, tasks: ModuleType,
+                                                                      engine: Engine, broker_url: str) -> None:
+    import motir_celery
+
+    key = uuid.uuid4().hex
+    with celery_worker(tmp_path, broker=broker_url, app=APP):
+        result = tasks.until_allowed.delay(key)
+        with pytest.raises(tasks.Declined):
+            result.get(timeout=30)
+        with engine.connect() as conn:
+            entry = conn.execute(text("SELECT id FROM job_run_dlq WHERE run_id = :r"), {"r": result.id}).scalar()
+        tasks.record(key, "allow")
+        resumed = motir_celery.resume_dlq(entry, actor="test", app=tasks.app)   # the run itself, its steps kept
+        wait_for(lambda: run_state(engine, result.id) == "succeeded", timeout=30, what="the resumed run")
+        assert tasks.app.AsyncResult(result.id).get(timeout=10) == "charge"   # under the task's own id
+    assert resumed is not None
+    assert effects(engine, key) == ["charge", "allow"]   # the stored step did not run again
