@@ -131,7 +131,7 @@ class Listener:
             for entry in entries:
                 entry.listening.clear()
                 for wake in list(entry.wakers):
-                    wake()  # read again now, then poll
+                    _wake(wake)  # read again now, then poll
 
     def _serve(self, raw: psycopg.Connection[Any]) -> None:
         conn = BorrowedConnection(raw)
@@ -169,7 +169,7 @@ class Listener:
             entry = self._runs.get(run_id)
             wakers = list(entry.wakers) if entry is not None else []
         for wake in wakers:
-            wake()
+            _wake(wake)
 
 
 class Following:
@@ -191,3 +191,10 @@ class Following:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+def _wake(wake: Callable[[], None]) -> None:
+    """Wake one follower; one that cannot be woken any more (its event loop closed) is its own affair."""
+    try:
+        wake()
+    except Exception as exc:  # noqa: BLE001 — the listener serves the other followers all the same
+        log.debug("a stream follower could not be woken: %s", exc)

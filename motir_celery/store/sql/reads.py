@@ -717,11 +717,12 @@ def run_flow(conn: Conn, run_id: uuid.UUID) -> dict[str, Any] | None:
 
 RUN_PROGRESS = Statement(
     "run_progress",
-    "A run's state, its latest progress (state, meta, attempt) and its streams' names and totals, in one workspace.",
+    "A run's state, steps stored, latest progress (state, meta, attempt) and its streams' names and totals, in one workspace.",
     """
     SELECT q.id, q.state AS run_state, q.attempts, p.state, p.meta, p.attempt, p.updated_at,
            coalesce(p.streams, '{}') AS streams, coalesce(p.stream_items, 0) AS stream_items,
-           coalesce(p.stream_bytes, 0) AS stream_bytes
+           coalesce(p.stream_bytes, 0) AS stream_bytes,
+           (SELECT count(*) FROM job_step s WHERE s.run_id = q.id) AS steps   -- its primary key's prefix
     FROM job_queue q
     LEFT JOIN job_progress p ON p.run_id = q.id                -- its primary key
     WHERE q.id = %(run_id)s
