@@ -21,12 +21,16 @@ reads or writes changes. (Re-chained by whoever merges 0018 and 0020 beside it.)
   uuid, so no caller chooses an identifier. Writers notify it with ``pg_notify``. Functions are
   not compared by ``alembic check``: this revision is their one source.
 
-Rolling deploy, checked: the previous release's workers, producers and dashboard never name the
-new tables or functions, so they run unchanged against the migrated schema (they were run
-against it: tests/store/test_migrations.py upgrades from 0017, then runs the 0017 statements of
-the worker path). The new release needs this revision first (its result reads join
-``job_progress``): migrate, then roll the code, as every expand revision here. Downgrade drops
-the tables (the progress and stream items go with them) and the functions.
+Rolling deploy, and how it was checked: the previous release's workers, producers and dashboard
+never name the new tables or functions, and this revision changes nothing they do name — no
+column, index, function or policy of 0017 is altered or dropped, which
+tests/store/test_migrations.py (``test_0019_is_expand_only...``) checks on a database migrated
+to 0017 with runs in it, before and after this revision and after its downgrade. The worker path's
+statements (claim, step record, settle) are the same in both releases. The new release needs this
+revision first (its result reads join ``job_progress``): migrate, then roll the code, as for every
+expand revision here. A run that a new worker streams and an old one re-runs after a crash keeps
+the new worker's items (the old one writes none). Downgrade drops the tables (the progress and the
+stream items with them) and the functions.
 """
 from alembic import op
 
