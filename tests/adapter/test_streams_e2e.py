@@ -17,7 +17,6 @@ import statistics
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
