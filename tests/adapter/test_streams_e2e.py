@@ -36,6 +36,7 @@ class Reader:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
                                      env={**os.environ, "PYTHONPATH": str(ROOT)}, text=True)
         self.lines: list[dict[str, Any]] = []
+        self.listening: bool | None = None
         self.ready = threading.Event()
         self.done = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
@@ -45,6 +46,7 @@ class Reader:
         for line in self.proc.stdout:
             entry = json.loads(line)
             if entry.get("ready"):
+                self.listening = entry["listening"]
                 self.ready.set()
             elif entry.get("end"):
                 self.done.set()
@@ -87,7 +89,8 @@ def test_a_reader_in_another_process_follows_1000_items_as_they_are_written(
     first = (live.lines[0]["got"] - live.lines[0]["value"]["t"]) * 1000
     p50, p95 = statistics.median(latency), latency[int(len(latency) * 0.95)]
     print(f"\nwrite-to-read latency over 1000 items: first {first:.1f} ms, p50 {p50:.1f} ms, "
-          f"p95 {p95:.1f} ms, max {latency[-1]:.1f} ms (load {os.getloadavg()[0]:.1f})")
+          f"p95 {p95:.1f} ms, max {latency[-1]:.1f} ms (load {os.getloadavg()[0]:.1f}; "
+          f"{'LISTEN' if live.listening else 'polling: a transaction pooler'})")
     assert p95 <= 100.0, f"p95 {p95:.1f} ms"
     assert first <= 100.0, f"first item {first:.1f} ms"
     # it got them while the job ran, not at its end
