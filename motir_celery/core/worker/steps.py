@@ -144,8 +144,11 @@ class Step:
             except BaseException:
                 self.segment += 1  # the body's segment ends with it, whatever the handler does next
                 raise
-        self.boundary()  # before the record: a re-run's leftovers go before the step is stored
-        return self.record(key, encoded, time.monotonic() - started)  # type: ignore[no-any-return]
+        stored = self.record(key, encoded, time.monotonic() - started)
+        # After the record, never between the body and it (that window is the only one in which a
+        # finished step runs again): a re-run's leftovers are trimmed once the step is stored.
+        self.boundary()
+        return stored  # type: ignore[no-any-return]
 
     def _coroutine_step(self, key: str, fn: Callable[..., Awaitable[Any]], args: Sequence[Any],
                         kwargs: Mapping[str, Any]) -> Any:
@@ -173,8 +176,9 @@ class Step:
             except BaseException:
                 self.segment += 1
                 raise
-        self.boundary()
-        return self.record(key, encoded, time.monotonic() - started)
+        stored = self.record(key, encoded, time.monotonic() - started)
+        self.boundary()  # after the record, as in run()
+        return stored
 
     def encode(self, key: str, value: Any) -> str:
         """``value`` as the JSON step ``key`` stores, or ``StepOutputError``."""

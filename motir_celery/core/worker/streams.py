@@ -27,8 +27,10 @@ What a reader sees (core/producer/streams.py reads in position order, from a cur
 * when the re-run writes *other* items (a model's next answer), a follower that was reading
   across the crash saw the first run's items up to its cursor and the re-run's after it; a reader
   that starts after the end sees only the re-run's (its first run's items past the re-run's last
-  in that segment are deleted when the segment ends: ``STREAM_TRIM``). A segment the re-run writes
-  nothing to keeps the first run's items.
+  in that segment are deleted when the segment ends: ``STREAM_TRIM``, sent after the step's record
+  commits, never between the body and its record, so the window in which a finished step runs
+  again is not widened; a worker that dies between the two leaves them). A segment the re-run
+  writes nothing to keeps the first run's items.
 
 **Cost and what a crash costs.** Every write is one statement and one commit on the attempt's
 connection, which does not wait for the WAL flush (store/sql/worker.py, above ``PROGRESS``): a
