@@ -3,7 +3,7 @@
 #              one session: PYTEST_WORKERS=0); first installs the Debian packages the tests need when
 #              missing (.ci/system-packages: chromium, docker-compose, pgbouncer)
 # make lint  - ruff check (the repository) and mypy motir_celery, as CI runs them
-# make test-pgbouncer - the worker end-to-end, engine-semantics, canvas, Django and SIGKILL chaos tests again,
+# make test-pgbouncer - the worker end-to-end, engine-semantics, canvas, Django, streams and SIGKILL chaos tests again,
 #              through a private PgBouncer in transaction pooling (tests/fixtures/pgbouncer.py) with
 #              nothing set about it (the engine finds the pooler); a database error in any worker
 #              log fails the test
@@ -74,7 +74,8 @@ celery-suite: setup
 PGBOUNCER_TESTS := tests/adapter/test_worker_e2e.py tests/adapter/test_pgbouncer.py \
 	tests/store/test_pooler_detection.py tests/chaos/test_chaos_sigkill.py \
 	tests/core/test_primitives.py tests/core/test_compose_runs.py tests/core/test_resume.py tests/core/test_direct.py \
-	tests/core/test_batch.py tests/core/test_canvas.py tests/contrib/test_django.py
+	tests/core/test_batch.py tests/core/test_canvas.py tests/contrib/test_django.py \
+	tests/adapter/test_streams_e2e.py
 
 test-pgbouncer: system-packages setup
 	$(call with-services,MOTIR_TEST_SCAN_WORKER_LOGS=1 $(PYTHON) -m tests.fixtures.pgbouncer run -- \

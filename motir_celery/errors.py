@@ -23,6 +23,7 @@ __all__ = [
     "RateLimited",
     "Suspended",
     "RunFailed",
+    "StreamFull",
 ]
 
 
@@ -131,3 +132,9 @@ class StepIdError(NonRetriableError, ValueError):
     """A step id that cannot be stored: empty, too long, or with a reserved or
     unprintable character. Raised by ``step.run`` before its body; retrying would
     not change it, so the run goes straight to the DLQ."""
+
+
+class StreamFull(NonRetriableError):
+    """A stream write past the run's bound (``MOTIR_MAX_STREAM_BYTES`` of items, or more than
+    ``MAX_STREAMS`` stream names): nothing of that write is stored. Raised to the handler at the
+    write; not caught, it fails the run into the DLQ (a retry would write the same again)."""

@@ -49,6 +49,9 @@ class Settings:
     republish_after: float = 60.0
     #: Largest accepted JSON payload (event data, step output), in bytes.
     max_payload_bytes: int = 1_000_000
+    #: The most one run's streams may hold: the items' JSON, and 64 bytes more for each (its
+    #: row). A write past it raises ``StreamFull`` and stores nothing (core/worker/streams.py).
+    max_stream_bytes: int = 50_000_000
     pool_size: int = 5
     #: Publish run messages under the alias ``motir.<job_id>`` instead of the job's Celery name
     #: (core/jobs.py), routed as the Celery name is: for a rolling cut-over, while workers of the
@@ -93,6 +96,7 @@ class Settings:
             sweep_interval=_positive(env, "MOTIR_SWEEP_INTERVAL", 10.0),
             republish_after=_positive(env, "MOTIR_REPUBLISH_AFTER", 60.0),
             max_payload_bytes=_count(env, "MOTIR_MAX_PAYLOAD_BYTES", 1_000_000),
+            max_stream_bytes=_count(env, "MOTIR_MAX_STREAM_BYTES", 50_000_000),
             pool_size=_count(env, "MOTIR_POOL_SIZE", 5),
             publish_alias=_flag(env, "MOTIR_PUBLISH_ALIAS", False),
             results_any_workspace=_flag(env, "MOTIR_RESULTS_ANY_WORKSPACE", False),

@@ -25,7 +25,12 @@ the Celery task id of its messages, and the task id a call gave when it was a UU
 
 States are Celery's, from ``results.celery_state``: PENDING, STARTED, RETRY, SUCCESS,
 FAILURE (the result is the last attempt's exception, rebuilt as Celery rebuilds one;
-the traceback its text), REVOKED. A run is read in the caller's workspace only, as a
+the traceback its text), REVOKED — and, while the running attempt has reported progress
+(``step.progress``, a durable task's ``self.update_state``), that report's state
+(``PROGRESS``...) with its meta as the result. That report is read from Postgres even where
+``RunsFirst`` otherwise prefers the app's own backend: it is stored there, fenced by the
+claim, and the app's backend holds no progress of a durable task (tasks.py), at most the
+``STARTED`` of ``task_track_started``. A run is read in the caller's workspace only, as a
 result handle reads (``results.read_result``): inside ``motir_celery.in_workspace(ws)`` (or
 a Django request under ``WorkspaceMiddleware``) that workspace's runs under the app role's
 row-level security, outside one system runs only; another workspace's run is not found
@@ -53,7 +58,7 @@ from motir_celery.adapter.messages import engine_of
 from motir_celery.adapter.tasks import REPLACED, run_id_of, tagged
 from motir_celery.core.engine import Engine
 from motir_celery.core.jobs import find_job, job_for_task
-from motir_celery.core.producer.results import FIRST_POLL, MAX_POLL, POLL_GROWTH, celery_state, read_result
+from motir_celery.core.producer.results import FIRST_POLL, MAX_POLL, POLL_GROWTH, celery_state, read_result, reported
 from motir_celery.store.db import caller_workspace
 from motir_celery.store.driver import database_errors, first
 from motir_celery.store.sql import adapter as adapter_sql
@@ -71,6 +76,10 @@ _DISABLED = ("", "disabled", "disabled://")
 #: durable runs' final states into the app's own result backend (``RunsFirst.copy_final``).
 COPY_RESULTS = "motir_copy_results"
 
+
+#: The states a run's row gives (``results.celery_state``); any other is a progress report's.
+_RUN_STATES = frozenset({states.PENDING, states.STARTED, states.RETRY, states.SUCCESS, states.FAILURE,
+                         states.REVOKED})
 
 #: How many replacements (``self.replace``) a result is followed through.
 _MAX_REPLACED = 20
@@ -107,6 +116,11 @@ def _row(engine: Engine, any_workspace: bool, run_id: uuid.UUID) -> dict[str, An
 
 
 def _meta(task_id: Any, row: dict[str, Any]) -> dict[str, Any]:
+    shown = reported(row)
+    if shown is not None:  # running, with a progress report of this attempt's: its state and meta
+        return {"task_id": str(task_id), "status": shown[0], "result": tagged(shown[1]), "traceback": None,
+                "children": [], "date_done": None, "name": row["job_id"],
+                "retries": max(int(row["attempts"] or 0) - 1, 0)}
     state = celery_state(row["state"], row["last_outcome"])
     error = row["last_error"] or {}
     result: Any = None
@@ -281,6 +295,8 @@ class RunsFirst(RunsTable):
         if meta["status"] == states.REVOKED or not _celery_task(meta):
             return meta
         theirs = self.not_a_run(task_id, False)
+        if meta["status"] not in _RUN_STATES and theirs.get("status") not in states.READY_STATES:
+            return meta  # the running attempt's progress: Postgres has it, fenced (tasks.py, update_state)
         return theirs if theirs.get("status") != states.PENDING else meta
 
     def other_wait_for_pending(self, result: Any, **options: Any) -> Any:

@@ -20,6 +20,9 @@ to the app's ``task_annotations`` (Celery's own way to change task classes from 
   ``retry_backoff`` ...); the run is queued again by the settle, and the retry message Celery built
   is sent once that settle is committed.
 * ``step``: ``self.step.run(step_id, fn, *args)`` inside the body, memoized per run.
+* ``update_state``: ``self.update_state(state="PROGRESS", meta={...})`` inside the body is the run's
+  progress (``step.progress``: stored with the run in Postgres, fenced by its claim, no WAL flush
+  waited for); ``AsyncResult(id).state`` / ``.info`` answer it from there while the attempt runs.
 
 Called directly (``add(1, 2)``) or eagerly (``task_always_eager``, ``apply()``), a durable task is
 Celery's: nothing is stored, and ``self.step.run`` just calls its function.
@@ -283,6 +286,22 @@ def _second_run(first: uuid.UUID, args: Any, kwargs: Any) -> uuid.UUID:
     """The run of a call that reuses a task id with other arguments: one per (task id, arguments)."""
     digest = hashlib.sha256(json.dumps([args, kwargs], sort_keys=True).encode()).hexdigest()[:32]
     return uuid.uuid5(first, f"call:{digest}")
+
+
+def _around_update_state(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``self.update_state(state=..., meta=...)`` in a durable execution: the run's progress, stored in
+    Postgres with the run and fenced by its claim (``step.progress``); the app's result backend gets
+    nothing (the runs table is the truth: adapter/backend.py answers it). Anywhere else — a plain task,
+    a direct or eager call, another task's id, another thread — Celery's own."""
+
+    def update_state(self: Task, task_id: Any = None, state: Any = None, meta: Any = None, **kwargs: Any) -> Any:
+        run = _current(self)
+        if run is None or run.step is None or (task_id is not None and task_id != self.request.id):
+            return orig(self, task_id, state, meta, **kwargs)
+        run.step.progress(plain(meta), state="PROGRESS" if state is None else state)
+        return None
+
+    return update_state
 
 
 def _step_of(task: Task) -> Any:
@@ -591,6 +610,7 @@ class DurableTasks:
 METHODS: dict[str, Any] = {
     "@__call__": _around_call,
     "@apply_async": _around_apply_async,
+    "@update_state": _around_update_state,
     "step": property(_step_of, doc="The run's step: ``self.step.run(step_id, fn, *args)`` (memoized)."),
 }
 

@@ -43,11 +43,13 @@ if TYPE_CHECKING:
     from motir_celery.core.operator.resume import ResumeResult
     from motir_celery.core.producer.events import SendResult
     from motir_celery.core.producer.results import RunHandle
+    from motir_celery.core.producer.streams import Progress, StreamReader
     from motir_celery.core.worker.runner import Outcome
     from motir_celery.core.worker.steps import Step
     from motir_celery.core.worker.sweeper import SweepReport
     from motir_celery.store.driver import Conn
     from motir_celery.store.lent import LentPool
+    from motir_celery.store.listen import Listener
 
 __all__ = ["Engine", "Tuning", "Faults", "Joined", "JoinTransaction", "LendConnections"]
 
@@ -313,6 +315,27 @@ class Engine:
         from motir_celery.core.producer import canvas
 
         return canvas.adopt_canvas(self, job, args, kwargs, task_id, parts, task_name=task_name, shown=shown)
+
+    # --- progress and streams, read (core/producer/streams.py) --------------------------------
+
+    def stream(self, run_id: uuid.UUID | str, name: str, *, workspace_id: str | None = None) -> StreamReader:
+        """Stream ``name`` of run ``run_id``, read in ``workspace_id`` (None: system runs): ``read``,
+        ``follow``, ``afollow``."""
+        from motir_celery.core.producer.streams import StreamReader
+
+        return StreamReader(self, run_id, name, workspace_id=workspace_id)
+
+    def progress(self, run_id: uuid.UUID | str, *, workspace_id: str | None = None) -> Progress | None:
+        """Run ``run_id``'s latest progress report and its streams, read in ``workspace_id``."""
+        from motir_celery.core.producer.streams import read_progress
+
+        return read_progress(self, run_id if isinstance(run_id, uuid.UUID) else uuid.UUID(str(run_id)),
+                             workspace_id)
+
+    def listener(self) -> Listener | None:
+        """This process's LISTEN connection that wakes stream followers (store/listen.py); None behind
+        a transaction pooler, where followers poll."""
+        return db.get_listener(self.settings)
 
     def handle(self, run_id: uuid.UUID | None, job_id: str, *, workspace_id: str | None = None,
                deduplicated: bool = False) -> RunHandle:

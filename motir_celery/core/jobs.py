@@ -230,12 +230,23 @@ class DirectCallUnsupported(MotirError, TypeError):
     """A step operation that needs a stored run, inside a direct call (``job(...)``)."""
 
 
+class _NoStream:
+    """``CallStep.stream(name)``: ``write`` / ``write_many`` keep nothing."""
+
+    def write(self, item: Any) -> None:
+        return None
+
+    def write_many(self, items: Any) -> None:
+        return None
+
+
 class CallStep:
     """The step of a direct call (``job(1, 2)``): ``run`` just calls its function; nothing is
     stored, so nothing is memoized or retried. ``run_id`` is None (Celery's ``request.id`` in
     a direct call), ``attempt`` 1. What needs a stored run — ``sleep``, ``send_event``,
     ``wait_for_event``, ``invoke``, ``gather`` — raises ``DirectCallUnsupported``: use
-    ``job.apply(...)``, which runs the body through the engine."""
+    ``job.apply(...)``, which runs the body through the engine. ``progress`` and ``stream(name).write``
+    keep nothing (advisory, and there is no run to keep them with)."""
 
     run_id: str | None = None
     attempt: int = 1
@@ -249,6 +260,13 @@ class CallStep:
                 return asyncio.run(result)
             return result  # inside an async handler: awaited there
         return result
+
+    def progress(self, meta: Any = None, *, state: str = "PROGRESS") -> None:
+        """Nothing to report to: a direct call stores nothing (progress is advisory)."""
+
+    def stream(self, name: str) -> _NoStream:
+        """A stream whose items go nowhere: a direct call stores nothing."""
+        return _NoStream()
 
     def _needs_a_run(self, what: str) -> NoReturn:
         raise DirectCallUnsupported(

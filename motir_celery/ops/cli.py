@@ -444,6 +444,16 @@ def runs_show(run_id: str, tracebacks: bool, as_json: bool) -> None:
         for i, a in enumerate(d.attempts, 1):
             if isinstance(a.error, dict) and a.error.get("traceback"):
                 click.echo(f"\n--- attempt {_attempt_label(i, a.attempt)} traceback ---\n{a.error['traceback'].rstrip()}")
+    if d.progress is not None:
+        p = d.progress
+        now = "" if p.current else ", not the running attempt's" if r.state == "running" else ", its last"
+        click.echo(f"\nprogress  {p.state} {json.dumps(p.meta, default=str)}  "
+                   f"(attempt {p.attempt}, {format_ago(p.updated_at, d.now)}{now})")
+    if d.streams:
+        click.echo(f"\nstreams ({len(d.streams)})")
+        click.echo(text_table(["stream", "items", "last position", "last item"],
+                              [(st.name, st.items, st.last, json.dumps(st.tail[-1][1], default=str) if st.tail else "")
+                               for st in d.streams], max_width=80))
     if r.state == "succeeded":
         click.echo(f"\nresult  {json.dumps(d.result, default=str)}")
 

@@ -6,7 +6,8 @@ interrupted purge has deleted whole batches only — run it again to go on):
 
 1. **Finished runs** (succeeded, failed, cancelled) whose ``finished_at`` is
    older than the cutoff. Their steps and attempts go with them (``job_step``
-   and ``job_run`` cascade from ``job_queue``), and so does, in the same
+   and ``job_run`` cascade from ``job_queue``), their progress and their streams'
+   items too (``job_progress``, ``job_stream_item``: migration 0019), and so does, in the same
    statement, each of their events that no other run needs (found by the runs'
    own ``event_id``: a primary-key probe per event, where a scan of the events
    by age has no index to use). A run whose DLQ entry is still

@@ -43,6 +43,11 @@ __all__ = [
     "AttemptRow",
     "DlqEntry",
     "RunDetail",
+    "ProgressRow",
+    "StreamRow",
+    "run_output",
+    "live_items",
+    "run_progress_row",
     "ChildRow",
     "EventRow",
     "QueueHealth",
@@ -194,6 +199,29 @@ class DlqEntry:
 
 
 @dataclass(frozen=True)
+class ProgressRow:
+    """A run's latest progress report (``step.progress``, ``update_state``)."""
+
+    state: str
+    meta: Any
+    attempt: int
+    updated_at: datetime
+    #: Reported by the attempt that runs now (what ``AsyncResult(id).state`` shows).
+    current: bool
+
+
+@dataclass(frozen=True)
+class StreamRow:
+    """One stream of a run: how many items it holds, its last position, and its last items
+    (position, value)."""
+
+    name: str
+    items: int
+    last: int
+    tail: list[tuple[int, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class RunDetail:
     run: RunSummary
     now: datetime
@@ -215,6 +243,9 @@ class RunDetail:
     children: list[ChildRow] = field(default_factory=list)
     #: DLQ entries closed by resuming this run (core/resume.py), newest first.
     resumes: list[DlqEntry] = field(default_factory=list)
+    #: Its latest progress report, and its streams (core/worker/streams.py).
+    progress: ProgressRow | None = None
+    streams: list[StreamRow] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -378,14 +409,59 @@ def get_run(session: Session, run_id: uuid.UUID | str) -> RunDetail | None:
                        for r in family if not r["is_parent"]),
                       key=lambda c: _step_order(c.step_id))
     resumes = [_dlq(r) for r in sql.run_resumes(conn, rid)]
+    progress, streams = run_output(session, rid, row["workspace_id"])
     return RunDetail(
         run=_summary(row), now=row["now"], event_id=row["event_id"],
         event_data=row["event_data"] if row["event_id"] else {"scheduled_for": row["scheduled_for"]},
         idempotency_key=row["idempotency_key"], scheduled_for=row["scheduled_for"],
         lease_expires_at=row["lease_expires_at"], result=row["result"],
         steps=steps, attempts=attempts, dlq=own, replay_of=replay_of,
-        parent=parent, children=children, resumes=resumes,
+        parent=parent, children=children, resumes=resumes, progress=progress, streams=streams,
     )
+
+
+#: How many of a stream's last items a run's page and ``motir runs show`` show.
+TAIL = 20
+
+
+def run_output(session: Session, run_id: uuid.UUID, workspace_id: str | None,
+               tail: int = TAIL) -> tuple[ProgressRow | None, list[StreamRow]]:
+    """A run's progress report and its streams with their last ``tail`` items (RLS applies)."""
+    conn = session.connection()
+    row = sql.run_progress(conn, run_id, workspace_id)
+    progress = None
+    if row is not None and row["state"] is not None:
+        progress = ProgressRow(row["state"], row["meta"], row["attempt"], row["updated_at"],
+                               row["run_state"] == "running" and row["attempt"] == row["attempts"])
+    streams = []
+    for s in sql.stream_counts(conn, run_id):
+        _, items = sql.stream_items(conn, run_id, workspace_id, s["stream"], after=-1,
+                                    offset=max(int(s["items"]) - tail, 0), limit=tail)
+        streams.append(StreamRow(s["stream"], int(s["items"]), int(s["last"]),
+                                 [(i["position"], i["item"]) for i in items]))
+    return progress, streams
+
+
+def run_progress_row(session: Session, run_id: uuid.UUID, workspace_id: str | None) -> dict[str, Any] | None:
+    """The run's state, steps stored, attempts and latest progress report, as one row (the live view)."""
+    return sql.run_progress(session.connection(), run_id, workspace_id)
+
+
+def live_items(session: Session, run_id: uuid.UUID, workspace_id: str | None, after: dict[str, int],
+               limit: int = 200) -> tuple[str | None, dict[str, list[tuple[int, Any]]]]:
+    """The run's state and, per stream, its items past ``after[stream]`` (-1 for a stream not in it),
+    at most ``limit`` each: what the run page's live view has not shown yet (the dashboard's SSE)."""
+    conn = session.connection()
+    row = sql.run_progress(conn, run_id, workspace_id)
+    if row is None:
+        return None, {}
+    found: dict[str, list[tuple[int, Any]]] = {}
+    for name in row["streams"]:
+        _, items = sql.stream_items(conn, run_id, workspace_id, name, after=after.get(name, -1), offset=0,
+                                    limit=limit)
+        if items:
+            found[name] = [(i["position"], i["item"]) for i in items]
+    return row["run_state"], found
 
 
 def _step_order(step_id: str | None) -> tuple[str, int]:

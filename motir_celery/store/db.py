@@ -37,6 +37,7 @@ from motir_celery.errors import ConfigurationError, WorkspaceError
 from motir_celery.forks import per_process
 from motir_celery.settings import Settings
 from motir_celery.store import pooler
+from motir_celery.store.listen import Listener
 from motir_celery.store.pg import Pool, PooledConnection
 from motir_celery.store.rls import ADMIN_ROLE, APP_ROLE
 from motir_celery.store.sql import session
@@ -58,6 +59,7 @@ __all__ = [
     "in_workspace",
     "reader_login",
     "primary_wal_lsn",
+    "get_listener",
 ]
 
 T = TypeVar("T")
@@ -71,6 +73,7 @@ class _Engines:
         self.lock = threading.Lock()
         self.pools: dict[str, Pool] = {}
         self.by_url: dict[str, Engine] = {}
+        self.listeners: dict[str, Listener] = {}
 
     def once(self, table: dict[str, T], key: str, make: Callable[[], T]) -> T:
         """``table[key]``, made by ``make()`` the first time (once, whatever the threads)."""
@@ -151,6 +154,22 @@ def side_engine(settings: Settings) -> Pool:
     return engines.once(engines.pools, "side:" + _key(url, settings), make)
 
 
+def get_listener(settings: Settings) -> Listener | None:
+    """This process's LISTEN connection for stream followers (store/listen.py), on the engine URL
+    (the primary: a standby cannot LISTEN, and notifications are not replicated) — or None when a
+    transaction pooler stands in front of it (PgBouncer in transaction mode: the followers poll)."""
+    pool = get_pool(settings)
+    if not pooler.decided(pool):
+        with pool.connect():  # the engine's first connection: the pooler probe runs now
+            pass
+    if pooler.found(pool):
+        return None
+    url = settings.require_database_url()
+    engines = _engines()
+    return engines.once(engines.listeners, _key(url, settings),
+                        lambda: Listener(pool.conninfo, _connect_args(settings)))
+
+
 def _key(url: str, settings: Settings) -> str:
     """A pool is made per URL and per way of sending statements (two engines of one process on one
     URL, one preparing and one not, do not share connections)."""
@@ -165,8 +184,11 @@ def dispose_engines() -> None:
             pool.dispose()
         for engine in engines.by_url.values():
             engine.dispose()
+        for listener in engines.listeners.values():
+            listener.close()
         engines.pools.clear()
         engines.by_url.clear()
+        engines.listeners.clear()
 
 
 @contextmanager

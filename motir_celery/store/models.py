@@ -44,7 +44,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, DOUBLE_PRECISION, JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 __all__ = ["Base", "JobEvent", "JobQueue", "JobStep", "JobRun", "JobRunDlq", "JobStatsRollup", "JobBatchItem",
-           "RUN_STATES", "ATTEMPT_OUTCOMES", "FLOW_WAITS"]
+           "JobProgress", "JobStreamItem", "RUN_STATES", "ATTEMPT_OUTCOMES", "FLOW_WAITS"]
 
 #: A run's life: queued → running → (succeeded | failed | cancelled), or back to
 #: queued for a retry. Only ``queued`` is claimable.
@@ -376,6 +376,8 @@ class JobQueue(Base):
         back_populates="replay_run", passive_deletes=True, foreign_keys="JobRunDlq.replay_run_id"
     )
     batch_items: Mapped[list[JobBatchItem]] = relationship(back_populates="run", passive_deletes=True)
+    progress: Mapped[JobProgress | None] = relationship(back_populates="run", passive_deletes=True)
+    stream_items: Mapped[list[JobStreamItem]] = relationship(back_populates="run", passive_deletes=True)
 
 
 class JobStep(Base):
@@ -515,6 +517,55 @@ class JobBatchItem(Base):
     event: Mapped[JobEvent] = relationship(back_populates="batch_items")
 
 
+class JobProgress(Base):
+    """A run's latest progress and its streams' totals (core/worker/streams.py): one row per run that
+    reported progress (``step.progress``, a durable Celery task's ``update_state``) or wrote to a
+    stream. Advisory: written without waiting for the WAL flush (store/sql/worker.py, ``PROGRESS``).
+    Migration 0019."""
+
+    __tablename__ = "job_progress"
+
+    # CASCADE: it goes with its run (purge). The primary key is the upsert's arbiter.
+    run_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("job_queue.id", ondelete="CASCADE"), primary_key=True)
+    workspace_id: Mapped[str | None] = mapped_column(Text)
+    # The custom state (``PROGRESS``...) and its meta; NULL while the run only wrote to streams.
+    state: Mapped[str | None] = mapped_column(Text)
+    meta: Mapped[Any | None] = mapped_column(JSONB)
+    # The attempt that wrote the state: a reader shows it only while that attempt runs.
+    attempt: Mapped[int] = mapped_column(Integer)
+    updated_at: Mapped[datetime] = mapped_column(TZ, server_default=NOW)
+    # The names of the run's streams, in the order they were first written, and what they hold:
+    # the bound of MOTIR_MAX_STREAM_BYTES is checked against these, in the write itself.
+    streams: Mapped[list[str]] = mapped_column(ARRAY(Text), server_default=text("'{}'"))
+    stream_items: Mapped[int] = mapped_column(Integer, server_default="0")
+    stream_bytes: Mapped[int] = mapped_column(BigInteger, server_default="0")
+
+    run: Mapped[JobQueue] = relationship(back_populates="progress")
+
+
+class JobStreamItem(Base):
+    """One item of one of a run's streams (``step.stream(name).write(x)``). Its position is derived
+    from where it was written — the step and its order — so a re-run writes the same positions
+    again (overwriting) instead of appending (core/worker/streams.py). Migration 0019."""
+
+    __tablename__ = "job_stream_item"
+
+    # CASCADE: the items go with their run (purge). The primary key is a stream's order: readers
+    # read ``position > cursor`` of one (run, stream) along it, and the write's ON CONFLICT arbiter.
+    run_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("job_queue.id", ondelete="CASCADE"), primary_key=True)
+    stream: Mapped[str] = mapped_column(Text, primary_key=True)
+    # segment * 10^9 + order within it (streams.POSITION_STRIDE): a segment is a step's body or
+    # the code between two steps, counted in the order the handler reaches them.
+    position: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    workspace_id: Mapped[str | None] = mapped_column(Text)
+    item: Mapped[Any] = mapped_column(JSONB)
+    # The item's JSON length (what the run's bound counts), and the attempt that wrote it.
+    bytes: Mapped[int] = mapped_column(Integer)
+    attempt: Mapped[int] = mapped_column(Integer)
+
+    run: Mapped[JobQueue] = relationship(back_populates="stream_items")
+
+
 class JobStatsRollup(Base):
     """Per-job outcome counts and durations, folded from finished runs off the hot path
     (core/worker/rollup.py), so they survive purge and worker restarts.
@@ -562,5 +613,6 @@ class JobStatsRollup(Base):
 from motir_celery.store import rls as _rls  # noqa: E402  (policies sit beside the tables they guard)
 
 _rls.declare_workspace_policies(Base.metadata, ["job_event", "job_queue", "job_step", "job_run", "job_run_dlq",
-                                                "job_batch_item", "job_stats_rollup"])
+                                                "job_batch_item", "job_stats_rollup", "job_progress",
+                                                "job_stream_item"])
 _rls.declare_engine_only(Base.metadata, "job_sweep", ("SELECT", "UPDATE"))

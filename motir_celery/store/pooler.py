@@ -52,7 +52,7 @@ if TYPE_CHECKING:  # a worker's connections are Pool's: it never imports SQLAlch
 #: What a statement's connection came from: the engine's ``Pool``, or a SQLAlchemy ``Engine``.
 Source = Union[Pool, "Engine"]
 
-__all__ = ["install", "probe", "probe_url", "describe", "found", "refused", "unprepared", "mode", "PROBE_SECONDS"]
+__all__ = ["install", "decided", "probe", "probe_url", "describe", "found", "refused", "unprepared", "mode", "PROBE_SECONDS"]
 
 log = logging.getLogger("motir_celery.pooler")
 
@@ -131,6 +131,12 @@ def found(engine: Source | None) -> bool:
     connection someone else owns (Django's), whose preparing is theirs."""
     state = None if engine is None else _states.get(engine)
     return state is not None and state.pooled is True
+
+
+def decided(engine: Source) -> bool:
+    """Whether ``found(engine)`` is final: the probe ran (or nothing is probed for this engine)."""
+    state = _states.get(engine)
+    return state is None or not state.detect or state.pooled is not None
 
 
 def probe(*args: Any, timeout: float = PROBE_SECONDS, **kwargs: Any) -> bool | None:

@@ -15,6 +15,8 @@ it reports a dropped index. The kinds:
 * **dispatchers** (``motir_record_event``, ``motir_record_events``,
   ``motir_direct_run``): what the code calls; the caller's rights; the engine role
   goes to the writer, anyone else to the checked function;
+* ``motir_listen`` / ``motir_unlisten`` (0019): a stream follower's LISTEN on one run's channel,
+  named from the run's uuid; the caller's rights, the app and engine roles;
 * the trigger ``motir_run_settled`` and its function (wakes a parent, cancels children): the
   trigger's table and function, a digest of when it fires (timing, events, its WHEN clause)
   and whether it is enabled.
@@ -85,6 +87,9 @@ ROUTINES: tuple[Routine, ...] = (
     Routine("motir_write_gather", _GATHER, "01706a2d46409c564924d5eca383a874", True, frozenset({ENGINE_ROLE})),
     Routine("motir_enqueue_gather", _GATHER, "9b07f6915ca928d7338d31f5ccbc84df", True, frozenset({APP_ROLE})),
     Routine("motir_gather", _GATHER, "f7ddb1ef70302f187edd7678009ad75f", False, _BOTH),
+    # A follower's LISTEN / UNLISTEN on one run's channel (migration 0019): the caller's rights.
+    Routine("motir_listen", "uuid", "4b1defdb63b27aeb2f7da45e7368009f", False, _BOTH),
+    Routine("motir_unlisten", "uuid", "ac4f171551d9b41bcefe78c26845dcbb", False, _BOTH),
 )
 
 TRIGGERS: tuple[Trigger, ...] = (

@@ -148,9 +148,11 @@ def test_the_dashboard_shows_parents_children_events_and_resumes_in_a_browser(
     page.get_by_test_id("parent").locator("a").click()
     expect(page).to_have_url(f"{dashboard}/runs/{fan}")
     expect(page.locator('meta[http-equiv="refresh"]')).to_have_count(0)  # finished: no refresh
-    # A live run (a parent waiting for its child) refreshes itself.
+    expect(page.locator("main[data-live]")).to_have_count(0)              # nor a live view
+    # A live run (a parent waiting for its child) follows itself: its page's live view (its
+    # <noscript> refresh is for a browser without JavaScript: tests/ops/test_progress_ops.py).
     page.goto(f"{dashboard}/runs/{waiting}")
-    expect(page.locator('meta[http-equiv="refresh"]')).to_have_count(1)
+    expect(page.locator("main[data-live]")).to_have_count(1)
     expect(page.get_by_test_id("children")).to_contain_text("queued")
 
     # The events page: by name and a payload field, with the runs each event made.

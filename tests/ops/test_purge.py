@@ -172,3 +172,24 @@ def test_purge_dry_run_counts_exactly_what_a_purge_deletes_and_deletes_nothing(e
     assert (dry.runs, dry.steps, dry.attempts, dry.events, dry.dlq_entries, dry.kept_for_open_dlq) == (
         real.runs, real.steps, real.attempts, real.events, real.dlq_entries, real.kept_for_open_dlq)
     assert real.runs == 3 and real.kept_for_open_dlq == 1
+
+
+def test_purge_takes_a_runs_progress_and_stream_items_with_it(engine) -> None:  # type: ignore[no-untyped-def]
+    from tests.fixtures.ops_helpers import settle
+    from tests.fixtures.stream_jobs import watched
+
+    def streamed() -> object:
+        handle = holding().apply_async(watched, (4, 0.0), {}, {"workspace_id": "ws-a"})
+        assert settle(handle.id, watched.id).state == "succeeded"
+        return handle.id
+
+    old = streamed()
+    _make_old(engine)
+    recent = streamed()
+    assert _count(engine, "job_stream_item") == 8 and _count(engine, "job_progress") == 2
+    report = purge(THIRTY_DAYS)
+    assert report.runs == 1
+    assert _count(engine, "job_stream_item", "run_id = :r", r=old) == 0            # with their run (cascade)
+    assert _count(engine, "job_progress", "run_id = :r", r=old) == 0
+    assert _count(engine, "job_stream_item", "run_id = :r", r=recent) == 4
+    assert _count(engine, "job_progress", "run_id = :r", r=recent) == 1

@@ -30,7 +30,8 @@ from motir_celery.store.models import Base
 
 ROOT = Path(__file__).resolve().parents[2]
 
-RLS_TABLES = ("job_event", "job_queue", "job_step", "job_run", "job_run_dlq", "job_batch_item", "job_stats_rollup")
+RLS_TABLES = ("job_event", "job_queue", "job_step", "job_run", "job_run_dlq", "job_batch_item", "job_stats_rollup",
+              "job_progress", "job_stream_item")
 
 
 @pytest.fixture
@@ -240,3 +241,48 @@ def test_databases_migrated_at_once_on_a_new_server_all_reach_head() -> None:
             check(server.url(name))  # each at head, no drift
     finally:
         server.close()
+
+
+#: What 0017 left of the schema, as the previous release sees it: every column of every table, every
+#: index with its definition, every function with its body, every policy.
+_SHAPE = """
+SELECT 'column ' || table_name || '.' || column_name || ' ' || data_type || ' ' || is_nullable || ' '
+       || coalesce(column_default, '') FROM information_schema.columns WHERE table_schema = 'public'
+UNION ALL SELECT 'index ' || indexdef FROM pg_indexes WHERE schemaname = 'public'
+UNION ALL SELECT 'function ' || p.proname || ' ' || md5(p.prosrc) FROM pg_proc p
+  WHERE p.pronamespace = 'public'::regnamespace
+UNION ALL SELECT 'policy ' || tablename || ' ' || policyname || ' ' || coalesce(qual, '') FROM pg_policies
+  WHERE schemaname = 'public'
+"""
+
+
+def test_0019_is_expand_only_the_previous_releases_schema_and_rows_are_untouched(empty_url: str) -> None:
+    """A rolling deploy: the workers of the release before run on while 0019 is applied, so it may
+    only add. Everything 0017 left (columns, indexes, functions, policies) is there unchanged after
+    it, with the runs in it; downgrading takes away only what it added."""
+    upgrade(empty_url, "0017")
+    eng = create_engine(empty_url)
+    try:
+        with eng.begin() as conn:
+            run = conn.execute(text("INSERT INTO job_queue (job_id, event_name, max_attempts, retry_policy) "
+                                    "VALUES ('job.old', 'old.event', 3, 'transient') RETURNING id")).scalar_one()
+            conn.execute(text("INSERT INTO job_step (run_id, step_id, output, attempt, started_at) "
+                              "VALUES (:r, 'a', '1'::jsonb, 1, now())"), {"r": run})
+        with eng.connect() as conn:
+            before = set(conn.execute(text(_SHAPE)).scalars())
+        upgrade(empty_url)
+        with eng.connect() as conn:
+            after = set(conn.execute(text(_SHAPE)).scalars())
+            assert conn.execute(text("SELECT count(*) FROM job_step WHERE run_id = :r"), {"r": run}).scalar() == 1
+        assert before <= after                                   # nothing of 0017 changed or went away
+        added = {line.split(" ")[1].split(".")[0] if line.startswith("column") else line for line in after - before}
+        assert {a for a in added if not a.startswith(("index", "function", "policy"))} == {"job_progress",
+                                                                                           "job_stream_item"}
+        assert all("job_progress" in a or "job_stream_item" in a or "motir_listen" in a or "motir_unlisten" in a
+                   for a in added if a.startswith(("index", "function", "policy")))
+        check(empty_url)
+        command.downgrade(alembic_config(empty_url), "0017")
+        with eng.connect() as conn:
+            assert set(conn.execute(text(_SHAPE)).scalars()) == before
+    finally:
+        eng.dispose()

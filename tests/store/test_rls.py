@@ -29,7 +29,8 @@ from motir_celery.settings import Settings, get_settings
 from motir_celery.store.db import set_workspace_context, workspace_session
 from motir_celery.store.rls import ADMIN_ROLE, APP_ROLE, ENGINE_ROLE
 
-RLS_TABLES = ("job_event", "job_queue", "job_step", "job_run", "job_run_dlq", "job_batch_item", "job_stats_rollup")
+RLS_TABLES = ("job_event", "job_queue", "job_step", "job_run", "job_run_dlq", "job_batch_item", "job_stats_rollup",
+              "job_progress", "job_stream_item")
 #: What the app role writes, it writes through the checked functions (migration 0008), never by INSERT.
 CHECKED_WRITES = ("job_event", "job_queue")
 A, B = "ws-a", "ws-b"
@@ -104,6 +105,10 @@ def _seed_workspace(conn: Connection, ws: str | None) -> uuid.UUID:
                  {**params, "ev": event_id})
     conn.execute(text("INSERT INTO job_stats_rollup (job_id, workspace_id, succeeded_count, duration_buckets) "
                       "VALUES ('job.a', :ws, 1, ARRAY[1]::bigint[])"), params)
+    conn.execute(text("INSERT INTO job_progress (run_id, workspace_id, state, meta, attempt) "
+                      "VALUES (:r, :ws, 'PROGRESS', '{\"done\": 1}'::jsonb, 1)"), params)
+    conn.execute(text("INSERT INTO job_stream_item (run_id, stream, position, workspace_id, item, bytes, attempt) "
+                      "VALUES (:r, 'tokens', 0, :ws, '\"hello\"'::jsonb, 7, 1)"), params)
     return run_id
 
 
@@ -197,6 +202,10 @@ def _insert_one(s: object, table: str, ws: str | None, run_id: uuid.UUID) -> Non
                           "SELECT :r, 99, event_id, :ws FROM job_queue WHERE id = :r",
         "job_stats_rollup": "INSERT INTO job_stats_rollup (job_id, workspace_id, bucket, duration_buckets) "
                             "VALUES ('job.write', :ws, now(), ARRAY[0]::bigint[])",
+        "job_progress": "INSERT INTO job_progress (run_id, workspace_id, state, attempt) "
+                        "VALUES (:r, :ws, 'PROGRESS', 99) ON CONFLICT DO NOTHING",
+        "job_stream_item": "INSERT INTO job_stream_item (run_id, stream, position, workspace_id, item, bytes, attempt) "
+                           "VALUES (:r, :step, 0, :ws, '1'::jsonb, 1, 1)",
     }[table]
     s.execute(text(sql), params)  # type: ignore[attr-defined]
 

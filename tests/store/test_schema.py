@@ -263,6 +263,10 @@ BY_ID_PARAMS: dict[str, object] = {
     "key": "k", "at": SLOT, "period": 60.0, "workspace_id": None, "traceparent": None, "detached": [],
     "cancel_keys": [], "concurrency": [], "datas": [], "delays": [], "etas": [], "ids": [], "job_ids": [], "keys": [],
     "max_attempts": [], "names": [], "policies": [], "priorities": [], "singletons": [], "steps": [],
+    "terminate": True, "task_id": "t",  # adapter.REVOKE, operator.ROLLBACK_CANCEL (main's)
+    # progress and streams (0019): worker.PROGRESS / STREAM_WRITE / STREAM_TRIM, reads.RUN_PROGRESS / STREAM_ITEMS
+    "state": "PROGRESS", "meta": "{}", "stream": "s", "positions": [], "items": [], "sizes": [], "max_streams": 100,
+    "last": 0, "offset": 0,
 }
 #: job_queue's partial indexes whose predicate is a state alone: what a lookup by id must not read.
 STATE_INDEXES = ("ix_job_queue_stale", "ix_job_queue_due", "ix_job_queue_leases")

@@ -101,8 +101,9 @@ def test_0001_is_frozen_and_0005_narrows_the_app_role_and_leaves_the_engine_alon
     after = _privileges(fresh_url)
     # The previous release's workers lose nothing; the sweep slot (0007) is the engine's alone,
     # and the engine may read the schema version (motir doctor, with the workers' login).
-    # 0012's tables (the stats rollup, a batch's events): the engine writes, the app role reads.
-    later = ("job_batch_item", "job_stats_rollup")
+    # 0012's tables (the stats rollup, a batch's events) and 0019's (progress, stream items): the
+    # engine writes, the app role reads.
+    later = ("job_batch_item", "job_stats_rollup", "job_progress", "job_stream_item")
     assert after[rls.ENGINE_ROLE] == (full | {"job_sweep:SELECT", "job_sweep:UPDATE", "alembic_version:SELECT"}
                                       | {f"{t}:{p}" for t in later for p in ("SELECT", "INSERT", "UPDATE", "DELETE")})
     assert after[rls.APP_ROLE] == ({f"{t}:SELECT" for t in (*tables, *later)}

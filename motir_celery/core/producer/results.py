@@ -12,6 +12,9 @@ PENDING     queued and not yet tried, or waiting (countdown/eta not due,
             step.sleep, wait_for_event, a RateLimited deferral); also a run id
             this database does not know (as Celery says of an unknown task id)
 STARTED     running: a worker holds it
+(custom)    running, with a progress report of the running attempt (``step.progress``, a
+            durable Celery task's ``update_state(state="PROGRESS", meta=...)``): its state, and
+            its meta as ``.info`` / ``.result``
 RETRY       queued again after a failed attempt (it raised, or lost its lease)
 SUCCESS     succeeded; ``get()`` returns what the handler returned
 FAILURE     failed for good (DLQ entry written); ``get()`` raises ``JobFailed``
@@ -56,6 +59,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from motir_celery.core.current import current
+from motir_celery.core.producer.streams import Progress, RunNotFound, StreamReader, read_progress
 from motir_celery.errors import MotirError
 from motir_celery.store.db import validate_workspace_id
 from motir_celery.store.driver import first
@@ -65,7 +69,7 @@ if TYPE_CHECKING:
     from motir_celery.core.engine import Engine
 
 __all__ = ["RunHandle", "read_result", "JobFailed", "JobRevoked", "ResultTimeout", "RunNotCommitted", "READY_STATES", "celery_state",
-           "CommitGate"]
+           "CommitGate", "reported"]
 
 READY_STATES = frozenset({"SUCCESS", "FAILURE", "REVOKED"})
 
@@ -106,6 +110,15 @@ class JobRevoked(MotirError):
     """The run was cancelled before it finished."""
 
 
+def reported(row: dict[str, Any]) -> tuple[str, Any] | None:
+    """The progress a run's row (``RUN_RESULT``) shows now: (state, meta) reported by the attempt
+    that is running (``step.progress``, ``update_state``); None when there is none."""
+    state = row.get("progress_state")
+    if state is None or row["state"] != "running" or row.get("progress_attempt") != row["attempts"]:
+        return None
+    return state, row.get("progress_meta")
+
+
 def celery_state(state: str | None, last_outcome: str | None) -> str:
     """``job_queue.state`` (and the latest attempt's outcome) in Celery's names; table above."""
     if state == "queued":
@@ -120,6 +133,8 @@ class _Snapshot:
     result: Any
     error: dict[str, Any] | None
     finished_at: datetime | None = None
+    #: A running run's reported meta (its state is the reported one).
+    progress: Any = None
 
 
 def _failure(run_id: uuid.UUID | None, error: dict[str, Any] | None) -> JobFailed:
@@ -187,6 +202,9 @@ class RunHandle:
         row = read_result(self.engine or current(), self.id, self.workspace_id)
         if row is None:
             return _Snapshot("PENDING", None, None)
+        shown = reported(row)
+        if shown is not None:  # running, with a report of its own: its state, its meta as info
+            return _Snapshot(shown[0], None, None, progress=shown[1])
         return _Snapshot(celery_state(row["state"], row["last_outcome"]), row["result"], row["last_error"],
                          row["finished_at"])
 
@@ -259,9 +277,24 @@ class RunHandle:
 
     @property
     def result(self) -> Any:
-        """The result if it succeeded, the stored error dict if it failed, else None (no wait)."""
+        """The result if it succeeded, the stored error dict if it failed; while it runs, the meta of
+        its latest progress report (as Celery's ``AsyncResult.info`` in a custom state); else None."""
         snap = self._read()
-        return self._outcome(snap, propagate=False) if snap.state in READY_STATES else None
+        return self._outcome(snap, propagate=False) if snap.state in READY_STATES else snap.progress
+
+    @property
+    def progress(self) -> Progress | None:
+        """The run's latest progress report and its streams' names and totals (None: no such run in
+        this handle's workspace). ``.current``: reported by the attempt that runs now."""
+        if self.id is None:
+            return None
+        return read_progress(self.engine or current(), self.id, self.workspace_id)
+
+    def stream(self, name: str) -> StreamReader:
+        """The run's stream ``name``, to read or follow (``for item in handle.stream("tokens")``)."""
+        if self.id is None:
+            raise RunNotFound(f"{self!r} names no run this workspace can read")
+        return StreamReader(self.engine or current(), self.id, name, workspace_id=self.workspace_id)
 
     info = result
 

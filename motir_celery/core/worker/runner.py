@@ -136,6 +136,7 @@ def _attempt(engine: Engine, claim: records.Claim, conn: PooledConnection) -> Ou
                       scheduled_for=claim.scheduled_for)
         # batch=: the handler gets the list of the events the run gathered
         result = call_handler(job, _batch_of(conn, claim, event) if job.run_options.batch else event, step)
+        step.finish()  # its streams' last segment ends before the settle (core/worker/streams.py)
         encoded = encode_json(result, what=f"the handler of {claim.job_id!r} returned a value that", limit=limit)
     except Suspended as exc:
         # step.sleep / wait_for_event already queued the run again (no attempt charged).

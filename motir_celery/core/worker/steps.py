@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, ContextManager, Mapp
 from motir_celery.core.runspec import path_of, value_at
 from motir_celery.core.tracing import step_span
 from motir_celery.core.worker import invoke
+from motir_celery.core.worker.streams import DEFAULT_STATE, Output, StreamWriter, check_state, check_stream_name
 from motir_celery.errors import LostClaim, RunCancelled, StepIdError, StepOutputError, Suspended, checked_delay
 from motir_celery.store.records import Claim
 from motir_celery.store.sql import worker as worker_sql
@@ -97,6 +98,10 @@ class Step:
         self._confirmed = time.monotonic()
         #: Step bodies executed (not replayed) in this attempt, for tests and metrics.
         self.executed: list[str] = []
+        #: The handler's segment: 0 before its first step, then one more at each step's start and
+        #: end, in the order it reaches them — the same on every attempt (core/worker/streams.py).
+        self.segment = 0
+        self._output: Output | None = None  # made on the first progress report or stream write
 
     @property
     def run_id(self) -> str:
@@ -128,13 +133,22 @@ class Step:
         if _is_coroutine_function(fn):
             return self._coroutine_step(key, fn, args, kwargs)  # type: ignore[no-any-return, arg-type]
         if key in self._memo:
+            self.boundary()
             return self._memo[key]  # type: ignore[no-any-return]
         self.ensure_held(key)
         with step_span(key):
             started = time.monotonic()
-            value = fn(*args, **kwargs)
-            encoded = self.encode(key, value)
-        return self.record(key, encoded, time.monotonic() - started)  # type: ignore[no-any-return]
+            try:
+                value = fn(*args, **kwargs)
+                encoded = self.encode(key, value)
+            except BaseException:
+                self.segment += 1  # the body's segment ends with it, whatever the handler does next
+                raise
+        stored = self.record(key, encoded, time.monotonic() - started)
+        # After the record, never between the body and it (that window is the only one in which a
+        # finished step runs again): a re-run's leftovers are trimmed once the step is stored.
+        self.boundary()
+        return stored  # type: ignore[no-any-return]
 
     def _coroutine_step(self, key: str, fn: Callable[..., Awaitable[Any]], args: Sequence[Any],
                         kwargs: Mapping[str, Any]) -> Any:
@@ -151,13 +165,20 @@ class Step:
                        kwargs: Mapping[str, Any]) -> Any:
         """``run`` for an ``async def`` body: memo, fence check, body, committed record."""
         if key in self._memo:
+            self.boundary()
             return self._memo[key]
         self.ensure_held(key)
         with step_span(key):
             started = time.monotonic()
-            value = await fn(*args, **kwargs)
-            encoded = self.encode(key, value)
-        return self.record(key, encoded, time.monotonic() - started)
+            try:
+                value = await fn(*args, **kwargs)
+                encoded = self.encode(key, value)
+            except BaseException:
+                self.segment += 1
+                raise
+        stored = self.record(key, encoded, time.monotonic() - started)
+        self.boundary()  # after the record, as in run()
+        return stored
 
     def encode(self, key: str, value: Any) -> str:
         """``value`` as the JSON step ``key`` stores, or ``StepOutputError``."""
@@ -224,7 +245,57 @@ class Step:
             raise StepIdError(f"step id {step_id!r} contains a NUL, a lone surrogate or an unprintable character")
         n = self._seen.get(step_id, 0)
         self._seen[step_id] = n + 1
+        self.boundary()
         return step_id if n == 0 else f"{step_id}{SEPARATOR}{n}"
+
+    # --- progress and streams (core/worker/streams.py) -------------------------------------
+
+    def progress(self, meta: Any = None, *, state: str = DEFAULT_STATE) -> None:
+        """Report how far the run has got: ``state`` (``PROGRESS`` unless named; not a final state)
+        and ``meta`` (JSON), shown by ``AsyncResult(id).state`` / ``.info``, ``RunHandle.progress``, the
+        dashboard and ``motir runs show`` while this attempt runs. One statement, no WAL flush
+        waited for; fenced on the claim (``LostClaim`` / ``RunCancelled`` if the run is not ours)."""
+        self.output().progress(meta, check_state(state))
+
+    def stream(self, name: str) -> StreamWriter:
+        """The run's stream ``name``: ``.write(item)`` appends ``item``; readers follow it in order
+        (``RunHandle.stream(name)``). Positions derive from the step and the order: a re-run
+        overwrites, never appends (core/worker/streams.py)."""
+        return StreamWriter(self.output(), check_stream_name(name))
+
+    def output(self) -> Output:
+        """This attempt's writer of progress and streams (made on first use)."""
+        if self._output is None:
+            self._output = Output(self)
+        return self._output
+
+    def boundary(self) -> None:
+        """A step starts or ends: the next segment (a re-run's leftovers of the last trimmed)."""
+        self.segment += 1
+        if self._output is not None and self._output.rewritten:
+            self._output.close()
+
+    def finish(self) -> None:
+        """The handler returned: its last segment ends (before the settle)."""
+        if self._output is not None and self._output.rewritten:
+            self._output.close()
+
+    @property
+    def connection(self) -> Conn:
+        """The attempt's connection, in autocommit: one statement, one commit."""
+        return self._conn
+
+    def encode_value(self, value: Any, *, what: str) -> str:
+        """``value`` as JSON of at most ``MOTIR_MAX_PAYLOAD_BYTES``, or ``StepOutputError`` naming ``what``."""
+        return encode_json(value, what=what, limit=self.max_bytes)
+
+    def refused(self, what: str) -> NoReturn:
+        """A fenced write of ``what`` wrote nothing: end the attempt (cancelled, or lost)."""
+        with self._conn.begin():
+            reason = worker_sql.why_fenced(self._conn, self.claim)
+        if reason == "cancelled":
+            raise RunCancelled(f"run {self.run_id} was cancelled; stopped at its {what}")
+        raise LostClaim(f"run {self.run_id}: this worker lost its claim; stopped at its {what}")
 
     # --- giving the worker back ---------------------------------------------------
 

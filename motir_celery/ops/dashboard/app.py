@@ -53,15 +53,17 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import MutableHeaders
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import FileResponse, PlainTextResponse, RedirectResponse, Response
+from starlette.responses import FileResponse, PlainTextResponse, RedirectResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from motir_celery.contrib import sse
 from motir_celery.core.engine import Engine
 from motir_celery.core.operator import bulk as bulk_ops
 from motir_celery.core.operator import dlq as dlq_ops
 from motir_celery.core.operator import resume as resume_ops
+from motir_celery.core.producer.streams import FINAL
 from motir_celery.errors import ConfigurationError, MotirError
 from motir_celery.ops import insights, reads
 from motir_celery.ops.dashboard import charts
@@ -82,6 +84,13 @@ CSP = (
     "default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; "
     "frame-ancestors 'none'; base-uri 'none'"
 )
+#: The page of a run that is queued or running: the one page with a script, the dashboard's own
+#: (/static/live.js, no inline script), which follows the run's events (``/runs/{id}/live``) and
+#: updates the page in place.
+CSP_LIVE = CSP + "; script-src 'self'; connect-src 'self'"
+#: The live view reads again at most this often (a stream written every millisecond is sent in
+#: batches), and at least this often without a notification.
+LIVE_EVERY, LIVE_FALLBACK = 0.1, 1.0
 
 
 @dataclass(frozen=True)
@@ -126,6 +135,8 @@ class _Dashboard:
         env.filters["instant"] = format_instant
         env.filters["duration"] = format_duration
         env.filters["pretty"] = lambda v: json.dumps(v, indent=2, sort_keys=True, default=str)
+        # as the live script writes a value (JSON.stringify): the page reads the same before and after
+        env.filters["compact"] = lambda v: json.dumps(v, separators=(",", ":"), ensure_ascii=False, default=str)
         env.filters["short"] = lambda v: str(v)[:8] if v else "-"
         env.filters["wal_bytes"] = reads.format_wal_bytes
         env.globals["format_ago"] = format_ago
@@ -275,9 +286,87 @@ class _Dashboard:
             return self.problem(request, 404, f"no run {run_id} in your workspace" + (
                 "; or not yet: these pages read a standby that is behind the primary, reload in a moment"
                 if not read.caught_up else ""), who, read=read)
-        return self.render(request, who, "run.html", d=detail, r=detail.run, now=detail.now,
-                           timeline=_timeline(detail), tree=tree, tree_depth=reads.TREE_DEPTH, flow=flows.get(run_id),
-                           live=detail.run.state in ("queued", "running"), read=read)
+        live = detail.run.state in ("queued", "running")
+        response = self.render(request, who, "run.html", d=detail, r=detail.run, now=detail.now,
+                               timeline=_timeline(detail), tree=tree, tree_depth=reads.TREE_DEPTH,
+                               flow=flows.get(run_id), live=live, read=read,
+                               live_script=f"/runs/{detail.run.id}/live" if live else None)
+        if live:
+            response.headers["Content-Security-Policy"] = CSP_LIVE
+        return response
+
+    async def live(self, request: Request, who: Identity) -> Response:
+        """A run's events for its page (server-sent): ``run`` (state, steps, attempts), ``progress``,
+        ``item`` (a stream's item, first the last ``reads.TAIL`` of each), ``end`` once it finished."""
+        run_id = _path_id(request, "run_id")
+
+        def visible() -> reads.RunDetail | None:
+            with self.session(who) as s:
+                return reads.get_run(s, run_id) if run_id is not None else None
+
+        detail = await run_in_threadpool(visible)
+        if detail is None or run_id is None:
+            return self.problem(request, 404, f"no run {request.path_params['run_id']} in your workspace", who)
+        workspace = detail.run.workspace_id
+        rid = run_id
+
+        def load(after: dict[str, int]) -> tuple[Any, dict[str, list[tuple[int, Any]]]]:
+            with self.session(who) as s:
+                row = reads.run_progress_row(s, rid, workspace)
+                state, items = reads.live_items(s, rid, workspace, after)
+            return row, items
+
+        async def events() -> Any:
+            import asyncio
+
+            woken = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            def wake() -> None:
+                loop.call_soon_threadsafe(woken.set)
+
+            listener = await run_in_threadpool(self.engine.listener)
+            handle = await run_in_threadpool(listener.follow, rid, wake) if listener is not None else None
+            # From the first item the page shows (it shows each position once): a stream's last items.
+            after = {st.name: st.tail[0][0] - 1 for st in detail.streams if st.tail}
+            sent_run = sent_progress = None
+            try:
+                yield sse.frame("hello", {"run_id": str(rid)})
+                while True:
+                    woken.clear()
+                    row, items = await run_in_threadpool(load, dict(after))
+                    if row is None:
+                        return
+                    run = {"state": row["run_state"], "steps": row["steps"], "attempts": row["attempts"]}
+                    if run != sent_run:
+                        yield sse.frame("run", run)
+                        sent_run = run
+                    progress = ({"state": row["state"], "meta": row["meta"], "attempt": row["attempt"],
+                                 "current": row["run_state"] == "running" and row["attempt"] == row["attempts"]}
+                                if row["state"] is not None else None)
+                    if progress is not None and progress != sent_progress:
+                        yield sse.frame("progress", progress)
+                        sent_progress = progress
+                    for name, found in items.items():
+                        for position, value in found:
+                            yield sse.frame("item", {"stream": name, "position": position, "value": value},
+                                            id=position)
+                        after[name] = found[-1][0]
+                    if not items and row["run_state"] in FINAL:
+                        yield sse.frame("end", run)
+                        return
+                    await asyncio.sleep(LIVE_EVERY)
+                    if items:
+                        continue
+                    try:
+                        await asyncio.wait_for(woken.wait(), LIVE_FALLBACK if handle is not None and handle.listening
+                                               else LIVE_EVERY)
+                    except asyncio.TimeoutError:
+                        pass
+            finally:
+                if handle is not None:
+                    await run_in_threadpool(handle.close)
+
+        return StreamingResponse(events(), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
 
     async def dlq(self, request: Request, who: Identity) -> Response:
         q = _params(request, "all", "job")
@@ -516,6 +605,10 @@ class _Dashboard:
         return FileResponse(HERE / "static" / "style.css", media_type="text/css",
                             headers={"Cache-Control": "max-age=300"})
 
+    async def script(self, request: Request) -> Response:
+        return FileResponse(HERE / "static" / "live.js", media_type="text/javascript",
+                            headers={"Cache-Control": "max-age=300"})
+
     async def index(self, request: Request) -> Response:
         return RedirectResponse("/runs", status_code=303)
 
@@ -688,6 +781,7 @@ def create_app(
         Route("/runs", d.page(d.runs)),
         Route("/runs/{run_id}", d.page(d.run)),
         Route("/runs/{run_id}/cancel", d.page(d.cancel), methods=["POST"]),
+        Route("/runs/{run_id}/live", d.page(d.live)),
         Route("/dlq", d.page(d.dlq)),
         Route("/dlq/bulk", d.page(d.bulk_form), methods=["GET"]),
         Route("/dlq/bulk", d.page(d.bulk_act), methods=["POST"]),
@@ -700,6 +794,7 @@ def create_app(
         Route("/metrics", d.metrics),
         Route("/healthz", d.healthz),
         Route("/static/style.css", d.stylesheet),
+        Route("/static/live.js", d.script),
     ]
     return Starlette(routes=routes, middleware=[Middleware(SecurityHeaders)])
 
@@ -714,7 +809,7 @@ class SecurityHeaders:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        cacheable = scope.get("path") == "/static/style.css"
+        cacheable = scope.get("path") in ("/static/style.css", "/static/live.js")
 
         async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":

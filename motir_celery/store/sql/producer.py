@@ -321,14 +321,17 @@ DIRECT_RUN_EXISTING = Statement(
 )
 
 #: What RUN_RESULT (and adapter.RUN_META) read about one run ``q``: its latest attempt's outcome
-#: and error, and for a run that failed without any attempt (a message refused at adoption,
+#: and error, its latest progress report, and for a run that failed without any attempt (a message refused at adoption,
 #: adapter.ADOPT_REFUSED) the failure its DLQ row holds.
 RESULT_OF_RUN = """
     SELECT q.id, q.job_id, q.state, q.result, q.attempts, q.finished_at, q.workspace_id,
            r.outcome AS last_outcome,
            coalesce(r.error, CASE WHEN q.state = 'failed' THEN
-             (SELECT d.failure FROM job_run_dlq d WHERE d.run_id = q.id) END) AS last_error   -- uq (run_id)
+             (SELECT d.failure FROM job_run_dlq d WHERE d.run_id = q.id) END) AS last_error,   -- uq (run_id)
+           -- the latest progress report (step.progress, update_state) and the attempt that made it
+           p.state AS progress_state, p.meta AS progress_meta, p.attempt AS progress_attempt
     FROM job_queue q
+    LEFT JOIN job_progress p ON p.run_id = q.id   -- its primary key
     LEFT JOIN LATERAL (
       SELECT outcome, error FROM job_run
       WHERE run_id = q.id                      -- this run's ledger (ix_job_run_ledger)

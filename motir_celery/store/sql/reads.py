@@ -707,3 +707,96 @@ RUN_FLOW = Statement(
 
 def run_flow(conn: Conn, run_id: uuid.UUID) -> dict[str, Any] | None:
     return first(conn, RUN_FLOW, {"run_id": run_id})
+
+
+# --- progress and streams (core/producer/streams.py, the dashboard, `motir runs show`) ----------
+#
+# Read under the caller's row-level security like every read here, and naming the workspace as
+# the result handle's read does (producer.RUN_RESULT): a reader through the engine login (system
+# runs) finds no tenant's run, and under the app role another workspace's run is not found.
+
+RUN_PROGRESS = Statement(
+    "run_progress",
+    "A run's state, steps stored, latest progress (state, meta, attempt) and its streams' names and totals, in one workspace.",
+    """
+    SELECT q.id, q.state AS run_state, q.attempts, p.state, p.meta, p.attempt, p.updated_at,
+           coalesce(p.streams, '{}') AS streams, coalesce(p.stream_items, 0) AS stream_items,
+           coalesce(p.stream_bytes, 0) AS stream_bytes,
+           (SELECT count(*) FROM job_step s WHERE s.run_id = q.id) AS steps   -- its primary key's prefix
+    FROM job_queue q
+    LEFT JOIN job_progress p ON p.run_id = q.id                -- its primary key
+    WHERE q.id = %(run_id)s
+      AND q.workspace_id IS NOT DISTINCT FROM %(workspace_id)s   -- another workspace's run is not found
+    """,
+)
+
+
+def run_progress(conn: Conn, run_id: uuid.UUID, workspace_id: str | None) -> dict[str, Any] | None:
+    return first(conn, RUN_PROGRESS, {"run_id": run_id, "workspace_id": workspace_id})
+
+
+STREAM_ITEMS = Statement(
+    "stream_items",
+    "Items of one stream of a run after a position (or from an offset), in order, with the run's state in the same snapshot.",
+    """
+    SELECT q.state AS run_state, i.position, i.item, i.attempt
+    FROM job_queue q
+    LEFT JOIN LATERAL (
+      SELECT s.position, s.item, s.attempt FROM job_stream_item s
+      WHERE s.run_id = q.id AND s.stream = %(stream)s     -- the primary key, in its order
+        AND s.position > %(after)s                        -- past the reader's cursor
+      ORDER BY s.position
+      LIMIT %(limit)s OFFSET %(offset)s
+    ) i ON true
+    WHERE q.id = %(run_id)s
+      AND q.workspace_id IS NOT DISTINCT FROM %(workspace_id)s   -- another workspace's run is not found
+    ORDER BY i.position
+    """,
+)
+
+
+def stream_items(conn: Conn, run_id: uuid.UUID, workspace_id: str | None, stream: str, *, after: int,
+                 offset: int, limit: int) -> tuple[str | None, list[dict[str, Any]]]:
+    """(the run's state, its items after ``after``); (None, []) when the run is not found (or not
+    visible). One statement: a reader that finds the run finished and no item past its cursor has
+    read every item (the settle commits after the last write)."""
+    found = rows(conn, STREAM_ITEMS, {"run_id": run_id, "workspace_id": workspace_id, "stream": stream,
+                                      "after": after, "offset": offset, "limit": limit})
+    if not found:
+        return None, []
+    return found[0]["run_state"], [r for r in found if r["position"] is not None]
+
+
+STREAM_COUNTS = Statement(
+    "stream_counts",
+    "Each stream of a run: how many items it holds and its last position (`motir runs show`, the run page).",
+    """
+    SELECT s.stream, count(*) AS items, max(s.position) AS last
+    FROM job_stream_item s
+    WHERE s.run_id = %(run_id)s                -- the primary key's prefix
+    GROUP BY s.stream ORDER BY s.stream
+    """,
+)
+
+
+def stream_counts(conn: Conn, run_id: uuid.UUID) -> list[dict[str, Any]]:
+    return rows(conn, STREAM_COUNTS, {"run_id": run_id})
+
+
+LISTEN_RUN = Statement(
+    "listen_run",
+    "A follower's LISTEN on one run's channel (motir_listen: the name derived from the run id).",
+    "SELECT motir_listen(%(run_id)s) AS listening",
+    prepare=False,  # once per follower and run, on the listener's own connection
+)
+
+UNLISTEN_RUN = Statement(
+    "unlisten_run",
+    "A follower's UNLISTEN of one run's channel, once nobody follows it in this process.",
+    "SELECT motir_unlisten(%(run_id)s) AS listening",
+    prepare=False,
+)
+
+
+def listen_run(conn: Conn, run_id: uuid.UUID, *, listen: bool) -> None:
+    rows(conn, LISTEN_RUN if listen else UNLISTEN_RUN, {"run_id": run_id})

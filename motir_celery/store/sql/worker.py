@@ -724,3 +724,148 @@ def settle_failed(conn: Conn, claim_: Claim, error_json: str) -> uuid.UUID | Non
     """Mark the run failed and write its DLQ row; returns the DLQ id (None if fenced)."""
     row = first(conn, SETTLE_FAILED, {"run_id": claim_.run_id, "token": claim_.token, "error": error_json})
     return None if row is None else row["id"]
+
+
+# --- progress and streams (core/worker/streams.py) ------------------------------------------
+#
+# Advisory writes, each its own transaction on the attempt's connection, fenced like a step
+# record, but committed without waiting for the WAL flush (``synchronous_commit = off`` for the
+# transaction): a progress report or a stream item costs no flush. Hazard: a crash of Postgres
+# itself loses the writes of about the last three ``wal_writer_delay`` (600 ms by default) that
+# no flushed commit followed: never one made before a step's record (that record's flushed
+# commit is later in the WAL and flushes them too), only those of the step in progress or of
+# the code after the last step, which the run writes again when it is reclaimed and re-runs that
+# part (same positions: core/worker/streams.py). A reader may have seen them before the crash.
+# Each write notifies the run's channel (``motir_s_<run id in hex>``, migration 0019) at commit.
+
+#: What one item counts against the run's bound beside its JSON: its row (what a million empty
+#: items would otherwise store under any bound of bytes).
+ITEM_OVERHEAD = 64
+
+_HELD = """
+    WITH run AS (
+      SELECT id, workspace_id, attempts FROM job_queue
+      WHERE id = %(run_id)s
+        AND claim_token = %(token)s            -- fence: only the current holder writes
+        AND (state = 'running') IS TRUE        -- a cancelled run stops at its next write
+      -- FOR SHARE: a concurrent reclaim or cancel waits for this write to commit, or this
+      -- statement re-checks the fence against the reclaimed row and writes nothing (so a
+      -- stale holder never overwrites what the run's new holder wrote)
+      FOR SHARE
+    )"""
+
+_NOTIFY = "pg_notify('motir_s_' || replace(CAST(%(run_id)s AS text), '-', ''), '')"
+
+PROGRESS = Statement(
+    "progress",
+    "Store a running run's latest progress (state, meta), fenced on the claim token; no WAL flush waited for.",
+    _HELD + f""", written AS (
+      INSERT INTO job_progress AS p (run_id, workspace_id, state, meta, attempt, updated_at)
+      SELECT id, workspace_id, %(state)s, CAST(%(meta)s AS jsonb), attempts, now() FROM run
+      ON CONFLICT (run_id) DO UPDATE           -- one row per run: the latest report wins
+      SET state = EXCLUDED.state, meta = EXCLUDED.meta, attempt = EXCLUDED.attempt, updated_at = EXCLUDED.updated_at
+      RETURNING p.run_id
+    ), notified AS (
+      SELECT {_NOTIFY} FROM written            -- followers wake at commit
+    )
+    SELECT (SELECT count(*) FROM written) AS written, (SELECT count(*) FROM notified) AS notified,
+           -- advisory: this commit does not wait for the WAL flush (the hazard above)
+           set_config('synchronous_commit', 'off', true) AS async_commit
+    """,
+)
+
+
+def progress(conn: Conn, claim_: Claim, state: str, meta_json: str) -> bool:
+    """Store the run's latest progress; ``False`` when fenced (cancelled or reclaimed)."""
+    row = first(conn, PROGRESS, {"run_id": claim_.run_id, "token": claim_.token, "state": state, "meta": meta_json})
+    return row is not None and row["written"] == 1
+
+
+STREAM_WRITE = Statement(
+    "stream_write",
+    "Write items of one stream of a running run at their positions (a re-run's overwrite), within the run's bound, fenced.",
+    _HELD + f""", new AS (
+      SELECT * FROM unnest(CAST(%(positions)s AS bigint[]), CAST(%(items)s AS jsonb[]), CAST(%(sizes)s AS int[]))
+             AS n(position, item, bytes)
+    ), old AS (
+      -- what this write overwrites (a re-run's positions), as the statement's snapshot has it
+      SELECT s.position, s.bytes FROM job_stream_item s
+      WHERE s.run_id = %(run_id)s AND s.stream = %(stream)s      -- the primary key's prefix
+        AND s.position = ANY(CAST(%(positions)s AS bigint[]))
+    ), delta AS (
+      SELECT count(*) - (SELECT count(*) FROM old) AS items,
+             coalesce(sum(bytes), 0) - coalesce((SELECT sum(bytes) FROM old), 0) AS bytes
+      FROM new
+    ), tally AS (
+      INSERT INTO job_progress AS p (run_id, workspace_id, attempt, streams, stream_items, stream_bytes)
+      SELECT run.id, run.workspace_id, run.attempts, ARRAY[CAST(%(stream)s AS text)], delta.items, delta.bytes
+      FROM run, delta
+      WHERE delta.bytes + {ITEM_OVERHEAD} * delta.items <= %(limit)s   -- a first write past the bound writes nothing
+      ON CONFLICT (run_id) DO UPDATE
+      SET stream_items = p.stream_items + EXCLUDED.stream_items,
+          stream_bytes = p.stream_bytes + EXCLUDED.stream_bytes,
+          streams = CASE WHEN CAST(%(stream)s AS text) = ANY(p.streams) THEN p.streams
+                         ELSE p.streams || EXCLUDED.streams END
+      -- the run's bound, decided here, atomically with the write: past it nothing is written
+      WHERE p.stream_bytes + EXCLUDED.stream_bytes
+            + {ITEM_OVERHEAD} * (p.stream_items + EXCLUDED.stream_items) <= %(limit)s
+        -- and a bounded number of streams (a new name past it is refused)
+        AND (CAST(%(stream)s AS text) = ANY(p.streams) OR cardinality(p.streams) < %(max_streams)s)
+      RETURNING p.run_id
+    ), written AS (
+      INSERT INTO job_stream_item (run_id, stream, position, workspace_id, item, bytes, attempt)
+      SELECT run.id, %(stream)s, new.position, run.workspace_id, new.item, new.bytes, run.attempts
+      FROM new, run, tally                     -- only when the tally took the write
+      -- the position is derived from the step and the order: a re-run writes the same one again
+      ON CONFLICT (run_id, stream, position) DO UPDATE
+      SET item = EXCLUDED.item, bytes = EXCLUDED.bytes, attempt = EXCLUDED.attempt
+      RETURNING 1 AS one
+    ), notified AS (
+      SELECT {_NOTIFY} FROM (SELECT 1 FROM written LIMIT 1) w   -- followers wake at commit
+    )
+    SELECT (SELECT count(*) FROM run) AS held, (SELECT count(*) FROM written) AS written,
+           (SELECT count(*) FROM old) AS overwritten, (SELECT count(*) FROM notified) AS notified,
+           -- advisory: this commit does not wait for the WAL flush (the hazard above)
+           set_config('synchronous_commit', 'off', true) AS async_commit
+    """,
+)
+
+
+def stream_write(conn: Conn, claim_: Claim, stream: str, positions: Sequence[int], items_json: Sequence[str],
+                 sizes: Sequence[int], *, limit: int, max_streams: int) -> dict[str, int]:
+    """Write items at ``positions``: ``held`` 0 when fenced, ``written`` 0 when over the run's bound,
+    ``overwritten``: how many of the positions held an item already (an earlier attempt's)."""
+    row = first(conn, STREAM_WRITE, {"run_id": claim_.run_id, "token": claim_.token, "stream": stream,
+                                     "positions": list(positions), "items": list(items_json), "sizes": list(sizes),
+                                     "limit": limit, "max_streams": max_streams})
+    assert row is not None
+    return {"held": int(row["held"]), "written": int(row["written"]), "overwritten": int(row["overwritten"])}
+
+
+STREAM_TRIM = Statement(
+    "stream_trim",
+    "A re-run's segment ended: delete that segment's items an earlier attempt wrote past this one's last, fenced.",
+    _HELD + """, gone AS (
+      DELETE FROM job_stream_item s USING run
+      WHERE s.run_id = run.id AND s.stream = %(stream)s          -- the primary key's prefix
+        AND s.position > %(last)s AND s.position < %(until)s     -- past this attempt's last, within the segment
+      RETURNING s.bytes
+    ), tally AS (
+      UPDATE job_progress p
+      SET stream_items = p.stream_items - (SELECT count(*) FROM gone),
+          stream_bytes = p.stream_bytes - (SELECT coalesce(sum(bytes), 0) FROM gone)
+      FROM run WHERE p.run_id = run.id         -- the run's own row
+      RETURNING 1 AS one
+    )
+    SELECT (SELECT count(*) FROM run) AS held, (SELECT count(*) FROM gone) AS trimmed,
+           (SELECT count(*) FROM tally) AS tallied,
+           set_config('synchronous_commit', 'off', true) AS async_commit
+    """,
+)
+
+
+def stream_trim(conn: Conn, claim_: Claim, stream: str, last: int, until: int) -> bool:
+    """Delete the items of ``stream`` at positions in (``last``, ``until``); ``False`` when fenced."""
+    row = first(conn, STREAM_TRIM, {"run_id": claim_.run_id, "token": claim_.token, "stream": stream,
+                                    "last": last, "until": until})
+    return row is not None and row["held"] == 1
