@@ -324,7 +324,9 @@ ROLLBACK_CANCEL = Statement(
         wait_event = NULL, claimed_by = 'motir rollback',
         result = jsonb_build_object('rolled_back_as', %(task_id)s::text)
     WHERE id = %(run_id)s
-      AND state = 'queued'      -- only a run no worker holds: of two rollbacks, or a rollback and a claim, one wins
+      -- only a run no worker holds: of two rollbacks, or a rollback and a claim, one wins (written so
+      -- that no partial index on the state matches it: the run is found by its primary key)
+      AND (state = 'queued') IS TRUE
     RETURNING id
     """,
 )
