@@ -196,6 +196,8 @@ class _Run:
         self.retry_send: Callable[[], Any] | None = None
         #: The nesting of the replacement ``self.replace`` sent (its run is the result's pointer).
         self.replaced_by: int | None = None
+        #: How many times this execution sent each task id (``_call_of``).
+        self.sends: dict[str, int] = {}
         #: The message's task id differs from the run's task id (a run message for a task id that is
         #: not a UUID, or a replacement): the result is stored here, under the task's id.
         self.own_result = False
@@ -262,16 +264,17 @@ def _around_apply_async(orig: Callable[..., Any]) -> Callable[..., Any]:
             running.replaced_by = nesting
         job = _job_of(self)
         timing = {k: options[k] for k in ("countdown", "eta") if options.get(k) is not None}
+        call = _call_of(running, task_id, nesting)
         try:
-            stored = plain(list(args or ())), plain(dict(kwargs or {})), plain(_fields_of(app, task_id, link,
-                                                                                       link_error, options))
+            stored = plain(list(args or ())), plain(dict(kwargs or {})), plain(
+                {**_fields_of(app, task_id, link, link_error, options), "call": str(call)})
             written = engine_of(app).enqueue(job, *stored[:2], {"task_id": str(run_id_of(task_id, nesting)),
                                                                 **timing}, stored[2])
             if written.conflict:
-                # The task id was another call's (Celery lets a frozen signature, an errback linked to
-                # each member of a group, be sent again): this call is a run of its own, and its
-                # message names it.
-                again = _second_run(run_id_of(task_id, nesting), stored[0], stored[1])
+                # The task id is another call's already (Celery lets a frozen signature be sent
+                # again: a chord applied twice, an errback linked to each member of a group): this
+                # call is a run of its own, and its message names it.
+                again = uuid.uuid5(run_id_of(task_id, nesting), f"call:{call}")
                 engine_of(app).enqueue(job, *stored[:2], {"task_id": str(again), **timing}, stored[2])
                 options["headers"] = {**(options.get("headers") or {}), RUN_HEADER: str(again)}
         except PayloadError as exc:
@@ -282,8 +285,20 @@ def _around_apply_async(orig: Callable[..., Any]) -> Callable[..., Any]:
     return apply_async
 
 
+def _call_of(running: _Run | None, task_id: str, nesting: int) -> uuid.UUID:
+    """Which call of task id ``task_id`` this send is. Inside a durable execution the same on every
+    execution of the run that sends it — the n-th send of that id by that run —, so a run that runs
+    again after a crash sends its continuation again as the same call (its run runs once); anywhere
+    else a new one: a frozen signature sent again is another call, as Celery runs it again."""
+    if running is None:
+        return uuid.uuid4()
+    seen = running.sends[task_id] = running.sends.get(task_id, 0) + 1
+    return uuid.uuid5(running.run_id, f"send:{task_id}:{nesting}:{seen}")
+
+
 def _second_run(first: uuid.UUID, args: Any, kwargs: Any) -> uuid.UUID:
-    """The run of a call that reuses a task id with other arguments: one per (task id, arguments)."""
+    """The run of a message, adopted by a worker, that reuses a task id with other arguments: one per
+    (task id, arguments)."""
     digest = hashlib.sha256(json.dumps([args, kwargs], sort_keys=True).encode()).hexdigest()[:32]
     return uuid.uuid5(first, f"call:{digest}")
 

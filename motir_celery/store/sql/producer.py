@@ -304,9 +304,12 @@ DIRECT_RUN_EXISTING = Statement(
     "direct_run_existing",
     "The run a refused direct run stands for: the one its idempotency key made, or the active run of its singleton key.",
     """
-    -- same arguments, or a key with two meanings (a Celery task's message fields, kept under "celery", are not
-    -- its arguments: a redelivered copy adopted by a worker has its root filled in)
-    (SELECT q.id AS run_id, (e.data - 'celery') = (CAST(%(data)s AS jsonb) - 'celery') AS same
+    -- same arguments, or a key with two meanings. A Celery task's message fields (under "celery") are not its
+    -- arguments (a redelivered copy adopted by a worker has its root filled in); but the call they name, when
+    -- this one names one, must be the same: a frozen signature sent again is another call (adapter/tasks.py)
+    (SELECT q.id AS run_id, (e.data - 'celery') = (CAST(%(data)s AS jsonb) - 'celery')
+              AND (CAST(%(data)s AS jsonb) #> '{celery,call}' IS NULL
+                   OR e.data #> '{celery,call}' IS NOT DISTINCT FROM CAST(%(data)s AS jsonb) #> '{celery,call}') AS same
      FROM job_event e JOIN job_queue q ON q.event_id = e.id
      WHERE e.workspace_id IS NOT DISTINCT FROM %(workspace_id)s   -- keys are per workspace
        AND e.name = %(name)s AND e.idempotency_key = %(key)s     -- the key's event (uq_job_event_idempotency)
