@@ -92,19 +92,28 @@ def run_meta(engine: Engine, task_id: Any, *, any_workspace: bool = False) -> di
     it settled)."""
     read = partial(_row, engine, any_workspace or engine.settings.results_any_workspace)
     row = read(run_id_of(task_id))
-    for _ in range(_MAX_REPLACED):
-        if row is None or not _replaced(row):
-            break
-        row = read(run_id_of(task_id, row["result"][REPLACED]))
-        if row is None:  # the replacement's run is not written yet
+    if row is not None and _replaced(row):
+        # Replaced (self.replace): the task's result is its replacement's, the run of the same task
+        # id one or more levels deeper (a replacement's chain may add levels); PENDING until it ends.
+        row = _replacement(read, task_id)
+        if row is None:
             return {"task_id": str(task_id), "status": states.PENDING, "result": None, "traceback": None,
                     "children": [], "date_done": None}
     return None if row is None else _meta(task_id, row)
 
 
+def _replacement(read: Callable[[uuid.UUID], dict[str, Any] | None], task_id: Any) -> dict[str, Any] | None:
+    """The deepest run of ``task_id`` that was not replaced itself, if one is written yet."""
+    for nesting in range(1, _MAX_REPLACED + 1):
+        row = read(run_id_of(task_id, nesting))
+        if row is not None and not _replaced(row):
+            return row
+    return None
+
+
 def _replaced(row: dict[str, Any]) -> bool:
     result = row["result"]
-    return row["state"] == "succeeded" and isinstance(result, dict) and isinstance(result.get(REPLACED), int)
+    return row["state"] == "succeeded" and isinstance(result, dict) and result.get(REPLACED) is True
 
 
 def _row(engine: Engine, any_workspace: bool, run_id: uuid.UUID) -> dict[str, Any] | None:

@@ -109,7 +109,7 @@ CRASHES = 3
 #: The attempt budget standing for ``max_retries=None`` (retry for ever): retries are not bounded
 #: by it (``RetryRequested``), only crashes after that many attempts are.
 FOREVER = 100_000
-#: A run replaced by ``self.replace(sig)`` keeps this key, with the replacement's nesting, as result.
+#: A run replaced by ``self.replace(sig)`` keeps this key as its result (adapter/backend.py follows it).
 REPLACED = "__motir_replaced__"
 #: The message header naming the run of a call that reused a task id with other arguments.
 RUN_HEADER = "motir_run"
@@ -194,8 +194,8 @@ class _Run:
         self.ended: BaseException | None = None
         #: Celery's retry message, sent after the settle (``RetryRequested.publish``).
         self.retry_send: Callable[[], Any] | None = None
-        #: The nesting of the replacement ``self.replace`` sent (its run is the result's pointer).
-        self.replaced_by: int | None = None
+        #: The body ended by ``self.replace(sig)``: the task's result is its replacement's.
+        self.replaced = False
         #: How many times this execution sent each task id (``_call_of``).
         self.sends: dict[str, int] = {}
         #: The message's task id differs from the run's task id (a run message for a task id that is
@@ -260,8 +260,6 @@ def _around_apply_async(orig: Callable[..., Any]) -> Callable[..., Any]:
             self.__header__(*(args or ()), **(kwargs or {}))  # Celery's own check: TypeError before writing
         task_id = task_id or celery_uuid()
         nesting = int(options.get("replaced_task_nesting") or 0)
-        if running is not None and task_id == running.task.request.id and nesting > _nesting(running.task.request):
-            running.replaced_by = nesting
         job = _job_of(self)
         timing = {k: options[k] for k in ("countdown", "eta") if options.get(k) is not None}
         call = _call_of(running, task_id, nesting)
@@ -317,6 +315,19 @@ def _around_update_state(orig: Callable[..., Any]) -> Callable[..., Any]:
         return None
 
     return update_state
+
+
+def _around_on_replace(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``self.replace(sig)``: Celery's, the run marked replaced (its result is its replacement's:
+    the replacement keeps the task id, as a run of its own, one ``replaced_task_nesting`` deeper)."""
+
+    def on_replace(self: Task, sig: Any) -> Any:
+        run = _current(self)
+        if run is not None:
+            run.replaced = True
+        return orig(self, sig)
+
+    return on_replace
 
 
 def _step_of(task: Task) -> Any:
@@ -504,7 +515,7 @@ def _body(run: _Run) -> Any:
         raise TaskFailed(exc) from exc
     except Ignore as exc:
         run.ended = exc
-        return None if run.replaced_by is None else {REPLACED: run.replaced_by}
+        return {REPLACED: True} if run.replaced else None
     except (LostClaim, RetryAfterError, RateLimited):
         raise  # the engine's own endings (a fenced write, a motir retry), as for any job
     except Exception as exc:
@@ -625,6 +636,7 @@ class DurableTasks:
 METHODS: dict[str, Any] = {
     "@__call__": _around_call,
     "@apply_async": _around_apply_async,
+    "@on_replace": _around_on_replace,
     "@update_state": _around_update_state,
     "step": property(_step_of, doc="The run's step: ``self.step.run(step_id, fn, *args)`` (memoized)."),
 }
