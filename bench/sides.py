@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{h.command('bench.sides', argv)} ({h.now()}, {(time.monotonic() - t0) / 60:.1f} min; {load}; "
           f"commit {h.describe()})")
     for key, rs in rounds.items():
+        if not rs:
+            continue
         vals = [r["total"] if isinstance(r, dict) else r for r in rs]
         split = "" if not isinstance(rs[0], dict) else "  " + " ".join(
             f"{k} {h.median(r[k] for r in rs):.3f}" for k in ("main", "children", "pg_clients", "redis"))
@@ -141,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"py-spy --gil at {args.spy_rate} Hz, one drain of {args.runs} runs a side:")
         for name in ("floor", *sides):
             print(summary(args.spy, name, args.runs, args.spy_rate))
-    if "cpu floor" in rounds:
+    if rounds.get("cpu floor"):
         floor = [r["total"] for r in rounds["cpu floor"]]
         for name in sides:
             me = [r["total"] for r in rounds[f"cpu {name}"]]
