@@ -173,7 +173,7 @@ class Renewer:
 
     def _receive(self, holder: _Holder, written: float) -> None:
         try:
-            data = holder.sock.recv(65536)
+            data = holder.sock.recv(1 << 18)  # all a socket holds: what waits was written after the previous read
         except BlockingIOError:
             return
         except OSError as exc:
