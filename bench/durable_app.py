@@ -22,6 +22,10 @@ app.conf.update(
     task_default_queue=os.environ.get("MOTIR_QUEUE", "bench-durable"),
     broker_connection_retry_on_startup=True,
 )
+if os.environ.get("BENCH_NO_ACK_EMULATION") == "1":
+    # The transport setting motir-celery's own app makes (celery_app.create_app), as plain Celery's
+    # side has it under the same variable (bench/plain_app.py).
+    app.conf.broker_transport_options = {"ack_emulation": False}
 motir_celery.attach(app)
 
 

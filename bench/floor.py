@@ -102,9 +102,9 @@ SET_NAMES = {"engine": "the engine's statements", "bare": "the least statements 
 
 
 def one_run(conn: psycopg.Connection[Any], which: str, run_id: uuid.UUID, n: int, worker: str, *,
-            io_seconds: float = 0.0) -> bool:
-    """One run's statements of set ``which`` on an autocommit connection (each body first waits
-    ``io_seconds``); False when one of them wrote nothing."""
+            io_seconds: float = 0.0, steps: int = len(OUTPUTS)) -> bool:
+    """One run's statements of set ``which`` on an autocommit connection, with ``steps`` step
+    records (each body first waits ``io_seconds``); False when one of them wrote nothing."""
     if which == "premise":
         return all(send(conn, st, {"v": n}) for st in (PREMISE_ASYNC, *[PREMISE_FLUSHED] * 3, PREMISE_ASYNC))
     token = uuid.uuid4()
@@ -116,7 +116,7 @@ def one_run(conn: psycopg.Connection[Any], which: str, run_id: uuid.UUID, n: int
     if not send(conn, claim, {"run_id": run_id, "job_id": job, "worker": worker, "lease": LEASE_SECONDS,
                               "limit": None, "async_commit": TUNING.claim_async_commit, "token": token}):
         return False
-    for step_id, output in OUTPUTS:
+    for step_id, output in OUTPUTS[:steps]:
         if io_seconds:
             time.sleep(io_seconds)
         if not send(conn, step, {"run_id": run_id, "token": token, "step_id": step_id, "output": output % n,
@@ -137,6 +137,8 @@ class Floor:
     db: h.Database
     statements: str = "engine"
     io_seconds: float = 0.0
+    #: Step records a run (bench/tasks.py: 0, a task with no steps: its claim and settle alone).
+    steps: int = len(OUTPUTS)
     queue: str = FLOOR_QUEUE
     job: str = JOB
     env: dict[str, str] = field(default_factory=dict)
@@ -163,7 +165,7 @@ class Floor:
     def workers(self, n: int, concurrency: int, tag: str = "floor") -> h.Procs:
         env = h.child_env(MOTIR_DATABASE_URL=self.db.url, BENCH_FLOOR_QUEUE=self.queue,
                           BENCH_FLOOR_STATEMENTS=self.statements, BENCH_FLOOR_IO_SECONDS=repr(self.io_seconds),
-                          **self.env)
+                          BENCH_FLOOR_STEPS=str(self.steps), **self.env)
         return h.workers("bench.floor_app", self.queue, n, concurrency, env=env, tag=tag)
 
     def backends(self) -> list[int]:

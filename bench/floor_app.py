@@ -27,6 +27,7 @@ app.conf.update(worker_prefetch_multiplier=1, task_ignore_result=True, broker_co
                 broker_transport_options={"ack_emulation": False})
 STATEMENTS = os.environ.get("BENCH_FLOOR_STATEMENTS", "engine")
 IO_SECONDS = float(os.environ.get("BENCH_FLOOR_IO_SECONDS", "0"))
+STEPS = int(os.environ.get("BENCH_FLOOR_STEPS", "3"))
 #: This process's connection (a pool child's: made at its first task, after the fork).
 _conn: dict[int, psycopg.Connection[Any]] = {}
 
@@ -36,5 +37,6 @@ def floor(run_id: str, n: int) -> None:
     conn = _conn.get(os.getpid())
     if conn is None:
         conn = _conn[os.getpid()] = psycopg.connect(dsn(os.environ["MOTIR_DATABASE_URL"]), autocommit=True)
-    if not one_run(conn, STATEMENTS, uuid.UUID(run_id), n, f"floor@{os.getpid()}", io_seconds=IO_SECONDS):
+    if not one_run(conn, STATEMENTS, uuid.UUID(run_id), n, f"floor@{os.getpid()}", io_seconds=IO_SECONDS,
+                   steps=STEPS):
         raise RuntimeError(f"run {run_id}: a statement wrote nothing")

@@ -9,8 +9,11 @@ Private Postgres (with ``pg_stat_statements``) and Redis (``harness.private_stac
   ``delay``: the enqueue) and a warm worker drains them, from ``pg_stat_statements`` (every
   top-level statement of the bench database, the sweeper's included).
 * **Trivial 1 x 2**: a backlog of ``--runs`` drained by one worker of concurrency 2, plain Celery
-  (``bench/plain_app.py``), the durable task and the direct job taking turns for ``--rounds`` rounds;
-  runs/s over the middle 90 % of each drain, and each side's median as a ratio to plain Celery's.
+  (``bench/plain_app.py``), the durable task and the direct job taking turns for ``--rounds`` rounds,
+  with kombu's Redis ack emulation on (an attached app keeps it) and off (what ``create_app`` sets);
+  and the floor: plain Celery sending a run's claim and settle alone (``bench/floor_app.py`` with no
+  step). Runs/s over the middle 90 % of each drain, each side's median as a ratio to plain Celery's
+  with the same transport.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench import harness as h
+from bench.floor import Floor
 
 DB = "motir_bench_tasks"
 QUEUE = "bench-durable"
@@ -91,7 +95,14 @@ def main(argv: list[str] | None = None) -> int:
         stack.db.rows("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
         counts = {"durable task": per_run(stack, durable, args.stat_runs),
                   "direct job": per_run(stack, direct, args.stat_runs)}
-        sides = {"plain Celery": plain, "durable task": durable, "direct job": direct}
+        off = {"BENCH_NO_ACK_EMULATION": "1"}
+        sides: dict[str, Any] = {
+            "plain Celery": plain, "durable task": durable, "direct job": direct,
+            "plain Celery, ack emulation off": h.Plain(env=off),
+            "durable task, ack emulation off": Task(stack.db, imports="bench.durable_app", app="bench.durable_app",
+                                                    queue=QUEUE, env={**h.WORKER_ENV, **off}, task="bench.durable"),
+            "floor: Celery sending the claim and the settle alone": Floor(stack.db, steps=0),
+        }
         rates = h.interleave({name: (lambda s=side: h.drain(s, args.runs).rate) for name, side in sides.items()},
                              rounds=args.rounds, log=print, show=lambda r: f"{r:.0f} runs/s")
     lines = [f"Measured {started} at {h.describe()}, `python -m bench.tasks --runs {args.runs} --rounds "
@@ -102,10 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     for name, c in counts.items():
         each = "; ".join(f"`{q[:40]}…` {n:.2f}" for q, n in c["each"])
         lines.append(f"| {name} | {c['total']:.2f} | {each} |")
-    base = statistics.median(rates["plain Celery"])
-    lines += ["", f"Trivial 1 x 2 ({args.runs} runs a drain, {args.rounds} rounds, turn about):", "",
+    lines += ["", f"Trivial 1 x 2 ({args.runs} runs a drain, {args.rounds} rounds, turn about), each side against "
+              "plain Celery with the same Redis transport (kombu's ack emulation on, as an attached app keeps it, or "
+              "off, as `create_app` sets it; the floor's app has it off):", "",
               "| side | runs/s (median) | rounds | x plain Celery |", "|---|---|---|---|"]
     for name, xs in rates.items():
+        base = statistics.median(rates["plain Celery" if name in ("plain Celery", "durable task", "direct job")
+                                       else "plain Celery, ack emulation off"])
         lines.append(f"| {name} | {statistics.median(xs):.0f} | {', '.join(f'{x:.0f}' for x in xs)} | "
                      f"{statistics.median(xs) / base:.2f} |")
     h.write_block("bench.tasks", "\n".join(lines), h.PERFORMANCE_DOC, write=not args.no_write)
