@@ -226,8 +226,11 @@ class RunsTable:
         return result
 
     def forget(self, task_id: Any) -> None:
-        if self.is_run(task_id):
-            return  # a run is forgotten by `motir purge`, after its retention
+        meta = self.run_meta(task_id)
+        if meta is not None and not _celery_task(meta):
+            return  # a job's run is forgotten by `motir purge`, after its retention
+        # Anything else, and what the app's backend keeps of a durable Celery task (its run stays
+        # for `motir purge`, as a job's does).
         self.forget_other(task_id)
 
     def forget_other(self, task_id: Any) -> None:
