@@ -90,6 +90,7 @@ class Pool:
         self._listeners: dict[str, list[Listener]] = {"connect": [], "checkout": []}
         self._lock = threading.Lock()
         self._pool: ConnectionPool[Any] | None = None
+        self._lent = 0  # connections checked out now (psycopg_pool counts those being made with them)
 
     def _library(self) -> ConnectionPool[Any]:
         pool = self._pool
@@ -129,6 +130,8 @@ class Pool:
         except BaseException:
             library.putconn(raw)
             raise
+        with self._lock:
+            self._lent += 1
         return PooledConnection(self, raw, library)
 
     @contextmanager
@@ -152,11 +155,7 @@ class Pool:
 
     def checkedout(self) -> int:
         """Connections lent now (SQLAlchemy's pool says the same with ``checkedout()``)."""
-        pool = self._pool
-        if pool is None:
-            return 0
-        stats = pool.get_stats()
-        return stats.get("pool_size", 0) - stats.get("pool_available", 0)
+        return self._lent
 
     def checkin(self, raw: psycopg.Connection[Any], library: ConnectionPool[Any]) -> None:
         """``raw`` back from its borrower: rolled back, out of autocommit, and back to its pool (which
@@ -169,7 +168,11 @@ class Pool:
                     raw.autocommit = False
             except psycopg.Error:
                 raw.close()
-        library.putconn(raw)
+        try:
+            library.putconn(raw)
+        finally:
+            with self._lock:
+                self._lent -= 1
 
 
 class PooledConnection:
