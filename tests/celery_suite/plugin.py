@@ -23,6 +23,7 @@ It changes how the suite is *run*, never what it tests:
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -107,7 +108,10 @@ class Recorder:
     def write(self) -> None:
         data = {"collected": self.collected, "tests": [asdict(t) for t in self.tests.values()],
                 "collect_errors": self.collect_errors}
-        self.path.write_text(json.dumps(data, indent=1))
+        # Whole or not at all: the runner reads the file while this process rewrites it.
+        partial = self.path.with_suffix(".partial")
+        partial.write_text(json.dumps(data, indent=1))
+        os.replace(partial, self.path)
 
     def pytest_sessionfinish(self) -> None:  # also after a KeyboardInterrupt (the runner's budget)
         self.write()
