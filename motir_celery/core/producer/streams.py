@@ -235,8 +235,9 @@ class StreamReader:
                         continue
                 elif state in FINAL:
                     return
+                wait = pace.wait(handle is not None and handle.listening)  # its TimeoutError is the caller's
                 try:
-                    await asyncio.wait_for(woken.wait(), pace.wait(handle is not None and handle.listening))
+                    await asyncio.wait_for(woken.wait(), wait)
                 except asyncio.TimeoutError:
                     pass
                 woken.clear()
