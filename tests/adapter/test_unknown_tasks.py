@@ -70,6 +70,9 @@ def test_a_run_of_a_removed_job_reaches_the_dlq_within_one_republish_period_and_
         finally:
             client.close()
         log = worker.output()
+        with engine.connect() as conn:   # and the worker wrote its jobs into the registry at start-up
+            registered = dict(conn.execute(text("SELECT job_id, registered_by FROM job_registry")).all())
+    assert registered.get("test.three-steps") == worker.nodename and "removed.job" not in registered, registered
     entry = _dlq(engine, run_id)
     assert entry.type.endswith("UnknownJobError") and "removed.job" in entry.message, entry
     assert entry.attempts == 1   # one message, one attempt: not each period for ever
