@@ -12,7 +12,10 @@ is empty and the functions check no job id (a rolling deploy: migration 0020's d
 from __future__ import annotations
 
 import json
+import logging
 from typing import TYPE_CHECKING
+
+import psycopg.errors
 
 from motir_celery.core.jobs import Job, all_jobs
 from motir_celery.store.sql import maintenance as maintenance_sql
@@ -21,6 +24,8 @@ if TYPE_CHECKING:
     from motir_celery.core.engine import Engine
 
 __all__ = ["kind_of", "register"]
+
+log = logging.getLogger("motir_celery.registry")
 
 
 def kind_of(job: Job) -> str:
@@ -31,7 +36,13 @@ def kind_of(job: Job) -> str:
 
 
 def register(engine: Engine, worker: str) -> int:
-    """Write every job this process defines into the registry, as ``worker``; how many."""
+    """Write every job this process defines into the registry, as ``worker``; how many (0: the
+    schema has no registry yet — code before its migration — said once, not tried again)."""
     jobs = [{"job_id": job.id, "kind": kind_of(job), "events": list(job.events)} for job in all_jobs()]
-    with engine.side_pool().begin() as conn:
-        return maintenance_sql.register_jobs(conn, json.dumps(jobs), worker)
+    try:
+        with engine.side_pool().begin() as conn:
+            return maintenance_sql.register_jobs(conn, json.dumps(jobs), worker)
+    except psycopg.errors.UndefinedTable:
+        log.warning("no job_registry table: migration 0020 is not applied (run `motir migrate`); "
+                    "until it is, the app role's checked functions check no job id")
+        return 0
