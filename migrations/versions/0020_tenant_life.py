@@ -28,6 +28,9 @@ Issue 47. Expand only.
   the database's now() (44 BC, ``infinity``: refused).
   Bodies only (CREATE OR REPLACE): the signatures, results, owner's rights, ``search_path`` and
   grants stay.
+* ``job_queue.cancelled_by`` / ``cancel_reason``: who cancelled a run, and why, when it was cancelled
+  by an operator's offboarding (``motir cancel --workspace``; the instant is its ``finished_at``).
+  Nullable, no default: a metadata-only ALTER; the previous release never names them.
 * ``ix_job_queue_recent`` ``(created_at DESC, id)`` and ``ix_job_queue_workspace_recent``
   ``(workspace_id, created_at DESC, id)``: the operator's listing (``motir runs``, the dashboard)
   and one tenant's, newest first, read from the index in the listing's order instead of a sort of
@@ -139,6 +142,7 @@ def _functions(forward: bool) -> None:
 
 def upgrade() -> None:
     op.execute(TABLE)
+    op.execute("ALTER TABLE job_queue ADD COLUMN cancelled_by text, ADD COLUMN cancel_reason text")
     op.execute("GRANT SELECT, INSERT, UPDATE ON job_registry TO motir_engine")
     _functions(forward=True)
     # Outside the transaction: CONCURRENTLY builds never block the previous release's writes.
@@ -152,4 +156,5 @@ def downgrade() -> None:
     for name in QUEUE_INDEXES:
         op.execute(f"DROP INDEX IF EXISTS {name}")
     _functions(forward=False)
+    op.execute("ALTER TABLE job_queue DROP COLUMN cancelled_by, DROP COLUMN cancel_reason")
     op.execute("DROP TABLE job_registry")

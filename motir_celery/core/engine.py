@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
     from motir_celery.core.jobs import Job
     from motir_celery.core.operator.dlq import Caller, ReplayResult
+    from motir_celery.core.operator.offboard import Offboarded
     from motir_celery.core.operator.resume import ResumeResult
     from motir_celery.core.producer.events import SendResult
     from motir_celery.core.producer.results import RunHandle
@@ -382,6 +383,12 @@ class Engine:
         from motir_celery.core.operator import dlq
 
         return dlq.cancel_run(self, run_id)
+
+    def cancel_workspace(self, workspace_id: str, *, actor: str, reason: str, job: str | None = None) -> Offboarded:
+        """Offboarding: cancel a workspace's queued and running runs, audited (``core/operator/offboard.py``)."""
+        from motir_celery.core.operator import offboard
+
+        return offboard.cancel_workspace(self, workspace_id, actor=actor, reason=reason, job=job)
 
     def caller(self, *, actor: str, workspace: str | None = None, admin: bool = False) -> Caller:
         from motir_celery.core.operator.dlq import Caller

@@ -363,6 +363,10 @@ class JobQueue(Base):
     # The finish the stats rollup has counted: finished_at once folded. A run resumed and
     # finished again differs again, and is counted again (it ended twice).
     folded_at: Mapped[datetime | None] = mapped_column(TZ)
+    # An operator's offboarding (``motir cancel --workspace``): who cancelled the run and why,
+    # written by the cancelling UPDATE itself (its instant is finished_at). NULL otherwise.
+    cancelled_by: Mapped[str | None] = mapped_column(Text)
+    cancel_reason: Mapped[str | None] = mapped_column(Text)
 
     event: Mapped[JobEvent | None] = relationship(back_populates="runs")
     parent: Mapped[JobQueue | None] = relationship(

@@ -301,7 +301,7 @@ def test_0020_is_expand_only_the_previous_releases_schema_calls_and_rows_are_unt
     """A rolling deploy: the release before (0019) runs on while 0020 is applied. Every column, index,
     policy and function of 0019 is there after it, but three function bodies, whose signatures,
     owner's rights, search_path and grants are unchanged (the previous release's calls still bind);
-    the additions are the registry and two indexes; a run of the previous release stays; the
+    the additions are the registry, two nullable columns and two indexes; a run of the previous release stays; the
     downgrade leaves 0019's shape exactly."""
     upgrade(empty_url, "0019")
     eng = create_engine(empty_url)
@@ -321,7 +321,9 @@ def test_0020_is_expand_only_the_previous_releases_schema_calls_and_rows_are_unt
         assert replaced == set(CHECKED), before - after
         added = after - before
         assert {a.split(" ")[1] for a in added if a.startswith("function")} == set(CHECKED)
-        assert {a.split(" ")[1].split(".")[0] for a in added if a.startswith("column")} == {"job_registry"}
+        assert {a.split(" ")[1] for a in added if a.startswith("column") and not a.startswith("column job_registry.")} \
+            == {"job_queue.cancelled_by", "job_queue.cancel_reason"}   # nullable, no default: a metadata-only ALTER
+        assert all(" YES " in a for a in added if a.startswith("column job_queue."))
         assert {a.split(" INDEX ")[1].split(" ")[0] for a in added if a.startswith("index")} == {
             "pk_job_registry", "ix_job_queue_recent", "ix_job_queue_workspace_recent"}
         assert not [a for a in added if a.startswith("policy")]

@@ -131,6 +131,40 @@ def cancel(conn: Conn, run_id: uuid.UUID) -> bool:
     return bool(row and row["cancelled"])
 
 
+CANCEL_WORKSPACE = Statement(
+    "cancel_workspace",
+    "Offboarding: cancel every queued (sleeping, waiting) and running run of one workspace, or of one job in it, audited.",
+    """
+    WITH target AS (
+      SELECT id, state FROM job_queue
+      WHERE workspace_id = %(workspace)s            -- the workspace offboarded (a tenant's: never the system's)
+        AND state IN ('queued', 'running')          -- pending (queued, sleeping, waiting) or running; a finished run stays
+        AND (CAST(%(job)s AS text) IS NULL OR job_id = %(job)s)   -- --job: one job of it
+      FOR UPDATE                                    -- a claim or settle racing this one waits, then finds it cancelled
+    ), cancelled AS (
+      UPDATE job_queue q
+      SET state = 'cancelled', finished_at = now(), claim_token = NULL, lease_expires_at = NULL,
+          wait_event = NULL, cancelled_by = %(actor)s, cancel_reason = %(reason)s
+      FROM target t WHERE q.id = t.id
+      RETURNING q.id, t.state AS was
+    ), ledger AS (
+      UPDATE job_run r SET outcome = 'cancelled', finished_at = now()
+      FROM cancelled c WHERE r.run_id = c.id AND r.outcome = 'running'
+    )
+    SELECT id, was FROM cancelled
+    """,
+    prepare=False,   # an optional predicate: planned for each call's filter (driver.Statement)
+)
+
+
+def cancel_workspace(conn: Conn, workspace: str, job: str | None, actor: str,
+                     reason: str) -> list[dict[str, Any]]:
+    """Cancel the workspace's queued and running runs (of ``job`` only, when given), recording ``actor``
+    and ``reason`` on each: ``[{id, was}]``, ``was`` the state it had. A running one stops at its next
+    step boundary (its token cleared); a sleeping or waiting one is never woken."""
+    return rows(conn, CANCEL_WORKSPACE, {"workspace": workspace, "job": job, "actor": actor, "reason": reason})
+
+
 # --- resume ----------------------------------------------------------------------------
 
 RESUME = Statement(
