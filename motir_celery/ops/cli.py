@@ -764,6 +764,49 @@ def _cancel_workspace(workspace: str, job: str | None, actor: str | None, reason
                + f" ({done.running} running: each stops at its next step), by {actor}: {reason}")
 
 
+@main.command()
+@click.option("--workspace", required=True, help="The workspace whose whole history is written.")
+@click.option("--output", "-o", type=click.File("w"), default="-", show_default=True,
+              help="The file to write (JSON lines: {\"table\": ..., \"row\": {...}}).")
+def export(workspace: str, output: Any) -> None:
+    """Offboarding: write every row of a workspace (events, runs, steps, attempts, DLQ entries, batch
+    items, progress, stream items, stats rollup) as JSON lines; the count per table on stderr."""
+    import motir_celery
+    from motir_celery.core.operator.offboard import export_workspace
+
+    try:
+        counts = export_workspace(motir_celery.current_engine(), workspace, output)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    _progress("exported " + ", ".join(f"{table} {n}" for table, n in counts.items()))
+
+
+@main.command()
+@click.option("--workspace", required=True, help="The workspace to erase (nothing of it queued or running).")
+@click.option("--actor", required=True, help="Who erases it (recorded in the audit event).")
+@click.option("--reason", required=True, help="Why (recorded in the audit event).")
+@json_option
+def erase(workspace: str, actor: str, reason: str, as_json: bool) -> None:
+    """Offboarding: delete every row of a workspace, table by table, in one transaction, checked
+    complete (0 rows left in each), audited as the system event motir.workspace.erased. Refused
+    while the workspace has queued or running runs (motir cancel --workspace first)."""
+    import motir_celery
+    from motir_celery.core.operator.offboard import IncompleteErase, WorkspaceActive, erase_workspace
+
+    try:
+        done = erase_workspace(motir_celery.current_engine(), workspace, actor=actor, reason=reason)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    except (WorkspaceActive, IncompleteErase) as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        _print_json({"workspace": workspace, "deleted": done.before, "left": done.after, "actor": actor,
+                     "reason": reason})
+        return
+    click.echo(f"erased workspace {workspace} by {actor}: " + ", ".join(f"{t} {n}" for t, n in done.before.items())
+               + " (0 rows left in each)")
+
+
 # --- rollback ----------------------------------------------------------------------
 
 

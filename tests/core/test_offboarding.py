@@ -121,3 +121,97 @@ def test_motir_cancel_workspace_on_the_command_line(engine: Engine) -> None:
     assert out.exit_code == 0, out.output
     assert '"cancelled": 4' in out.stdout and f'"actor": "{ACTOR}"' in out.stdout
     assert _states(engine, A) == {"cancelled": 4} and _states(engine, B) == {"queued": 2}
+
+
+# --- export, then erase ------------------------------------------------------------------------
+
+#: Every table that holds a workspace's rows.
+TABLES = ("job_event", "job_queue", "job_step", "job_run", "job_run_dlq", "job_batch_item", "job_progress",
+          "job_stream_item", "job_stats_rollup")
+
+
+def _rows_of(engine: Engine, workspace: str) -> dict[str, int]:
+    with engine.connect() as conn:
+        return {t: conn.execute(text(f"SELECT count(*) FROM {t} WHERE workspace_id = :ws"), {"ws": workspace})
+                .scalar_one() for t in TABLES}
+
+
+def _history(engine: Engine, workspace: str) -> None:
+    """A workspace's history in every table: an event with a run, its step, its attempt, a DLQ entry, its
+    progress and a stream item, a batch item, a stats rollup row; and a run whose data is nested too deeply."""
+    deep = "[" * 5000 + "]" * 5000
+    with engine.begin() as conn:
+        for data in ('{"k": 1}', deep):
+            event = conn.execute(text("INSERT INTO job_event (name, data, workspace_id) VALUES ('test.three', "
+                                      "CAST(:d AS jsonb), :ws) RETURNING id"), {"d": data, "ws": workspace}).scalar_one()
+            run = conn.execute(text(
+                "INSERT INTO job_queue (event_id, job_id, event_name, workspace_id, state, max_attempts, retry_policy, "
+                "finished_at) VALUES (:e, 'test.three-steps', 'test.three', :ws, 'failed', 3, 'fast', now()) "
+                "RETURNING id"), {"e": event, "ws": workspace}).scalar_one()
+            params = {"r": run, "e": event, "ws": workspace}
+            conn.execute(text("INSERT INTO job_step (run_id, step_id, output, attempt, started_at, workspace_id) "
+                              "VALUES (:r, 'a', '1', 1, now(), :ws)"), params)
+            conn.execute(text("INSERT INTO job_run (run_id, attempt, workspace_id, job_id, event_name, worker, outcome) "
+                              "VALUES (:r, 1, :ws, 'test.three-steps', 'test.three', 'w', 'failed')"), params)
+            conn.execute(text("INSERT INTO job_run_dlq (run_id, workspace_id, function_id, event_id, event_name, "
+                              "event_data, failure, attempts, first_failed_at) VALUES (:r, :ws, 'test.three-steps', :e, "
+                              "'test.three', '{}', '{}', 1, now())"), params)
+            conn.execute(text("INSERT INTO job_batch_item (run_id, position, event_id, workspace_id) "
+                              "VALUES (:r, 1, :e, :ws)"), params)
+            conn.execute(text("INSERT INTO job_progress (run_id, workspace_id, attempt) VALUES (:r, :ws, 1)"), params)
+            conn.execute(text("INSERT INTO job_stream_item (run_id, stream, position, workspace_id, item, bytes, "
+                              "attempt) VALUES (:r, 's', 1, :ws, '\"x\"', 3, 1)"), params)
+        conn.execute(text("INSERT INTO job_stats_rollup (job_id, workspace_id, bucket, duration_buckets) "
+                          "VALUES ('test.three-steps', :ws, NULL, ARRAY[0]::bigint[])"), {"ws": workspace})
+
+
+def test_a_workspace_cancelled_exported_then_erased_leaves_no_row_of_it_and_an_audit_of_who_when_and_why(
+        engine: Engine) -> None:
+    import io
+    import json
+
+    _history(engine, A)
+    _history(engine, B)
+    _runs(engine, A, 100)
+    b_before = _rows_of(engine, B)
+    with pytest.raises(Exception, match="queued or running"):   # WorkspaceActive: cancel first
+        current().erase_workspace(A, actor=ACTOR, reason=REASON)
+    assert current().cancel_workspace(A, actor=ACTOR, reason=REASON).cancelled == 100
+    before = _rows_of(engine, A)
+    assert all(before.values()), before   # every table holds rows of it
+
+    out = io.StringIO()
+    exported = current().export_workspace(A, out)
+    assert exported == before
+    lines = out.getvalue().splitlines()
+    assert len(lines) == sum(before.values())
+    first = json.loads(lines[0])
+    assert set(first) == {"table", "row"} and first["row"]["workspace_id"] == A
+    assert sum(1 for ln in lines if '"table": "job_event"' in ln and "[[[[" in ln) == 1   # exported undecoded
+
+    erased = current().erase_workspace(A, actor=ACTOR, reason=REASON)
+    assert erased.before == before and erased.after == dict.fromkeys(TABLES, 0)
+    assert _rows_of(engine, A) == dict.fromkeys(TABLES, 0)   # table by table, as the owner sees them
+    assert _rows_of(engine, B) == b_before                   # nothing of another workspace
+    with engine.connect() as conn:
+        audit = conn.execute(text("SELECT data, workspace_id, received_at <= now() FROM job_event "
+                                  "WHERE name = 'motir.workspace.erased'")).one()
+    assert audit[0]["erased_workspace"] == A and audit[0]["actor"] == ACTOR and audit[0]["reason"] == REASON
+    assert audit[0]["rows"] == before and audit[1] is None and audit[2]   # a system row: who, why, what; when
+
+
+def test_motir_export_and_erase_on_the_command_line(engine: Engine, tmp_path: Any) -> None:
+    import json
+
+    _history(engine, A)
+    path = tmp_path / "ws-a.jsonl"
+    out = CliRunner().invoke(main, ["export", "--workspace", A, "--output", str(path)], catch_exceptions=False)
+    assert out.exit_code == 0, out.output
+    assert len(path.read_text().splitlines()) == sum(_rows_of(engine, A).values())
+    missing = CliRunner().invoke(main, ["erase", "--workspace", A, "--actor", ACTOR])
+    assert missing.exit_code == 2 and "--reason" in missing.output
+    done = CliRunner().invoke(main, ["erase", "--workspace", A, "--actor", ACTOR, "--reason", REASON, "--json"],
+                              catch_exceptions=False)
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.stdout)["left"] == dict.fromkeys(TABLES, 0)
+    assert _rows_of(engine, A) == dict.fromkeys(TABLES, 0)
