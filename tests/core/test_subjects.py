@@ -195,3 +195,14 @@ def test_motir_cancel_workspace_subject_on_the_command_line(kit: Motir) -> None:
     assert '"cancelled": 3' in out.output and '"subject_id": "42"' in out.output
     assert _states(kit.sql, A, ITEM) == {"cancelled": 3}
     assert _states(kit.sql, A, ("media_item", "43")) == {"queued": 2}
+
+
+def test_a_replayed_run_keeps_the_subject_of_the_run_that_failed(kit: Motir) -> None:
+    failed = dj.refuse.apply_async((), subject=ITEM, workspace_id=A)   # NonRetriableError: straight to the DLQ
+    kit.drain()
+    (entry,) = kit.dlq()
+    replayed = motir_celery.replay_dlq(entry["id"], actor=ACTOR)
+    assert replayed.status == "replayed" and replayed.run_id != failed.id
+    assert _subject_of(kit.sql, replayed.run_id) == ITEM
+    assert [r.run_id for r in kit.engine.active_for_subject(ITEM, workspace_id=A)] == [replayed.run_id]
+    assert kit.engine.cancel_subject(A, ITEM, actor=ACTOR, reason=REASON).cancelled == 1   # it is found, too

@@ -77,8 +77,17 @@ def entry_status(conn: Conn, dlq_id: uuid.UUID) -> dict[str, Any] | None:
 
 REPLAY_LINK = Statement(
     "replay_link",
-    "Link a replayed DLQ entry to the run its replay made.",
-    "UPDATE job_run_dlq SET replay_run_id = %(run_id)s WHERE id = %(id)s",
+    "Link a replayed DLQ entry to the run its replay made, which takes the failed run's subject.",
+    """
+    WITH linked AS (
+      UPDATE job_run_dlq SET replay_run_id = %(run_id)s WHERE id = %(id)s
+      RETURNING run_id AS failed_run
+    )
+    UPDATE job_queue q SET subject_type = f.subject_type, subject_id = f.subject_id
+    FROM linked l JOIN job_queue f ON f.id = l.failed_run    -- the run that failed (NULL once purged: none)
+    WHERE q.id = %(run_id)s                                  -- the replay's run, written in this transaction
+      AND f.subject_type IS NOT NULL                         -- it named a subject
+    """,
 )
 
 
