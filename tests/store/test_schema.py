@@ -268,6 +268,7 @@ BY_ID_PARAMS: dict[str, object] = {
     # progress and streams (0019): worker.PROGRESS / STREAM_WRITE / STREAM_TRIM, reads.RUN_PROGRESS / STREAM_ITEMS
     "state": "PROGRESS", "meta": "{}", "stream": "s", "positions": [], "items": [], "sizes": [], "max_streams": 100,
     "last": 0, "offset": 0,
+    "id": uuid.UUID(int=0),  # operator.REPLAY_LINK: a DLQ entry (its replay's run takes the failed run's subject)
 }
 #: job_queue's partial indexes whose predicate is a state alone: what a lookup by id must not read.
 STATE_INDEXES = ("ix_job_queue_stale", "ix_job_queue_due", "ix_job_queue_leases")
