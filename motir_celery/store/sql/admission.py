@@ -90,10 +90,14 @@ ADMIT = Statement(
       LEFT JOIN job_quota qu ON coalesce(qu.workspace_id, '') = b.k   -- uq_job_quota_workspace; none: no cap
     ), fleet AS (
       SELECT {_FLEET_BUSY} AS busy,
-             -- a due held run waits ahead of any newcomer: the dispatcher's order decides, not arrival
-             EXISTS (SELECT 1 FROM job_queue h
-                     WHERE h.dispatched_at = 'infinity'::timestamptz AND (h.state = 'queued') IS TRUE
-                       AND h.run_at <= now()) AS waiting
+             -- a due held run waits ahead of any newcomer: the dispatcher's order decides, not arrival.
+             -- In ix_job_queue_held's order, so that it reads the held runs only (an EXISTS here
+             -- was planned as a scan of the table, read whole whenever nothing is held).
+             (SELECT true FROM job_queue h
+              WHERE h.dispatched_at = 'infinity'::timestamptz AND (h.state = 'queued') IS TRUE
+                AND h.run_at <= now()
+              ORDER BY coalesce(h.workspace_id, ''), h.priority DESC, h.created_at
+              LIMIT 1) IS NOT NULL AS waiting
     ), decided AS (
       SELECT b.id, b.job_id,
              NOT f.waiting
