@@ -11,7 +11,7 @@ import re
 import threading
 import uuid
 from datetime import datetime, timezone
-from typing import Iterator
+from typing import Any, Iterator
 
 import psycopg.errors
 import pytest
