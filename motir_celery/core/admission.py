@@ -38,7 +38,7 @@ import logging
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from motir_celery.core.publish import publish_or_log
 from motir_celery.store import records
@@ -47,7 +47,7 @@ from motir_celery.store.sql import admission as admission_sql
 if TYPE_CHECKING:
     from motir_celery.core.engine import Engine
 
-__all__ = ["Admission", "OFF_RECHECK_SECONDS", "DISPATCH_BATCH"]
+__all__ = ["Admission", "OFF_RECHECK_SECONDS", "DISPATCH_BATCH", "set_quota", "set_in_flight", "turn_off", "quotas"]
 
 log = logging.getLogger("motir_celery.admission")
 
@@ -134,3 +134,53 @@ class Admission:
             if not publish_or_log(self._engine.host.publish, chosen.run_id, chosen.job_id):
                 return sent
         return sent
+
+
+# --- the operator's actions (motir quota) ------------------------------------------------------
+
+
+def set_quota(engine: Engine, workspace_id: str | None, *, weight: int | None = None,
+              max_running: int | None = None, clear_cap: bool = False, actor: str) -> records.Quota:
+    """Write one workspace's weight and/or cap (None: the system runs). Live: the dispatcher's next
+    choice reads it. A value not given is kept; ``clear_cap`` removes the cap."""
+    if weight is not None and not 1 <= weight <= 1000:
+        raise ValueError(f"weight must be from 1 to 1000, got {weight}")
+    if max_running is not None and max_running < 1:
+        raise ValueError(f"max_running must be at least 1, got {max_running}")
+    with engine.pool().begin() as tx:
+        quota = admission_sql.set_quota(tx, workspace_id, weight=weight, max_running=max_running,
+                                        clear_cap=clear_cap, actor=actor)
+    # A raised cap may let held runs go now rather than at the next attempt's end or sweep.
+    engine.admission.forget()
+    engine.admission.dispatch()
+    return quota
+
+
+def set_in_flight(engine: Engine, limit: int, *, actor: str) -> int:
+    """Turn admission on with the fleet's in-flight limit, or change it; the held runs a larger limit
+    lets go are sent now (how many)."""
+    if limit < 1:
+        raise ValueError(f"the in-flight limit must be at least 1, got {limit}")
+    with engine.pool().begin() as tx:
+        admission_sql.set_in_flight(tx, limit, actor=actor)
+    engine.admission.forget()
+    return engine.admission.dispatch()
+
+
+def turn_off(engine: Engine) -> int:
+    """Admission off: every held run is sent now (how many). Each process publishes at once again
+    within ``OFF_RECHECK_SECONDS``."""
+    with engine.pool().begin() as tx:
+        released = admission_sql.admission_off(tx)
+    for run_id, job_id in released:
+        publish_or_log(engine.host.publish, run_id, job_id)
+    engine.admission.forget()
+    return len(released)
+
+
+def quotas(engine: Engine, workspace_id: str | None = None, *,
+           every: bool = True) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The fleet (its limit, runs in flight and held), and every quota row (or, not ``every``,
+    ``workspace_id``'s: None is the system runs') with its runs in flight and held."""
+    with engine.pool().begin() as tx:
+        return admission_sql.fleet(tx), admission_sql.quotas(tx, workspace_id, every=every)

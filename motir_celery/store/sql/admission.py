@@ -17,7 +17,7 @@ Run by the engine role; a tenant's view of its own quota is reads.py's ``quota_s
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from motir_celery.store.driver import Statement, first, rows
 from motir_celery.store.records import Admitted, Chosen, Quota
@@ -249,11 +249,33 @@ QUOTAS = Statement(
               AND h.dispatched_at = 'infinity'::timestamptz AND (h.state = 'queued') IS TRUE) AS held,
            (SELECT max_in_flight FROM job_admission WHERE name = 'fleet') AS fleet_limit
     FROM job_quota qu
-    WHERE %(workspace_id)s IS NULL OR qu.workspace_id = %(workspace_id)s   -- one workspace, or all
+    WHERE CAST(%(every)s AS boolean)                                          -- every workspace, or one
+       OR coalesce(qu.workspace_id, '') = coalesce(CAST(%(workspace_id)s AS text), '')
     ORDER BY coalesce(qu.workspace_id, '')
     """,
 )
 
 
-def quotas(conn: Conn, workspace_id: str | None = None) -> list[dict[str, object]]:
-    return rows(conn, QUOTAS, {"workspace_id": workspace_id})
+def quotas(conn: Conn, workspace_id: str | None = None, *, every: bool = True) -> list[dict[str, Any]]:
+    """Every quota row (``every``), or ``workspace_id``'s (None: the system runs')."""
+    return rows(conn, QUOTAS, {"workspace_id": workspace_id, "every": every})
+
+
+FLEET = Statement(
+    "fleet_admission",
+    "The fleet's in-flight limit (none: admission off), its runs in flight and held (motir quota show).",
+    """
+    SELECT (SELECT max_in_flight FROM job_admission WHERE name = 'fleet') AS fleet_limit,   -- the one row
+           (SELECT count(*) FROM job_queue WHERE state = 'running')                          -- ix_job_queue_leases
+           + (SELECT count(*) FROM job_queue WHERE state = 'queued' AND dispatched_at <= now())   -- _stale
+             AS in_flight,
+           (SELECT count(*) FROM job_queue                                                   -- ix_job_queue_held
+            WHERE dispatched_at = 'infinity'::timestamptz AND (state = 'queued') IS TRUE) AS held
+    """,
+)
+
+
+def fleet(conn: Conn) -> dict[str, Any]:
+    row = first(conn, FLEET, {})
+    assert row is not None
+    return row
