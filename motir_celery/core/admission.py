@@ -150,26 +150,27 @@ def set_quota(engine: Engine, workspace_id: str | None, *, weight: int | None = 
     with engine.pool().begin() as tx:
         quota = admission_sql.set_quota(tx, workspace_id, weight=weight, max_running=max_running,
                                         clear_cap=clear_cap, actor=actor)
-    # A raised cap may let held runs go now rather than at the next attempt's end or sweep.
-    engine.admission.forget()
-    engine.admission.dispatch()
+    # Not dispatched from here: an operator's process may have no broker, and a run marked sent
+    # that it cannot publish would wait for the sweeper's re-publish. A raised cap lets held runs
+    # go at the next attempt's end or sweep (MOTIR_SWEEP_INTERVAL), whichever comes first.
     return quota
 
 
-def set_in_flight(engine: Engine, limit: int, *, actor: str) -> int:
-    """Turn admission on with the fleet's in-flight limit, or change it; the held runs a larger limit
-    lets go are sent now (how many)."""
+def set_in_flight(engine: Engine, limit: int, *, actor: str) -> None:
+    """Turn admission on with the fleet's in-flight limit, or change it. Every process reads it at
+    its next decision (on within ``OFF_RECHECK_SECONDS``); the held runs a larger limit lets go are
+    sent at the next attempt's end or sweep (not from here: see ``set_quota``)."""
     if limit < 1:
         raise ValueError(f"the in-flight limit must be at least 1, got {limit}")
     with engine.pool().begin() as tx:
         admission_sql.set_in_flight(tx, limit, actor=actor)
     engine.admission.forget()
-    return engine.admission.dispatch()
 
 
 def turn_off(engine: Engine) -> int:
-    """Admission off: every held run is sent now (how many). Each process publishes at once again
-    within ``OFF_RECHECK_SECONDS``."""
+    """Admission off: every held run is marked sent and published from here (how many); with no
+    broker here, the sweeper re-publishes them after ``republish_after``. Each process publishes at
+    once again within ``OFF_RECHECK_SECONDS``."""
     with engine.pool().begin() as tx:
         released = admission_sql.admission_off(tx)
     for run_id, job_id in released:

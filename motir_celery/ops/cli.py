@@ -1060,7 +1060,7 @@ def quota_set(workspace: str | None, system: bool, weight: int | None, max_runni
 
 @quota.command("admission")
 @click.option("--in-flight", "in_flight", type=click.IntRange(1, None), default=None,
-              help="Turn admission on: at most this many runs in flight, fleet-wide.")
+              help="Turn admission on (or change its limit): at most this many runs in flight, fleet-wide.")
 @click.option("--off", is_flag=True, help="Turn admission off: every held run is sent now.")
 @click.option("--actor", required=True, help="Who changed it (recorded as updated_by).")
 def quota_admission(in_flight: int | None, off: bool, actor: str) -> None:
@@ -1074,8 +1074,9 @@ def quota_admission(in_flight: int | None, off: bool, actor: str) -> None:
     if off:
         click.echo(f"admission off; {admission.turn_off(engine)} held run(s) sent")
         return
-    sent = admission.set_in_flight(engine, in_flight or 1, actor=_actor(actor))
-    click.echo(f"admission on: at most {in_flight} run(s) in flight; {sent} held run(s) sent now")
+    admission.set_in_flight(engine, in_flight or 1, actor=_actor(actor))
+    click.echo(f"admission on: at most {in_flight} run(s) in flight (every process within "
+               f"{admission.OFF_RECHECK_SECONDS:g} s; held runs go at the next settle or sweep)")
 
 
 # --- dashboard -------------------------------------------------------------------
