@@ -41,6 +41,7 @@ import uuid
 from typing import TYPE_CHECKING, Any, Sequence
 
 from motir_celery.core.publish import publish_or_log
+from motir_celery.errors import ConfigurationError
 from motir_celery.store import records
 from motir_celery.store.sql import admission as admission_sql
 
@@ -76,8 +77,11 @@ class Admission:
 
     def _maybe_on(self) -> bool:
         """False while this process knows admission is off (read within ``OFF_RECHECK_SECONDS``)."""
-        if self._engine.host.eager:
-            return False  # runs execute in this process: there is no broker to keep them from
+        try:
+            if self._engine.host.eager:
+                return False  # runs execute in this process: there is no broker to keep them from
+        except ConfigurationError:
+            return False  # no broker here: nothing to send (a worker's sweep dispatches instead)
         with self._lock:
             return time.monotonic() >= self._off_until
 

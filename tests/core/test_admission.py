@@ -261,3 +261,28 @@ def test_a_tenant_reads_its_own_quota_and_load_and_cannot_write_it(engine: SAEng
 
 def test_the_dispatch_batch_is_bounded() -> None:
     assert admission.DISPATCH_BATCH >= 100 and admission.OFF_RECHECK_SECONDS <= 10
+
+
+def test_a_decision_that_waited_for_the_lock_counts_what_was_sent_while_it_waited(engine: SAEngine) -> None:
+    """A gate whose transaction began before another decision committed (as one that waited for
+    the lock has) still counts the run that decision sent: "sent" is compared with the decision
+    statement's start, not with its transaction's now(), which is earlier than the other's stamp.
+    Found by the chaos soak (scenario 12): a workspace capped at 2 had 3 running."""
+    admission_on(engine, 10)
+    quota(engine, C, cap=2)
+    published = Held()
+    eng = holding(published)
+    c1, c2, c3 = send(eng, C, 3)
+    assert sent_ids(published) == [c1, c2] and held(engine) == {c3}
+    finish(engine, c1)                                  # C: c2 in flight, c3 held
+    with eng.pool().begin() as late:
+        admission_sql.fleet(late)                       # this transaction's now() is fixed here
+        time.sleep(0.05)
+        assert eng.admission.dispatch() == 1            # another decision sends c3: C has 2 in flight
+        with engine.begin() as conn:                    # a new run of C, committed, not decided yet
+            c4 = conn.execute(text(
+                "INSERT INTO job_queue (job_id, event_name, workspace_id, max_attempts, retry_policy) "
+                "VALUES ('test.three-steps', 'test.three', :ws, 3, 'transient') RETURNING id"), {"ws": C}).scalar_one()
+        assert admission_sql.lock_admission(late) == 10
+        decided = admission_sql.admit(late, [c4], limit=10)
+    assert [(d.run_id, d.admitted) for d in decided] == [(c4, False)]   # C is at its cap: held

@@ -11,6 +11,13 @@ count the same free slot. The lock is its own statement because a statement's sn
 when it starts: a count in the statement that took the lock would not see the commit of the
 decision it waited for.
 
+For the same reason "sent" is ``dispatched_at <= statement_timestamp()``, not ``now()``: ``now()``
+is the transaction's start, before the wait for the lock, and a decision committed during that
+wait stamped its run with its own, later ``now()`` — a count against ours missed it, and a
+workspace capped at 2 had 3 running (the chaos soak's scenario 12 found it). Every committed row's
+stamp is earlier than its commit, so earlier than the decision statement's start: the database's
+clock still, read once a decision.
+
 Run by the engine role; a tenant's view of its own quota is reads.py's ``quota_status``.
 """
 
@@ -54,7 +61,7 @@ _FLEET_BUSY = """
                            LIMIT %(limit)s) r)
     + (SELECT count(*) FROM (SELECT 1 FROM job_queue
                              WHERE state = 'queued'                 -- ix_job_queue_stale
-                               AND dispatched_at <= now()           -- a message sent: not held, not asleep
+                               AND dispatched_at <= statement_timestamp()   -- sent: not held, not asleep
                                AND id <> ALL(CAST(%(run_ids)s AS uuid[]))
                              LIMIT %(limit)s) d)
 """
@@ -64,7 +71,7 @@ _WORKSPACE_BUSY = """
     (SELECT count(*) FROM (SELECT 1 FROM job_queue r
                            WHERE coalesce(r.workspace_id, '') = {k}          -- the workspace's range
                              AND (r.state IN ('queued', 'running')) IS TRUE            -- as the index is declared
-                             AND r.dispatched_at <= now()                    -- in flight, not held or asleep
+                             AND r.dispatched_at <= statement_timestamp()    -- in flight, not held or asleep
                              AND r.id <> ALL(CAST(%(run_ids)s AS uuid[]))
                            LIMIT {cap}) w)
 """
