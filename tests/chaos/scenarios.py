@@ -828,11 +828,12 @@ def tenancy(base: Base, *, runs: int = 600, readers: int = 3, workers: int = 3, 
 
 def fair_share(base: Base, *, runs: int = 600, workers: int = 3, rate: float = 20.0, copies: int = 2,
                kill_every: tuple[float, float] = (3.0, 5.0), fault_window: float = 40.0, limit: int = 10,
-               cap: int = 2) -> Result:
+               cap: int = 2, restart_every: tuple[float, float] | None = None) -> Result:
     """Admission on (core/admission.py): the fleet's in-flight limit ``limit``, ws-a weight 3, ws-b
-    weight 1, ws-c capped at ``cap``; every message published ``copies`` times and a random worker
-    SIGKILLed every few seconds. Every invariant of the other scenarios holds, no run is left held,
-    and ws-c never has more than ``cap`` runs running (sampled every 10 ms)."""
+    weight 1, ws-c capped at ``cap``; every message published ``copies`` times, a random worker
+    SIGKILLed every few seconds and, with ``restart_every``, Redis (no persistence: the messages in
+    it are lost) restarted that often. Every invariant of the other scenarios holds, no run is left
+    held, and ws-c never has more than ``cap`` runs running (sampled every 10 ms)."""
     name = "12-fair-share"
     reset_tables(base.database_url)
     redis = _redis(base, name)
@@ -865,8 +866,16 @@ def fair_share(base: Base, *, runs: int = 600, workers: int = 3, rate: float = 2
             sampler.start()
             feeder = Feeder(env, "chaos.work", runs // 2, rate, copies=copies, data=_work())
             killer = Injector(kill_and_replace(cluster, signal.SIGKILL), kill_every, "sigkill")
-            _, settle = _feed_with_faults(feeder, [killer], env, expected=runs, fault_window=fault_window,
+            injectors = [killer]
+            if restart_every:
+                def restart() -> str:
+                    redis.restart(down_for=2.0)
+                    cluster.supervise()  # a worker that died in its broker client is replaced
+                    return "redis restart"
+                injectors.append(Injector(restart, restart_every, "redis"))
+            _, settle = _feed_with_faults(feeder, injectors, env, expected=runs, fault_window=fault_window,
                                           settle_timeout=180)
+            restarts = len(injectors[1].done) if restart_every else 0
             c = check(env, subscribers=SUBSCRIBERS, expected_runs=runs)
             with env.engine().connect() as conn:
                 held = conn.execute(text("SELECT count(*) FROM job_queue WHERE dispatched_at = 'infinity'")).scalar_one()
@@ -887,8 +896,10 @@ def fair_share(base: Base, *, runs: int = 600, workers: int = 3, rate: float = 2
         redis.close()
         with env.engine().begin() as conn:
             conn.execute(text("TRUNCATE job_quota, job_admission"))
-    return Result.from_check("12", f"admission on across 3 workspaces + SIGKILL + every message {copies}x", c,
-                             f"{len(killer.done)} SIGKILL, the producer's messages {copies}x",
+    return Result.from_check("12", f"admission on across 3 workspaces + SIGKILL + every message {copies}x"
+                             + (" + Redis restarts" if restart_every else ""), c,
+                             f"{len(killer.done)} SIGKILL, the producer's messages {copies}x"
+                             + (f", {restarts} Redis restarts" if restart_every else ""),
                              time.monotonic() - t0, notes, problems)
 
 
