@@ -8,7 +8,8 @@ admission), ``off`` (this checkout, no ``job_admission`` row: what every deploym
 turn it on runs), ``on`` (this checkout with the fleet's in-flight limit set to ``--limit``, one
 workspace and one priority: the gate before each publish and the choice after each attempt). For
 each: the trivial job's drain rate at 1 x 2 (runs queued beforehand: with admission on, all but the
-limit are held, then sent one per settle) and p50 enqueue -> completion at one event every 20 ms.
+limit are held, then sent one per settle), the I/O-like workload's (``bench/io_jobs.py``: 3 steps
+x 5 ms of waiting) at 1 x 8, and p50 enqueue -> completion at one event every 20 ms.
 Medians of the rounds, the rounds in parentheses, and each side's ratio to ``base``.
 """
 
@@ -43,16 +44,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--runs", type=int, default=2000, help="runs a drain (default 2000)")
     p.add_argument("--events", type=int, default=150, help="events a p50 turn (default 150)")
+    p.add_argument("--io-runs", type=int, default=1000, help="runs an I/O-like drain at 1 x 8 (0: none)")
     p.add_argument("--limit", type=int, default=16, help="the fleet's in-flight limit of the 'on' side")
     args = p.parse_args(argv)
     t0, load = time.monotonic(), h.machine(load=True)
     with h.private_stack(DB) as stack:
         db = stack.db
         env = dict(h.WORKER_ENV)
-        sides = {"base": (h.Motir(db, queue=QUEUE, imports=h.IMPORTS, env=env, engine=args.baseline), None),
-                 "off": (h.Motir(db, queue=QUEUE, imports=h.IMPORTS, env=env), None),
-                 "on": (h.Motir(db, queue=QUEUE, imports=h.IMPORTS, env=env), args.limit)}
+        engines = {"base": (args.baseline, None), "off": (None, None), "on": (None, args.limit)}
+        sides = {name: (h.Motir(db, queue=QUEUE, imports=h.IMPORTS, env=env, engine=path), limit)
+                 for name, (path, limit) in engines.items()}
+        io_sides = {name: (h.Motir(db, job=h.IO_JOB, queue=QUEUE, imports=h.IMPORTS, env=env, engine=path), limit)
+                    for name, (path, limit) in engines.items()}
         turns: dict[str, Callable[[], Any]] = {}
+        for name, (side, limit) in io_sides.items():
+            if args.io_runs:
+                def io(side: Any = side, limit: int | None = limit, name: str = name) -> float:
+                    _admission(db, limit)
+                    return float(h.drain(side, args.io_runs, 1, 8, tag=f"adm-io-{name}").rate)
+
+                turns[f"io {name}"] = io
         for name, (side, limit) in sides.items():
             def rate(side: Any = side, limit: int | None = limit, name: str = name) -> float:
                 _admission(db, limit)
