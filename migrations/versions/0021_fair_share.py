@@ -1,7 +1,7 @@
 """who goes next: quotas as rows (job_quota), the fleet's in-flight limit (job_admission), the held runs' indexes (expand only)
 
 Revision ID: 0021
-Revises: 0019
+Revises: 0020
 Create Date: 2026-12-20 10:00:00.000000
 
 Issue 46. A run is *held* when admission keeps its message back: it stays ``queued`` with
@@ -30,7 +30,7 @@ releases held runs (``dispatched_at = now() - interval '1 day'``) so the previou
 from alembic import op
 
 revision = '0021'
-down_revision = '0019'
+down_revision = '0020'
 branch_labels = None
 depends_on = None
 

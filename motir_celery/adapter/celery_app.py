@@ -77,7 +77,7 @@ from typing import Any, Callable
 from celery import Celery, signals
 from celery.exceptions import Retry
 
-from motir_celery.adapter import tasks
+from motir_celery.adapter import tasks, unknown
 from motir_celery.adapter.backend import BACKEND
 from motir_celery.adapter.guard import GUARDED_AMQP_TRANSPORT
 from motir_celery.adapter.messages import GUARDED_TRANSPORT, CeleryHost, engine_of, host, hosted, hosts
@@ -224,6 +224,7 @@ def attach(app: Celery, *, settings: Settings | None = None, engine: Engine | No
         app.conf.beat_scheduler = "motir_celery.beat:MotirScheduler"
     from motir_celery.core import system_jobs  # noqa: F401  (registers system.daily-health-check)
     tasks.install(app)  # @app.task(durable=True): the app's own tasks, durable (tasks.py)
+    unknown.install()  # a message of an unknown task: its run to the DLQ, or set aside (unknown.py)
     on_job_defined(_registrar(app))
     signals.import_modules.connect(_on_import_modules, sender=app, weak=False)
     return app

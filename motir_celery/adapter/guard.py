@@ -15,8 +15,10 @@ and acknowledged; the worker goes on. Two points see every failure:
   (memoized by kombu: Celery does not decode it again), a task message has
   Celery's protocol shapes and types (``timelimit`` is read later, by the pool,
   where nothing could catch it) — and whatever Celery's handling still raises is
-  caught. A well-formed message goes to Celery untouched: an unknown task, or a
-  job's message whose argument is not a run id, is Celery's or the job's to log.
+  caught. A well-formed message goes to Celery untouched: a job's message whose
+  argument is not a run id is the job's to log; one Celery refuses as an unknown task
+  is set aside after Celery's callback (``SET_ASIDE``, ``unknown.py``), or its run failed
+  into the DLQ.
 - Redis only, the read (``_brpop_read``): an item kombu cannot make a message of.
 
 Network errors are never an item's: raised as before (kombu reconnects; RabbitMQ
@@ -48,7 +50,7 @@ from kombu.transport import pyamqp as kombu_amqp
 from kombu.transport import redis as kombu_redis
 
 __all__ = ["task_problem", "GuardedRedisTransport", "GuardedAMQPTransport", "MALFORMED_SUFFIX",
-           "MALFORMED_KEPT", "MALFORMED_HEADER"]
+           "MALFORMED_KEPT", "MALFORMED_HEADER", "SET_ASIDE"]
 
 log = logging.getLogger("motir_celery.adapter.guard")
 
@@ -58,6 +60,9 @@ MALFORMED_SUFFIX = ".malformed"
 MALFORMED_KEPT = 1000
 #: The header of a message moved aside on RabbitMQ that names why.
 MALFORMED_HEADER = "x-motir-malformed"
+#: The attribute a handler inside Celery's callback sets on a message it wants moved aside, with why
+#: (``unknown.py``: a task no worker here registers); read once the callback has returned.
+SET_ASIDE = "motir_set_aside"
 
 # Errors of the broker's connection: never an item's fault (kombu's own
 # connection_errors also list KeyError, which an item raises easily).
@@ -262,11 +267,15 @@ def _guarded(callback: Callable[[Any], Any], to_message: Callable[[Any], Any],
         why = task_problem(message, getattr(consumer, "accept", None))
         if why is None:
             try:
-                return callback(message)
+                delivered = callback(message)
             except _NETWORK:
                 raise
             except Exception as exc:  # noqa: BLE001 — the item's fault: it is what changed
                 why = f"Celery failed on it: {exc!r}"
+            else:
+                why = getattr(message, SET_ASIDE, None)   # Celery took it, and refused it (unknown.py)
+                if why is None:
+                    return delivered
         refuse(message, why)  # moves it aside and acknowledges it
         return None
 

@@ -524,6 +524,8 @@ def _body(run: _Run) -> Any:
         raise TaskFailed(exc) from exc
     run.result = value
     _succeeded(run, value)
+    if get_actual_ignore_result(run.task, run.task.request):
+        return None  # ignored, as Celery's backend ignores it: the run keeps its state, no result
     try:
         return plain(value)
     except PayloadError:

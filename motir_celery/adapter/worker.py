@@ -13,7 +13,10 @@ The one place that starts and supervises them:
   renewer, or renews the process's leases itself while the renewer is away
   (``core/worker/leases.py``); and in the main process (where the solo and threads pools
   also run their runs) it sweeps (``core/sweeper.py``) every
-  ``MOTIR_SWEEP_INTERVAL``, through the fleet's sweep slot, so one host per period sweeps.
+  ``MOTIR_SWEEP_INTERVAL``, through the fleet's sweep slot, so one host per period sweeps;
+  and at its first tick it writes the jobs this worker defines into the fleet's registry
+  (``core/worker/registry.py``: what the app role's checked functions check a job id
+  against), again each tick until the database answers.
 
 Each duty uses a connection of its own (``Engine.side_pool``), so a busy run pool
 cannot starve it. A duty that fails is logged and tried again next tick; a
@@ -42,6 +45,7 @@ from celery import bootsteps
 from motir_celery.adapter.messages import engine_of
 from motir_celery.adapter.renewer import Supervisor
 from motir_celery.core.engine import Engine
+from motir_celery.core.worker import registry
 from motir_celery.forks import per_process
 
 __all__ = ["EngineStep", "engine_thread"]
@@ -59,12 +63,17 @@ class EngineThread:
         self._engine: Engine | None = None
         self._sweep = False
         self._supervise: Callable[[], object] | None = None
+        #: The worker whose jobs are still to be written into the registry (None: written, or not asked).
+        self._register: str | None = None
 
-    def ensure(self, engine: Engine, *, sweep: bool = False, supervise: Callable[[], object] | None = None) -> None:
+    def ensure(self, engine: Engine, *, sweep: bool = False, supervise: Callable[[], object] | None = None,
+               register: str | None = None) -> None:
         """Running from now on for ``engine`` (sweeping too, with ``sweep``; calling ``supervise``
-        every tick)."""
+        every tick; writing this process's jobs into the registry as worker ``register``)."""
         with self._lock:
             self._engine = engine
+            if register is not None:
+                self._register = register
             if supervise is not None:
                 self._supervise = supervise
             if sweep:
@@ -99,16 +108,22 @@ class EngineThread:
                 _duty("lease renewer supervision", supervise)
             engine = self._engine or engine
             _duty("lease renewal", engine.leases.renew_due)
+            worker = self._register
+            if worker is not None and _duty("job registry", lambda: registry.register(engine, worker)):
+                self._register = None
             if self._sweep and time.monotonic() >= next_sweep:
                 _duty("sweep", lambda: engine.sweep(once_per_period=True))
                 next_sweep = time.monotonic() + settings.sweep_interval
 
 
-def _duty(name: str, fn: Callable[[], object]) -> None:
+def _duty(name: str, fn: Callable[[], object]) -> bool:
+    """``fn()``; whether it returned (a failure is logged: a database or broker blip, next tick)."""
     try:
         fn()
     except Exception:  # noqa: BLE001 — a database or broker blip: next tick
         log.warning("%s failed", name, exc_info=True)
+        return False
+    return True
 
 
 engine_thread = per_process(EngineThread)
@@ -150,7 +165,8 @@ class EngineStep(bootsteps.StartStopStep):
     def start(self, worker: Any) -> None:
         if self.renewer is not None:
             self.renewer.wait()  # before the consumer starts: no run is held before it listens
-        engine_thread().ensure(self.engine, sweep=True, supervise=self.renewer.check if self.renewer else None)
+        engine_thread().ensure(self.engine, sweep=True, supervise=self.renewer.check if self.renewer else None,
+                               register=str(getattr(worker, "hostname", None) or socket.gethostname()))
 
     def stop(self, worker: Any) -> None:
         # Not engine_thread().stop(): this runs before the pool drains (see the module docstring).

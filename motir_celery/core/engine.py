@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Mapping, Protocol, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Mapping, Protocol, Sequence, TextIO, cast
 
 from motir_celery.core.publish import Host, NoBroker, Publish
 from motir_celery.core.worker import canvas as _canvas_job  # noqa: F401  (defines the job system.canvas)
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
     from motir_celery.core.jobs import Job
     from motir_celery.core.operator.dlq import Caller, ReplayResult
+    from motir_celery.core.operator.offboard import Erased, Offboarded
     from motir_celery.core.operator.resume import ResumeResult
     from motir_celery.core.producer.events import SendResult
     from motir_celery.core.producer.results import RunHandle
@@ -401,6 +402,24 @@ class Engine:
         from motir_celery.core.operator import dlq
 
         return dlq.cancel_run(self, run_id)
+
+    def cancel_workspace(self, workspace_id: str, *, actor: str, reason: str, job: str | None = None) -> Offboarded:
+        """Offboarding: cancel a workspace's queued and running runs, audited (``core/operator/offboard.py``)."""
+        from motir_celery.core.operator import offboard
+
+        return offboard.cancel_workspace(self, workspace_id, actor=actor, reason=reason, job=job)
+
+    def export_workspace(self, workspace_id: str, out: TextIO) -> dict[str, int]:
+        """Every row of a workspace to ``out`` as JSON lines; the count per table (``offboard.py``)."""
+        from motir_celery.core.operator import offboard
+
+        return offboard.export_workspace(self, workspace_id, out)
+
+    def erase_workspace(self, workspace_id: str, *, actor: str, reason: str) -> Erased:
+        """Delete every row of a workspace with nothing queued or running, audited (``offboard.py``)."""
+        from motir_celery.core.operator import offboard
+
+        return offboard.erase_workspace(self, workspace_id, actor=actor, reason=reason)
 
     def caller(self, *, actor: str, workspace: str | None = None, admin: bool = False) -> Caller:
         from motir_celery.core.operator.dlq import Caller

@@ -713,11 +713,27 @@ def dlq_dismiss(dlq_id: str | None, actor: str, as_json: bool, **opts: Any) -> N
 
 
 @main.command()
-@click.argument("run_id")
-def cancel(run_id: str) -> None:
-    """Cancel a queued or running run (a running one stops at its next step boundary)."""
+@click.argument("run_id", required=False)
+@click.option("--workspace", help="Offboarding: every queued (sleeping, waiting) and running run of this workspace.")
+@click.option("--job", help="With --workspace: that job's runs only.")
+@click.option("--actor", help="With --workspace: who is cancelling (recorded on each run).")
+@click.option("--reason", help="With --workspace: why (recorded on each run).")
+@json_option
+def cancel(run_id: str | None, workspace: str | None, job: str | None, actor: str | None, reason: str | None,
+           as_json: bool) -> None:
+    """Cancel a queued or running run (a running one stops at its next step boundary); with
+    --workspace, every one of a workspace at once, audited (--actor and --reason required)."""
     from motir_celery import cancel_run
 
+    if workspace is not None:
+        if run_id is not None:
+            raise click.UsageError("give a RUN or --workspace, not both")
+        _cancel_workspace(workspace, job, actor, reason, as_json)
+        return
+    if run_id is None:
+        raise click.UsageError("give the RUN to cancel, or --workspace")
+    if job is not None or actor is not None or reason is not None:
+        raise click.UsageError("--job, --actor and --reason go with --workspace")
     rid = _uuid_arg(run_id, "run")
     if cancel_run(rid):
         click.echo(f"cancelled {rid}")
@@ -728,6 +744,67 @@ def cancel(run_id: str) -> None:
     if detail is None:
         raise click.ClickException(f"no run {rid}")
     raise click.ClickException(f"run {rid} is already {detail.run.state}; only queued or running runs can be cancelled")
+
+
+def _cancel_workspace(workspace: str, job: str | None, actor: str | None, reason: str | None, as_json: bool) -> None:
+    import motir_celery
+    from motir_celery.core.operator.offboard import cancel_workspace
+
+    if actor is None or reason is None:
+        raise click.UsageError("--workspace needs --actor (who) and --reason (why): both are recorded on each run")
+    try:
+        done = cancel_workspace(motir_celery.current_engine(), workspace, actor=actor, reason=reason, job=job)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    if as_json:
+        _print_json({"workspace": done.workspace_id, "job": done.job, "cancelled": done.cancelled,
+                     "running": done.running, "actor": done.actor, "reason": done.reason})
+        return
+    click.echo(f"cancelled {done.cancelled} run(s) of workspace {workspace}" + (f", job {job}" if job else "")
+               + f" ({done.running} running: each stops at its next step), by {actor}: {reason}")
+
+
+@main.command()
+@click.option("--workspace", required=True, help="The workspace whose whole history is written.")
+@click.option("--output", "-o", type=click.File("w"), default="-", show_default=True,
+              help="The file to write (JSON lines: {\"table\": ..., \"row\": {...}}).")
+def export(workspace: str, output: Any) -> None:
+    """Offboarding: write every row of a workspace (events, runs, steps, attempts, DLQ entries, batch
+    items, progress, stream items, stats rollup) as JSON lines; the count per table on stderr."""
+    import motir_celery
+    from motir_celery.core.operator.offboard import export_workspace
+
+    try:
+        counts = export_workspace(motir_celery.current_engine(), workspace, output)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    _progress("exported " + ", ".join(f"{table} {n}" for table, n in counts.items()))
+
+
+@main.command()
+@click.option("--workspace", required=True, help="The workspace to erase (nothing of it queued or running).")
+@click.option("--actor", required=True, help="Who erases it (recorded in the audit event).")
+@click.option("--reason", required=True, help="Why (recorded in the audit event).")
+@json_option
+def erase(workspace: str, actor: str, reason: str, as_json: bool) -> None:
+    """Offboarding: delete every row of a workspace, table by table, in one transaction, checked
+    complete (0 rows left in each), audited as the system event motir.workspace.erased. Refused
+    while the workspace has queued or running runs (motir cancel --workspace first)."""
+    import motir_celery
+    from motir_celery.core.operator.offboard import IncompleteErase, WorkspaceActive, erase_workspace
+
+    try:
+        done = erase_workspace(motir_celery.current_engine(), workspace, actor=actor, reason=reason)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    except (WorkspaceActive, IncompleteErase) as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        _print_json({"workspace": workspace, "deleted": done.before, "left": done.after, "actor": actor,
+                     "reason": reason})
+        return
+    click.echo(f"erased workspace {workspace} by {actor}: " + ", ".join(f"{t} {n}" for t, n in done.before.items())
+               + " (0 rows left in each)")
 
 
 # --- rollback ----------------------------------------------------------------------

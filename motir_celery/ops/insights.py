@@ -235,7 +235,8 @@ def job_stats(session: Session, *, since: datetime, job: str | None = None,
 def _window(session: Session, since: datetime, job: str | None,
             workspace: str | None) -> tuple[list[JobStats], datetime | None]:
     conn = session.connection()
-    open_dlq = {r["job_id"]: int(r["open"]) for r in sql.dlq_by_job(conn, window=0.0)}
+    # The workspace's own entries (a filtered view never names another workspace's jobs).
+    open_dlq = {r["job_id"]: int(r["open"]) for r in sql.dlq_by_job(conn, window=0.0, workspace=workspace)}
     found = sql.insights_window(conn, since=since, job=job, workspace=workspace)
     stats = [_stats(r, open_dlq.get(r["job_id"], 0)) for r in found]
     # A job with open DLQ entries and no run in the window is still on call's list.

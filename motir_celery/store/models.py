@@ -139,6 +139,13 @@ class JobQueue(Base):
         Index("ix_job_queue_leases", "lease_expires_at", postgresql_where=text("state = 'running'")),
         # Operator listings (CLI, dashboard): newest runs of a job.
         Index(None, "job_id", "created_at"),
+        # The operator's listing (``motir runs``, the dashboard; reads.LIST_RUNS): the newest runs,
+        # read in the listing's own order (created_at DESC, then id) and stopped at its limit, not
+        # a sort of the table (10M rows). Migration 0020.
+        Index("ix_job_queue_recent", text("created_at DESC"), "id"),
+        # One tenant's listing (the app role's rows under RLS, or an admin's --workspace): the same
+        # order within one workspace. workspace_id first: no other job_queue index starts with it.
+        Index("ix_job_queue_workspace_recent", "workspace_id", text("created_at DESC"), "id"),
         # Retention (purge.py): finished runs older than a cutoff. Only finished
         # rows are indexed, so queued and running runs cost it nothing.
         Index("ix_job_queue_finished", "finished_at", postgresql_where=text("finished_at IS NOT NULL")),
@@ -380,6 +387,10 @@ class JobQueue(Base):
     # The finish the stats rollup has counted: finished_at once folded. A run resumed and
     # finished again differs again, and is counted again (it ended twice).
     folded_at: Mapped[datetime | None] = mapped_column(TZ)
+    # An operator's offboarding (``motir cancel --workspace``): who cancelled the run and why,
+    # written by the cancelling UPDATE itself (its instant is finished_at). NULL otherwise.
+    cancelled_by: Mapped[str | None] = mapped_column(Text)
+    cancel_reason: Mapped[str | None] = mapped_column(Text)
 
     event: Mapped[JobEvent | None] = relationship(back_populates="runs")
     parent: Mapped[JobQueue | None] = relationship(
@@ -517,6 +528,25 @@ class JobSweep(Base):
     name: Mapped[str] = mapped_column(Text, primary_key=True)
     swept_at: Mapped[datetime] = mapped_column(TZ, server_default=text("'-infinity'"))
     swept_by: Mapped[str | None] = mapped_column(Text)
+
+
+class JobRegistry(Base):
+    """The jobs the fleet defines, as its workers wrote them at start-up (core/registry.py): what
+    the app role's checked functions check a job id against (migration 0020). One row per job,
+    the union of every worker's jobs; no tenant rows, so no policy (engine role only)."""
+
+    __tablename__ = "job_registry"
+    __table_args__ = (CheckConstraint("kind IN ('direct', 'event', 'cron')", name="kind"),)
+
+    job_id: Mapped[str] = mapped_column(Text, primary_key=True)
+    #: How a run of it is made: ``direct`` (delay / apply_async), ``event`` (its events), ``cron`` (its beat slot).
+    kind: Mapped[str] = mapped_column(Text)
+    #: An event job's events; empty for the others.
+    events: Mapped[list[str]] = mapped_column(ARRAY(Text), server_default=text("'{}'"))
+    #: The last start-up that wrote it, by the database's clock.
+    registered_at: Mapped[datetime] = mapped_column(TZ, server_default=NOW)
+    #: The worker that wrote it last (its Celery hostname).
+    registered_by: Mapped[str | None] = mapped_column(Text)
 
 
 class JobBatchItem(Base):
@@ -682,3 +712,4 @@ _rls.declare_workspace_policies(Base.metadata, ["job_event", "job_queue", "job_s
                                                 "job_stream_item", "job_quota"])
 _rls.declare_engine_only(Base.metadata, "job_sweep", ("SELECT", "UPDATE"))
 _rls.declare_engine_only(Base.metadata, "job_admission", ("SELECT", "INSERT", "UPDATE", "DELETE"))
+_rls.declare_engine_only(Base.metadata, "job_registry", ("SELECT", "INSERT", "UPDATE"))

@@ -10,8 +10,9 @@ it reports a dropped index. The kinds:
 * **writers** (``motir_write_*``): the one INSERT of an event, a batch, a direct run (and
   ``motir_write_gather``: debounce= / batch= folding a new run into its key's open one);
   owner's rights, executed by the engine role only;
-* **checked** (``motir_enqueue_*``): the app role's only way to write (migration
-  0008 lists their guards); owner's rights, executed by the app role only;
+* **checked** (``motir_enqueue_*``): the app role's only way to write (migrations
+  0008 and 0020 list their guards; 0020's check a job id against ``job_registry``); owner's
+  rights, executed by the app role only;
 * **dispatchers** (``motir_record_event``, ``motir_record_events``,
   ``motir_direct_run``): what the code calls; the caller's rights; the engine role
   goes to the writer, anyone else to the checked function;
@@ -76,9 +77,11 @@ ROUTINES: tuple[Routine, ...] = (
     Routine("motir_write_events", _EVENTS, "6417a553af924fbd723237bd855db0da", True, frozenset({ENGINE_ROLE})),
     # PL/pgSQL since 0013 (its plan kept a session; 0010's statement).
     Routine("motir_write_direct", _DIRECT, "68a7a7ff693e3d70799ac7a69cb00ae7", True, frozenset({ENGINE_ROLE})),
-    Routine("motir_enqueue_event", _EVENT, "585b94b8721b20a85772a2316553b994", True, frozenset({APP_ROLE})),
-    Routine("motir_enqueue_events", _EVENTS, "2c03e00c3cac1a35446723bdef77715d", True, frozenset({APP_ROLE})),
-    Routine("motir_enqueue_direct", _DIRECT, "fdfde43107847247662d3f4e575ed790", True, frozenset({APP_ROLE})),
+    # The checked functions: 0008's, with 0020's guards (a registered job of the right kind, data bounds,
+    # traceparent, an eta bounded both ways).
+    Routine("motir_enqueue_event", _EVENT, "fec2fb807eb90c947d018e3ef7ef08c1", True, frozenset({APP_ROLE})),
+    Routine("motir_enqueue_events", _EVENTS, "28c60f620adefc98b88f0f391f6deb60", True, frozenset({APP_ROLE})),
+    Routine("motir_enqueue_direct", _DIRECT, "66c788ad01aba09b320ad5a532762585", True, frozenset({APP_ROLE})),
     Routine("motir_record_event", _EVENT, "bf735b3b58ca6deff16ff5df44724687", False, _BOTH),
     Routine("motir_record_events", _EVENTS, "fca985c94bc4ce22acfdf3e76b2e40be", False, _BOTH),
     Routine("motir_direct_run", _DIRECT, "a76790aa09645a99063f4f846ce34ca7", False, _BOTH),

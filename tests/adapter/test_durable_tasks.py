@@ -113,12 +113,17 @@ def test_revoke_of_a_queued_run_cancels_it_and_it_never_runs(tmp_path: Path, tas
     assert effects(engine, key) == []
 
 
-def test_values_come_back_as_celerys_json_serializer_gives_them(tmp_path: Path, tasks: ModuleType,
-                                                               broker_url: str) -> None:
+def test_values_come_back_as_celerys_json_serializer_gives_them_and_an_ignored_one_is_kept_nowhere(
+        tmp_path: Path, tasks: ModuleType, engine: Engine, broker_url: str) -> None:
     value = {"bytes": b"\x01raw", "when": datetime(2026, 12, 4, tzinfo=timezone.utc), "amount": Decimal("1.10"),
              "pair": (1, 2)}
     with celery_worker(tmp_path, broker=broker_url, app=APP):
         assert tasks.echo.delay(value).get(timeout=30) == {**value, "pair": [1, 2]}
+        ignored = tasks.add.apply_async((uuid.uuid4().hex, 1, 2), ignore_result=True)
+        wait_for(lambda: run_state(engine, ignored.id) == "succeeded", timeout=30, what="the ignored run")
+    assert ignored.get(timeout=1) is None and ignored.result is None     # as Celery (its own suite's test)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT result FROM job_queue WHERE id = :id"), {"id": ignored.id}).scalar() is None
 
 
 def test_a_direct_call_runs_the_body_here_and_stores_nothing(tasks: ModuleType, engine: Engine) -> None:

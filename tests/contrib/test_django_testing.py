@@ -68,8 +68,10 @@ def row_counts(engine: Engine) -> dict[str, int]:
 
 
 def databases(engine: Engine) -> set[str]:
+    """Django's test databases on the server (``test_<NAME>``): the other pytest sessions' own come
+    and go meanwhile."""
     with engine.connect() as conn:
-        return set(conn.execute(text("SELECT datname FROM pg_database")).scalars())
+        return set(conn.execute(text("SELECT datname FROM pg_database WHERE datname LIKE 'test\\_%'")).scalars())
 
 
 def test_manage_py_test_is_green_and_leaves_the_development_database_untouched(

@@ -129,3 +129,44 @@ def test_operator_actions_on_visible_rows_act_through_the_engine_and_record_the_
 def test_an_action_needs_a_printable_actor(actor: str, engine: Engine) -> None:
     with pytest.raises(ValueError, match="actor"):
         dlq.dismiss_dlq(holding(), uuid.uuid4(), actor=actor)
+
+
+# --- issue 47: a run whose data no worker can decode -------------------------------------------
+
+
+def _forged_deep_run(engine: Engine, job_id: str, event_name: str) -> uuid.UUID:
+    """A run whose event data is nested 5,000 deep, written as the engine role could (the app role's
+    checked functions refuse it since migration 0020)."""
+    deep = '{"args": [' + "[" * 5000 + "]" * 5000 + "]}"
+    with engine.begin() as conn:
+        event = conn.execute(text("INSERT INTO job_event (name, data, workspace_id) "
+                                  "VALUES (:n, CAST(:d AS jsonb), 'ws-a') RETURNING id"),
+                             {"n": event_name, "d": deep}).scalar_one()
+        return conn.execute(text(
+            "INSERT INTO job_queue (event_id, job_id, event_name, workspace_id, max_attempts, retry_policy) "
+            "VALUES (:e, :j, :n, 'ws-a', 3, 'fast') RETURNING id"), {"e": event, "j": job_id, "n": event_name}
+        ).scalar_one()
+
+
+@pytest.mark.parametrize("job_id, event_name", [("test.direct.add", "direct.test.direct.add"),
+                                                 ("test.limited", "test.limited")],   # concurrency=: a claim in a transaction
+                         ids=["plain claim", "claim under a concurrency limit"])
+def test_a_run_whose_data_cannot_be_decoded_fails_at_its_first_claim_into_the_dlq_with_the_reason(
+        job_id: str, event_name: str, engine: Engine, caplog: pytest.LogCaptureFixture) -> None:
+    import tests.fixtures.direct_jobs  # noqa: F401
+    import tests.fixtures.jobs  # noqa: F401
+    from motir_celery.core.current import current
+
+    run = _forged_deep_run(engine, job_id, event_name)
+    with caplog.at_level(logging.ERROR, logger="motir_celery.runner"):
+        outcome = current().execute(run, job_id=job_id, worker="w1")
+    assert outcome.state == "failed"
+    assert "nested too deeply" in caplog.text
+    with engine.connect() as conn:
+        state = conn.execute(text("SELECT state, lease_expires_at FROM job_queue WHERE id = :r"), {"r": run}).one()
+        entry = conn.execute(text("SELECT failure->>'type', failure->>'message', event_data->>'undecodable' "
+                                  "FROM job_run_dlq WHERE run_id = :r"), {"r": run}).one()
+    assert tuple(state) == ("failed", None)   # not running until its lease expires
+    assert entry[0].endswith("NonRetriableError") and "nested too deeply" in entry[1]
+    assert "nested deeper than a worker decodes" in entry[2]   # the DLQ row is readable; the data stays in job_event
+    assert current().execute(run, job_id=job_id, worker="w2").state == "skipped"   # a redelivery: nothing more

@@ -184,6 +184,18 @@ def test_a_follower_gets_every_item_then_ends_with_the_run(motir: Motir) -> None
     assert asyncio.run(follow_async()) == expected(50)
 
 
+def test_a_follower_of_a_run_that_does_not_end_gets_a_timeout_error_sync_and_async(motir: Motir) -> None:
+    handle = motir.apply_async(three_steps, (1,), workspace_id=WS)        # queued: never drained here
+    with pytest.raises(TimeoutError, match="not ended after 0.3s"):
+        list(handle.stream("tokens").follow(timeout=0.3))
+
+    async def follow_async() -> list[StreamItem]:
+        return [i async for i in handle.stream("tokens").afollow(timeout=0.3)]
+
+    with pytest.raises(TimeoutError, match="not ended after 0.3s"):
+        asyncio.run(follow_async())
+
+
 @pytest.fixture
 def small_kit(motir_database_url: str) -> Iterator[Motir]:
     from motir_celery.settings import Settings

@@ -291,3 +291,35 @@ def test_a_workspaces_health_page_says_where_it_stands_in_admission(client: Test
     assert "0 of 10 in flight (0 running)" in page and "312 queued, waiting for their turn; weight 3" in page
     bob = client.get("/health", headers=BOB).text
     assert "0 of 99 in flight" in bob and "0 queued, waiting" in bob and "weight 7" in bob
+
+# --- offboarding (issue 47) -----------------------------------------------------------------------
+
+
+def test_an_operator_cancels_a_workspaces_work_from_the_runs_page_and_a_tenant_cannot(
+        client: TestClient, engine: Any) -> None:
+    for n in range(3):
+        emit("test.slow", {"n": n, "workspace_id": "ws-a"})
+    emit("test.slow", {"n": 9, "workspace_id": "ws-b"})
+
+    def states(ws: str) -> dict[str, int]:
+        with engine.connect() as conn:
+            return dict(conn.execute(text("SELECT coalesce(cancelled_by, state), count(*) FROM job_queue "
+                                          "WHERE workspace_id = :ws GROUP BY 1"), {"ws": ws}).all())
+
+    assert 'data-testid="offboard"' in client.get("/runs?workspace=ws-a", headers=OPS).text
+    assert 'data-testid="offboard"' not in client.get("/runs", headers=ALICE).text
+    form = {"workspace": "ws-a", "reason": "contract ended", "confirm": "1"}
+    tenant = client.post("/workspaces/cancel", data={**form, "csrf": token_for("alice")}, headers=ALICE)
+    assert tenant.status_code == 403 and "for operators" in tenant.text and states("ws-a") == {"queued": 3}
+    token = csrf(client, OPS, "/runs?workspace=ws-a")
+    unticked = client.post("/workspaces/cancel", data={**form, "confirm": "", "csrf": token}, headers=OPS)
+    assert unticked.status_code == 400 and states("ws-a") == {"queued": 3}
+    no_token = client.post("/workspaces/cancel", data=form, headers=OPS)
+    assert no_token.status_code == 403 and states("ws-a") == {"queued": 3}
+    done = client.post("/workspaces/cancel", data={**form, "csrf": token}, headers=OPS)
+    assert done.status_code == 303 and "workspace=ws-a" in done.headers["location"]
+    assert "notice=workspace-cancelled" in done.headers["location"]
+    assert states("ws-a") == {"ops": 3} and states("ws-b") == {"queued": 1}   # the operator's name on each
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT DISTINCT cancel_reason FROM job_queue WHERE workspace_id = 'ws-a'")
+                            ).scalar_one() == "contract ended"

@@ -310,6 +310,57 @@ def test_the_insights_page_shows_each_workspace_its_own_jobs_and_an_admin_all(en
     assert client.get("/insights?window=2y", headers=ALICE).status_code == 400
 
 
+@pytest.fixture
+def admin_login(database_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A login of this test's own that is only a member of motir_admin, as MOTIR_ADMIN_DATABASE_URL
+    (what the CLI's and the dashboard's operator reads log in as); dropped at the end."""
+    from sqlalchemy import create_engine, make_url
+
+    from motir_celery.store.db import dispose_engines
+
+    owner = create_engine(database_url)
+    name = f"motir_s{os.getpid()}_{random.randrange(10**8)}_admin"
+    with owner.begin() as conn:
+        conn.execute(text(f'CREATE ROLE "{name}" LOGIN IN ROLE motir_admin'))
+    monkeypatch.setenv("MOTIR_ADMIN_DATABASE_URL",
+                       make_url(database_url).set(username=name).render_as_string(hide_password=False))
+    reset_settings()
+    try:
+        yield name
+    finally:
+        monkeypatch.delenv("MOTIR_ADMIN_DATABASE_URL")
+        reset_settings()
+        dispose_engines()
+        with owner.begin() as conn:
+            conn.execute(text(f'DROP ROLE IF EXISTS "{name}"'))
+        owner.dispose()
+
+
+def test_stats_and_insights_for_one_workspace_never_name_another_workspaces_dlq_entries(
+        engine: Engine, client: TestClient, admin_login: str) -> None:
+    """Under the admin login (every workspace visible), ``--workspace ws-a`` / ``?workspace=ws-a`` count
+    ws-a's open DLQ entries only: ws-b's failed job is not on ws-a's list, not even as "0 runs, 1 open"."""
+    from click.testing import CliRunner
+
+    run_event("flow.plain", {"n": 0, "workspace_id": "ws-a"})
+    run_event("flow.fail", {"n": 1, "workspace_id": "ws-b"})
+    holding().sweep()
+
+    def cli(workspace: str) -> dict[str, Any]:
+        out = CliRunner().invoke(main, ["stats", "--workspace", workspace, "--json"], catch_exceptions=False)
+        assert out.exit_code == 0, out.output
+        return {j["job"]: j for j in json.loads(out.stdout)["jobs"]}
+
+    assert set(cli("ws-a")) == {"flow.plain"}
+    assert cli("ws-b")["flow.fails"]["dlq_open"] == 1 and "flow.plain" not in cli("ws-b")
+    page = client.get("/insights?window=1d&workspace=ws-a", headers=OPS)
+    assert page.status_code == 200 and 'data-job="flow.plain"' in page.text, page.text
+    assert "flow.fails" not in page.text
+    assert 'data-job="flow.fails"' in client.get("/insights?window=1d&workspace=ws-b", headers=OPS).text
+    everyone = client.get("/insights?window=1d", headers=OPS).text   # no filter: every workspace's
+    assert 'data-job="flow.plain"' in everyone and 'data-job="flow.fails"' in everyone
+
+
 def test_the_run_page_says_why_a_run_waits_on_flow_control(engine: Engine, client: TestClient) -> None:
     debounced = emit("flow.debounce", {"key": "k", "workspace_id": "ws-a"})["flow.debounced"]
     page = client.get(f"/runs/{debounced}", headers=ALICE).text

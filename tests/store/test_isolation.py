@@ -28,12 +28,14 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import NullPool
 
+import motir_celery.core.system_jobs  # noqa: F401  (system.daily-health-check: a cron job, registered)
 import tests.fixtures.direct_jobs as dj
 import tests.fixtures.jobs  # noqa: F401  (the event jobs this process fans out to)
 from motir_celery.core.current import current
 from motir_celery.core.engine import Engine as MotirEngine
 from motir_celery.core.producer.events import SendResult
 from motir_celery.core.producer.results import ResultTimeout, RunHandle
+from motir_celery.core.worker import registry
 from motir_celery.errors import PayloadError
 from motir_celery.ops.cli import main as cli_main
 from motir_celery.settings import Settings, get_settings, reset_settings
@@ -369,27 +371,49 @@ def test_the_admin_login_reads_every_workspace_and_system_rows_with_the_setting_
 
 
 def _enqueue_event(conn: Connection, *, ws: str | None = A, name: str = "test.three", key: str | None = None,
-                   attempts: int = 3, job: str = "test.three-steps") -> list[Any]:
+                   attempts: int = 3, job: str = "test.three-steps", data: str = '{"k": 1}',
+                   traceparent: str | None = None) -> list[Any]:
     return list(conn.execute(text(
-        "SELECT * FROM motir_enqueue_event(:name, '{\"k\": 1}', :ws, :key, NULL, ARRAY[:job], ARRAY[:attempts], "
-        "ARRAY['fast'], ARRAY[0]::smallint[], ARRAY[NULL]::text[], ARRAY[NULL]::text[], ARRAY[NULL]::text[])"),
-        {"name": name, "ws": ws, "key": key, "attempts": attempts, "job": job}).all())
+        "SELECT * FROM motir_enqueue_event(:name, CAST(:data AS jsonb), :ws, :key, :traceparent, ARRAY[:job], "
+        "ARRAY[:attempts], ARRAY['fast'], ARRAY[0]::smallint[], ARRAY[NULL]::text[], ARRAY[NULL]::text[], "
+        "ARRAY[NULL]::text[])"),
+        {"name": name, "ws": ws, "key": key, "attempts": attempts, "job": job, "data": data,
+         "traceparent": traceparent}).all())
 
 
 def _enqueue_direct(conn: Connection, *, ws: str | None = A, countdown: float = 0.0, attempts: int = 3,
-                    name: str = "direct.test.direct.add") -> list[Any]:
+                    name: str | None = None, job: str = "test.direct.add", data: str = '{"args": [1, 2]}',
+                    eta: str | None = None, traceparent: str | None = None, key: str | None = None) -> list[Any]:
     return list(conn.execute(text(
-        "SELECT * FROM motir_enqueue_direct(:name, '{\"args\": [1, 2]}', :ws, NULL, NULL, :countdown, "
-        "'test.direct.add', :attempts, 'fast', 0::smallint, NULL, NULL, NULL, NULL, 60)"),
-        {"name": name, "ws": ws, "countdown": countdown, "attempts": attempts}).all())
+        "SELECT * FROM motir_enqueue_direct(:name, CAST(:data AS jsonb), :ws, :key, CAST(:eta AS timestamptz), "
+        ":countdown, :job, :attempts, 'fast', 0::smallint, NULL, NULL, NULL, :traceparent, 60)"),
+        {"name": f"direct.{job}" if name is None else name, "ws": ws, "countdown": countdown, "attempts": attempts,
+         "job": job, "data": data, "eta": eta, "traceparent": traceparent, "key": key}).all())
 
 
-def _enqueue_events(conn: Connection, *, ws: str | None = A, attempts: int = 3, name: str = "test.three") -> list[Any]:
+def _enqueue_events(conn: Connection, *, ws: str | None = A, attempts: int = 3, name: str = "test.three",
+                    job: str = "test.three-steps", data: str = "{}", traceparent: str | None = None,
+                    key: str | None = None) -> list[Any]:
     return list(conn.execute(text(
-        "SELECT * FROM motir_enqueue_events(ARRAY[:name], ARRAY['{}'::jsonb], ARRAY[CAST(:ws AS text)], "
-        "ARRAY[NULL]::text[], NULL, ARRAY[1], ARRAY['test.three-steps'], ARRAY[:attempts], ARRAY['fast'], "
+        "SELECT * FROM motir_enqueue_events(ARRAY[:name], ARRAY[CAST(:data AS jsonb)], ARRAY[CAST(:ws AS text)], "
+        "ARRAY[CAST(:key AS text)], :traceparent, ARRAY[1], ARRAY[:job], ARRAY[:attempts], ARRAY['fast'], "
         "ARRAY[0]::smallint[], ARRAY[NULL]::text[], ARRAY[NULL]::text[], ARRAY[NULL]::text[])"),
-        {"name": name, "ws": ws, "attempts": attempts}).all())
+        {"name": name, "ws": ws, "attempts": attempts, "job": job, "data": data, "traceparent": traceparent,
+         "key": key}).all())
+
+
+@pytest.fixture
+def registered(engine: Engine) -> int:
+    """The registry as a worker of this process writes it at start-up: every job defined here."""
+    return registry.register(current(), "pytest-worker")
+
+
+#: A W3C traceparent (version 00) as OpenTelemetry writes it.
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+#: Two megabytes of arguments (the Python producer refuses over one).
+TWO_MB = '{"args": ["' + "x" * 2_000_000 + '"]}'
+#: Arguments nested 5,000 deep (the worker's json decoder gives up at about 1,000).
+DEEP = '{"args": [' + "[" * 5000 + "]" * 5000 + "]}"
 
 
 def test_a_checked_write_sets_everything_the_producer_may_not_choose(app_login: str, engine: Engine) -> None:
@@ -405,25 +429,35 @@ def test_a_checked_write_sets_everything_the_producer_may_not_choose(app_login: 
         assert tuple(run) == ("queued", 0, None, None, None, None, A, A, True), run
 
 
-# (guard, the write it stops, once the guard is gone). Each guard is one line of migration 0008.
+# (guard, the write it stops, once the guard is gone). Each guard is one line of migration 0008 or 0020.
 ATTACKS = {
     "workspace_set": lambda conn: _enqueue_event(conn, ws=None),
     "workspace_match": lambda conn: _enqueue_event(conn, ws=B),
-    "name_and_key": lambda conn: _enqueue_event(conn, name="x" * 300),
+    "name_and_key": lambda conn: _enqueue_event(conn, key="k" * 300),
     "run_bounds": lambda conn: _enqueue_event(conn, attempts=10_000),
+    "job_kind": lambda conn: _enqueue_event(conn, job="test.direct.add"),   # a direct job through an event
+    "payload_bounds": lambda conn: _enqueue_event(conn, data=DEEP),
+    "traceparent": lambda conn: _enqueue_event(conn, traceparent=TRACEPARENT + "x" * 300),
 }
 DIRECT_ATTACKS = {
     "workspace_set": lambda conn: _enqueue_direct(conn, ws=None),
     "workspace_match": lambda conn: _enqueue_direct(conn, ws=B),
-    "name_and_key": lambda conn: _enqueue_direct(conn, name="x" * 300),
+    "name_and_key": lambda conn: _enqueue_direct(conn, key="k" * 300),
     "run_bounds": lambda conn: _enqueue_direct(conn, attempts=10_000),
     "delay_bounds": lambda conn: _enqueue_direct(conn, countdown=10 * 365 * 86400.0),
+    "job_kind": lambda conn: _enqueue_direct(conn, job="no.such.job"),
+    "direct_event": lambda conn: _enqueue_direct(conn, name="motir.invoke:test.direct.add"),  # a child's event
+    "payload_bounds": lambda conn: _enqueue_direct(conn, data=TWO_MB),
+    "traceparent": lambda conn: _enqueue_direct(conn, traceparent="00-not-a-trace-context"),
 }
 BATCH_ATTACKS = {
     "workspace_set": lambda conn: _enqueue_events(conn, ws=None),
     "workspace_match": lambda conn: _enqueue_events(conn, ws=B),
-    "name_and_key": lambda conn: _enqueue_events(conn, name="x" * 300),
+    "name_and_key": lambda conn: _enqueue_events(conn, key="k" * 300),
     "run_bounds": lambda conn: _enqueue_events(conn, attempts=10_000),
+    "job_kind": lambda conn: _enqueue_events(conn, job="system.daily-health-check"),   # a cron job on demand
+    "payload_bounds": lambda conn: _enqueue_events(conn, data=TWO_MB),
+    "traceparent": lambda conn: _enqueue_events(conn, traceparent=TRACEPARENT.upper()),
 }
 CASES = ([("motir_enqueue_event", g) for g in ATTACKS] + [("motir_enqueue_direct", g) for g in DIRECT_ATTACKS]
          + [("motir_enqueue_events", g) for g in BATCH_ATTACKS])
@@ -443,7 +477,7 @@ def _without_guard(definition: str, guard: str) -> str:
 
 @pytest.mark.parametrize("function, guard", CASES, ids=[f"{f}:{g}" for f, g in CASES])
 def test_each_guard_of_the_checked_functions_is_what_stops_its_attack(
-        function: str, guard: str, app_login: str, engine: Engine) -> None:
+        function: str, guard: str, app_login: str, engine: Engine, registered: int) -> None:
     attack = {"motir_enqueue_event": ATTACKS, "motir_enqueue_direct": DIRECT_ATTACKS,
               "motir_enqueue_events": BATCH_ATTACKS}[function][guard]
     no_workspace = guard == "workspace_set"
@@ -462,6 +496,110 @@ def test_each_guard_of_the_checked_functions_is_what_stops_its_attack(
         with engine.begin() as conn:
             conn.execute(text(original))
     check(str(engine.url.render_as_string(hide_password=False)))  # and the original is back, digest and all
+
+
+# --- issue 47: the checked functions closed -------------------------------------------------
+
+#: Each forged call of issue 47, and what its refusal says.
+FORGED_CALLS = {
+    "an unknown job": (lambda conn: _enqueue_direct(conn, job="no.such.job"), "is not a direct job"),
+    "a cron job on demand": (lambda conn: _enqueue_direct(conn, job="system.daily-health-check"),
+                             "is not a direct job"),
+    "an event job with arbitrary data": (lambda conn: _enqueue_direct(conn, job="test.three-steps"),
+                                         "is not a direct job"),
+    "an event its job does not subscribe to": (lambda conn: _enqueue_event(conn, name="test.flaky"),
+                                               "subscribing to 'test.flaky'"),
+    "a batch naming a direct job": (lambda conn: _enqueue_events(conn, job="test.direct.add"),
+                                    "not an event job"),
+    "a direct run under a child's event": (
+        lambda conn: _enqueue_direct(conn, name="motir.invoke:test.direct.add"), "is made by the event"),
+    "2 MB of arguments": (lambda conn: _enqueue_direct(conn, data=TWO_MB), "at most 1,500,000 characters"),
+    "2 MB of event data": (lambda conn: _enqueue_event(conn, data=TWO_MB.replace('"args"', '"k"')),
+                           "at most 1,500,000 characters"),
+    "arguments 5,000 deep": (lambda conn: _enqueue_direct(conn, data=DEEP), "deeper than 100 levels"),
+    "event data 5,000 deep in a batch": (lambda conn: _enqueue_events(conn, data=DEEP), "deeper than 100 levels"),
+    "a traceparent that is not W3C": (lambda conn: _enqueue_direct(conn, traceparent="hello"), "W3C trace context"),
+    "a traceparent of 300 characters": (
+        lambda conn: _enqueue_event(conn, traceparent="01" + TRACEPARENT[2:] + "-" + "a" * 244), "at most 256"),
+    "an all-zero trace id": (lambda conn: _enqueue_direct(conn, traceparent="00-" + "0" * 32 + TRACEPARENT[35:]),
+                             "W3C trace context"),
+    "an eta in 44 BC": (lambda conn: _enqueue_direct(conn, eta="0044-03-15 12:00:00+00 BC"), "within a year of now"),
+    "an eta of -infinity": (lambda conn: _enqueue_direct(conn, eta="-infinity"), "within a year of now"),
+    "an eta in 2100": (lambda conn: _enqueue_direct(conn, eta="2100-01-01 00:00:00+00"), "within a year of now"),
+    "a countdown of -1 s": (lambda conn: _enqueue_direct(conn, countdown=-1.0), "within a year"),
+}
+
+
+@pytest.mark.parametrize("forged", list(FORGED_CALLS))
+def test_each_forged_call_of_the_app_role_is_refused_with_a_clear_error_and_writes_nothing(
+        forged: str, app_login: str, engine: Engine, registered: int) -> None:
+    call, says = FORGED_CALLS[forged]
+    with pytest.raises(DBAPIError) as err:
+        with as_login(app_login, A) as conn:
+            call(conn)
+    refusal = err.value.orig
+    assert isinstance(refusal, psycopg.errors.InvalidParameterValue), refusal
+    assert str(refusal).startswith("motir: ") and says in str(refusal), str(refusal)
+    assert _rows(engine, "SELECT (SELECT count(*) FROM job_queue), (SELECT count(*) FROM job_event)")[0] == (0, 0)
+
+
+def test_what_the_python_producer_accepts_the_checked_functions_accept(
+        app_login: str, engine: Engine, registered: int) -> None:
+    """The bounds are the producer's, never tighter: its largest arguments (1,000,000 characters of
+    compact JSON, the worst case for Postgres's printing: a space after each ','), 100 levels deep, a
+    traceparent as OpenTelemetry writes it, an eta a day in the past or eleven months ahead."""
+    widest = '{"args":[[' + ",".join(["0"] * 499_988) + ']],"kwargs":{}}'
+    assert 999_000 < len(widest) <= 1_000_000
+    deepest = '{"args": ' + "[" * 100 + "]" * 100 + "}"   # the innermost list 100 levels below the top
+    with as_login(app_login, A) as conn:
+        written = [_enqueue_direct(conn, data=widest), _enqueue_direct(conn, data=deepest),
+                   _enqueue_direct(conn, traceparent=TRACEPARENT), _enqueue_event(conn, traceparent=TRACEPARENT),
+                   _enqueue_events(conn, traceparent=TRACEPARENT),
+                   _enqueue_direct(conn, eta="yesterday"), _enqueue_direct(conn, countdown=330 * 86400.0)]
+    assert all(len(rows) == 1 and rows[0].run_id is not None for rows in written), written
+    assert _rows(engine, "SELECT count(*) FROM job_queue")[0][0] == 7
+
+
+def test_one_level_deeper_than_the_bound_is_refused(app_login: str, engine: Engine) -> None:
+    deeper = '{"args": ' + "[" * 101 + "]" * 101 + "}"   # 101 levels below the top
+    with pytest.raises(DBAPIError, match="deeper than 100 levels"):
+        with as_login(app_login, A) as conn:
+            _enqueue_direct(conn, data=deeper)
+
+
+def test_an_empty_registry_checks_no_job_id_and_the_first_worker_start_closes_it(
+        app_login: str, engine: Engine) -> None:
+    """A rolling deploy (migration 0020): until a worker of the new release has written the registry,
+    the previous release's producers are not refused; once one has, an unknown job is."""
+    assert _rows(engine, "SELECT count(*) FROM job_registry")[0][0] == 0
+    with as_login(app_login, A) as conn:
+        assert _enqueue_direct(conn, job="no.such.job")[0].run_id is not None
+    assert registry.register(current(), "pytest-worker") > 0
+    with pytest.raises(DBAPIError, match="'no.such.job' is not a direct job"):
+        with as_login(app_login, A) as conn:
+            _enqueue_direct(conn, job="no.such.job")
+    with as_login(app_login, A) as conn:  # a registered direct job still goes through
+        assert _enqueue_direct(conn)[0].run_id is not None
+
+
+def test_the_registry_holds_each_job_with_its_kind_and_events_and_a_second_start_rewrites_it(engine: Engine) -> None:
+    first = registry.register(current(), "worker-1")
+    assert registry.register(current(), "worker-2") == first
+    kinds = {r[0]: (r[1], list(r[2]), r[3]) for r in _rows(engine, "SELECT job_id, kind, events, registered_by "
+                                                                     "FROM job_registry")}
+    assert len(kinds) == first
+    assert kinds["test.direct.add"] == ("direct", [], "worker-2")
+    assert kinds["test.three-steps"] == ("event", ["test.three"], "worker-2")
+    assert kinds["system.daily-health-check"] == ("cron", [], "worker-2")
+
+
+def test_the_app_role_holds_nothing_on_the_registry(app_login: str) -> None:
+    for sql in ("SELECT count(*) FROM job_registry",
+                "INSERT INTO job_registry (job_id, kind) VALUES ('forged', 'direct')"):
+        with pytest.raises(DBAPIError) as err:
+            with as_login(app_login, A) as conn:
+                conn.execute(text(sql))
+        assert isinstance(err.value.orig, psycopg.errors.InsufficientPrivilege), sql
 
 
 HAND_MADE = {  # (the change, its undo)

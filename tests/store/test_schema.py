@@ -541,3 +541,74 @@ def test_the_gate_reads_the_runs_by_id_and_the_fleet_through_its_ranges(engine: 
         assert {"pk_job_queue", "ix_job_queue_held", "ix_job_queue_in_flight"} <= read, read
         assert not [n for n in nodes if n["Node Type"] == "Seq Scan" and n.get("Relation Name") == "job_queue"]
         tx.rollback()
+
+
+# --- listings that stay fast (issue 47; migration 0020) ----------------------------------------
+
+#: Workspaces the listing rows are spread over.
+TENANTS = 50
+
+
+def _fill_tenants_history(conn: Connection, tenants: int = TENANTS) -> None:
+    """ROWS runs over ``tenants`` workspaces, 90 % finished, one created a second apart; analyzed."""
+    conn.execute(text(
+        """
+        INSERT INTO job_queue (job_id, event_name, workspace_id, state, max_attempts, retry_policy, created_at,
+                               finished_at)
+        SELECT 'job.' || (i % 20), 'bench', 'ws-' || (i % :tenants), s.state, 3, 'transient',
+               now() - make_interval(secs => :n - i),
+               CASE WHEN s.state = 'succeeded' THEN now() - make_interval(secs => :n - i) END
+        FROM generate_series(1, :n) AS i,
+             LATERAL (SELECT CASE WHEN i % 10 = 0 THEN 'queued' ELSE 'succeeded' END AS state) AS s
+        """
+    ), {"n": ROWS, "tenants": tenants})
+    conn.execute(text("ANALYZE job_queue"))
+
+
+def _listing_plan(conn: Connection, **filters: object) -> tuple[set[str], list[str]]:
+    """LIST_RUNS's plan for these filters (limit 50): the indexes it reads, and its Sort nodes."""
+    params = {"job": None, "state": None, "workspace": None, "since": None, "limit": 50, **filters}
+    (found,) = plan(conn, reads_sql.LIST_RUNS, params)
+    nodes = list(_plan_nodes(found))
+    return ({str(n["Index Name"]) for n in nodes if "Index Name" in n},
+            [str(n["Node Type"]) for n in nodes if n["Node Type"] in ("Sort", "Incremental Sort")])
+
+
+LISTINGS = {  # (who lists, the filters, the index that serves it in the listing's order)
+    "the operator's newest runs": ({}, "ix_job_queue_recent"),
+    "the operator's runs of one workspace": ({"workspace": "ws-7"}, "ix_job_queue_workspace_recent"),
+}
+
+
+@pytest.mark.parametrize("listing", list(LISTINGS))
+def test_a_listing_reads_the_newest_runs_from_an_index_in_its_order_not_a_sort_of_the_table(
+        listing: str, engine: Engine) -> None:
+    filters, index = LISTINGS[listing]
+    with engine.connect() as conn, conn.begin() as tx:  # rolled back: the rows never leave this test
+        _fill_tenants_history(conn)
+        read, sorts = _listing_plan(conn, **filters)
+        assert index in read and not sorts, (read, sorts)
+        # Control: without the listing indexes, the same listing sorts the table (or the workspace's rows).
+        conn.execute(text("DROP INDEX ix_job_queue_recent; DROP INDEX ix_job_queue_workspace_recent"))
+        read, sorts = _listing_plan(conn, **filters)
+        assert index not in read and sorts, (read, sorts)
+        tx.rollback()
+
+
+def test_one_tenants_listing_under_row_level_security_reads_its_workspaces_index(engine: Engine) -> None:
+    """The app role's listing, as the dashboard sends it for a tenant: its policy, and its workspace named
+    (the policy alone, an OR with the admin arm, is no index condition: the planner then walks every
+    workspace's newest runs for this one's)."""
+    with engine.connect() as conn, conn.begin() as tx:  # rolled back: the rows never leave this test
+        _fill_tenants_history(conn, tenants=5)   # 12,000 runs a workspace: more than a page to sort
+        conn.execute(text("SET LOCAL ROLE motir_app"))
+        conn.execute(text("SELECT set_config('motir.workspace_id', 'ws-3', true)"))
+        read, sorts = _listing_plan(conn, workspace="ws-3")
+        assert "ix_job_queue_workspace_recent" in read and not sorts, (read, sorts)
+        read, _ = _listing_plan(conn)
+        assert "ix_job_queue_workspace_recent" not in read, read   # control: the policy alone does not
+        listed = conn.execute(text("SELECT count(*), count(DISTINCT workspace_id) FROM ("
+                                   + reads_sql.LIST_RUNS.sql.replace("%(", ":").replace(")s", "") + ") AS l"),
+                              {"job": None, "state": None, "workspace": "ws-3", "since": None, "limit": 50}).one()
+        assert tuple(listed) == (50, 1)
+        tx.rollback()

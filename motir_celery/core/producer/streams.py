@@ -53,6 +53,36 @@ FIRST_POLL, MAX_POLL = 0.02, 0.1
 BATCH = 1000
 
 
+@dataclass
+class _Pace:
+    """How long a follower waits for the next notification: ``FALLBACK`` while it listens, else a
+    poll that backs off while nothing comes; never past the caller's deadline."""
+
+    what: str
+    timeout: float | None
+    pause: float = FIRST_POLL
+    deadline: float | None = None
+
+    def __post_init__(self) -> None:
+        self.deadline = None if self.timeout is None else time.monotonic() + self.timeout
+
+    def came(self) -> None:
+        """Items came: the next poll is soon again."""
+        self.pause = FIRST_POLL
+
+    def wait(self, listening: bool) -> float:
+        """The next wait (seconds); ``TimeoutError`` once the deadline has passed."""
+        wait = FALLBACK if listening else self.pause
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{self.what}: not ended after {self.timeout}s")
+            wait = min(wait, left)
+        if not listening:
+            self.pause = min(self.pause * 1.5, MAX_POLL)
+        return wait
+
+
 class RunNotFound(MotirError, LookupError):
     """No run of that id in the reader's workspace (another workspace's is not found), or not yet
     committed."""
@@ -145,7 +175,7 @@ class StreamReader:
     def follow(self, after: int = -1, *, offset: int = 0, timeout: float | None = None) -> Iterator[StreamItem]:
         """Every item past ``after`` (after skipping ``offset``), as it is written, until the run has
         finished and all are read (``timeout``: ``TimeoutError`` when it has not ended by then)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        pace = _Pace(f"stream {self.name!r} of run {self.run_id}", timeout)
         woken = threading.Event()
         cursor, skip = after, offset
         state, items = self.page(cursor, offset=skip)  # first: the run exists, and the engine has probed
@@ -153,28 +183,20 @@ class StreamReader:
         handle = listener.follow(self.run_id, woken.set) if listener is not None else None
         woken.set()  # read once more at once: what was written before the LISTEN took effect
         try:
-            pause = FIRST_POLL
             while True:
                 for item in items:
                     cursor = item.position
                     yield item
                 if items:
-                    skip, pause = 0, FIRST_POLL
+                    skip = 0
+                    pace.came()
                     if len(items) == BATCH:
                         woken.clear()
                         state, items = self.page(cursor)
                         continue
                 elif state in FINAL:
                     return
-                wait = FALLBACK if handle is not None and handle.listening else pause
-                if deadline is not None:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise TimeoutError(f"stream {self.name!r} of run {self.run_id}: not ended after {timeout}s")
-                    wait = min(wait, left)
-                if not (handle is not None and handle.listening):
-                    pause = min(pause * 1.5, MAX_POLL)
-                woken.wait(wait)
+                woken.wait(pace.wait(handle is not None and handle.listening))
                 woken.clear()
                 state, items = self.page(cursor, offset=skip)
         finally:
@@ -189,7 +211,7 @@ class StreamReader:
         """``follow`` for asyncio code: reads in a thread, waits on the loop (never blocking it)."""
         loop = asyncio.get_running_loop()
         woken = asyncio.Event()
-        deadline = None if timeout is None else time.monotonic() + timeout
+        pace = _Pace(f"stream {self.name!r} of run {self.run_id}", timeout)
         cursor, skip = after, offset
         state, items = await asyncio.to_thread(self.page, cursor, offset=skip)
         listener = await asyncio.to_thread(self.engine.listener)
@@ -200,27 +222,20 @@ class StreamReader:
         handle = await asyncio.to_thread(listener.follow, self.run_id, wake) if listener is not None else None
         woken.set()  # read once more at once: what was written before the LISTEN took effect
         try:
-            pause = FIRST_POLL
             while True:
                 for item in items:
                     cursor = item.position
                     yield item
                 if items:
-                    skip, pause = 0, FIRST_POLL
+                    skip = 0
+                    pace.came()
                     if len(items) == BATCH:
                         woken.clear()
                         state, items = await asyncio.to_thread(self.page, cursor)
                         continue
                 elif state in FINAL:
                     return
-                wait = FALLBACK if handle is not None and handle.listening else pause
-                if deadline is not None:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise TimeoutError(f"stream {self.name!r} of run {self.run_id}: not ended after {timeout}s")
-                    wait = min(wait, left)
-                if not (handle is not None and handle.listening):
-                    pause = min(pause * 1.5, MAX_POLL)
+                wait = pace.wait(handle is not None and handle.listening)  # its TimeoutError is the caller's
                 try:
                     await asyncio.wait_for(woken.wait(), wait)
                 except asyncio.TimeoutError:

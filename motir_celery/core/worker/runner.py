@@ -5,8 +5,9 @@ attempt starts or ends. One pooled connection, in autocommit, for the attempt:
 the claim, each step record and the settle are one statement and one commit.
 
 How an attempt ends: ``LostClaim`` / ``RunCancelled`` (a fenced write was
-refused: write nothing more); ``NonRetriableError``, ``StepOutputError`` or an
-unknown job → failed + DLQ now; ``RateLimited`` → deferred, no attempt charged;
+refused: write nothing more); ``NonRetriableError``, ``StepOutputError``, an
+unknown job, or a claim whose data cannot be decoded (nested deeper than Python's
+json reads) → failed + DLQ now; ``RateLimited`` → deferred, no attempt charged;
 ``RetryAfterError`` → its delay (``RetryRequested``, a Celery task's own retry: whatever attempts are
 left, its message the task's); anything else → the retry policy, then the DLQ.
 Nothing a handler raises or returns can make the settle fail: errors are made
@@ -105,7 +106,12 @@ def _execute(engine: Engine, run_uuid: uuid.UUID, job_id: str, worker: str) -> O
         # Held from before the claim, under the token the claim then stores: the lease is
         # renewed from the claim's commit on, whatever else holds this process's GIL.
         with engine.leases.hold(run_uuid, job_id) as token:
-            claim = claim_run(engine, conn, run_uuid, job_id=job_id, worker=worker, token=token)
+            try:
+                claim = claim_run(engine, conn, run_uuid, job_id=job_id, worker=worker, token=token)
+            except RecursionError as exc:
+                # Its data (or a step's output) is nested deeper than Python's json decodes: every
+                # attempt would fail here, each to its lease. Failed now, with the reason.
+                return _undecodable(conn, run_uuid, job_id, token, exc)
             if claim is None:
                 # Duplicate or stale delivery, a run not due yet, or a forged id: ack and do nothing.
                 log.debug("run %s of %s not claimable (duplicate, stale, not due or unknown)", run_uuid, job_id)
@@ -131,6 +137,17 @@ def _hand_on(engine: Engine, claim: records.Claim) -> None:
         engine.admission.dispatch(limit=1)
     except Exception:  # noqa: BLE001 — the sweep dispatches what this could not
         log.warning("run %s: could not hand its admission slot on", claim.run_id, exc_info=True)
+
+
+def _undecodable(conn: PooledConnection, run_uuid: uuid.UUID, job_id: str, token: uuid.UUID,
+                 exc: RecursionError) -> Outcome:
+    """A run whose claim could not be decoded: failed into the DLQ at once (its data stays in job_event)."""
+    reason = NonRetriableError(f"the run's data cannot be decoded here: it is nested too deeply ({exc})")
+    dlq_id = worker_sql.fail_undecodable(conn, run_uuid, job_id, token, storable_error(reason))
+    if dlq_id is None:
+        return Outcome(str(run_uuid), "skipped", "not claimable")
+    log.error("run %s of %s failed at its claim: %s; DLQ entry %s", run_uuid, job_id, reason, dlq_id)
+    return Outcome(str(run_uuid), "failed", str(dlq_id), error=reason)
 
 
 def _attempt(engine: Engine, claim: records.Claim, conn: PooledConnection) -> Outcome:

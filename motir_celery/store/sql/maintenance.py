@@ -1,4 +1,4 @@
-"""Maintenance: the sweeper's statements (expired leases, lost messages, the fleet's sweep slot, the stats rollup's fold) and retention's.
+"""Maintenance: the sweeper's statements (expired leases, lost messages, the fleet's sweep slot, the stats rollup's fold), retention's, and the job registry's.
 
 What makes "nothing is lost" true when processes and brokers fail (core/worker/sweeper.py),
 and what ``motir purge`` deletes (ops/purge.py). Any number of sweepers or purges may run:
@@ -398,3 +398,28 @@ def purge_kept(conn: Conn, *, age: float) -> int:
     row = first(conn, PURGE_KEPT, {"age": age})
     assert row is not None
     return int(row["n"])
+
+
+# --- the job registry (core/worker/registry.py; migration 0020) ------------------------------
+
+REGISTER_JOBS = Statement(
+    "register_jobs",
+    "A worker's jobs at its start-up, written into the fleet's registry the checked functions check job ids against.",
+    """
+    INSERT INTO job_registry AS r (job_id, kind, events, registered_by)
+    SELECT j.job_id, j.kind, j.events, %(worker)s
+    FROM jsonb_to_recordset(CAST(%(jobs)s AS jsonb)) AS j(job_id text, kind text, events text[])
+    ORDER BY j.job_id                      -- one order for every worker: two start-ups never deadlock
+    -- A job already there (another worker, an earlier start) takes this worker's definition:
+    -- the registry is the union of the fleet's jobs, each as it was last started.
+    ON CONFLICT (job_id) DO UPDATE
+      SET kind = EXCLUDED.kind, events = EXCLUDED.events, registered_at = now(),
+          registered_by = EXCLUDED.registered_by
+    RETURNING r.job_id
+    """,
+)
+
+
+def register_jobs(conn: Conn, jobs_json: str, worker: str) -> int:
+    """Write ``jobs_json`` (``[{job_id, kind, events}]``) into the registry; how many rows it wrote."""
+    return len(rows(conn, REGISTER_JOBS, {"jobs": jobs_json, "worker": worker}))

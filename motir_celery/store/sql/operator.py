@@ -131,6 +131,40 @@ def cancel(conn: Conn, run_id: uuid.UUID) -> bool:
     return bool(row and row["cancelled"])
 
 
+CANCEL_WORKSPACE = Statement(
+    "cancel_workspace",
+    "Offboarding: cancel every queued (sleeping, waiting) and running run of one workspace, or of one job in it, audited.",
+    """
+    WITH target AS (
+      SELECT id, state FROM job_queue
+      WHERE workspace_id = %(workspace)s            -- the workspace offboarded (a tenant's: never the system's)
+        AND state IN ('queued', 'running')          -- pending (queued, sleeping, waiting) or running; a finished run stays
+        AND (CAST(%(job)s AS text) IS NULL OR job_id = %(job)s)   -- --job: one job of it
+      FOR UPDATE                                    -- a claim or settle racing this one waits, then finds it cancelled
+    ), cancelled AS (
+      UPDATE job_queue q
+      SET state = 'cancelled', finished_at = now(), claim_token = NULL, lease_expires_at = NULL,
+          wait_event = NULL, cancelled_by = %(actor)s, cancel_reason = %(reason)s
+      FROM target t WHERE q.id = t.id
+      RETURNING q.id, t.state AS was
+    ), ledger AS (
+      UPDATE job_run r SET outcome = 'cancelled', finished_at = now()
+      FROM cancelled c WHERE r.run_id = c.id AND r.outcome = 'running'
+    )
+    SELECT id, was FROM cancelled
+    """,
+    prepare=False,   # an optional predicate: planned for each call's filter (driver.Statement)
+)
+
+
+def cancel_workspace(conn: Conn, workspace: str, job: str | None, actor: str,
+                     reason: str) -> list[dict[str, Any]]:
+    """Cancel the workspace's queued and running runs (of ``job`` only, when given), recording ``actor``
+    and ``reason`` on each: ``[{id, was}]``, ``was`` the state it had. A running one stops at its next
+    step boundary (its token cleared); a sleeping or waiting one is never woken."""
+    return rows(conn, CANCEL_WORKSPACE, {"workspace": workspace, "job": job, "actor": actor, "reason": reason})
+
+
 # --- resume ----------------------------------------------------------------------------
 
 RESUME = Statement(
@@ -335,3 +369,89 @@ ROLLBACK_CANCEL = Statement(
 def rollback_cancel(conn: Conn, run_id: uuid.UUID, task_id: str) -> bool:
     """Cancel ``run_id`` if it is still queued (True), its work re-sent as Celery task ``task_id``."""
     return first(conn, ROLLBACK_CANCEL, {"run_id": run_id, "task_id": task_id}) is not None
+
+
+# --- a workspace's export and erase (offboarding; core/operator/offboard.py) ------------------
+
+#: Every table that carries a workspace's rows (each has workspace_id and its RLS policy).
+WORKSPACE_TABLES = ("job_event", "job_queue", "job_step", "job_run", "job_run_dlq", "job_batch_item",
+                    "job_progress", "job_stream_item", "job_stats_rollup")
+
+WORKSPACE_ROWS = Statement(
+    "workspace_rows",
+    "How many rows of one workspace each table holds (offboarding's completeness check).",
+    "SELECT " + ", ".join(f"(SELECT count(*) FROM {t} WHERE workspace_id = %(workspace)s) AS {t}"   # each: its workspace's
+                          for t in WORKSPACE_TABLES),
+)
+
+
+def workspace_rows(conn: Conn, workspace: str) -> dict[str, int]:
+    row = first(conn, WORKSPACE_ROWS, {"workspace": workspace})
+    assert row is not None
+    return {t: int(row[t]) for t in WORKSPACE_TABLES}
+
+
+EXPORT_WORKSPACE = Statement(
+    "export_workspace",
+    "Every row of one workspace, table by table, each as its JSON text (never decoded: data nested too deeply exports too).",
+    "\nUNION ALL\n".join(f"SELECT '{t}' AS tbl, CAST(to_jsonb(x) AS text) AS row FROM {t} x "
+                          "WHERE x.workspace_id = %(workspace)s"                                   # the workspace's rows only
+                          for t in WORKSPACE_TABLES),
+    prepare=False,   # one call per offboarding
+)
+
+
+def export_workspace(conn: Conn, workspace: str) -> list[dict[str, Any]]:
+    """``[{tbl, row}]``: every row of ``workspace``, ``row`` its JSON text."""
+    return rows(conn, EXPORT_WORKSPACE, {"workspace": workspace})
+
+
+WORKSPACE_ACTIVE = Statement(
+    "workspace_active",
+    "How many queued or running runs a workspace has (an erase refuses while there is one).",
+    """
+    SELECT count(*) AS n FROM job_queue
+    WHERE workspace_id = %(workspace)s AND state IN ('queued', 'running')   -- cancel them first (cancel_workspace)
+    """,
+)
+
+
+def workspace_active(conn: Conn, workspace: str) -> int:
+    row = first(conn, WORKSPACE_ACTIVE, {"workspace": workspace})
+    return int(row["n"]) if row else 0
+
+
+# The erase, in this order in one transaction: the DLQ rows (they only SET NULL on a run's delete),
+# the runs (their steps, attempts, batch items, progress and stream items go with them: ON DELETE
+# CASCADE), the events (RESTRICT: no run may still name one), the stats rollup.
+ERASE_DLQ = Statement(
+    "erase_dlq",
+    "Erase: one workspace's DLQ entries.",
+    "DELETE FROM job_run_dlq WHERE workspace_id = %(workspace)s RETURNING id",   # the workspace's only
+)
+ERASE_RUNS = Statement(
+    "erase_runs",
+    "Erase: one workspace's runs, none queued or running (their steps, attempts, items and progress cascade).",
+    """
+    DELETE FROM job_queue
+    WHERE workspace_id = %(workspace)s                 -- the workspace's only
+      AND state NOT IN ('queued', 'running')           -- a run started meanwhile stays: the erase is then incomplete
+    RETURNING id
+    """,
+)
+ERASE_EVENTS = Statement(
+    "erase_events",
+    "Erase: one workspace's events (after its runs: a run still naming one refuses the erase).",
+    "DELETE FROM job_event WHERE workspace_id = %(workspace)s RETURNING id",   # the workspace's only
+)
+ERASE_ROLLUP = Statement(
+    "erase_rollup",
+    "Erase: one workspace's rows of the stats rollup.",
+    "DELETE FROM job_stats_rollup WHERE workspace_id = %(workspace)s RETURNING id",   # the workspace's only
+)
+
+
+def erase_workspace(conn: Conn, workspace: str) -> None:
+    """Delete ``workspace``'s rows from every table, in the caller's transaction (see the comment above)."""
+    for statement in (ERASE_DLQ, ERASE_RUNS, ERASE_EVENTS, ERASE_ROLLUP):
+        rows(conn, statement, {"workspace": workspace})

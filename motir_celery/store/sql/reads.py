@@ -372,18 +372,22 @@ def dlq_open(conn: Conn) -> int:
 
 DLQ_BY_JOB = Statement(
     "dlq_by_job",
-    "Per job, the open DLQ entries and those replayed within the window.",
+    "Per job, the open DLQ entries and those replayed within the window (of one workspace, or every one the caller sees).",
     """
     SELECT function_id AS job_id,
            count(*) FILTER (WHERE replayed_at IS NULL AND dismissed_at IS NULL AND resumed_at IS NULL) AS open,
            count(*) FILTER (WHERE replayed_at >= now() - make_interval(secs => %(window)s)) AS replays
-    FROM job_run_dlq GROUP BY function_id
+    FROM job_run_dlq
+    -- an admin's --workspace / ?workspace=: that workspace's entries only, as the runs it is shown with
+    WHERE (CAST(%(workspace)s AS text) IS NULL OR workspace_id = %(workspace)s)
+    GROUP BY function_id
     """,
+    prepare=False,   # an optional predicate: planned for each call's filter (driver.Statement)
 )
 
 
-def dlq_by_job(conn: Conn, *, window: float) -> list[dict[str, Any]]:
-    return rows(conn, DLQ_BY_JOB, {"window": window})
+def dlq_by_job(conn: Conn, *, window: float, workspace: str | None = None) -> list[dict[str, Any]]:
+    return rows(conn, DLQ_BY_JOB, {"window": window, "workspace": workspace})
 
 
 RUNS_RECENT = Statement(

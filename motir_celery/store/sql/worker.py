@@ -728,6 +728,46 @@ def settle_failed(conn: Conn, claim_: Claim, error_json: str) -> uuid.UUID | Non
     return None if row is None else row["id"]
 
 
+FAIL_UNDECODABLE = Statement(
+    "fail_undecodable",
+    "Fail a run whose claim could not be read (its data nested deeper than the worker decodes) into the DLQ at once.",
+    """
+    WITH failed AS (
+      UPDATE job_queue
+      SET state = 'failed', finished_at = now(), claim_token = NULL, lease_expires_at = NULL
+      WHERE id = %(run_id)s
+        AND job_id = %(job_id)s                                          -- the message's run, of its job
+        AND (((state = 'running') IS TRUE AND claim_token = %(token)s)   -- this attempt's claim committed, unread
+             -- or a claim made in a transaction (concurrency=, flow control) that the error rolled back:
+             -- queued and due, as the claim found it
+             OR ((state = 'queued') IS TRUE AND run_at <= now()))
+      RETURNING id, workspace_id, job_id, event_id, event_name, scheduled_for, attempts,
+                CAST(%(error)s AS jsonb) AS failure
+    ), ledger AS (
+      UPDATE job_run r SET outcome = 'failed', finished_at = now(), error = CAST(%(error)s AS jsonb)
+      FROM failed f WHERE r.run_id = f.id AND r.outcome = 'running'
+    ), dlq AS (
+      INSERT INTO job_run_dlq (run_id, workspace_id, function_id, event_id, event_name, event_data,
+                               idempotency_key, failure, attempts, first_failed_at)
+      -- Not the event's data: no reader of the DLQ could decode it either. It stays in job_event.
+      SELECT f.id, f.workspace_id, f.job_id, f.event_id, f.event_name,
+             jsonb_build_object('undecodable', 'the data of event ' || coalesce(f.event_id::text, '(none)')
+                                || ' is nested deeper than a worker decodes'),
+             e.idempotency_key, f.failure, f.attempts, now()
+      FROM failed f LEFT JOIN job_event e ON e.id = f.event_id
+      RETURNING id
+    )
+    SELECT id FROM dlq
+    """,
+)
+
+
+def fail_undecodable(conn: Conn, run_id: uuid.UUID, job_id: str, token: uuid.UUID, error_json: str) -> uuid.UUID | None:
+    """Fail the run whose claim could not be decoded, with its DLQ row; the DLQ id (None: not ours)."""
+    row = first(conn, FAIL_UNDECODABLE, {"run_id": run_id, "job_id": job_id, "token": token, "error": error_json})
+    return None if row is None else row["id"]
+
+
 # --- progress and streams (core/worker/streams.py) ------------------------------------------
 #
 # Advisory writes, each its own transaction on the attempt's connection, fenced like a step
