@@ -163,7 +163,7 @@ def _clean_tables(request: pytest.FixtureRequest) -> Iterator[None]:
             try:
                 with get_engine(motir_settings.Settings.from_env(), url).begin() as conn:
                     conn.execute(text(
-                        "TRUNCATE job_run_dlq, job_step, job_run, job_queue, job_event, job_stats_rollup, job_registry,"
+                        "TRUNCATE job_run_dlq, job_step, job_run, job_queue, job_event, job_stats_rollup, job_registry, job_quota, job_admission,"
                         " test.side_effect CASCADE;"
                         " UPDATE job_sweep SET swept_at = '-infinity', swept_by = NULL"  # the next sweep may run
                     ))

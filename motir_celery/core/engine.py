@@ -104,6 +104,7 @@ class Engine:
     def __init__(self, settings: Settings | None = None, *, host: Host | None = None,
                  host_factory: Callable[[Engine], Host] | None = None, faults: Faults | None = None,
                  tuning: Tuning | None = None) -> None:
+        from motir_celery.core.admission import Admission
         from motir_celery.core.worker.leases import LeaseKeeper
 
         self._settings = settings
@@ -113,6 +114,8 @@ class Engine:
         self.faults = faults
         self.tuning = tuning or Tuning()
         self.leases = LeaseKeeper(self)
+        #: Who goes next (core/admission.py): the gate every publish passes, and the dispatcher.
+        self.admission = Admission(self)
         #: How many runs this process runs at once (Celery's threads pool: its concurrency).
         self.runs_per_process = 1
         self._join: JoinTransaction | None = None
@@ -156,14 +159,30 @@ class Engine:
             self._host_factory = None
 
     def publish(self, run_id: uuid.UUID, job_id: str, countdown: float = 0.0) -> None:
-        """Hand a committed run to the broker (callers go through ``publish_or_log``)."""
-        self.host.publish(run_id, job_id, countdown)
+        """Hand a committed run to the broker (callers go through ``publish_or_log``) — unless
+        admission holds it in Postgres for its turn (core/admission.py)."""
+        if self.admission.admitted([(run_id, job_id)]):
+            self.host.publish(run_id, job_id, countdown)
+
+    def publish_many(self, runs: Sequence[tuple[uuid.UUID, str]]) -> None:
+        """Hand committed runs due now to the broker in one go, those admission admits."""
+        admitted = self.admission.admitted(runs)
+        if admitted:
+            self.host.publish_many(admitted)
 
     def routed(self, queue: str | None, priority: int | None) -> Publish:
         """The publish of one call's message with its own ``queue=`` / ``priority=`` (none: ``publish``)."""
         if queue is None and priority is None:
             return self.publish
-        return self.host.routed(queue, priority)
+        publish = self.host.routed(queue, priority)
+
+        def admitted_then_routed(run_id: uuid.UUID, job_id: str, countdown: float = 0.0) -> None:
+            # A held run loses its call's queue= / priority= message options: the dispatcher sends
+            # it as the sweeper does, routed by its job (its run's priority still orders the choice).
+            if self.admission.admitted([(run_id, job_id)]):
+                publish(run_id, job_id, countdown)
+
+        return admitted_then_routed
 
     def pool(self) -> Pool:
         """This process's engine-role connections (runs, producers, operator actions) — or, while a

@@ -1103,6 +1103,88 @@ def purge(older_than: str, batch_size: int, dry_run: bool, as_json: bool) -> Non
         click.echo(f"note: {note}")
 
 
+# --- quota ------------------------------------------------------------------------
+
+@main.group()
+def quota() -> None:
+    """Who goes next: the fleet's in-flight limit and each workspace's weight and cap (docs/fair-share.md)."""
+
+
+def _one_workspace(workspace: str | None, system: bool) -> str | None:
+    """WORKSPACE, or None for the system runs (``--system``); exactly one of them."""
+    if system == (workspace is not None):
+        raise click.UsageError("name one WORKSPACE, or give --system for the system runs")
+    return workspace
+
+
+@quota.command("show")
+@click.option("--workspace", default=None, help="One workspace only.")
+@click.option("--system", is_flag=True, help="The system runs' quota only.")
+@json_option
+def quota_show(workspace: str | None, system: bool, as_json: bool) -> None:
+    """The fleet's limit and load, and each workspace's quota with its runs in flight and held."""
+    import motir_celery
+    from motir_celery.core import admission
+
+    every = workspace is None and not system
+    fleet, rows = admission.quotas(motir_celery.current_engine(),
+                                   None if every else _one_workspace(workspace, system), every=every)
+    if as_json:
+        _print_json({"fleet": fleet, "workspaces": rows})
+        return
+    limit = fleet["fleet_limit"]
+    state = "off (every run is published at once)" if limit is None else f"on, {limit} in flight at most"
+    click.echo(f"admission: {state}; now {fleet['in_flight']} in flight, {fleet['held']} held")
+    click.echo(text_table(["workspace", "weight", "max running", "in flight", "held", "updated", "by"], [
+        ("(system)" if r["workspace_id"] is None else r["workspace_id"], r["weight"], r["max_running"] or "no cap",
+         r["in_flight"], r["held"], format_instant(r["updated_at"]), r["updated_by"]) for r in rows]))
+
+
+@quota.command("set")
+@click.argument("workspace", required=False)
+@click.option("--system", is_flag=True, help="The system runs' quota (instead of WORKSPACE).")
+@click.option("--weight", type=click.IntRange(1, 1000), default=None, help="Its share while others wait (default 1).")
+@click.option("--max-running", type=click.IntRange(1, None), default=None, help="At most this many in flight.")
+@click.option("--no-cap", is_flag=True, help="Remove its cap.")
+@click.option("--actor", required=True, help="Who changed it (recorded as updated_by).")
+def quota_set(workspace: str | None, system: bool, weight: int | None, max_running: int | None, no_cap: bool,
+              actor: str) -> None:
+    """Set WORKSPACE's weight and/or cap. Live: the dispatcher's next choice uses it."""
+    import motir_celery
+    from motir_celery.core import admission
+
+    ws = _one_workspace(workspace, system)
+    if no_cap and max_running is not None:
+        raise click.UsageError("give --max-running or --no-cap, not both")
+    if weight is None and max_running is None and not no_cap:
+        raise click.UsageError("nothing to set: give --weight, --max-running or --no-cap")
+    q = admission.set_quota(motir_celery.current_engine(), ws, weight=weight, max_running=max_running,
+                            clear_cap=no_cap, actor=_actor(actor))
+    cap = "no cap" if q.max_running is None else f"at most {q.max_running} in flight"
+    click.echo(f"{'(system)' if ws is None else ws}: weight {q.weight}, {cap} (by {q.updated_by})")
+
+
+@quota.command("admission")
+@click.option("--in-flight", "in_flight", type=click.IntRange(1, None), default=None,
+              help="Turn admission on (or change its limit): at most this many runs in flight, fleet-wide.")
+@click.option("--off", is_flag=True, help="Turn admission off: every held run is sent now.")
+@click.option("--actor", required=True, help="Who changed it (recorded as updated_by).")
+def quota_admission(in_flight: int | None, off: bool, actor: str) -> None:
+    """Turn admission on (or change the fleet's in-flight limit), or off."""
+    import motir_celery
+    from motir_celery.core import admission
+
+    if off == (in_flight is not None):
+        raise click.UsageError("give --in-flight N or --off")
+    engine = motir_celery.current_engine()
+    if off:
+        click.echo(f"admission off; {admission.turn_off(engine)} held run(s) sent")
+        return
+    admission.set_in_flight(engine, in_flight or 1, actor=_actor(actor))
+    click.echo(f"admission on: at most {in_flight} run(s) in flight (every process within "
+               f"{admission.OFF_RECHECK_SECONDS:g} s; held runs go at the next settle or sweep)")
+
+
 # --- dashboard -------------------------------------------------------------------
 
 

@@ -38,6 +38,8 @@ from motir_celery.store.sql import producer
 from motir_celery.store.sql import reads as sql
 
 __all__ = [
+    "QuotaStatus",
+    "quota_status",
     "RunSummary",
     "StepRow",
     "AttemptRow",
@@ -269,6 +271,19 @@ class EventRow:
     received_at: datetime
     data: Any
     runs: list[ChildRow] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class QuotaStatus:
+    """A workspace's quota and load as its own session sees them (docs/fair-share.md): its weight
+    (None: no row, weight 1), its cap (None: none), its runs in flight and running, and those held
+    for their turn."""
+
+    weight: int | None
+    max_running: int | None
+    in_flight: int
+    running: int
+    held: int
 
 
 @dataclass(frozen=True)
@@ -610,3 +625,10 @@ def queue_health(session: Session) -> QueueHealth:
     oldest = sql.oldest_due(conn)
     expired = sum(sql.expired_leases(conn).values())
     return QueueHealth(now=now, depth=depth, oldest_due=oldest, expired_leases=expired, dlq_open=sql.dlq_open(conn))
+
+
+def quota_status(session: Session, workspace_id: str) -> QuotaStatus:
+    """``workspace_id``'s quota and load; on a tenant's session RLS shows only its own rows."""
+    row = sql.quota_status(session.connection(), workspace_id)
+    return QuotaStatus(weight=row["weight"], max_running=row["max_running"], in_flight=int(row["in_flight"]),
+                       running=int(row["running"]), held=int(row["held"]))

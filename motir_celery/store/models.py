@@ -216,6 +216,29 @@ class JobQueue(Base):
             "run_at",
             postgresql_where=text("concurrency_key IS NOT NULL AND (state = 'queued') IS TRUE"),
         ),
+        # Admission (core/admission.py; migration 0021): the held runs — queued, no message sent
+        # (``dispatched_at = 'infinity'``) — of each workspace, most urgent then oldest first. The
+        # dispatcher walks the workspaces along its first column (one probe each, however deep the
+        # backlog) and reads each one's head. System runs (NULL) are the workspace ''; a real
+        # workspace id is never empty (store/db.py validate_workspace_id). Column list of its own.
+        Index(
+            "ix_job_queue_held",
+            text("coalesce(workspace_id, '')"),
+            text("priority DESC"),
+            "created_at",
+            postgresql_where=text("dispatched_at = 'infinity'::timestamptz AND (state = 'queued') IS TRUE"),
+        ),
+        # Admission: a workspace's runs in flight (queued with a message sent, or running), counted
+        # against its cap and its weight as ``dispatched_at <= now()`` — a range that stops before
+        # its held runs ('infinity') and its sleepers (a future instant). Column list of its own.
+        # State written ``(state IN (...)) IS TRUE``, as the counts write it: a lookup of one run by
+        # id checking ``state IN ('queued', 'running')`` (cancel, revoke) must not prove it.
+        Index(
+            "ix_job_queue_in_flight",
+            text("coalesce(workspace_id, '')"),
+            "dispatched_at",
+            postgresql_where=text("(state IN ('queued', 'running')) IS TRUE"),
+        ),
         # step.wait_for_event: send_event wakes the runs waiting for its event
         # name; only waiting runs are indexed.
         Index("ix_job_queue_waiting", "wait_event", postgresql_where=text("wait_event IS NOT NULL")),
@@ -315,9 +338,10 @@ class JobQueue(Base):
     # under uq_job_queue_skip_overlap_active. False for everything else.
     skip_overlap: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
     state: Mapped[str] = mapped_column(Text, server_default="queued")
-    # 0 (default) to 9, higher is more urgent: the order in which a freed
-    # concurrency slot or the sweeper picks queued runs, and the Celery message
-    # priority where the broker supports it.
+    # 0 (default) to 9, higher is more urgent — one direction everywhere: the order in which
+    # the dispatcher admits held runs (before any fair share: core/admission.py), a freed
+    # concurrency slot or the sweeper picks queued runs, and the Celery message priority where
+    # the broker supports it. Seed 003's opposite convention (ascending) is not used here.
     priority: Mapped[int] = mapped_column(SmallInteger, server_default="0")
     # Computed from the triggering event at fan-out (define_job's
     # singleton_key= / concurrency= / cancel_on=), NULL when the job has none.
@@ -657,10 +681,52 @@ class JobStatsRollup(Base):
     updated_at: Mapped[datetime] = mapped_column(TZ, server_default=NOW)
 
 
+class JobQuota(Base):
+    """A workspace's share and cap (core/admission.py; migration 0021), changed live by an operator
+    (``motir quota set``) and read by the next choice of the dispatcher. No row: weight 1, no cap.
+
+    Row-level security as on the run tables: a tenant reads its own row (what its dashboard shows),
+    only the engine role writes. ``workspace_id`` NULL is the system runs' row."""
+
+    __tablename__ = "job_quota"
+    __table_args__ = (
+        # One row per workspace, and the dispatcher's lookup by its key (system runs: '', as in
+        # ix_job_queue_held, so the join is an equality on the same expression).
+        Index("uq_job_quota_workspace", text("coalesce(workspace_id, '')"), unique=True),
+        CheckConstraint("weight BETWEEN 1 AND 1000", name="weight"),
+        CheckConstraint("max_running >= 1", name="max_running"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(always=True), primary_key=True)
+    workspace_id: Mapped[str | None] = mapped_column(Text)
+    # Its share of the fleet's in-flight runs while others wait: the dispatcher gives the next
+    # slot to the workspace with the fewest runs in flight per unit of weight.
+    weight: Mapped[int] = mapped_column(Integer, server_default="1")
+    # At most this many of its runs in flight (a message sent, or running); NULL: no cap.
+    max_running: Mapped[int | None] = mapped_column(Integer)
+    updated_at: Mapped[datetime] = mapped_column(TZ, server_default=NOW)
+    updated_by: Mapped[str | None] = mapped_column(Text)
+
+
+class JobAdmission(Base):
+    """The fleet's in-flight limit (core/admission.py; migration 0021): one row, ``'fleet'``. No row:
+    admission is off and every run is published at once (the behaviour before 0021)."""
+
+    __tablename__ = "job_admission"
+    __table_args__ = (CheckConstraint("max_in_flight >= 1", name="max_in_flight"),)
+
+    name: Mapped[str] = mapped_column(Text, primary_key=True)
+    # Runs with a message sent or running, fleet-wide; past it new runs are held in Postgres.
+    max_in_flight: Mapped[int] = mapped_column(Integer)
+    updated_at: Mapped[datetime] = mapped_column(TZ, server_default=NOW)
+    updated_by: Mapped[str | None] = mapped_column(Text)
+
+
 from motir_celery.store import rls as _rls  # noqa: E402  (policies sit beside the tables they guard)
 
 _rls.declare_workspace_policies(Base.metadata, ["job_event", "job_queue", "job_step", "job_run", "job_run_dlq",
                                                 "job_batch_item", "job_stats_rollup", "job_progress",
-                                                "job_stream_item"])
+                                                "job_stream_item", "job_quota"])
 _rls.declare_engine_only(Base.metadata, "job_sweep", ("SELECT", "UPDATE"))
+_rls.declare_engine_only(Base.metadata, "job_admission", ("SELECT", "INSERT", "UPDATE", "DELETE"))
 _rls.declare_engine_only(Base.metadata, "job_registry", ("SELECT", "INSERT", "UPDATE"))

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-__all__ = ["RunSpec", "Queued", "AlreadyQueued", "OverlapSkipped", "Gathered", "Claim", "DURATION_BOUNDS_MS"]
+__all__ = ["RunSpec", "Queued", "AlreadyQueued", "OverlapSkipped", "Gathered", "Claim", "Admitted", "Chosen", "Quota",
+           "DURATION_BOUNDS_MS"]
 
 #: The upper bounds (milliseconds) of the stats rollup's duration histogram (job_stats_rollup.
 #: duration_buckets holds one count per bound, then one for everything longer). Fixed: the counts
@@ -85,3 +86,38 @@ class Claim:
     db_now: datetime | None = None
     concurrency_key: str | None = None
     traceparent: str | None = None
+
+
+# --- admission (core/admission.py) ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """The gate's decision on one run about to be published: ``admitted`` (publish it now) or held;
+    ``room``: free slots the fleet's limit had left when it decided."""
+
+    run_id: uuid.UUID
+    job_id: str
+    admitted: bool
+    room: int
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """The run the dispatcher chose and marked sent: publish it after commit."""
+
+    run_id: uuid.UUID
+    job_id: str
+    workspace_id: str | None
+    priority: int
+
+
+@dataclass(frozen=True)
+class Quota:
+    """One workspace's weight and cap (job_quota), as an operator wrote them."""
+
+    workspace_id: str | None
+    weight: int
+    max_running: int | None
+    updated_at: datetime
+    updated_by: str | None

@@ -58,17 +58,6 @@ TIMELIMIT = FINDING.replace(b'{"task":["motir.x"],"id":"1"}',
 
 
 @pytest.fixture
-def queue(broker_url: str) -> Iterator[str]:
-    """The session's queue on Redis, it and its malformed list emptied before and after."""
-    name = os.environ["MOTIR_QUEUE"]
-    client = redis.Redis.from_url(broker_url)
-    client.delete(name, name + MALFORMED_SUFFIX)
-    yield name
-    client.delete(name, name + MALFORMED_SUFFIX)
-    client.close()
-
-
-@pytest.fixture
 def client(broker_url: str) -> Iterator[redis.Redis]:
     c = redis.Redis.from_url(broker_url)
     yield c

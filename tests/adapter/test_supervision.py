@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -42,17 +42,6 @@ from tests.conftest import ROOT, celery_worker, count_effects, run_state, wait_f
 
 UNITS = ROOT / "docs" / "systemd"
 CELERY = Path(sys.executable).with_name("celery")
-
-
-@pytest.fixture
-def queue(broker_url: str) -> Iterator[str]:
-    """The session's queue, its list of moved-aside items emptied before and after."""
-    name = os.environ["MOTIR_QUEUE"]
-    client = redis.Redis.from_url(broker_url)
-    client.delete(name + MALFORMED_SUFFIX)
-    yield name
-    client.delete(name + MALFORMED_SUFFIX)
-    client.close()
 
 
 def _succeeded(engine: Any, run_id: object, timeout: float = 30.0) -> bool:

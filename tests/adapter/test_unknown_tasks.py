@@ -11,12 +11,10 @@ Real ``celery -A motir_celery worker`` processes on Redis (adapter/unknown.py):
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-import pytest
 import redis
 from celery import Celery
 from sqlalchemy import text
@@ -27,17 +25,6 @@ from tests.conftest import celery_worker, wait_for
 #: How long a run's message may go unanswered before the sweeper sends it again (the workers' setting here).
 REPUBLISH_AFTER = 3.0
 SWEEP_INTERVAL = 1.0
-
-
-@pytest.fixture
-def queue(broker_url: str) -> Iterator[str]:
-    """The session's queue on Redis, it and its malformed list emptied before and after."""
-    name = os.environ["MOTIR_QUEUE"]
-    client = redis.Redis.from_url(broker_url)
-    client.delete(name, name + MALFORMED_SUFFIX)
-    yield name
-    client.delete(name, name + MALFORMED_SUFFIX)
-    client.close()
 
 
 def _dlq(engine: Any, run_id: object) -> Any:

@@ -823,6 +823,86 @@ def tenancy(base: Base, *, runs: int = 600, readers: int = 3, workers: int = 3, 
                              notes, problems)
 
 
+# --- 12. who goes next: admission on, across three workspaces ------------------------------
+
+
+def fair_share(base: Base, *, runs: int = 600, workers: int = 3, rate: float = 20.0, copies: int = 2,
+               kill_every: tuple[float, float] = (3.0, 5.0), fault_window: float = 40.0, limit: int = 10,
+               cap: int = 2, restart_every: tuple[float, float] | None = None) -> Result:
+    """Admission on (core/admission.py): the fleet's in-flight limit ``limit``, ws-a weight 3, ws-b
+    weight 1, ws-c capped at ``cap``; every message published ``copies`` times, a random worker
+    SIGKILLed every few seconds and, with ``restart_every``, Redis (no persistence: the messages in
+    it are lost) restarted that often. Every invariant of the other scenarios holds, no run is left
+    held, and ws-c never has more than ``cap`` runs running (sampled every 10 ms)."""
+    name = "12-fair-share"
+    reset_tables(base.database_url)
+    redis = _redis(base, name)
+    env = _env(base, name, redis.url)
+    with env.engine().begin() as conn:
+        conn.execute(text("TRUNCATE job_quota, job_admission"))
+        conn.execute(text("INSERT INTO job_admission (name, max_in_flight) VALUES ('fleet', :n)"), {"n": limit})
+        conn.execute(text("INSERT INTO job_quota (workspace_id, weight, max_running) "
+                          "VALUES ('ws-a', 3, NULL), ('ws-b', 1, NULL), ('ws-c', 1, :cap)"), {"cap": cap})
+    peak = {"ws-c": 0, "held": 0}
+    stop = threading.Event()
+
+    def sample() -> None:
+        eng = env.engine()
+        while not stop.is_set():
+            with eng.connect() as conn:
+                n, held_now = conn.execute(text(
+                    "SELECT count(*) FILTER (WHERE workspace_id = 'ws-c' AND state = 'running'), "
+                    "count(*) FILTER (WHERE dispatched_at = 'infinity' AND state = 'queued') "
+                    "FROM job_queue WHERE state IN ('queued', 'running')")).one()
+            peak["ws-c"] = max(peak["ws-c"], int(n))
+            peak["held"] = max(peak["held"], int(held_now))
+            time.sleep(0.01)
+
+    sampler = threading.Thread(target=sample, daemon=True, name="cap-sampler")
+    t0 = time.monotonic()
+    try:
+        with Cluster(env) as cluster:
+            _start_workers(cluster, workers)
+            sampler.start()
+            feeder = Feeder(env, "chaos.work", runs // 2, rate, copies=copies, data=_work())
+            killer = Injector(kill_and_replace(cluster, signal.SIGKILL), kill_every, "sigkill")
+            injectors = [killer]
+            if restart_every:
+                def restart() -> str:
+                    redis.restart(down_for=2.0)
+                    cluster.supervise()  # a worker that died in its broker client is replaced
+                    return "redis restart"
+                injectors.append(Injector(restart, restart_every, "redis"))
+            _, settle = _feed_with_faults(feeder, injectors, env, expected=runs, fault_window=fault_window,
+                                          settle_timeout=180)
+            restarts = len(injectors[1].done) if restart_every else 0
+            c = check(env, subscribers=SUBSCRIBERS, expected_runs=runs)
+            with env.engine().connect() as conn:
+                held = conn.execute(text("SELECT count(*) FROM job_queue WHERE dispatched_at = 'infinity'")).scalar_one()
+            notes = _feeder_notes(feeder) + _sweeper_notes(cluster) + [
+                f"admission on: at most {limit} in flight; ws-a weight 3, ws-b 1, ws-c capped at {cap} "
+                f"(peak running {peak['ws-c']}); up to {peak['held']} runs held at once; every message the "
+                f"producer published, {copies}x; {workers} workers x 2; "
+                f"settled {settle:.0f} s after the last fault"]
+            problems = _feeder_problems(feeder)
+            if peak["ws-c"] > cap:
+                problems.append(f"ws-c had {peak['ws-c']} runs running at once, over its cap of {cap}")
+            if held:
+                problems.append(f"{held} runs still held by admission after everything settled")
+            if not peak["held"]:
+                problems.append("no run was ever held: the scenario did not exercise admission")
+    finally:
+        stop.set()
+        redis.close()
+        with env.engine().begin() as conn:
+            conn.execute(text("TRUNCATE job_quota, job_admission"))
+    return Result.from_check("12", f"admission on across 3 workspaces + SIGKILL + every message {copies}x"
+                             + (" + Redis restarts" if restart_every else ""), c,
+                             f"{len(killer.done)} SIGKILL, the producer's messages {copies}x"
+                             + (f", {restarts} Redis restarts" if restart_every else ""),
+                             time.monotonic() - t0, notes, problems)
+
+
 ALL: dict[str, Callable[..., Result]] = {
     "sigkill": sigkill,
     "sigterm": sigterm,
@@ -835,6 +915,7 @@ ALL: dict[str, Callable[..., Result]] = {
     "clock": clock,
     "bad_input": bad_input,
     "tenancy": tenancy,
+    "fair_share": fair_share,
 }
 
 __all__ = ["Base", "ALL", "SUBSCRIBERS", "WORKSPACES"]

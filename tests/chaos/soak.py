@@ -40,6 +40,8 @@ FULL: list[tuple[str, dict[str, Any]]] = [
     ("clock", {"runs": 200, "workers": 3, "rate": 10.0, "kill_every": (3.0, 5.0), "fault_window": 40.0}),
     ("bad_input", {"runs": 200, "workers": 2, "rate": 20.0}),
     ("tenancy", {"runs": 600, "readers": 3, "workers": 3, "rate": 20.0}),
+    ("fair_share", {"runs": 600, "workers": 3, "rate": 40.0, "kill_every": (3.0, 5.0), "fault_window": 40.0,
+                    "limit": 6, "restart_every": (12.0, 16.0)}),
 ]
 DOC = ROOT / "docs" / "reliability.md"
 #: The soak's block of docs/reliability.md: the text outside it is written by hand.

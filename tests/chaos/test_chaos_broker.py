@@ -31,12 +31,13 @@ def test_redis_restart_without_persistence_loses_no_run(chaos: Base) -> None:
     assert result.runs == 100 and result.succeeded == 100
 
 
-def test_an_app_built_from_settings_publishes_to_their_broker_not_the_environment_s(tmp_path: Path,
-                                                                                     monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_an_app_built_from_settings_publishes_to_their_broker_not_the_environment_s(
+        tmp_path: Path, database_url: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     ours = PrivateRedis(tmp_path / "redis").start()
     try:
         monkeypatch.setenv("CELERY_BROKER_URL", "redis://127.0.0.1:1/0")  # nothing listens there
-        settings = Settings(broker_url=ours.url, queue=f"chaos-{uuid.uuid4().hex[:6]}")
+        # The database too: a publish asks admission first (no job_admission row: sent at once).
+        settings = Settings(database_url=database_url, broker_url=ours.url, queue=f"chaos-{uuid.uuid4().hex[:6]}")
         engine_of(create_app(settings)).publish(uuid.uuid4(), "chaos.work", 0.0)
         assert redis.Redis.from_url(ours.url).llen(settings.queue) == 1
     finally:

@@ -279,6 +279,19 @@ def test_metrics_answer_with_motir_up_0_when_the_database_is_down(database_url: 
     assert app.get("/healthz").text == "ok"
 
 
+def test_a_workspaces_health_page_says_where_it_stands_in_admission(client: TestClient, engine: Any) -> None:
+    """Its own quota and load, read under RLS: ws-a's cap and its held runs, never ws-b's."""
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO job_quota (workspace_id, weight, max_running) VALUES ('ws-a', 3, 10), "
+                          "('ws-b', 7, 99)"))
+        conn.execute(text(
+            "INSERT INTO job_queue (job_id, event_name, workspace_id, max_attempts, retry_policy, dispatched_at) "
+            "SELECT 'job.a', 'e', 'ws-a', 3, 'transient', 'infinity' FROM generate_series(1, 312)"))
+    page = client.get("/health", headers=ALICE).text
+    assert "0 of 10 in flight (0 running)" in page and "312 queued, waiting for their turn; weight 3" in page
+    bob = client.get("/health", headers=BOB).text
+    assert "0 of 99 in flight" in bob and "0 queued, waiting" in bob and "weight 7" in bob
+
 # --- offboarding (issue 47) -----------------------------------------------------------------------
 
 

@@ -30,7 +30,7 @@ from motir_celery.store.db import set_workspace_context, workspace_session
 from motir_celery.store.rls import ADMIN_ROLE, APP_ROLE, ENGINE_ROLE
 
 RLS_TABLES = ("job_event", "job_queue", "job_step", "job_run", "job_run_dlq", "job_batch_item", "job_stats_rollup",
-              "job_progress", "job_stream_item")
+              "job_progress", "job_stream_item", "job_quota")
 #: What the app role writes, it writes through the checked functions (migration 0008), never by INSERT.
 CHECKED_WRITES = ("job_event", "job_queue")
 A, B = "ws-a", "ws-b"
@@ -109,6 +109,7 @@ def _seed_workspace(conn: Connection, ws: str | None) -> uuid.UUID:
                       "VALUES (:r, :ws, 'PROGRESS', '{\"done\": 1}'::jsonb, 1)"), params)
     conn.execute(text("INSERT INTO job_stream_item (run_id, stream, position, workspace_id, item, bytes, attempt) "
                       "VALUES (:r, 'tokens', 0, :ws, '\"hello\"'::jsonb, 7, 1)"), params)
+    conn.execute(text("INSERT INTO job_quota (workspace_id, weight, max_running) VALUES (:ws, 2, 3)"), params)
     return run_id
 
 
@@ -206,6 +207,8 @@ def _insert_one(s: object, table: str, ws: str | None, run_id: uuid.UUID) -> Non
                         "VALUES (:r, :ws, 'PROGRESS', 99) ON CONFLICT DO NOTHING",
         "job_stream_item": "INSERT INTO job_stream_item (run_id, stream, position, workspace_id, item, bytes, attempt) "
                            "VALUES (:r, :step, 0, :ws, '1'::jsonb, 1, 1)",
+        # a tenant never grants itself a bigger share: its quota is the operator's to write
+        "job_quota": "INSERT INTO job_quota (workspace_id, weight) VALUES (:ws, 1000)",
     }[table]
     s.execute(text(sql), params)  # type: ignore[attr-defined]
 

@@ -11,7 +11,7 @@ import re
 import threading
 import uuid
 from datetime import datetime, timezone
-from typing import Iterator
+from typing import Any, Iterator
 
 import psycopg.errors
 import pytest
@@ -474,6 +474,75 @@ def test_every_foreign_key_has_an_index_that_leads_with_its_column(engine: Engin
             " AND NOT EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.conrelid"
             "                 AND i.indkey[0] = c.conkey[1])")).scalars().all()
     assert unindexed == []
+
+
+# --- admission (migration 0021): the dispatcher's choice and the gate --------------------------
+
+
+def _held_backlog(conn: Connection, workspaces: int, per_workspace: int, *, tag: str) -> None:
+    """``per_workspace`` held runs (queued, no message: dispatched_at 'infinity') in each of
+    ``workspaces`` workspaces, priorities 0-2, plus two in flight each; then ANALYZE."""
+    conn.execute(text(
+        "INSERT INTO job_queue (job_id, event_name, workspace_id, max_attempts, retry_policy, priority, dispatched_at) "
+        "SELECT 'job.a', 'e', 'ws-' || (g % :w), 3, 'transient', g % 3, 'infinity' "
+        "FROM generate_series(1, :n) g"), {"w": workspaces, "n": workspaces * per_workspace})
+    if tag == "first":
+        conn.execute(text(
+            "INSERT INTO job_queue (job_id, event_name, workspace_id, max_attempts, retry_policy, state, attempts, "
+            "claim_token, lease_expires_at) SELECT 'job.a', 'e', 'ws-' || (g % :w), 3, 'transient', 'running', 1, "
+            "gen_random_uuid(), now() + interval '1 minute' FROM generate_series(1, 2 * :w) g"), {"w": workspaces})
+        conn.execute(text("INSERT INTO job_quota (workspace_id, weight, max_running) "
+                          "SELECT 'ws-' || g, 1 + g % 3, 5 FROM generate_series(0, :w - 1) g"), {"w": workspaces})
+    conn.execute(text("ANALYZE job_queue"))
+
+
+def _buffers(found: Any) -> int:
+    top = found["Plan"]
+    return int(top.get("Shared Hit Blocks", 0)) + int(top.get("Shared Read Blocks", 0))
+
+
+def test_the_dispatchers_choice_reads_its_indexes_and_does_not_grow_with_the_backlog(engine: Engine) -> None:
+    """100 workspaces with held runs: the choice walks the workspaces along ix_job_queue_held (one
+    probe each), counts each one's runs in flight along ix_job_queue_in_flight, never scans or sorts
+    the backlog — and the pages it reads stay the same from 10,000 held runs to 100,000."""
+    from motir_celery.store.sql.admission import CHOOSE_NEXT
+    with engine.connect() as conn, conn.begin() as tx:  # rolled back: the rows never leave this test
+        _held_backlog(conn, 100, 100, tag="first")
+        params = {"limit": 1000, "run_ids": []}
+        (shallow,) = plan(conn, CHOOSE_NEXT, params)
+        nodes = list(_plan_nodes(shallow))
+        read = {str(n["Index Name"]) for n in nodes if "Index Name" in n}
+        assert {"ix_job_queue_held", "ix_job_queue_in_flight"} <= read, read
+        assert not [n for n in nodes if n["Node Type"] == "Seq Scan" and n.get("Relation Name") == "job_queue"]
+        cost: dict[str, int] = {}
+        for depth, more in (("10k", 0), ("100k", 900)):
+            if more:
+                _held_backlog(conn, 100, more, tag="more")
+            conn.execute(text("SAVEPOINT choice"))
+            (found,) = plan(conn, CHOOSE_NEXT, params, analyze=True)   # it writes: undone below
+            conn.execute(text("ROLLBACK TO SAVEPOINT choice"))
+            cost[depth] = _buffers(found)
+        print("choose_next buffers", cost, "ms", found.get("Execution Time"))
+        assert cost["100k"] <= 1.2 * cost["10k"], cost
+        tx.rollback()
+
+
+def test_the_gate_reads_the_runs_by_id_and_the_fleet_through_its_ranges(engine: Engine) -> None:
+    """The gate before a publish: its runs by primary key, the fleet's running and sent runs
+    through ix_job_queue_leases and _stale (ranges that stop at the limit), the held check through
+    ix_job_queue_held — never a scan of the held backlog."""
+    from motir_celery.store.sql.admission import ADMIT
+    with engine.connect() as conn, conn.begin() as tx:  # rolled back: the rows never leave this test
+        _held_backlog(conn, 100, 100, tag="first")
+        fresh = conn.execute(text("INSERT INTO job_queue (job_id, event_name, workspace_id, max_attempts, "
+                                  "retry_policy) VALUES ('job.a', 'e', 'ws-7', 3, 'transient') RETURNING id"))
+        params = {"limit": 1000, "run_ids": [fresh.scalar_one()]}
+        (found,) = plan(conn, ADMIT, params)
+        nodes = list(_plan_nodes(found))
+        read = {str(n["Index Name"]) for n in nodes if "Index Name" in n}
+        assert {"pk_job_queue", "ix_job_queue_held", "ix_job_queue_in_flight"} <= read, read
+        assert not [n for n in nodes if n["Node Type"] == "Seq Scan" and n.get("Relation Name") == "job_queue"]
+        tx.rollback()
 
 
 # --- listings that stay fast (issue 47; migration 0020) ----------------------------------------

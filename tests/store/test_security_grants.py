@@ -102,12 +102,14 @@ def test_0001_is_frozen_and_0005_narrows_the_app_role_and_leaves_the_engine_alon
     # The previous release's workers lose nothing; the sweep slot (0007) is the engine's alone,
     # and the engine may read the schema version (motir doctor, with the workers' login).
     # 0012's tables (the stats rollup, a batch's events) and 0019's (progress, stream items): the
-    # engine writes, the app role reads.
-    later = ("job_batch_item", "job_stats_rollup", "job_progress", "job_stream_item")
+    # engine writes, the app role reads; 0021's quotas too (job_quota: an operator writes, each
+    # tenant reads its own row), and the fleet's in-flight limit (job_admission) is the engine's alone.
+    later = ("job_batch_item", "job_stats_rollup", "job_progress", "job_stream_item", "job_quota")
     # 0020's job registry: the engine's alone (the checked functions read it as their owner).
     assert after[rls.ENGINE_ROLE] == (full | {"job_sweep:SELECT", "job_sweep:UPDATE", "alembic_version:SELECT"}
                                       | {"job_registry:SELECT", "job_registry:INSERT", "job_registry:UPDATE"}
-                                      | {f"{t}:{p}" for t in later for p in ("SELECT", "INSERT", "UPDATE", "DELETE")})
+                                      | {f"{t}:{p}" for t in (*later, "job_admission")
+                                         for p in ("SELECT", "INSERT", "UPDATE", "DELETE")})
     assert after[rls.APP_ROLE] == ({f"{t}:SELECT" for t in (*tables, *later)}
                                    | {f"{t}:INSERT" for t in rls.APP_INSERTS})
     assert "pg_has_role" in next(iter(after["qual"])) and "motir_admin" in next(iter(after["qual"]))

@@ -127,6 +127,16 @@ def _execute(engine: Engine, run_uuid: uuid.UUID, job_id: str, worker: str) -> O
             finally:
                 if claim.concurrency_key is not None:
                     concurrency.free_slot(engine, claim)
+                _hand_on(engine, claim)
+
+
+def _hand_on(engine: Engine, claim: records.Claim) -> None:
+    """This attempt has ended: its run left the in-flight set (or is queued again, and counted
+    again), so admission may send the next held run (core/admission.py; nothing while it is off)."""
+    try:
+        engine.admission.dispatch(limit=1)
+    except Exception:  # noqa: BLE001 — the sweep dispatches what this could not
+        log.warning("run %s: could not hand its admission slot on", claim.run_id, exc_info=True)
 
 
 def _undecodable(conn: PooledConnection, run_uuid: uuid.UUID, job_id: str, token: uuid.UUID,

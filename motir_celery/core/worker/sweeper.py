@@ -13,7 +13,9 @@ Each sweep, in one transaction per half:
    batches. Each re-publish stamps ``dispatched_at``, so a deep but healthy
    backlog is re-sent at most once per ``republish_after``; the duplicates a
    re-publish may create are harmless, because the claim admits one.
-3. **The stats rollup** — runs finished since the last fold are added to
+3. **Admission** — with admission on (core/admission.py), the held runs whose turn came
+   while no attempt ended in this process (a cancel, a lost worker, a cap raised) are sent.
+4. **The stats rollup** — runs finished since the last fold are added to
    ``job_stats_rollup`` (``rollup.py``), in set-based batches, in the fleet's slot.
 
 Any number of sweepers may run: ``FOR UPDATE SKIP LOCKED`` splits the rows.
@@ -64,6 +66,8 @@ class SweepReport:
     swept: bool = True
     #: Finished runs folded into the stats rollup (rollup.py) by this sweep.
     folded: int = 0
+    #: Held runs admission sent because their turn came (core/admission.py).
+    dispatched: int = 0
 
 
 def sweep(engine: Engine, *, batch: int = 500, once_per_period: bool = False) -> SweepReport:
@@ -106,12 +110,18 @@ def sweep(engine: Engine, *, batch: int = 500, once_per_period: bool = False) ->
             # run. Every row was stamped, so the next re-publish pass takes them.
             log.warning("sweep: broker unavailable; %d runs left for the next pass", len(pending) - i)
             break
+    try:  # admission (core/admission.py): the held runs whose turn came while no attempt ended here
+        dispatched = engine.admission.dispatch()
+    except Exception:  # noqa: BLE001 — held runs stay held, committed; the next sweep sends them
+        log.warning("sweep: admission's dispatch failed; the next sweep sends the held runs", exc_info=True)
+        dispatched = 0
     try:  # third, once nothing is lost: the period's fold of finished runs into the stats rollup
         folded = rollup.fold(pool, batches=batches)
     except Exception:  # noqa: BLE001 — the next period folds them (nothing is marked until counted)
         log.warning("sweep: the stats rollup's fold failed; the next sweep folds those runs", exc_info=True)
         folded = 0
-    report = SweepReport(len(requeued), len(reclaimed) - len(requeued), len(lost), folded=folded)
-    if reclaimed or lost:
+    report = SweepReport(len(requeued), len(reclaimed) - len(requeued), len(lost), folded=folded,
+                         dispatched=dispatched)
+    if reclaimed or lost or dispatched:
         log.info("sweep: %s", report)
     return report

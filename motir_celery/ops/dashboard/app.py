@@ -432,12 +432,14 @@ class _Dashboard:
                            flakiest=charts.rate_bars(found.flakiest), sweep_interval=self.sweep_interval)
 
     async def health(self, request: Request, who: Identity) -> Response:
-        def load() -> tuple[reads.QueueHealth, reads.Freshness]:
+        def load() -> tuple[reads.QueueHealth, reads.QuotaStatus | None, reads.Freshness]:
             with self.session(who) as s:
-                return reads.queue_health(s), reads.freshness(s)
+                # A workspace's page says where it stands in admission (docs/fair-share.md).
+                quota = reads.quota_status(s, who.workspace) if who.workspace is not None else None
+                return reads.queue_health(s), quota, reads.freshness(s)
 
-        health, read = await run_in_threadpool(load)
-        return self.render(request, who, "health.html", h=health, now=health.now, read=read)
+        health, quota, read = await run_in_threadpool(load)
+        return self.render(request, who, "health.html", h=health, quota=quota, now=health.now, read=read)
 
     # --- actions ----------------------------------------------------------------
 

@@ -825,3 +825,34 @@ UNLISTEN_RUN = Statement(
 
 def listen_run(conn: Conn, run_id: uuid.UUID, *, listen: bool) -> None:
     rows(conn, LISTEN_RUN if listen else UNLISTEN_RUN, {"run_id": run_id})
+
+
+# --- admission: a workspace's own quota (core/admission.py) -------------------------------------
+
+QUOTA_STATUS = Statement(
+    "quota_status",
+    "A workspace's own weight and cap, its runs in flight and held: what its tenant sees (RLS decides which rows).",
+    """
+    SELECT (SELECT weight FROM job_quota                     -- uq_job_quota_workspace; none: weight 1
+            WHERE coalesce(workspace_id, '') = coalesce(%(workspace_id)s, '')) AS weight,
+           (SELECT max_running FROM job_quota                -- none: no cap
+            WHERE coalesce(workspace_id, '') = coalesce(%(workspace_id)s, '')) AS max_running,
+           (SELECT count(*) FROM job_queue r                 -- ix_job_queue_in_flight
+            WHERE coalesce(r.workspace_id, '') = coalesce(%(workspace_id)s, '')
+              AND (r.state IN ('queued', 'running')) IS TRUE AND r.dispatched_at <= now()) AS in_flight,
+           (SELECT count(*) FROM job_queue r                 -- the running ones among them
+            WHERE coalesce(r.workspace_id, '') = coalesce(%(workspace_id)s, '')
+              AND (r.state IN ('queued', 'running')) IS TRUE AND r.state = 'running'
+              AND r.dispatched_at <= now()) AS running,
+           (SELECT count(*) FROM job_queue h                 -- ix_job_queue_held: waiting for their turn
+            WHERE coalesce(h.workspace_id, '') = coalesce(%(workspace_id)s, '')
+              AND h.dispatched_at = 'infinity'::timestamptz AND (h.state = 'queued') IS TRUE) AS held
+    """,
+)
+
+
+def quota_status(conn: Conn, workspace_id: str | None) -> dict[str, Any]:
+    """The workspace's quota and load; on a tenant's session, RLS shows only its own rows."""
+    row = first(conn, QUOTA_STATUS, {"workspace_id": workspace_id})
+    assert row is not None
+    return row

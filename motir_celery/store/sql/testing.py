@@ -150,7 +150,8 @@ def dlq_entries(conn: Conn) -> list[dict[str, Any]]:
 EMPTY_TABLES = Statement(
     "empty_tables",
     "Start a test from empty tables.",
-    "TRUNCATE job_run_dlq, job_step, job_run, job_batch_item, job_queue, job_event, job_stats_rollup CASCADE",
+    "TRUNCATE job_run_dlq, job_step, job_run, job_batch_item, job_queue, job_event, job_stats_rollup, job_quota,"
+    " job_admission CASCADE",
 )
 
 FREE_SWEEP_SLOT = Statement(

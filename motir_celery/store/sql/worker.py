@@ -72,6 +72,8 @@ CLAIM = Statement(
         AND job_id = %(job_id)s                -- a message for another job's run (misrouted, forged) claims nothing
         AND (state = 'queued') IS TRUE         -- running: someone holds it; final: done. Either way a stale message.
         AND run_at <= now()                    -- not due yet (backoff): the sweeper publishes it again when it is
+        AND dispatched_at < 'infinity'         -- held by admission (core/admission.py): a stale duplicate message;
+                                               -- the dispatcher sends it again when it is its turn
         AND (CAST(%(limit)s AS int) IS NULL    -- concurrency=(limit, key): a free slot, counted under
              OR (SELECT count(*) FROM job_queue r          -- lock_concurrency's advisory lock
                  WHERE r.concurrency_key = job_queue.concurrency_key AND r.job_id = job_queue.job_id
