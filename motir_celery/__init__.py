@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from motir_celery.core.operator.dlq import ReplayResult
     from motir_celery.core.operator.resume import ResumeResult
     from motir_celery.core.producer.events import SendResult
+    from motir_celery.core.producer.subjects import ActiveRun
     from motir_celery.store.records import AlreadyQueued, Queued
 
 __all__ = [
@@ -77,6 +78,7 @@ __all__ = [
     "replay_dlq",
     "resume_dlq",
     "cancel_run",
+    "active_for_subject",
     "enqueue_scheduled",
     "attach",
     "current_engine",
@@ -181,6 +183,14 @@ def cancel_run(run_id: "uuid.UUID | str", *, app: "Celery | None" = None) -> boo
     for it is woken and published at once (through ``app``'s engine, default: the current one;
     with no broker here, by a worker's sweeper)."""
     return _engine(app).cancel_run(run_id)
+
+
+def active_for_subject(subject: "tuple[str, str]", *, workspace_id: str | None = None, limit: int = 10,
+                       session: "Session | None" = None, app: "Celery | None" = None) -> "list[ActiveRun]":
+    """The open (queued, sleeping, waiting, running) runs of ``subject`` — ``(type, id)``, as a producer
+    named it with ``subject=`` — in ``workspace_id``, oldest first; empty when none is active. Read as
+    the tenant, under row-level security (``session=``: in the caller's own transaction)."""
+    return _engine(app).active_for_subject(subject, workspace_id=workspace_id, limit=limit, session=session)
 
 
 def enqueue_scheduled(job_id: str, scheduled_for: Any, *, app: "Celery | None" = None) -> "Queued | AlreadyQueued":

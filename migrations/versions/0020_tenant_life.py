@@ -31,6 +31,17 @@ Issue 47. Expand only.
 * ``job_queue.cancelled_by`` / ``cancel_reason``: who cancelled a run, and why, when it was cancelled
   by an operator's offboarding (``motir cancel --workspace``; the instant is its ``finished_at``).
   Nullable, no default: a metadata-only ALTER; the previous release never names them.
+* ``job_queue.subject_type`` / ``subject_id`` (seed 003's subject): what a run is about, as the
+  producer names it (``job.apply_async(..., subject=("media_item", "42"))``): two plain nullable
+  text columns, no FK, no typed column per subject shape. The subject travels in the direct run's
+  arguments (``{"args", "kwargs", "subject": {"type", "id"}}``), so no function's signature
+  changes: ``motir_write_direct`` (body replaced, 0013's statement) copies it to the two columns,
+  and ``motir_enqueue_direct`` gains a sixth guard, ``subject`` — an object of exactly ``type``
+  (1 to 64 of ``A-Za-z0-9_.-``: no ``:``, so ``TYPE:ID`` splits once) and ``id`` (1 to 255
+  characters). ``ix_job_queue_subject_open`` ``(subject_type, subject_id, workspace_id)``, partial on
+  open runs that name a subject: "cancel every open run of this subject"
+  (``motir cancel --workspace W --subject TYPE:ID``) and "is one active for it"
+  (``active_for_subject``) each read only it (EXPLAIN tests in tests/store/test_schema.py).
 * ``ix_job_queue_recent`` ``(created_at DESC, id)`` and ``ix_job_queue_workspace_recent``
   ``(workspace_id, created_at DESC, id)``: the operator's listing (``motir runs``, the dashboard)
   and one tenant's, newest first, read from the index in the listing's order instead of a sort of
@@ -44,7 +55,7 @@ has started, the functions accept any job id as before, so producers of the prev
 keep working while its workers are replaced (none of them writes the registry). From then on a
 job is known to the functions once any worker that defines it has started: roll the workers
 before the producers that send a new job (as with Celery, where a task unknown to the worker is
-refused). Downgrade puts 0008's bodies back and drops the indexes and the table.
+refused). Downgrade puts 0008's bodies (and 0013's writer) back and drops the indexes, the columns and the table.
 """
 from alembic import context, op
 from sqlalchemy import text
@@ -66,10 +77,20 @@ CREATE TABLE job_registry (
 )
 """
 
+# A run's subject (seed 003's subjectType / subjectId): what the run is about, named by the producer
+# (``subject=("media_item", "42")``). Bounds the producer and the checked function both apply.
+SUBJECT_TYPE = "^[A-Za-z0-9_.-]{1,64}$"
+SUBJECT_ID_MAX = 255
+
 QUEUE_INDEXES = {
     "ix_job_queue_recent": "CREATE INDEX CONCURRENTLY ix_job_queue_recent ON job_queue (created_at DESC, id)",
     "ix_job_queue_workspace_recent": "CREATE INDEX CONCURRENTLY ix_job_queue_workspace_recent ON job_queue "
                                      "(workspace_id, created_at DESC, id)",
+    # "Cancel every open run of this subject", "is one active for it": only open runs that name a
+    # subject are in it, so it stays the size of the work in flight, not of the history.
+    "ix_job_queue_subject_open": "CREATE INDEX CONCURRENTLY ix_job_queue_subject_open ON job_queue "
+                                 "(subject_type, subject_id, workspace_id) "
+                                 "WHERE subject_type IS NOT NULL AND state IN ('queued', 'running')",
 }
 
 # The guards every checked function gains. "The registry has a row" is the rolling deploy's rule
@@ -91,6 +112,7 @@ DIRECT_GUARDS = f"""
   IF p_name IS DISTINCT FROM 'direct.' || p_job_id THEN RAISE EXCEPTION USING ERRCODE = '22023', MESSAGE = format('motir: a direct run of %L is made by the event %L, not %L', p_job_id, 'direct.' || p_job_id, p_name); END IF;  -- guard: direct_event
   IF {_DATA_BOUNDS.format(data='p_data')} THEN RAISE EXCEPTION USING ERRCODE = '22023', MESSAGE = 'motir: a run''s arguments are {_PAYLOAD_MESSAGE}'; END IF;  -- guard: payload_bounds
   {_TRACEPARENT}
+  IF p_data -> 'subject' IS NOT NULL AND NOT (CASE WHEN jsonb_typeof(p_data -> 'subject') = 'object' THEN (SELECT count(*) FROM jsonb_object_keys(p_data -> 'subject')) = 2 AND jsonb_typeof(p_data #> '{{subject,type}}') = 'string' AND jsonb_typeof(p_data #> '{{subject,id}}') = 'string' AND (p_data #>> '{{subject,type}}') ~ '{SUBJECT_TYPE}' AND length(p_data #>> '{{subject,id}}') BETWEEN 1 AND {SUBJECT_ID_MAX} ELSE false END) THEN RAISE EXCEPTION USING ERRCODE = '22023', MESSAGE = 'motir: a run''s subject is {{"type": 1 to 64 of A-Z a-z 0-9 _ . -, "id": 1 to {SUBJECT_ID_MAX} characters}}'; END IF;  -- guard: subject
 """
 
 EVENT_GUARDS = f"""
@@ -134,15 +156,39 @@ def _body(name: str, forward: bool) -> str:
     return sql
 
 
+#: The writer of a direct run (0013's, 0010's statement) also writes the run's subject, which its
+#: arguments carry (``p_data -> 'subject'``, checked by the guard above for the app role and by the
+#: Python producer for the engine role): in both of its INSERTs, two more columns.
+SUBJECT_COLUMNS = ("cancel_key, traceparent, run_at, dispatched_at)",
+                   "cancel_key, traceparent, run_at, dispatched_at, subject_type, subject_id)")
+SUBJECT_VALUES = ("greatest(now(), due.run_at - make_interval(secs => p_after))\n    FROM e, due",
+                  "greatest(now(), due.run_at - make_interval(secs => p_after)),\n"
+                  "           p_data #>> '{subject,type}', p_data #>> '{subject,id}'\n    FROM e, due")
+
+
+def _write_direct(forward: bool) -> str:
+    """0013's motir_write_direct; with the subject columns."""
+    sql = str(context.script.get_revision("0013").module.in_plpgsql(
+        context.script.get_revision("0010").module.WRITE_DIRECT))
+    if not forward:
+        return sql
+    for before, after in (SUBJECT_COLUMNS, SUBJECT_VALUES):
+        assert sql.count(before) == 2, f"0013's motir_write_direct: {before!r} is not in both INSERTs"
+        sql = sql.replace(before, after)
+    return sql
+
+
 def _functions(forward: bool) -> None:
     schema = op.get_bind().execute(text("SELECT quote_ident(current_schema())")).scalar_one()
     for name in GUARDS:
         op.execute(_body(name, forward).replace("{schema}", schema))
+    op.execute(_write_direct(forward).replace("{schema}", schema))
 
 
 def upgrade() -> None:
     op.execute(TABLE)
-    op.execute("ALTER TABLE job_queue ADD COLUMN cancelled_by text, ADD COLUMN cancel_reason text")
+    op.execute("ALTER TABLE job_queue ADD COLUMN cancelled_by text, ADD COLUMN cancel_reason text, "
+               "ADD COLUMN subject_type text, ADD COLUMN subject_id text")
     op.execute("GRANT SELECT, INSERT, UPDATE ON job_registry TO motir_engine")
     _functions(forward=True)
     # Outside the transaction: CONCURRENTLY builds never block the previous release's writes.
@@ -156,5 +202,6 @@ def downgrade() -> None:
     for name in QUEUE_INDEXES:
         op.execute(f"DROP INDEX IF EXISTS {name}")
     _functions(forward=False)
-    op.execute("ALTER TABLE job_queue DROP COLUMN cancelled_by, DROP COLUMN cancel_reason")
+    op.execute("ALTER TABLE job_queue DROP COLUMN cancelled_by, DROP COLUMN cancel_reason, "
+               "DROP COLUMN subject_type, DROP COLUMN subject_id")
     op.execute("DROP TABLE job_registry")

@@ -243,6 +243,7 @@ def _around_apply_async(orig: Callable[..., Any]) -> Callable[..., Any]:
     def apply_async(self: Task, args: Any = None, kwargs: Any = None, task_id: Any = None, producer: Any = None,
                     link: Any = None, link_error: Any = None, shadow: Any = None, **options: Any) -> Any:
         app = self.app
+        subject = options.pop("subject", None)   # the run's (core/producer/direct.py), not the message's
         send = partial(orig, self, args, kwargs, task_id=task_id, producer=producer, link=link,
                        link_error=link_error, shadow=shadow, **options)
         if app.conf.task_always_eager:
@@ -262,6 +263,8 @@ def _around_apply_async(orig: Callable[..., Any]) -> Callable[..., Any]:
         nesting = int(options.get("replaced_task_nesting") or 0)
         job = _job_of(self)
         timing = {k: options[k] for k in ("countdown", "eta") if options.get(k) is not None}
+        if subject is not None:
+            timing["subject"] = subject
         call = _call_of(running, task_id, nesting)
         try:
             stored = plain(list(args or ())), plain(dict(kwargs or {})), plain(

@@ -40,11 +40,12 @@ if TYPE_CHECKING:
 
     from motir_celery.core.jobs import Job
     from motir_celery.core.operator.dlq import Caller, ReplayResult
-    from motir_celery.core.operator.offboard import Erased, Offboarded
+    from motir_celery.core.operator.offboard import Erased, Offboarded, SubjectCancelled
     from motir_celery.core.operator.resume import ResumeResult
     from motir_celery.core.producer.events import SendResult
     from motir_celery.core.producer.results import RunHandle
     from motir_celery.core.producer.streams import Progress, StreamReader
+    from motir_celery.core.producer.subjects import ActiveRun
     from motir_celery.core.worker.runner import Outcome
     from motir_celery.core.worker.steps import Step
     from motir_celery.core.worker.sweeper import SweepReport
@@ -408,6 +409,20 @@ class Engine:
         from motir_celery.core.operator import offboard
 
         return offboard.cancel_workspace(self, workspace_id, actor=actor, reason=reason, job=job)
+
+    def cancel_subject(self, workspace_id: str, subject: tuple[str, str], *, actor: str,
+                       reason: str) -> SubjectCancelled:
+        """Offboarding a subject: cancel its queued and running runs in a workspace, audited (``offboard.py``)."""
+        from motir_celery.core.operator import offboard
+
+        return offboard.cancel_subject(self, workspace_id, subject, actor=actor, reason=reason)
+
+    def active_for_subject(self, subject: tuple[str, str], *, workspace_id: str | None = None, limit: int = 10,
+                           session: Session | None = None) -> list[ActiveRun]:
+        """The open runs of ``subject`` in ``workspace_id``, read as the tenant (``core/producer/subjects.py``)."""
+        from motir_celery.core.producer import subjects
+
+        return subjects.active_for_subject(self, subject, workspace_id=workspace_id, limit=limit, session=session)
 
     def export_workspace(self, workspace_id: str, out: TextIO) -> dict[str, int]:
         """Every row of a workspace to ``out`` as JSON lines; the count per table (``offboard.py``)."""

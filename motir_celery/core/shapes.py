@@ -8,12 +8,13 @@ the job ``system.canvas`` whose argument is the canvas as JSON — its *node*
 
 from __future__ import annotations
 
+import re
 import uuid
 from typing import Any
 
 from motir_celery.errors import NonRetriableError
 
-__all__ = ["DIRECT_PREFIX", "CHILD_EVENT_PREFIX", "event_name", "arguments", "CANVAS_JOB_ID", "KINDS", "MAX_DEPTH", "MEMBER_OPTIONS",
+__all__ = ["SUBJECT_TYPE", "MAX_SUBJECT_ID", "check_subject", "parse_subject", "DIRECT_PREFIX", "CHILD_EVENT_PREFIX", "event_name", "arguments", "CANVAS_JOB_ID", "KINDS", "MAX_DEPTH", "MEMBER_OPTIONS",
            "CanvasError", "member_id", "is_leaf", "check_node"]
 
 DIRECT_PREFIX = "direct."
@@ -31,6 +32,35 @@ def arguments(data: Any) -> tuple[list[Any], dict[str, Any]]:
     if not isinstance(data, dict):
         return [], {}
     return list(data.get("args") or ()), dict(data.get("kwargs") or {})
+
+
+# --- a run's subject (seed 003) --------------------------------------------------------------
+
+#: A subject's type: a short discriminator the application defines (``media_item``); no ``:``, so
+#: ``TYPE:ID`` splits once. Migration 0020's ``subject`` guard holds the app role to the same.
+SUBJECT_TYPE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+#: A subject's id: text (not assumed a UUID), 1 to this many characters.
+MAX_SUBJECT_ID = 255
+
+
+def check_subject(subject: Any) -> tuple[str, str]:
+    """``subject=(type, id)`` checked: what a run is about (a direct run's ``{"subject": {...}}``)."""
+    if isinstance(subject, (str, bytes)) or not isinstance(subject, (tuple, list)) or len(subject) != 2:
+        raise ValueError(f"a subject is a (type, id) pair, got {subject!r:.80}")
+    kind, ident = subject
+    if not isinstance(kind, str) or not SUBJECT_TYPE.fullmatch(kind):
+        raise ValueError(f"a subject's type is 1 to 64 of A-Z a-z 0-9 _ . -, got {kind!r:.80}")
+    if not isinstance(ident, str) or not 0 < len(ident) <= MAX_SUBJECT_ID or not ident.isprintable():
+        raise ValueError(f"a subject's id is printable text of 1 to {MAX_SUBJECT_ID} characters, got {ident!r:.80}")
+    return kind, ident
+
+
+def parse_subject(text: str) -> tuple[str, str]:
+    """``TYPE:ID`` (the command line's ``--subject``) as a checked ``(type, id)``."""
+    kind, sep, ident = text.partition(":")
+    if not sep:
+        raise ValueError(f"a subject is TYPE:ID, got {text!r:.80}")
+    return check_subject((kind, ident))
 
 
 # --- a canvas's node ----------------------------------------------------------------------

@@ -716,24 +716,32 @@ def dlq_dismiss(dlq_id: str | None, actor: str, as_json: bool, **opts: Any) -> N
 @click.argument("run_id", required=False)
 @click.option("--workspace", help="Offboarding: every queued (sleeping, waiting) and running run of this workspace.")
 @click.option("--job", help="With --workspace: that job's runs only.")
+@click.option("--subject", metavar="TYPE:ID",
+              help="With --workspace: the runs of that subject only (what their producer named with subject=).")
 @click.option("--actor", help="With --workspace: who is cancelling (recorded on each run).")
 @click.option("--reason", help="With --workspace: why (recorded on each run).")
 @json_option
-def cancel(run_id: str | None, workspace: str | None, job: str | None, actor: str | None, reason: str | None,
-           as_json: bool) -> None:
+def cancel(run_id: str | None, workspace: str | None, job: str | None, subject: str | None, actor: str | None,
+           reason: str | None, as_json: bool) -> None:
     """Cancel a queued or running run (a running one stops at its next step boundary); with
-    --workspace, every one of a workspace at once, audited (--actor and --reason required)."""
+    --workspace, every one of a workspace (or of one job or one subject in it) at once, audited
+    (--actor and --reason required)."""
     from motir_celery import cancel_run
 
     if workspace is not None:
         if run_id is not None:
             raise click.UsageError("give a RUN or --workspace, not both")
+        if subject is not None:
+            if job is not None:
+                raise click.UsageError("give --job or --subject, not both")
+            _cancel_subject(workspace, subject, actor, reason, as_json)
+            return
         _cancel_workspace(workspace, job, actor, reason, as_json)
         return
     if run_id is None:
         raise click.UsageError("give the RUN to cancel, or --workspace")
-    if job is not None or actor is not None or reason is not None:
-        raise click.UsageError("--job, --actor and --reason go with --workspace")
+    if job is not None or subject is not None or actor is not None or reason is not None:
+        raise click.UsageError("--job, --subject, --actor and --reason go with --workspace")
     rid = _uuid_arg(run_id, "run")
     if cancel_run(rid):
         click.echo(f"cancelled {rid}")
@@ -762,6 +770,27 @@ def _cancel_workspace(workspace: str, job: str | None, actor: str | None, reason
         return
     click.echo(f"cancelled {done.cancelled} run(s) of workspace {workspace}" + (f", job {job}" if job else "")
                + f" ({done.running} running: each stops at its next step), by {actor}: {reason}")
+
+
+def _cancel_subject(workspace: str, subject: str, actor: str | None, reason: str | None, as_json: bool) -> None:
+    import motir_celery
+    from motir_celery.core.operator.offboard import cancel_subject
+    from motir_celery.core.shapes import parse_subject
+
+    if actor is None or reason is None:
+        raise click.UsageError("--subject needs --actor (who) and --reason (why): both are recorded on each run")
+    try:
+        done = cancel_subject(motir_celery.current_engine(), workspace, parse_subject(subject), actor=actor,
+                              reason=reason)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    if as_json:
+        _print_json({"workspace": done.workspace_id, "subject_type": done.subject_type,
+                     "subject_id": done.subject_id, "cancelled": done.cancelled, "running": done.running,
+                     "actor": done.actor, "reason": done.reason})
+        return
+    click.echo(f"cancelled {done.cancelled} run(s) of subject {done.subject_type}:{done.subject_id} in workspace "
+               f"{workspace} ({done.running} running: each stops at its next step), by {actor}: {reason}")
 
 
 @main.command()

@@ -146,6 +146,18 @@ class JobQueue(Base):
         # One tenant's listing (the app role's rows under RLS, or an admin's --workspace): the same
         # order within one workspace. workspace_id first: no other job_queue index starts with it.
         Index("ix_job_queue_workspace_recent", "workspace_id", text("created_at DESC"), "id"),
+        # Subjects (seed 003): "cancel every open run of this subject" (operator.CANCEL_SUBJECT) and
+        # "is one active for it" (reads.ACTIVE_FOR_SUBJECT), each an equality on the subject and the
+        # workspace. Only open runs that name a subject: its size is the subject work in flight,
+        # never the history (10M rows, 90 % finished). Workspace last: the system's runs
+        # (workspace NULL, IS NOT DISTINCT FROM) use its subject prefix. Migration 0020.
+        Index(
+            "ix_job_queue_subject_open",
+            "subject_type",
+            "subject_id",
+            "workspace_id",
+            postgresql_where=text("subject_type IS NOT NULL AND state IN ('queued', 'running')"),
+        ),
         # Retention (purge.py): finished runs older than a cutoff. Only finished
         # rows are indexed, so queued and running runs cost it nothing.
         Index("ix_job_queue_finished", "finished_at", postgresql_where=text("finished_at IS NOT NULL")),
@@ -391,6 +403,11 @@ class JobQueue(Base):
     # written by the cancelling UPDATE itself (its instant is finished_at). NULL otherwise.
     cancelled_by: Mapped[str | None] = mapped_column(Text)
     cancel_reason: Mapped[str | None] = mapped_column(Text)
+    # What the run is about (seed 003's subjectType / subjectId), named by its producer
+    # (``subject=(type, id)``): plain text, no FK and no column per subject shape, so a new kind of
+    # subject needs no schema change; the id is text, not assumed a UUID. Both or neither.
+    subject_type: Mapped[str | None] = mapped_column(Text)
+    subject_id: Mapped[str | None] = mapped_column(Text)
 
     event: Mapped[JobEvent | None] = relationship(back_populates="runs")
     parent: Mapped[JobQueue | None] = relationship(

@@ -75,13 +75,13 @@ ROUTINES: tuple[Routine, ...] = (
     # motir_write_event(s), motir_on_run_settled: 0014 (a run found by id, IS TRUE); motir_write_gather: 0015.
     Routine("motir_write_event", _EVENT, "4834d1b98ee0d3507ad2d9c99e4239a0", True, frozenset({ENGINE_ROLE})),
     Routine("motir_write_events", _EVENTS, "6417a553af924fbd723237bd855db0da", True, frozenset({ENGINE_ROLE})),
-    # PL/pgSQL since 0013 (its plan kept a session; 0010's statement).
-    Routine("motir_write_direct", _DIRECT, "68a7a7ff693e3d70799ac7a69cb00ae7", True, frozenset({ENGINE_ROLE})),
+    # PL/pgSQL since 0013 (its plan kept a session; 0010's statement); 0020 writes the run's subject.
+    Routine("motir_write_direct", _DIRECT, "739358ffd2f595d7ed26e1d1687c9515", True, frozenset({ENGINE_ROLE})),
     # The checked functions: 0008's, with 0020's guards (a registered job of the right kind, data bounds,
-    # traceparent, an eta bounded both ways).
+    # traceparent, an eta bounded both ways, a direct run's subject).
     Routine("motir_enqueue_event", _EVENT, "fec2fb807eb90c947d018e3ef7ef08c1", True, frozenset({APP_ROLE})),
     Routine("motir_enqueue_events", _EVENTS, "28c60f620adefc98b88f0f391f6deb60", True, frozenset({APP_ROLE})),
-    Routine("motir_enqueue_direct", _DIRECT, "66c788ad01aba09b320ad5a532762585", True, frozenset({APP_ROLE})),
+    Routine("motir_enqueue_direct", _DIRECT, "94a57d0d1f219a30d68d57251572e2bd", True, frozenset({APP_ROLE})),
     Routine("motir_record_event", _EVENT, "bf735b3b58ca6deff16ff5df44724687", False, _BOTH),
     Routine("motir_record_events", _EVENTS, "fca985c94bc4ce22acfdf3e76b2e40be", False, _BOTH),
     Routine("motir_direct_run", _DIRECT, "a76790aa09645a99063f4f846ce34ca7", False, _BOTH),

@@ -22,6 +22,7 @@ from celery.exceptions import TaskRevokedError
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
+from motir_celery.errors import PayloadError
 from tests.conftest import celery_worker, run_state, wait_for
 
 APP = "tests.fixtures.durable_tasks"
@@ -124,6 +125,20 @@ def test_values_come_back_as_celerys_json_serializer_gives_them_and_an_ignored_o
     assert ignored.get(timeout=1) is None and ignored.result is None     # as Celery (its own suite's test)
     with engine.connect() as conn:
         assert conn.execute(text("SELECT result FROM job_queue WHERE id = :id"), {"id": ignored.id}).scalar() is None
+
+
+def test_apply_async_of_a_durable_task_with_a_subject_stores_it_on_the_run(tasks: ModuleType, engine: Engine) -> None:
+    key = uuid.uuid4().hex
+    result = tasks.add.apply_async((key, 1, 2), subject=("media_item", "7"))   # queued: no worker needed
+    plain = tasks.add.apply_async((key, 2, 3))
+    with engine.connect() as conn:
+        subjects = dict(conn.execute(text("SELECT id::text, subject_type || ':' || subject_id FROM job_queue "
+                                          "WHERE id IN (:a, :b)"), {"a": result.id, "b": plain.id}).all())
+    assert subjects == {result.id: "media_item:7", plain.id: None}
+    with pytest.raises(PayloadError, match="subject"):
+        tasks.add.apply_async((key, 1, 2), subject="media_item:7")
+    result.revoke()   # no message of this test is left for a later test's worker to run
+    plain.revoke()
 
 
 def test_a_direct_call_runs_the_body_here_and_stores_nothing(tasks: ModuleType, engine: Engine) -> None:

@@ -412,6 +412,10 @@ def registered(engine: Engine) -> int:
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 #: Two megabytes of arguments (the Python producer refuses over one).
 TWO_MB = '{"args": ["' + "x" * 2_000_000 + '"]}'
+#: Arguments naming a subject whose type is not one (migration 0020's ``subject`` guard).
+BAD_SUBJECT = '{"args": [1, 2], "kwargs": {}, "subject": {"type": "media:item", "id": "42"}}'
+#: The widest subject the Python producer accepts (core/shapes.py): a 64-character type, a 255-character id.
+WIDEST_SUBJECT = '{"args": [1, 2], "kwargs": {}, "subject": {"type": "' + "a" * 64 + '", "id": "' + "é" * 255 + '"}}'
 #: Arguments nested 5,000 deep (the worker's json decoder gives up at about 1,000).
 DEEP = '{"args": [' + "[" * 5000 + "]" * 5000 + "]}"
 
@@ -449,6 +453,7 @@ DIRECT_ATTACKS = {
     "direct_event": lambda conn: _enqueue_direct(conn, name="motir.invoke:test.direct.add"),  # a child's event
     "payload_bounds": lambda conn: _enqueue_direct(conn, data=TWO_MB),
     "traceparent": lambda conn: _enqueue_direct(conn, traceparent="00-not-a-trace-context"),
+    "subject": lambda conn: _enqueue_direct(conn, data=BAD_SUBJECT),   # a ':' in its type: TYPE:ID splits twice
 }
 BATCH_ATTACKS = {
     "workspace_set": lambda conn: _enqueue_events(conn, ws=None),
@@ -527,6 +532,16 @@ FORGED_CALLS = {
     "an eta of -infinity": (lambda conn: _enqueue_direct(conn, eta="-infinity"), "within a year of now"),
     "an eta in 2100": (lambda conn: _enqueue_direct(conn, eta="2100-01-01 00:00:00+00"), "within a year of now"),
     "a countdown of -1 s": (lambda conn: _enqueue_direct(conn, countdown=-1.0), "within a year"),
+    "a subject type with a colon": (lambda conn: _enqueue_direct(conn, data=BAD_SUBJECT), "a run's subject is"),
+    "a subject id of 256 characters": (lambda conn: _enqueue_direct(
+        conn, data=BAD_SUBJECT.replace("media:item", "media_item").replace('"42"', '"' + "9" * 256 + '"')),
+        "a run's subject is"),
+    "a subject that is a string": (lambda conn: _enqueue_direct(
+        conn, data='{"args": [], "subject": "media_item:42"}'), "a run's subject is"),
+    "a subject id that is a number": (lambda conn: _enqueue_direct(
+        conn, data='{"args": [], "subject": {"type": "media_item", "id": 42}}'), "a run's subject is"),
+    "a subject with a third key": (lambda conn: _enqueue_direct(
+        conn, data='{"args": [], "subject": {"type": "m", "id": "1", "x": 1}}'), "a run's subject is"),
 }
 
 
@@ -555,9 +570,12 @@ def test_what_the_python_producer_accepts_the_checked_functions_accept(
         written = [_enqueue_direct(conn, data=widest), _enqueue_direct(conn, data=deepest),
                    _enqueue_direct(conn, traceparent=TRACEPARENT), _enqueue_event(conn, traceparent=TRACEPARENT),
                    _enqueue_events(conn, traceparent=TRACEPARENT),
-                   _enqueue_direct(conn, eta="yesterday"), _enqueue_direct(conn, countdown=330 * 86400.0)]
+                   _enqueue_direct(conn, eta="yesterday"), _enqueue_direct(conn, countdown=330 * 86400.0),
+                   _enqueue_direct(conn, data=WIDEST_SUBJECT)]
     assert all(len(rows) == 1 and rows[0].run_id is not None for rows in written), written
-    assert _rows(engine, "SELECT count(*) FROM job_queue")[0][0] == 7
+    assert _rows(engine, "SELECT count(*) FROM job_queue")[0][0] == 8
+    assert _rows(engine, "SELECT subject_type, length(subject_id) FROM job_queue WHERE subject_type IS NOT NULL") \
+        == [("a" * 64, 255)]
 
 
 def test_one_level_deeper_than_the_bound_is_refused(app_login: str, engine: Engine) -> None:

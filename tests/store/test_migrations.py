@@ -328,6 +328,8 @@ def test_0021_is_expand_only_and_its_downgrade_sends_what_admission_held(empty_u
 
 #: What 0020 replaces in place (their bodies: new guards; signatures, owner's rights and grants stay).
 CHECKED = ("motir_enqueue_direct", "motir_enqueue_event", "motir_enqueue_events")
+#: And the writer of a direct run (its body: the subject's two columns).
+WRITER = "motir_write_direct"
 _CALLS = """
 SELECT p.proname || '(' || pg_get_function_identity_arguments(p.oid) || ') ' || p.prosecdef || ' '
        || array_to_string(p.proconfig, ',') || ' ' || coalesce(array_to_string(p.proacl, ','), '')
@@ -337,9 +339,9 @@ FROM pg_proc p WHERE p.pronamespace = 'public'::regnamespace
 
 def test_0020_is_expand_only_the_previous_releases_schema_calls_and_rows_are_untouched(empty_url: str) -> None:
     """A rolling deploy: the release before (0019) runs on while 0020 is applied. Every column, index,
-    policy and function of 0019 is there after it, but three function bodies, whose signatures,
+    policy and function of 0019 is there after it, but four function bodies, whose signatures,
     owner's rights, search_path and grants are unchanged (the previous release's calls still bind);
-    the additions are the registry, two nullable columns and two indexes; a run of the previous release stays; the
+    the additions are the registry, four nullable columns and three indexes; a run of the previous release stays; the
     downgrade leaves 0019's shape exactly."""
     upgrade(empty_url, "0019")
     eng = create_engine(empty_url)
@@ -356,14 +358,27 @@ def test_0020_is_expand_only_the_previous_releases_schema_calls_and_rows_are_unt
             assert set(conn.execute(text(_CALLS)).scalars()) == calls
             assert conn.execute(text("SELECT count(*) FROM job_queue WHERE id = :r"), {"r": run}).scalar() == 1
         replaced = {line.split(" ")[1] for line in before - after}
-        assert replaced == set(CHECKED), before - after
+        assert replaced == set(CHECKED) | {WRITER}, before - after
         added = after - before
-        assert {a.split(" ")[1] for a in added if a.startswith("function")} == set(CHECKED)
+        assert {a.split(" ")[1] for a in added if a.startswith("function")} == set(CHECKED) | {WRITER}
         assert {a.split(" ")[1] for a in added if a.startswith("column") and not a.startswith("column job_registry.")} \
-            == {"job_queue.cancelled_by", "job_queue.cancel_reason"}   # nullable, no default: a metadata-only ALTER
+            == {"job_queue.cancelled_by", "job_queue.cancel_reason",   # nullable, no default: a metadata-only ALTER
+                "job_queue.subject_type", "job_queue.subject_id"}
         assert all(" YES " in a for a in added if a.startswith("column job_queue."))
         assert {a.split(" INDEX ")[1].split(" ")[0] for a in added if a.startswith("index")} == {
-            "pk_job_registry", "ix_job_queue_recent", "ix_job_queue_workspace_recent"}
+            "pk_job_registry", "ix_job_queue_recent", "ix_job_queue_workspace_recent", "ix_job_queue_subject_open"}
+        # The previous release's .delay() (its call of motir_direct_run, no subject in its data) still
+        # writes its run, with no subject; this release's, with one.
+        with eng.begin() as conn:
+            for data, subject in (('{"args": [1, 2], "kwargs": {}}', (None, None)),
+                                  ('{"args": [1, 2], "kwargs": {}, "subject": {"type": "media_item", "id": "42"}}',
+                                   ("media_item", "42"))):
+                made = conn.execute(text(
+                    "SELECT run_id FROM motir_direct_run('direct.job.old', CAST(:data AS jsonb), NULL, NULL, NULL, "
+                    "0, 'job.old', 3, 'transient', CAST(0 AS smallint), NULL, NULL, NULL, NULL, 60)"),
+                    {"data": data}).scalar_one()
+                assert tuple(conn.execute(text("SELECT subject_type, subject_id FROM job_queue WHERE id = :r"),
+                                          {"r": made}).one()) == subject
         assert not [a for a in added if a.startswith("policy")]
         command.downgrade(alembic_config(empty_url), "0019")
         with eng.connect() as conn:

@@ -23,6 +23,7 @@ from motir_celery.store.driver import Statement, plan
 from motir_celery.store.records import AlreadyQueued, Queued
 from motir_celery.store.sql import catalogue
 from motir_celery.store.sql import flow as flow_sql
+from motir_celery.store.sql import operator as operator_sql
 from motir_celery.store.sql import reads as reads_sql
 from motir_celery.store.sql.maintenance import RECLAIM_EXPIRED, REPUBLISH_DUE
 from motir_celery.store.sql.producer import CANCEL_BY_KEY, enqueue_scheduled
@@ -267,6 +268,7 @@ BY_ID_PARAMS: dict[str, object] = {
     # progress and streams (0019): worker.PROGRESS / STREAM_WRITE / STREAM_TRIM, reads.RUN_PROGRESS / STREAM_ITEMS
     "state": "PROGRESS", "meta": "{}", "stream": "s", "positions": [], "items": [], "sizes": [], "max_streams": 100,
     "last": 0, "offset": 0,
+    "id": uuid.UUID(int=0),  # operator.REPLAY_LINK: a DLQ entry (its replay's run takes the failed run's subject)
 }
 #: job_queue's partial indexes whose predicate is a state alone: what a lookup by id must not read.
 STATE_INDEXES = ("ix_job_queue_stale", "ix_job_queue_due", "ix_job_queue_leases")
@@ -611,4 +613,72 @@ def test_one_tenants_listing_under_row_level_security_reads_its_workspaces_index
                                    + reads_sql.LIST_RUNS.sql.replace("%(", ":").replace(")s", "") + ") AS l"),
                               {"job": None, "state": None, "workspace": "ws-3", "since": None, "limit": 50}).one()
         assert tuple(listed) == (50, 1)
+        tx.rollback()
+
+
+# --- subjects (issue 47, seed 003) ---------------------------------------------------------------
+
+def _fill_subject_history(conn: Connection) -> None:
+    """ROWS runs over 50 workspaces, each about one of 2,000 media items, 90 % finished; analyzed."""
+    conn.execute(text(
+        """
+        INSERT INTO job_queue (job_id, event_name, workspace_id, state, max_attempts, retry_policy, created_at,
+                               finished_at, subject_type, subject_id)
+        SELECT 'job.' || (i % 20), 'bench', 'ws-' || (i % 50), s.state, 3, 'transient',
+               now() - make_interval(secs => :n - i),
+               CASE WHEN s.state = 'succeeded' THEN now() - make_interval(secs => :n - i) END,
+               'media_item', (i % 2000)::text
+        FROM generate_series(1, :n) AS i,
+             LATERAL (SELECT CASE WHEN i % 10 = 0 THEN 'queued' ELSE 'succeeded' END AS state) AS s
+        """
+    ), {"n": ROWS})
+    conn.execute(text("ANALYZE job_queue"))
+
+
+def _generic_plan(conn: Connection, statement: Statement, params: dict[str, object]) -> str:
+    """The plan Postgres keeps for ``statement`` prepared (its generic plan: parameters unknown), as text."""
+    names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", statement.sql)))
+    sql = re.sub(r"%\((\w+)\)s", lambda m: f"${names.index(m.group(1)) + 1}", statement.sql)
+    conn.exec_driver_sql(f"PREPARE subject_q AS {sql}")
+    conn.exec_driver_sql("SET LOCAL plan_cache_mode = force_generic_plan")
+    values = ", ".join("'" + str(params[n]).replace("'", "''") + "'" for n in names)
+    found = "\n".join(r[0] for r in conn.exec_driver_sql(f"EXPLAIN EXECUTE subject_q({values})"))
+    conn.exec_driver_sql("DEALLOCATE subject_q")
+    conn.exec_driver_sql("RESET plan_cache_mode")
+    return found
+
+
+#: (statement, its parameters): "cancel every open run of this subject", "is one active for it".
+SUBJECT_QUERIES: dict[str, tuple[Statement, dict[str, object]]] = {
+    "cancel_subject": (operator_sql.CANCEL_SUBJECT, {"workspace": "ws-10", "subject_type": "media_item",
+                                                     "subject_id": "1010", "actor": "ops", "reason": "r"}),
+    "active_for_subject": (reads_sql.ACTIVE_FOR_SUBJECT, {"workspace_id": "ws-10", "subject_type": "media_item",
+                                                          "subject_id": "1010", "limit": 10}),
+}
+
+
+@pytest.mark.parametrize("query", list(SUBJECT_QUERIES))
+def test_a_subjects_open_runs_are_read_from_the_partial_index_of_open_subjects(query: str, engine: Engine) -> None:
+    statement, params = SUBJECT_QUERIES[query]
+    with engine.connect() as conn, conn.begin() as tx:  # rolled back: the rows never leave this test
+        _fill_subject_history(conn)
+        # The index holds only the open runs that name a subject (a tenth of the history here).
+        size = conn.execute(text("SELECT count(*) FROM job_queue WHERE subject_type IS NOT NULL "
+                                 "AND state IN ('queued', 'running')")).scalar_one()
+        assert size == ROWS // 10
+        if query == "active_for_subject":   # the tenant's read: the app role under its policy
+            conn.execute(text("SET LOCAL ROLE motir_app"))
+            conn.execute(text("SELECT set_config('motir.workspace_id', 'ws-10', true)"))
+        scans = _index_scans(conn, statement, params)
+        assert scans.get("ix_job_queue_subject_open") in ("Index Scan", "Index Only Scan", "Bitmap Index Scan"), scans
+        # A prepared statement's generic plan (after five calls) uses it too: subject_type = $1 implies the
+        # index's subject_type IS NOT NULL whatever $1 is, and the states are written as the index has them.
+        generic = _generic_plan(conn, statement, params)
+        assert "ix_job_queue_subject_open" in generic and "$1" in generic, generic
+        # Control: without it, the same statement reads the table some other way.
+        conn.execute(text("RESET ROLE"))
+        conn.execute(text("DROP INDEX ix_job_queue_subject_open"))
+        if query == "active_for_subject":
+            conn.execute(text("SET LOCAL ROLE motir_app"))
+        assert "ix_job_queue_subject_open" not in _index_scans(conn, statement, params)
         tx.rollback()

@@ -10,6 +10,10 @@ renewal or settle is refused. A sleeping or waiting run is never woken; no other
 row is read or written (``workspace_id`` is the statement's first predicate). A parent a
 cancelled child woke (the trigger) is published after the commit.
 
+``cancel_subject(engine, "ws-a", ("media_item", "42"), actor=..., reason=...)`` does the same for
+the runs of one subject in the workspace (seed 003: "cancel every pending job for this media item"),
+one statement on the partial index of open runs that name a subject (``ix_job_queue_subject_open``).
+
 ``export_workspace(engine, "ws-a", out)`` then writes every row of the workspace — events, runs,
 steps, attempts, DLQ entries, batch items, progress, stream items, stats rollup — to ``out`` as JSON
 lines (``{"table": ..., "row": {...}}``, each row as Postgres renders it, never decoded here), and
@@ -31,12 +35,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TextIO
 
 from motir_celery.core.operator.dlq import check_actor
+from motir_celery.core.shapes import check_subject
 from motir_celery.store.sql import operator as operator_sql
 
 if TYPE_CHECKING:
     from motir_celery.core.engine import Engine
 
-__all__ = ["Offboarded", "cancel_workspace", "export_workspace", "erase_workspace", "Erased", "WorkspaceActive",
+__all__ = ["Offboarded", "cancel_workspace", "SubjectCancelled", "cancel_subject", "export_workspace", "erase_workspace", "Erased", "WorkspaceActive",
            "IncompleteErase", "ERASED_EVENT", "MAX_REASON"]
 
 log = logging.getLogger("motir_celery.core.operator.offboard")
@@ -93,6 +98,43 @@ def cancel_workspace(engine: Engine, workspace_id: str, *, actor: str, reason: s
     done = Offboarded(workspace_id, job, len(found), sum(1 for r in found if r["was"] == "running"), actor, reason)
     log.warning("workspace %r%s offboarded by %s: %d run(s) cancelled, %d of them running (%s)", workspace_id,
                 f" job {job!r}" if job else "", actor, done.cancelled, done.running, reason)
+    return done
+
+
+@dataclass(frozen=True)
+class SubjectCancelled:
+    """What one ``cancel_subject`` call cancelled."""
+
+    workspace_id: str
+    subject_type: str
+    subject_id: str
+    #: Runs cancelled: queued (due, sleeping, waiting) and running.
+    cancelled: int
+    #: Of them, those that were running (each stops at its next step boundary).
+    running: int
+    actor: str
+    reason: str
+
+
+def cancel_subject(engine: Engine, workspace_id: str, subject: object, *, actor: str,
+                   reason: str) -> SubjectCancelled:
+    """Cancel every queued and running run of ``subject`` (``(type, id)``) in ``workspace_id``, recording
+    ``actor`` and ``reason`` on each, as ``cancel_workspace`` does for a workspace: one statement
+    (``operator_sql.CANCEL_SUBJECT``) on the partial index of open runs that name a subject."""
+    check_actor(actor)
+    _check_text("the workspace", workspace_id, 200)
+    _check_text("the reason (recorded on each cancelled run)", reason, MAX_REASON)
+    kind, ident = check_subject(subject)
+    with engine.pool().connect() as conn:
+        with conn.begin():
+            found = operator_sql.cancel_subject(conn, workspace_id, kind, ident, actor, reason)
+        ids = [r["id"] for r in found]
+        if ids:
+            engine.publish_woken(conn, ids)
+    done = SubjectCancelled(workspace_id, kind, ident, len(found), sum(1 for r in found if r["was"] == "running"),
+                            actor, reason)
+    log.warning("subject %s:%s of workspace %r cancelled by %s: %d run(s), %d of them running (%s)", kind, ident,
+                workspace_id, actor, done.cancelled, done.running, reason)
     return done
 
 

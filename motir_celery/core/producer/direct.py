@@ -30,6 +30,11 @@ what an event job reads from ``event``.
   row and sent as the message priority. ``queue=`` routes this call's message;
   a message the sweeper re-publishes (the first one was lost) follows the job's
   own route (``define_job(queue=)`` / ``task_routes``).
+* **subject.** ``subject=("media_item", "42")`` names what the run is about (seed 003): a type of
+  1-64 of ``A-Za-z0-9_.-`` and an id of 1-255 characters, kept in the arguments' ``"subject"`` and
+  on the run's row (``subject_type``, ``subject_id``; migration 0020), so an operator cancels a
+  subject's open runs in one statement (``cancel_subject``) and a producer asks whether one is
+  already active for it (``active_for_subject``).
 * **Publishing** happens after the commit that created the run; with
   ``session=`` (SQLAlchemy), or inside a framework transaction the engine
   joins (``Engine.join_transactions``: Django's ``atomic()``), when that
@@ -61,7 +66,7 @@ from motir_celery.core.jobs import CanvasNotSupported, Job
 from motir_celery.core.producer.events import MAX_IDEMPOTENCY_KEY, publish_after_commit, validate_event
 from motir_celery.core.producer.results import CommitGate, RunHandle
 from motir_celery.core.publish import Publish, publish_or_log
-from motir_celery.core.shapes import event_name
+from motir_celery.core.shapes import check_subject, event_name
 from motir_celery.core.tracing import current_traceparent
 from motir_celery.errors import PayloadError, checked_delay
 from motir_celery.settings import Settings
@@ -84,7 +89,7 @@ log = logging.getLogger("motir_celery.core.producer.direct")
 
 #: What apply_async accepts besides args and kwargs (anything else is refused by name).
 APPLY_ASYNC_OPTIONS = ("countdown", "eta", "queue", "priority", "task_id", "idempotency_key", "workspace_id",
-                       "session")
+                       "subject", "session")
 #: Celery's canvas internals (what its chain/chord put on a message): refused, pointing at the canvas.
 _CANVAS_OPTIONS = ("link", "link_error", "chain", "chord", "group_id")
 
@@ -147,6 +152,12 @@ def prepare(job: Job, args: Sequence[Any], kwargs: Mapping[str, Any], options: M
     data: dict[str, Any] = {"args": list(args), "kwargs": dict(kwargs)}
     if celery:
         data["celery"] = dict(celery)
+    if options.get("subject") is not None:
+        try:
+            kind, ident = check_subject(options["subject"])
+        except ValueError as exc:
+            raise PayloadError(f"job {job.id!r}: {exc}") from None
+        data["subject"] = {"type": kind, "id": ident}   # migration 0020's writer copies it to the run's row
     name = event_name(job.id)
     try:
         encoded, workspace_id = validate_event(name, data, workspace_id, key, settings.max_payload_bytes)

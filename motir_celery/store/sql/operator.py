@@ -77,8 +77,17 @@ def entry_status(conn: Conn, dlq_id: uuid.UUID) -> dict[str, Any] | None:
 
 REPLAY_LINK = Statement(
     "replay_link",
-    "Link a replayed DLQ entry to the run its replay made.",
-    "UPDATE job_run_dlq SET replay_run_id = %(run_id)s WHERE id = %(id)s",
+    "Link a replayed DLQ entry to the run its replay made, which takes the failed run's subject.",
+    """
+    WITH linked AS (
+      UPDATE job_run_dlq SET replay_run_id = %(run_id)s WHERE id = %(id)s
+      RETURNING run_id AS failed_run
+    )
+    UPDATE job_queue q SET subject_type = f.subject_type, subject_id = f.subject_id
+    FROM linked l JOIN job_queue f ON f.id = l.failed_run    -- the run that failed (NULL once purged: none)
+    WHERE q.id = %(run_id)s                                  -- the replay's run, written in this transaction
+      AND f.subject_type IS NOT NULL                         -- it named a subject
+    """,
 )
 
 
@@ -163,6 +172,39 @@ def cancel_workspace(conn: Conn, workspace: str, job: str | None, actor: str,
     and ``reason`` on each: ``[{id, was}]``, ``was`` the state it had. A running one stops at its next
     step boundary (its token cleared); a sleeping or waiting one is never woken."""
     return rows(conn, CANCEL_WORKSPACE, {"workspace": workspace, "job": job, "actor": actor, "reason": reason})
+
+
+CANCEL_SUBJECT = Statement(
+    "cancel_subject",
+    "Offboarding a subject: cancel every queued (sleeping, waiting) and running run of one subject in one workspace, audited.",
+    """
+    WITH target AS (
+      SELECT id, state FROM job_queue
+      WHERE subject_type = %(subject_type)s AND subject_id = %(subject_id)s   -- the subject (ix_job_queue_subject_open)
+        AND workspace_id = %(workspace)s            -- in the workspace named (a tenant's: never the system's)
+        AND state IN ('queued', 'running')          -- pending (queued, sleeping, waiting) or running; a finished run stays
+      FOR UPDATE                                    -- a claim or settle racing this one waits, then finds it cancelled
+    ), cancelled AS (
+      UPDATE job_queue q
+      SET state = 'cancelled', finished_at = now(), claim_token = NULL, lease_expires_at = NULL,
+          wait_event = NULL, cancelled_by = %(actor)s, cancel_reason = %(reason)s
+      FROM target t WHERE q.id = t.id
+      RETURNING q.id, t.state AS was
+    ), ledger AS (
+      UPDATE job_run r SET outcome = 'cancelled', finished_at = now()
+      FROM cancelled c WHERE r.run_id = c.id AND r.outcome = 'running'
+    )
+    SELECT id, was FROM cancelled
+    """,
+)
+
+
+def cancel_subject(conn: Conn, workspace: str, subject_type: str, subject_id: str, actor: str,
+                   reason: str) -> list[dict[str, Any]]:
+    """Cancel the queued and running runs of one subject in ``workspace``, recording ``actor`` and
+    ``reason`` on each: ``[{id, was}]``, as ``cancel_workspace``."""
+    return rows(conn, CANCEL_SUBJECT, {"workspace": workspace, "subject_type": subject_type,
+                                       "subject_id": subject_id, "actor": actor, "reason": reason})
 
 
 # --- resume ----------------------------------------------------------------------------

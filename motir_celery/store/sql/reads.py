@@ -739,6 +739,27 @@ def run_progress(conn: Conn, run_id: uuid.UUID, workspace_id: str | None) -> dic
     return first(conn, RUN_PROGRESS, {"run_id": run_id, "workspace_id": workspace_id})
 
 
+ACTIVE_FOR_SUBJECT = Statement(
+    "active_for_subject",
+    "The open (queued, sleeping, waiting, running) runs of one subject in one workspace: is one already active for it.",
+    """
+    SELECT id, job_id, state, run_at, wait_event, created_at
+    FROM job_queue
+    WHERE subject_type = %(subject_type)s AND subject_id = %(subject_id)s   -- the subject (ix_job_queue_subject_open)
+      AND workspace_id IS NOT DISTINCT FROM %(workspace_id)s   -- this workspace's (None: the system's); RLS agrees
+      AND state IN ('queued', 'running')                       -- open: a finished run is history (and not indexed)
+    ORDER BY created_at, id
+    LIMIT %(limit)s
+    """,
+)
+
+
+def active_for_subject(conn: Conn, subject_type: str, subject_id: str, workspace_id: str | None,
+                       limit: int) -> list[dict[str, Any]]:
+    return rows(conn, ACTIVE_FOR_SUBJECT, {"subject_type": subject_type, "subject_id": subject_id,
+                                           "workspace_id": workspace_id, "limit": limit})
+
+
 STREAM_ITEMS = Statement(
     "stream_items",
     "Items of one stream of a run after a position (or from an offset), in order, with the run's state in the same snapshot.",
