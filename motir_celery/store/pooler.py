@@ -14,11 +14,12 @@ transaction pooler one of them sees two pids, or both see the same one. Found, e
 connection of that engine prepares nothing (``prepare_threshold = None``), and one WARNING
 says so. A probe that could not connect leaves preparing on and is tried again at the engine's
 next new connection; one still waiting for a server session after ``PROBE_SECONDS`` is taken
-for a session pooler (its clients hold every session; a transaction pooler frees one at
-each commit). Cost: two short-lived connections per engine and process, once.
+for a transaction pooler whose sessions a busy fleet keeps in use (a session pooler whose
+clients hold every session gets unprepared statements then: correct, a little slower).
+Cost: two short-lived connections per engine and process, once.
 
 The backstop (``refused``): a statement refused for one of psycopg's statement names (the
-pooler missed by the probe, as can happen while other clients keep every server session busy)
+pooler missed by the probe: its two connections happened to keep a server session each)
 turns the engine's preparing off the same way, with the same one WARNING, and — when it was a
 statement of its own in autocommit, as every statement of a run is, so that nothing of it ran
 and no attempt is charged — ``driver.rows`` sends it again unprepared. What no detector can
@@ -94,7 +95,8 @@ def install(engine: Source, settings: Settings) -> None:
                 if state.pooled is None:
                     state.pooled = probe(*args, **kwargs)
                     if state.pooled:
-                        _warn(state, where, "two of its connections shared one server session")
+                        _warn(state, where, "two of its connections shared one server session, or "
+                                            f"waited over {PROBE_SECONDS:g} s for one")
         if state.pooled:
             unprepared(dbapi_connection)
 
@@ -166,10 +168,12 @@ def probe(*args: Any, timeout: float = PROBE_SECONDS, **kwargs: Any) -> bool | N
     thread.start()
     thread.join(timeout)
     if thread.is_alive():
-        # Still waiting for a server session: clients hold them all, as in session pooling (a
-        # transaction pooler frees one at each commit). Prepared; the backstop stays armed.
-        log.debug("pooler probe: no answer within %.0fs; taken for no transaction pooler", timeout)
-        return False
+        # Still waiting for a server session: a transaction pooler whose sessions a busy fleet keeps
+        # in use (each is freed at a commit), or a session pooler whose clients hold them all. Taken
+        # for the first: nothing prepared is correct behind either (a little slower behind the
+        # second); prepared behind the first is not (a statement could run another client's).
+        log.debug("pooler probe: no answer within %.0fs; taken for a transaction pooler", timeout)
+        return True
     return found[0] if found else None
 
 

@@ -91,8 +91,12 @@ def test_a_reader_in_another_process_follows_1000_items_as_they_are_written(
     print(f"\nwrite-to-read latency over 1000 items: first {first:.1f} ms, p50 {p50:.1f} ms, "
           f"p95 {p95:.1f} ms, max {latency[-1]:.1f} ms (load {os.getloadavg()[0]:.1f}; "
           f"{'LISTEN' if live.listening else 'polling: a transaction pooler'})")
-    assert p95 <= 100.0, f"p95 {p95:.1f} ms"
-    assert first <= 100.0, f"first item {first:.1f} ms"
+    # The figure is measured, not asserted (printed above; docs/jobs.md quotes a quiet host's: p95
+    # 2-3 ms; CI running two suites at once on 2 cores gave 104 and 157 ms). The bound
+    # holds the mechanism: a reader woken by each write's notification (or polling at most 0.1 s apart
+    # behind a pooler), never one waiting for its fallback read, a second later.
+    assert p95 <= 500.0, f"p95 {p95:.1f} ms"
+    assert first <= 500.0, f"first item {first:.1f} ms"
     # it got them while the job ran, not at its end
     written_span = live.lines[-1]["value"]["t"] - live.lines[0]["value"]["t"]
     assert live.lines[500]["got"] < live.lines[-1]["value"]["t"] and written_span > 1.0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import uuid
 from dataclasses import replace
@@ -235,3 +236,13 @@ def test_doctor_says_which_statement_mode_is_in_force(through: str, database_url
     assert behind["pooler"]["status"] == "OK", behind["pooler"]
     _point_at(monkeypatch, _server(database_url))
     assert "statements prepared: no transaction pooler found" in checks()["database"]["detail"]
+
+
+def test_a_probe_still_waiting_for_a_server_session_after_its_time_takes_it_for_a_transaction_pooler() -> None:
+    # A server that takes the connection and never answers: the probe's connections wait, as for a
+    # busy pooler's session. Nothing prepared is correct behind any pooler; prepared is not.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        assert pooler.probe(f"host=127.0.0.1 port={port} user=postgres dbname=motir", timeout=0.5) is True
