@@ -140,17 +140,9 @@ def cancel(conn: Conn, run_id: uuid.UUID) -> bool:
     return bool(row and row["cancelled"])
 
 
-CANCEL_WORKSPACE = Statement(
-    "cancel_workspace",
-    "Offboarding: cancel every queued (sleeping, waiting) and running run of one workspace, or of one job in it, audited.",
-    """
-    WITH target AS (
-      SELECT id, state FROM job_queue
-      WHERE workspace_id = %(workspace)s            -- the workspace offboarded (a tenant's: never the system's)
-        AND state IN ('queued', 'running')          -- pending (queued, sleeping, waiting) or running; a finished run stays
-        AND (CAST(%(job)s AS text) IS NULL OR job_id = %(job)s)   -- --job: one job of it
-      FOR UPDATE                                    -- a claim or settle racing this one waits, then finds it cancelled
-    ), cancelled AS (
+#: The cancels' common end: each run of ``target`` (id, state) cancelled with its actor and reason,
+#: its running attempt's ledger row closed; the runs and the states they had returned.
+_CANCELLED = """), cancelled AS (
       UPDATE job_queue q
       SET state = 'cancelled', finished_at = now(), claim_token = NULL, lease_expires_at = NULL,
           wait_event = NULL, cancelled_by = %(actor)s, cancel_reason = %(reason)s
@@ -161,7 +153,21 @@ CANCEL_WORKSPACE = Statement(
       FROM cancelled c WHERE r.run_id = c.id AND r.outcome = 'running'
     )
     SELECT id, was FROM cancelled
-    """,
+    """
+
+
+CANCEL_WORKSPACE = Statement(
+    "cancel_workspace",
+    "Offboarding: cancel every queued (sleeping, waiting) and running run of one workspace, or of one job in it, audited.",
+    """
+    WITH target AS (
+      SELECT id, state FROM job_queue
+      WHERE workspace_id = %(workspace)s            -- the workspace offboarded (a tenant's: never the system's)
+        AND state IN ('queued', 'running')          -- pending (queued, sleeping, waiting) or running; a finished run stays
+        AND (CAST(%(job)s AS text) IS NULL OR job_id = %(job)s)   -- --job: one job of it
+      FOR UPDATE                                    -- a claim or settle racing this one waits, then finds it cancelled
+    """
+    + _CANCELLED,
     prepare=False,   # an optional predicate: planned for each call's filter (driver.Statement)
 )
 
@@ -184,18 +190,8 @@ CANCEL_SUBJECT = Statement(
         AND workspace_id = %(workspace)s            -- in the workspace named (a tenant's: never the system's)
         AND state IN ('queued', 'running')          -- pending (queued, sleeping, waiting) or running; a finished run stays
       FOR UPDATE                                    -- a claim or settle racing this one waits, then finds it cancelled
-    ), cancelled AS (
-      UPDATE job_queue q
-      SET state = 'cancelled', finished_at = now(), claim_token = NULL, lease_expires_at = NULL,
-          wait_event = NULL, cancelled_by = %(actor)s, cancel_reason = %(reason)s
-      FROM target t WHERE q.id = t.id
-      RETURNING q.id, t.state AS was
-    ), ledger AS (
-      UPDATE job_run r SET outcome = 'cancelled', finished_at = now()
-      FROM cancelled c WHERE r.run_id = c.id AND r.outcome = 'running'
-    )
-    SELECT id, was FROM cancelled
-    """,
+    """
+    + _CANCELLED,
 )
 
 
