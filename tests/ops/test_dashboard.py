@@ -323,3 +323,35 @@ def test_an_operator_cancels_a_workspaces_work_from_the_runs_page_and_a_tenant_c
     with engine.connect() as conn:
         assert conn.execute(text("SELECT DISTINCT cancel_reason FROM job_queue WHERE workspace_id = 'ws-a'")
                             ).scalar_one() == "contract ended"
+
+
+# --- admission: the operator's view (issue 46) ----------------------------------------------------
+
+
+def test_an_operator_sees_the_fleets_admission_and_every_workspaces_quota_and_a_tenant_is_refused(
+        client: TestClient, engine: Any) -> None:
+    """/quotas: the fleet's limit, in flight and held, and per workspace its weight, cap, in flight and
+    held, as ``motir quota show`` reads them; the nav links it for operators only."""
+    off = client.get("/quotas", headers=OPS)
+    assert off.status_code == 200 and 'data-testid="fleet-limit">off<' in off.text
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO job_admission (name, max_in_flight, updated_by) VALUES ('fleet', 64, 'ops')"))
+        conn.execute(text("INSERT INTO job_quota (workspace_id, weight, max_running, updated_by) "
+                          "VALUES ('ws-a', 3, 10, 'ops'), ('ws-b', 7, NULL, 'ops')"))
+        insert = ("INSERT INTO job_queue (job_id, event_name, workspace_id, max_attempts, retry_policy, state, "
+                  "dispatched_at) SELECT 'job.a', 'e', :ws, 3, 'transient', :state, :at FROM generate_series(1, :n)")
+        for ws, state, at, n in (("ws-a", "running", "-infinity", 8), ("ws-a", "queued", "infinity", 312),
+                                 ("ws-b", "queued", "-infinity", 2), ("ws-c", "queued", "infinity", 5)):
+            conn.execute(text(insert), {"ws": ws, "state": state, "at": at, "n": n})
+    page = client.get("/quotas", headers=OPS)
+    assert page.status_code == 200
+    html = page.text
+    assert 'data-testid="fleet-limit">64<' in html
+    assert 'data-testid="fleet-in-flight">10<' in html and 'data-testid="fleet-held">317<' in html
+    assert "ws-a: 8 of 10 in flight, 312 held" in html
+    assert "ws-b: 2 in flight, 0 held" in html            # no cap: no "of"
+    assert "without a quota row (weight 1, no cap): 0 in flight, 5 held" in html   # ws-c
+    assert 'data-testid="nav-quotas"' in html
+    tenant = client.get("/quotas", headers=ALICE)
+    assert tenant.status_code == 403 and "for operators" in tenant.text and "312" not in tenant.text
+    assert 'data-testid="nav-quotas"' not in client.get("/health", headers=ALICE).text

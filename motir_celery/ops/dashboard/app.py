@@ -1,5 +1,5 @@
 """The dashboard: runs, a run's timeline and tree, events, the DLQ with Replay and Resume (one or many), health,
-insights (ops/insights.py, charts.py), /metrics.
+insights (ops/insights.py, charts.py), admission and quotas (operators), /metrics.
 
 Starlette with server-rendered Jinja2 templates: no JavaScript, no front-end
 build, one stylesheet. Pages refresh themselves (a meta refresh) while a run
@@ -59,6 +59,7 @@ from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from motir_celery.contrib import sse
+from motir_celery.core import admission
 from motir_celery.core.engine import Engine
 from motir_celery.core.operator import bulk as bulk_ops
 from motir_celery.core.operator import dlq as dlq_ops
@@ -119,6 +120,44 @@ class DashboardConfig:
         ``motir dashboard``'s options, or this class's fields for an app made in code."""
         env = os.environ if env is None else env
         return cls(auth=AuthConfig.from_env(env), secret=env.get("MOTIR_DASHBOARD_SECRET", "").strip() or None)
+
+
+@dataclass(frozen=True)
+class QuotaLine:
+    """One workspace's quota row (``workspace`` None: the system runs) and its runs in flight and held."""
+
+    workspace: str | None
+    weight: int
+    max_running: int | None
+    in_flight: int
+    held: int
+    updated_at: datetime
+    updated_by: str | None
+
+
+@dataclass(frozen=True)
+class AdmissionView:
+    """The operator's page of admission: the fleet's limit (None: off), its runs in flight and held,
+    the quota rows, and what the workspaces without a row (weight 1, no cap) have in flight and held."""
+
+    limit: int | None
+    in_flight: int
+    held: int
+    lines: list[QuotaLine]
+    others_in_flight: int
+    others_held: int
+
+    @classmethod
+    def of(cls, fleet: Mapping[str, Any], rows: list[dict[str, Any]]) -> "AdmissionView":
+        """From ``core.admission.quotas``' two reads (each its own statement: a total may lag a row by
+        a run, so what the rows leave to the others is never shown below 0)."""
+        lines = [QuotaLine(workspace=r["workspace_id"], weight=int(r["weight"]), max_running=r["max_running"],
+                           in_flight=int(r["in_flight"]), held=int(r["held"]), updated_at=r["updated_at"],
+                           updated_by=r["updated_by"]) for r in rows]
+        in_flight, held = int(fleet["in_flight"]), int(fleet["held"])
+        return cls(limit=fleet["fleet_limit"], in_flight=in_flight, held=held, lines=lines,
+                   others_in_flight=max(0, in_flight - sum(q.in_flight for q in lines)),
+                   others_held=max(0, held - sum(q.held for q in lines)))
 
 
 class _Dashboard:
@@ -440,6 +479,24 @@ class _Dashboard:
 
         health, quota, read = await run_in_threadpool(load)
         return self.render(request, who, "health.html", h=health, quota=quota, now=health.now, read=read)
+
+    async def quotas(self, request: Request, who: Identity) -> Response:
+        """Admission as the operator sees it (operators only; docs/fair-share.md): the fleet's limit, its
+        runs in flight and held, and each workspace's weight, cap, in flight and held — what ``motir quota
+        show`` prints, from the same function. ``job_admission`` is the engine role's only, so it is read
+        through the engine (the primary), as the operator's actions write."""
+        if not who.admin:
+            return self.problem(request, 403, "admission and quotas are for operators", who)
+
+        def load() -> tuple[AdmissionView, reads.Freshness]:
+            fleet, rows = admission.quotas(self.engine)
+            with self.session(who) as s:
+                now = reads.freshness(s).now
+            # Read on the primary: no standby banner (the numbers are not a standby's).
+            return AdmissionView.of(fleet, rows), reads.Freshness(now=now)
+
+        view, read = await run_in_threadpool(load)
+        return self.render(request, who, "quotas.html", a=view, now=read.now, read=read)
 
     # --- actions ----------------------------------------------------------------
 
@@ -822,6 +879,7 @@ def create_app(
         Route("/events", d.page(d.events)),
         Route("/health", d.page(d.health)),
         Route("/insights", d.page(d.insights)),
+        Route("/quotas", d.page(d.quotas)),
         Route("/metrics", d.metrics),
         Route("/healthz", d.healthz),
         Route("/static/style.css", d.stylesheet),
