@@ -26,9 +26,10 @@ own memory (``_fired`` below) only saves it redundant INSERTs; it never decides
 what a slot is or whether it runs. One beat is still the recommended deployment
 (docs/jobs.md, "Scheduled jobs").
 
-The engine's own cron job, ``system.daily-health-check`` (core/system_jobs.py), is fired with the
-app's; an app whose configuration says ``motir_health_check = False`` (Django:
-``CELERY_MOTIR_HEALTH_CHECK = False``) does not fire it.
+The engine's own cron jobs, ``system.daily-health-check`` and ``system.daily-retention``
+(core/system_jobs.py), are fired with the app's; an app whose configuration says
+``motir_health_check = False`` (Django: ``CELERY_MOTIR_HEALTH_CHECK = False``) does not fire the
+first, ``motir_retention = False`` (``CELERY_MOTIR_RETENTION``) the second.
 """
 
 from __future__ import annotations
@@ -47,14 +48,15 @@ from celery.schedules import crontab, schedule
 from motir_celery.adapter.messages import engine_of
 from motir_celery.core.engine import Engine
 from motir_celery.core.jobs import Job, all_jobs, get_job, job_for_task
+from motir_celery.core.retention import RETENTION_KEY, retention_period
 from motir_celery.core.schedule import ScheduleOptions, is_slot, latest_slot, newest_slots, next_slot, schedule_options
-from motir_celery.core.system_jobs import HEALTH_CHECK
+from motir_celery.core.system_jobs import HEALTH_CHECK, RETENTION
 from motir_celery.errors import JobDefinitionError
 from motir_celery.store.records import AlreadyQueued, OverlapSkipped, Queued
 from motir_celery.store.sql import producer as producer_sql
 
 __all__ = ["enqueue_slot", "OverlapSkipped", "MotirCronMixin", "MotirScheduler", "SCHEDULER", "beat_tick_id",
-           "FIRE_HEALTH_CHECK"]
+           "FIRE_HEALTH_CHECK", "FIRE_RETENTION"]
 
 log = logging.getLogger("motir_celery.adapter.beat")
 
@@ -63,6 +65,9 @@ SCHEDULER = "motir_celery.beat:MotirScheduler"
 #: The app configuration key (Django: ``CELERY_MOTIR_HEALTH_CHECK``) that, ``False``, keeps the beat
 #: from firing the engine's own ``system.daily-health-check``.
 FIRE_HEALTH_CHECK = "motir_health_check"
+#: The key (Django: ``CELERY_MOTIR_RETENTION``) that, ``False``, keeps the beat from firing the
+#: engine's own ``system.daily-retention``; a number of days or a timedelta is its period.
+FIRE_RETENTION = RETENTION_KEY
 
 #: Most slots one job may enqueue in one pass (a catch-up window over a dense
 #: schedule); the newest are kept.
@@ -107,6 +112,15 @@ def _enqueue(engine: Engine, job: Job, opts: ScheduleOptions, slot: datetime) ->
     if isinstance(result, Queued):
         engine.publish(result.run_id, result.job_id, 0.0)
     return result
+
+
+def _retention_off(value: object) -> bool:
+    """``motir_retention`` says off. A value it cannot read is not off: the run fails with the
+    reason, where an operator sees it (the DLQ), rather than retention stopping in silence."""
+    try:
+        return retention_period(value) is None
+    except ValueError:
+        return False
 
 
 def _instant(value: datetime | str) -> datetime:
@@ -204,9 +218,13 @@ class MotirCronMixin:
 
     def _motir_jobs(self) -> list[tuple[Job, ScheduleOptions]]:
         jobs = []
-        health_check = bool(self.app.conf.get(FIRE_HEALTH_CHECK, True))
+        off = set()
+        if not self.app.conf.get(FIRE_HEALTH_CHECK, True):
+            off.add(HEALTH_CHECK)
+        if _retention_off(self.app.conf.get(FIRE_RETENTION)):
+            off.add(RETENTION)
         for job in all_jobs():
-            if job.cron is None or (job.id == HEALTH_CHECK and not health_check):
+            if job.cron is None or job.id in off:
                 continue
             try:
                 jobs.append((job, schedule_options(job.id, job.options)))

@@ -96,6 +96,10 @@ class CeleryHost:
     def __repr__(self) -> str:
         return f"<CeleryHost {self.app.main}>"
 
+    def app_setting(self, key: str, default: object = None) -> object:
+        """The app's configuration key ``key`` (the engine's own jobs read theirs: core/system_jobs.py)."""
+        return self.app.conf.get(key, default)
+
     @property
     def eager(self) -> bool:
         return bool(self.app.conf.task_always_eager)

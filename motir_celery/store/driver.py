@@ -44,7 +44,8 @@ if TYPE_CHECKING:  # callers bring SQLAlchemy's: a worker never imports it (its 
     #: A connection a statement is sent on: the engine's own, or a caller's SQLAlchemy one.
     Conn: TypeAlias = "PooledConnection | Connection"
 
-__all__ = ["Statement", "rows", "first", "rows_async", "plan", "through_libpq_prepared", "database_errors"]
+__all__ = ["Statement", "rows", "first", "rows_async", "plan", "through_libpq_prepared", "database_errors",
+           "integrity_errors"]
 
 
 def database_errors() -> tuple[type[BaseException], ...]:
@@ -52,6 +53,13 @@ def database_errors() -> tuple[type[BaseException], ...]:
     SQLAlchemy's ``DBAPIError`` on a SQLAlchemy one (when SQLAlchemy is imported at all)."""
     sa = sys.modules.get("sqlalchemy.exc")
     return (psycopg.Error,) if sa is None else (psycopg.Error, sa.DBAPIError)
+
+
+def integrity_errors() -> tuple[type[BaseException], ...]:
+    """What a statement a constraint refused fails with, on either kind of connection (as
+    ``database_errors``): psycopg's ``IntegrityError``, and SQLAlchemy's when it is imported."""
+    sa = sys.modules.get("sqlalchemy.exc")
+    return (psycopg.IntegrityError,) if sa is None else (psycopg.IntegrityError, sa.IntegrityError)
 
 
 class Statement(NamedTuple):

@@ -32,11 +32,12 @@ import tests.fixtures.jobs  # noqa: F401  (event jobs, for the "event enqueue un
 from motir_celery import enqueue_scheduled
 from motir_celery.adapter.beat import SCHEDULER, MotirScheduler, OverlapSkipped, enqueue_slot
 from motir_celery.adapter.celery_app import attach, create_app
-from motir_celery.adapter.messages import host
+from motir_celery.adapter.messages import host, hosts
 from motir_celery.core.jobs import get_job
 from motir_celery.core.producer.events import dispatch_event
+from motir_celery.core.retention import retention_period
 from motir_celery.core.schedule import latest_slot, schedule_options, slots_between
-from motir_celery.core.system_jobs import HEALTH_CHECK
+from motir_celery.core.system_jobs import HEALTH_CHECK, RETENTION, AppSettings
 from motir_celery.errors import JobDefinitionError
 from motir_celery.settings import Settings
 from motir_celery.store.db import workspace_session
@@ -344,6 +345,18 @@ def test_an_app_that_turns_the_health_check_off_fires_every_cron_job_but_it(engi
     assert HEALTH_CHECK not in scheduler.info and bj.EVERY_2S in scheduler.info
 
 
+@pytest.mark.parametrize("setting,fired", [(None, True), (7, True), (timedelta(hours=12), True),
+                                             ("30d", True), (False, False), (0, False)])
+def test_beat_fires_the_daily_retention_unless_the_app_turns_it_off(engine, scheduler, published, setting, fired):  # type: ignore[no-untyped-def]
+    if setting is not None:
+        scheduler.app.conf.motir_retention = setting  # Django: CELERY_MOTIR_RETENTION = ...
+    scheduler._motir_pass()
+    # A value it cannot read ("30d") is fired all the same: its run fails with the reason, in the DLQ.
+    assert len(rows(engine, RETENTION)) == (1 if fired else 0)
+    assert (RETENTION in {c[1] for c in published}) is fired
+    assert len(rows(engine, HEALTH_CHECK)) == 1 and len(rows(engine, bj.EVERY_2S)) == 1
+
+
 def test_attach_installs_our_scheduler_unless_the_user_chose_one(broker_url):  # type: ignore[no-untyped-def]
     plain = Celery("plain", set_as_current=False)
     plain.conf.broker_url = "memory://"
@@ -351,7 +364,18 @@ def test_attach_installs_our_scheduler_unless_the_user_chose_one(broker_url):  #
     theirs = Celery("theirs", set_as_current=False)
     theirs.conf.update(broker_url="memory://", beat_scheduler="django_celery_beat.schedulers:DatabaseScheduler")
     assert attach(theirs).conf.beat_scheduler == "django_celery_beat.schedulers:DatabaseScheduler"
-    assert f"motir.{HEALTH_CHECK}" in attach(plain).tasks
+    assert f"motir.{HEALTH_CHECK}" in attach(plain).tasks and f"motir.{RETENTION}" in attach(plain).tasks
+
+
+def test_the_daily_retention_reads_its_period_from_the_app_its_worker_attached() -> None:
+    app = Celery("retention-key", set_as_current=False)
+    app.conf.broker_url = "memory://"
+    engine = hosts(attach(app))
+    assert engine is not None
+    on_app = engine.host
+    assert isinstance(on_app, AppSettings) and on_app.app_setting("motir_retention") is None  # the default
+    app.conf.motir_retention = 90   # Django: CELERY_MOTIR_RETENTION = 90
+    assert retention_period(on_app.app_setting("motir_retention")) == timedelta(days=90)
 
 
 # --- real processes --------------------------------------------------------------------------
@@ -443,13 +467,14 @@ def test_three_real_beats_make_exactly_one_run_per_slot_none_missing(engine, bro
     # overlap="skip": its first run was never picked up (no worker), so every later slot is a recorded skip.
     skip_states = Counter(r.state for r in rows(engine, bj.EVERY_1S_SKIP))
     assert skip_states == {"queued": 1, "cancelled": len(skip) - 1}
-    assert len(rows(engine, HEALTH_CHECK)) == 1
+    assert len(rows(engine, HEALTH_CHECK)) == 1 and len(rows(engine, RETENTION)) == 1  # one run per slot
 
     # The beats really raced: runs were created by more than one of them, and the
     # losers were answered AlreadyQueued by the database.
     created = [len(re.findall(r"motir: queued ", t)) for t in logs]
     answered = sum(len(re.findall(r"already queued", t)) for t in logs)
-    total_runs = sum(1 for job in (bj.EVERY_2S, bj.EVERY_3S_CATCHUP, bj.EVERY_1S_SKIP, HEALTH_CHECK, bj.FAILING)
+    total_runs = sum(1 for job in (bj.EVERY_2S, bj.EVERY_3S_CATCHUP, bj.EVERY_1S_SKIP, HEALTH_CHECK, RETENTION,
+                                   bj.FAILING)
                      for r in rows(engine, job) if r.state != "cancelled")
     # (the SIGKILLed beat may have died between a commit and its log line)
     assert total_runs - 1 <= sum(created) <= total_runs, (created, total_runs)

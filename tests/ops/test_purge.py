@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
+from typing import Any
 
+import pytest
 from sqlalchemy import text
 
+from motir_celery.adapter.beat import enqueue_slot
+from motir_celery.core.jobs import get_job
 from motir_celery.core.operator.dlq import dismiss_dlq
+from motir_celery.core.retention import retention_period
+from motir_celery.core.schedule import latest_slot
+from motir_celery.core.system_jobs import RETENTION
+from motir_celery.core.worker.runner import Outcome
 from motir_celery.ops.purge import purge
+from motir_celery.store.records import Queued
+from motir_celery.testing import Held
 from tests.fixtures.engines import holding
-from tests.fixtures.ops_helpers import age, dead_letter, emit, run_event
+from tests.fixtures.ops_helpers import WORKER, age, dead_letter, emit, run_event
 
 THIRTY_DAYS = timedelta(days=30)
 
@@ -193,3 +203,77 @@ def test_purge_takes_a_runs_progress_and_stream_items_with_it(engine) -> None:  
     assert _count(engine, "job_progress", "run_id = :r", r=old) == 0
     assert _count(engine, "job_stream_item", "run_id = :r", r=recent) == 4
     assert _count(engine, "job_progress", "run_id = :r", r=recent) == 1
+
+
+# --- the engine's own daily retention (core/system_jobs.py), under an app's motir_retention ----------
+
+
+class _AppHost(Held):
+    """A host whose app's configuration is ``conf`` (as adapter/messages.py's CeleryHost reads it)."""
+
+    def __init__(self, conf: dict[str, Any]) -> None:
+        super().__init__()
+        self.conf = conf
+
+    def app_setting(self, key: str, default: object = None) -> object:
+        return self.conf.get(key, default)
+
+
+def _retention_run(conf: dict[str, Any]) -> Outcome:
+    """One attempt of the slot's run, on an engine hosted by an app configured with ``conf``."""
+    engine = holding(_AppHost(conf))
+    job = get_job(RETENTION)
+    slot = latest_slot(job.cron or "", job.timezone, datetime.now(timezone.utc))
+    assert slot is not None
+    queued = enqueue_slot(engine, RETENTION, slot)
+    assert isinstance(queued, Queued)
+    return engine.execute(queued.run_id, job_id=RETENTION, worker=WORKER)
+
+
+def test_the_daily_retention_keeps_the_period_the_app_configures(engine) -> None:  # type: ignore[no-untyped-def]
+    ten_days = run_event("test.three", {})["test.three-steps"]
+    three_days = run_event("test.three", {})["test.three-steps"]
+    age(engine, "UPDATE job_queue SET finished_at = now() - interval '10 days' WHERE id = :r", r=ten_days)
+    age(engine, "UPDATE job_queue SET finished_at = now() - interval '3 days' WHERE id = :r", r=three_days)
+
+    outcome = _retention_run({"motir_retention": 7})  # Django: CELERY_MOTIR_RETENTION = 7
+
+    result = outcome.result
+    assert outcome.state == "succeeded" and result["runs"] == 1 and result["older_than_seconds"] == 7 * 86400
+    assert _count(engine, "job_queue", "id = :r", r=ten_days) == 0
+    assert _count(engine, "job_queue", "id = :r", r=three_days) == 1
+
+
+def test_the_daily_retention_turned_off_deletes_nothing_even_when_run_by_hand(engine) -> None:  # type: ignore[no-untyped-def]
+    old = run_event("test.three", {})["test.three-steps"]
+    _make_old(engine)
+
+    outcome = _retention_run({"motir_retention": False})
+
+    assert outcome.state == "succeeded" and outcome.result["skipped"] == "motir_retention is off"
+    assert _count(engine, "job_queue", "id = :r", r=old) == 1
+
+
+def test_the_daily_retention_under_an_unreadable_period_fails_with_the_reason(engine) -> None:  # type: ignore[no-untyped-def]
+    old = run_event("test.three", {})["test.three-steps"]
+    _make_old(engine)
+
+    outcome = _retention_run({"motir_retention": "30d"})
+
+    assert outcome.state in ("retrying", "failed")  # each attempt fails the same way, then the DLQ
+    assert "motir_retention must be False, a number of days or a timedelta" in str(outcome.error)
+    assert _count(engine, "job_queue", "id = :r", r=old) == 1
+
+
+@pytest.mark.parametrize("value,period", [
+    (None, timedelta(days=30)), (True, timedelta(days=30)), (False, None), (0, None), (0.0, None),
+    (90, timedelta(days=90)), (0.5, timedelta(hours=12)), (timedelta(hours=6), timedelta(hours=6)),
+])
+def test_motir_retention_values(value: object, period: timedelta | None) -> None:
+    assert retention_period(value) == period
+
+
+@pytest.mark.parametrize("value", ["30d", -1, timedelta(0), timedelta(days=-1), 40_000, float("inf"), [30]])
+def test_motir_retention_refuses_what_it_cannot_read(value: object) -> None:
+    with pytest.raises(ValueError, match="motir_retention must be"):
+        retention_period(value)

@@ -1,7 +1,7 @@
 """Maintenance: the sweeper's statements (expired leases, lost messages, the fleet's sweep slot, the stats rollup's fold), retention's, and the job registry's.
 
 What makes "nothing is lost" true when processes and brokers fail (core/worker/sweeper.py),
-and what ``motir purge`` deletes (ops/purge.py). Any number of sweepers or purges may run:
+and what ``motir purge`` and ``system.daily-retention`` delete (core/retention.py). Any number of sweepers or purges may run:
 ``FOR UPDATE SKIP LOCKED`` splits the rows. Run by the engine role.
 """
 
@@ -225,7 +225,7 @@ def prune_rollup(conn: Conn, *, batch: int) -> int:
     return len(rows(conn, PRUNE_ROLLUP, {"batch": batch}))
 
 
-# --- retention (motir purge: ops/purge.py) ---------------------------------------------------
+# --- retention (motir purge, system.daily-retention: core/retention.py) -----------------------
 #
 # Each delete takes one batch (``LIMIT %(batch)s``) in the caller's transaction; the caller
 # repeats it until a batch comes back short. ``%(age)s`` is the retention period in seconds.
