@@ -166,9 +166,11 @@ def send_events(events: Sequence[Any], *, session: "Session | None" = None,
 
 
 def replay_dlq(dlq_id: "uuid.UUID | str", *, actor: str, idempotency_key: str | None = None,
-               app: "Celery | None" = None) -> "ReplayResult":
-    """Replay a dead-lettered run for its job only; audited as ``actor``."""
-    return _engine(app).replay_dlq(dlq_id, actor=actor, idempotency_key=idempotency_key)
+               session: "Session | None" = None, app: "Celery | None" = None) -> "ReplayResult":
+    """Replay a dead-lettered run for its job only; audited as ``actor``. With ``session=``
+    (SQLAlchemy, a login of the engine role), written in that session's transaction and
+    published when it commits, never if it rolls back."""
+    return _engine(app).replay_dlq(dlq_id, actor=actor, idempotency_key=idempotency_key, session=session)
 
 
 def resume_dlq(dlq_id: "uuid.UUID | str", *, actor: str, app: "Celery | None" = None) -> "ResumeResult":

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from motir_celery.core.worker.runner import Outcome
     from motir_celery.core.worker.steps import Step
     from motir_celery.core.worker.sweeper import SweepReport
+    from motir_celery.store import records
     from motir_celery.store.driver import Conn
     from motir_celery.store.lent import LentPool
     from motir_celery.store.listen import Listener
@@ -286,6 +287,13 @@ class Engine:
 
         return events.write_event(conn, name, data, encoded, workspace_id, idempotency_key, jobs, engine=self)
 
+    def publish_after_commit(self, session: Session, runs: Sequence[records.Queued]) -> None:
+        """Publish ``runs`` through this engine when ``session`` commits, never if it rolls back
+        (what ``send_event(session=)`` does): a DLQ replay in the caller's transaction."""
+        from motir_celery.core.producer import events
+
+        events.publish_after_commit(session, runs, self.publish)
+
     def apply_async(self, job: Job, args: Sequence[Any], kwargs: Mapping[str, Any],
                     options: Mapping[str, Any]) -> RunHandle:
         """``job.delay()`` / ``job.apply_async()``: one direct run (``core/producer/direct.py``)."""
@@ -389,10 +397,12 @@ class Engine:
 
     # --- operator actions -------------------------------------------------------------------
 
-    def replay_dlq(self, dlq_id: uuid.UUID | str, *, actor: str, idempotency_key: str | None = None) -> ReplayResult:
+    def replay_dlq(self, dlq_id: uuid.UUID | str, *, actor: str, idempotency_key: str | None = None,
+                   session: Session | None = None) -> ReplayResult:
+        """Replay a DLQ entry (``core/operator/dlq.py``); ``session=``: in that session's transaction."""
         from motir_celery.core.operator import dlq
 
-        return dlq.replay_dlq(self, dlq_id, actor=actor, idempotency_key=idempotency_key)
+        return dlq.replay_dlq(self, dlq_id, actor=actor, idempotency_key=idempotency_key, session=session)
 
     def resume_dlq(self, dlq_id: uuid.UUID | str, *, actor: str) -> ResumeResult:
         from motir_celery.core.operator import resume

@@ -727,6 +727,77 @@ def test_replay_of_an_idempotency_keyed_event_is_deduplicated_until_given_a_new_
     assert again.status == "replayed" and again.run_id is not None
 
 
+def _engine_role_session(engine) -> Session:  # type: ignore[no-untyped-def]
+    """A caller's session whose transaction runs as the engine role (the role that may replay)."""
+    session = Session(engine)
+    session.execute(text("SET LOCAL ROLE motir_engine"))
+    return session
+
+
+def _entry(engine, dlq_id: uuid.UUID) -> Any:  # type: ignore[no-untyped-def]
+    return one(engine, "SELECT replayed_at, replayed_by, replay_run_id FROM job_run_dlq WHERE id = :d", d=dlq_id)
+
+
+def test_replay_in_a_callers_transaction_that_commits_is_written_and_published_on_its_commit(engine):  # type: ignore[no-untyped-def]
+    from tests.fixtures.jobs import record
+
+    _, dlq_id = _fail_mixed(engine, "sw-4")
+    record(runner.Event("x", {}, None, None, "sw-4", 1), "fixed")
+    published = Held()
+    with _engine_role_session(engine) as session:
+        replay = holding(published).replay_dlq(dlq_id, actor="alice", session=session)
+        assert replay.status == "replayed" and replay.run_id is not None
+        assert run_state(engine, replay.run_id) is None  # not committed: invisible, and not published
+        assert _entry(engine, dlq_id).replayed_at is None and published == []
+        session.commit()
+    assert published == [(replay.run_id, "test.mixed-fail", 0.0)]
+    entry = _entry(engine, dlq_id)
+    assert entry.replayed_by == "alice" and entry.replay_run_id == replay.run_id
+    assert execute(replay.run_id, "test.mixed-fail").state == "succeeded"
+
+
+def test_replay_in_a_callers_transaction_that_rolls_back_writes_and_publishes_nothing(engine):  # type: ignore[no-untyped-def]
+    _, dlq_id = _fail_mixed(engine, "sw-5")
+    runs_before = one(engine, "SELECT count(*) FROM job_queue")[0]
+    published = Held()
+    with _engine_role_session(engine) as session:
+        replay = holding(published).replay_dlq(dlq_id, actor="alice", session=session)
+        assert replay.status == "replayed"
+        session.rollback()
+    assert published == []
+    assert run_state(engine, replay.run_id) is None
+    assert one(engine, "SELECT count(*) FROM job_queue")[0] == runs_before
+    entry = _entry(engine, dlq_id)
+    assert (entry.replayed_at, entry.replayed_by, entry.replay_run_id) == (None, None, None)  # still open
+    again = holding(published).replay_dlq(dlq_id, actor="bob")  # and replayable
+    assert again.status == "replayed" and published == [(again.run_id, "test.mixed-fail", 0.0)]
+
+
+def test_a_deduplicated_replay_in_a_callers_transaction_undoes_only_its_own_stamp(engine):  # type: ignore[no-untyped-def]
+    _, dlq_id = _fail_mixed(engine, "sw-6", key="order-43")
+    published = Held()
+    with Session(engine) as session:
+        session.execute(text("INSERT INTO test.side_effect (run_id, step) VALUES ('caller', 'own-write')"))
+        session.execute(text("SET LOCAL ROLE motir_engine"))
+        replay = holding(published).replay_dlq(dlq_id, actor="alice", session=session)
+        assert replay.status == "deduplicated"
+        session.commit()
+    assert published == [] and _entry(engine, dlq_id).replayed_at is None
+    assert one(engine, "SELECT count(*) FROM test.side_effect WHERE run_id = 'caller'")[0] == 1
+
+
+def test_replay_in_an_app_role_transaction_is_refused_and_writes_nothing(engine):  # type: ignore[no-untyped-def]
+    _, dlq_id = _fail_mixed(engine, "sw-7")
+    published = Held()
+    with Session(engine) as session:
+        session.execute(text("SET LOCAL ROLE motir_app"))
+        with pytest.raises(PermissionError, match="motir_app"):
+            holding(published).replay_dlq(dlq_id, actor="mallory", session=session)
+        session.commit()
+    assert published == [] and _entry(engine, dlq_id).replayed_at is None
+    assert one(engine, "SELECT count(*) FROM job_queue WHERE job_id = 'test.mixed-fail'")[0] == 1
+
+
 # --- definition-time errors -------------------------------------------------------
 
 

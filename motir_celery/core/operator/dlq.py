@@ -25,6 +25,12 @@ link: the new run starts with the records of the links the failed run completed
 member runs (all of a failed group's members). ``resume_dlq`` instead resumes the same
 canvas run, only the failed members, each from its own failed step.
 
+``replay_dlq(..., session=)`` replays inside the caller's SQLAlchemy transaction, as
+``send_event(session=)`` writes inside it: the stamp, the run and the link commit or roll back
+with it, and the run's message is published on its commit (``Engine.publish_after_commit``).
+The session must be of a login that may replay (the engine role; checked first,
+``operator_sql.MAY_REPLAY``): the app role is refused with ``PermissionError``, nothing written.
+
 An event sent with an idempotency key stays deduplicated after replay: the
 re-emitted event carries the same key, conflicts, and nothing runs. The
 result says ``deduplicated`` and nothing is stamped; replay again with a new
@@ -46,8 +52,11 @@ from motir_celery.store import records
 from motir_celery.store.driver import Statement
 from motir_celery.store.sql import operator as operator_sql
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the ORM only for a caller's own Session
+    from sqlalchemy.orm import Session
+
     from motir_celery.core.engine import Engine
+    from motir_celery.store.driver import Conn
 
 __all__ = ["ReplayResult", "Caller", "replay_dlq", "dismiss_dlq", "replay_as", "dismiss_as", "cancel_as", "cancel_run",
            "visible", "parse_id", "check_actor"]
@@ -63,48 +72,88 @@ class ReplayResult:
 
 
 def replay_dlq(engine: Engine, dlq_id: uuid.UUID | str, *, actor: str,
-               idempotency_key: str | None = None) -> ReplayResult:
+               idempotency_key: str | None = None, session: Session | None = None) -> ReplayResult:
     """Run the failed job again on its original event data; audited as ``actor``.
 
     ``idempotency_key`` replaces the original key (the workaround for an
     idempotency-keyed event, whose replay is otherwise deduplicated).
+
+    ``session`` (SQLAlchemy): the stamp, the new run and its link are written in that session's
+    transaction — committed or rolled back with it — and the run's message is published when it
+    commits, never if it rolls back, as ``send_event(session=)`` does. The session's login must be
+    one that may replay (the engine role: ``PermissionError`` otherwise, nothing written).
     """
     check_actor(actor)
     dlq_uuid = uuid.UUID(str(dlq_id))
+    if session is not None:
+        return _replay_in_session(engine, session, dlq_uuid, actor, idempotency_key)
     with engine.pool().connect() as conn:
         with conn.begin() as tx:
-            row = operator_sql.replay_stamp(conn, dlq_uuid, actor)
-            if row is None:
-                status = operator_sql.entry_status(conn, dlq_uuid)
-                if status is None:
-                    return ReplayResult("not_found")
-                if status["replayed"]:
-                    return ReplayResult("already_replayed", status["replay_run_id"])
-                if status["resumed"]:
-                    return ReplayResult("resumed", status["resumed_run_id"])
-                return ReplayResult("dismissed")
-            job = get_job(row["function_id"])
-            result = engine.write_event(
-                conn,
-                row["event_name"],
-                row["event_data"],
-                json.dumps(row["event_data"]),
-                row["workspace_id"],
-                idempotency_key if idempotency_key is not None else row["idempotency_key"],
-                [job],
-            )
-            if result.deduplicated:
+            result, run = _write_replay(engine, conn, dlq_uuid, actor, idempotency_key)
+            if result.status == "deduplicated":
                 tx.rollback()  # nothing ran: leave the entry open, unstamped
-                return ReplayResult("deduplicated", event_id=result.event_id)
-            (run,) = result.runs
-            assert isinstance(run, records.Queued)
-            operator_sql.replay_link(conn, dlq_uuid, run.run_id)
-            if job.id == CANVAS_JOB_ID and row["run_id"] is not None:
-                # A canvas is replayed from its failed link: the links its failed run completed
-                # are the new run's records too, so only the failed link runs again (as a new member).
-                operator_sql.copy_completed_links(conn, row["run_id"], run.run_id)
-    publish_or_log(engine.publish, run.run_id, run.job_id)
-    return ReplayResult("replayed", run.run_id, result.event_id)
+    if run is not None:
+        publish_or_log(engine.publish, run.run_id, run.job_id)
+    return result
+
+
+def _replay_in_session(engine: Engine, session: Session, dlq_uuid: uuid.UUID, actor: str,
+                       idempotency_key: str | None) -> ReplayResult:
+    """``replay_dlq`` in the caller's transaction; a deduplicated replay undoes its stamp (a savepoint)."""
+    allowed, login = operator_sql.may_replay(session.connection())
+    if not allowed:
+        raise PermissionError(
+            f"replay_dlq(session=...): the session's login ({login}) may not replay a DLQ entry; use a "
+            "session of the engine role (motir_engine), or replay without session= (the engine's own login)")
+    savepoint = session.begin_nested()
+    try:
+        result, run = _write_replay(engine, session.connection(), dlq_uuid, actor, idempotency_key)
+    except BaseException:
+        savepoint.rollback()
+        raise
+    if result.status == "deduplicated":
+        savepoint.rollback()  # nothing ran: leave the entry open, unstamped
+    else:
+        savepoint.commit()
+    if run is not None:
+        engine.publish_after_commit(session, [run])
+    return result
+
+
+def _write_replay(engine: Engine, conn: Conn, dlq_uuid: uuid.UUID, actor: str,
+                  idempotency_key: str | None) -> tuple[ReplayResult, records.Queued | None]:
+    """The replay's rows in ``conn``'s transaction, not committed: the result and the run to publish
+    once it is (None: nothing to publish). A ``deduplicated`` result's stamp is the caller's to undo."""
+    row = operator_sql.replay_stamp(conn, dlq_uuid, actor)
+    if row is None:
+        status = operator_sql.entry_status(conn, dlq_uuid)
+        if status is None:
+            return ReplayResult("not_found"), None
+        if status["replayed"]:
+            return ReplayResult("already_replayed", status["replay_run_id"]), None
+        if status["resumed"]:
+            return ReplayResult("resumed", status["resumed_run_id"]), None
+        return ReplayResult("dismissed"), None
+    job = get_job(row["function_id"])
+    result = engine.write_event(
+        conn,
+        row["event_name"],
+        row["event_data"],
+        json.dumps(row["event_data"]),
+        row["workspace_id"],
+        idempotency_key if idempotency_key is not None else row["idempotency_key"],
+        [job],
+    )
+    if result.deduplicated:
+        return ReplayResult("deduplicated", event_id=result.event_id), None
+    (run,) = result.runs
+    assert isinstance(run, records.Queued)
+    operator_sql.replay_link(conn, dlq_uuid, run.run_id)
+    if job.id == CANVAS_JOB_ID and row["run_id"] is not None:
+        # A canvas is replayed from its failed link: the links its failed run completed
+        # are the new run's records too, so only the failed link runs again (as a new member).
+        operator_sql.copy_completed_links(conn, row["run_id"], run.run_id)
+    return ReplayResult("replayed", run.run_id, result.event_id), run
 
 
 def dismiss_dlq(engine: Engine, dlq_id: uuid.UUID | str, *, actor: str) -> bool:

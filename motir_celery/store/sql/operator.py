@@ -42,6 +42,20 @@ def visible(conn: Conn, statement: Statement, row_id: uuid.UUID) -> bool:
 
 # --- replay and dismiss ---------------------------------------------------------------------
 
+MAY_REPLAY = Statement(
+    "may_replay",
+    "Whether the current login may replay a DLQ entry (UPDATE on it), and its name: before replay_dlq(session=).",
+    "SELECT has_table_privilege('job_run_dlq', 'UPDATE') AS allowed, current_user::text AS login",
+)
+
+
+def may_replay(conn: Conn) -> tuple[bool, str]:
+    """Whether ``conn``'s login may replay (the engine role may; the app role may not), and who it is."""
+    row = first(conn, MAY_REPLAY, {})
+    assert row is not None
+    return bool(row["allowed"]), str(row["login"])
+
+
 REPLAY_STAMP = Statement(
     "replay_stamp",
     "Stamp an open DLQ entry as replayed by an actor, and return what the replay re-emits.",
