@@ -622,8 +622,8 @@ SETTLE_SUCCEEDED = Statement(
       UPDATE job_queue
       SET state = 'succeeded', result = CAST(%(result)s AS jsonb), finished_at = now(),
           claim_token = NULL, lease_expires_at = NULL,
-          -- step.audit's values: NULL unless the body set them, and then an earlier value stays
-          -- (a resumed run's). Not indexed, so the update stays HOT; no statement of its own.
+          -- step.audit's values; NULL when the body set none, and coalesce keeps the column as it
+          -- was (never cleared). Not indexed, never read by the claim; no statement of their own.
           provider_key = coalesce(CAST(%(provider_key)s AS varchar), provider_key),
           model_version = coalesce(CAST(%(model_version)s AS varchar), model_version)
       WHERE id = %(run_id)s
