@@ -14,6 +14,7 @@ __all__ = [
     "PayloadError",
     "StepOutputError",
     "StepIdError",
+    "AuditValueError",
     "WorkspaceError",
     "NonRetriableError",
     "RetryAfterError",
@@ -132,6 +133,13 @@ class StepIdError(NonRetriableError, ValueError):
     """A step id that cannot be stored: empty, too long, or with a reserved or
     unprintable character. Raised by ``step.run`` before its body; retrying would
     not change it, so the run goes straight to the DLQ."""
+
+
+class AuditValueError(NonRetriableError, ValueError):
+    """A ``step.audit`` value that cannot be stored: not a string, empty, over ``AUDIT_MAX``
+    characters, or with a NUL or unprintable character. Raised at the call, nothing of it kept
+    (the run's stored steps stay); not caught, it fails the run into the DLQ (a retry would set
+    the same again)."""
 
 
 class StreamFull(NonRetriableError):

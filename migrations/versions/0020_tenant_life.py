@@ -42,6 +42,12 @@ Issue 47. Expand only.
   open runs that name a subject: "cancel every open run of this subject"
   (``motir cancel --workspace W --subject TYPE:ID``) and "is one active for it"
   (``active_for_subject``) each read only it (EXPLAIN tests in tests/store/test_schema.py).
+* ``job_queue.provider_key`` / ``model_version`` (seed 003's providerKey / modelVersion): an audit of
+  what ran the job — which downstream provider handled it and which model/version it ran against —
+  set by the job body (``step.audit(provider_key=..., model_version=...)``) and written by the
+  success settle itself (its statement gains two parameters, NULL unless set). ``varchar(200)``,
+  nullable, no default: a metadata-only ALTER (no rewrite, no scan); the bound is Postgres's as well
+  as the Python call's. Never read by the claim, not indexed.
 * ``ix_job_queue_recent`` ``(created_at DESC, id)`` and ``ix_job_queue_workspace_recent``
   ``(workspace_id, created_at DESC, id)``: the operator's listing (``motir runs``, the dashboard)
   and one tenant's, newest first, read from the index in the listing's order instead of a sort of
@@ -55,7 +61,8 @@ has started, the functions accept any job id as before, so producers of the prev
 keep working while its workers are replaced (none of them writes the registry). From then on a
 job is known to the functions once any worker that defines it has started: roll the workers
 before the producers that send a new job (as with Celery, where a task unknown to the worker is
-refused). Downgrade puts 0008's bodies (and 0013's writer) back and drops the indexes, the columns and the table.
+refused). The previous release's success settle never names the audit columns: a run it settles keeps them NULL.
+Downgrade puts 0008's bodies (and 0013's writer) back and drops the indexes, the columns and the table.
 """
 from alembic import context, op
 from sqlalchemy import text
@@ -81,6 +88,8 @@ CREATE TABLE job_registry (
 # (``subject=("media_item", "42")``). Bounds the producer and the checked function both apply.
 SUBJECT_TYPE = "^[A-Za-z0-9_.-]{1,64}$"
 SUBJECT_ID_MAX = 255
+# The audit columns' bound (characters), the Python call's as well (core/shapes.py AUDIT_MAX).
+AUDIT_MAX = 200
 
 QUEUE_INDEXES = {
     "ix_job_queue_recent": "CREATE INDEX CONCURRENTLY ix_job_queue_recent ON job_queue (created_at DESC, id)",
@@ -188,7 +197,8 @@ def _functions(forward: bool) -> None:
 def upgrade() -> None:
     op.execute(TABLE)
     op.execute("ALTER TABLE job_queue ADD COLUMN cancelled_by text, ADD COLUMN cancel_reason text, "
-               "ADD COLUMN subject_type text, ADD COLUMN subject_id text")
+               "ADD COLUMN subject_type text, ADD COLUMN subject_id text, "
+               f"ADD COLUMN provider_key varchar({AUDIT_MAX}), ADD COLUMN model_version varchar({AUDIT_MAX})")
     op.execute("GRANT SELECT, INSERT, UPDATE ON job_registry TO motir_engine")
     _functions(forward=True)
     # Outside the transaction: CONCURRENTLY builds never block the previous release's writes.
@@ -203,5 +213,5 @@ def downgrade() -> None:
         op.execute(f"DROP INDEX IF EXISTS {name}")
     _functions(forward=False)
     op.execute("ALTER TABLE job_queue DROP COLUMN cancelled_by, DROP COLUMN cancel_reason, "
-               "DROP COLUMN subject_type, DROP COLUMN subject_id")
+               "DROP COLUMN subject_type, DROP COLUMN subject_id, DROP COLUMN provider_key, DROP COLUMN model_version")
     op.execute("DROP TABLE job_registry")

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, NoReturn, Pr
 from motir_celery.core.current import current
 from motir_celery.core.retries import RetryPolicy, resolve_policy
 from motir_celery.core.runspec import RunOptions, check_trigger, run_options, run_spec
+from motir_celery.core.shapes import check_audit
 from motir_celery.errors import JobDefinitionError, MotirError, UnknownJobError
 from motir_celery.store.records import RunSpec
 
@@ -245,8 +246,8 @@ class CallStep:
     stored, so nothing is memoized or retried. ``run_id`` is None (Celery's ``request.id`` in
     a direct call), ``attempt`` 1. What needs a stored run — ``sleep``, ``send_event``,
     ``wait_for_event``, ``invoke``, ``gather`` — raises ``DirectCallUnsupported``: use
-    ``job.apply(...)``, which runs the body through the engine. ``progress`` and ``stream(name).write``
-    keep nothing (advisory, and there is no run to keep them with)."""
+    ``job.apply(...)``, which runs the body through the engine. ``progress``, ``audit`` and
+    ``stream(name).write`` keep nothing (advisory, and there is no run to keep them with)."""
 
     run_id: str | None = None
     attempt: int = 1
@@ -263,6 +264,13 @@ class CallStep:
 
     def progress(self, meta: Any = None, *, state: str = "PROGRESS") -> None:
         """Nothing to report to: a direct call stores nothing (progress is advisory)."""
+
+    def audit(self, *, provider_key: str | None = None, model_version: str | None = None) -> None:
+        """Checked as a worker's ``step.audit`` checks them (``AuditValueError``), then kept nowhere:
+        a direct call stores nothing."""
+        for column, value in (("provider_key", provider_key), ("model_version", model_version)):
+            if value is not None:
+                check_audit(column, value)
 
     def stream(self, name: str) -> _NoStream:
         """A stream whose items go nowhere: a direct call stores nothing."""

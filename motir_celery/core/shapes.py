@@ -1,4 +1,5 @@
-"""What the worker and producer rooms both read: a direct run's arguments, and a canvas's node.
+"""What the worker and producer rooms both read: a direct run's arguments, and a canvas's node;
+and the bound of a ``step.audit`` value, which a worker's step and a direct call's both check.
 
 A direct run's event is named ``direct.<job_id>`` and its data is ``{"args": [...], "kwargs":
 {...}}`` (``core/producer/direct.py`` writes it, the runner decodes it). A canvas is one run of
@@ -12,7 +13,7 @@ import re
 import uuid
 from typing import Any
 
-from motir_celery.errors import NonRetriableError
+from motir_celery.errors import AuditValueError, NonRetriableError
 
 __all__ = ["SUBJECT_TYPE", "MAX_SUBJECT_ID", "check_subject", "parse_subject", "DIRECT_PREFIX", "CHILD_EVENT_PREFIX", "event_name", "arguments", "CANVAS_JOB_ID", "KINDS", "MAX_DEPTH", "MEMBER_OPTIONS",
            "CanvasError", "member_id", "is_leaf", "check_node"]
@@ -66,6 +67,21 @@ def parse_subject(text: str) -> tuple[str, str]:
 # --- a canvas's node ----------------------------------------------------------------------
 
 #: The job every canvas is a run of (its task: ``motir.system.canvas``).
+#: The longest ``step.audit`` value, in characters (the columns are ``varchar(200)``: migration 0020).
+AUDIT_MAX = 200
+
+
+def check_audit(column: str, value: object) -> None:
+    """``AuditValueError`` unless ``value`` is 1 to ``AUDIT_MAX`` printable characters (``step.audit``)."""
+    if not isinstance(value, str):
+        raise AuditValueError(f"step.audit: {column} is a string, not {type(value).__name__}")
+    if not value or len(value) > AUDIT_MAX:
+        raise AuditValueError(f"step.audit: {column} is {len(value)} characters; it is 1 to {AUDIT_MAX}")
+    if not value.isprintable():
+        raise AuditValueError(f"step.audit: {column} {value[:40]!r} contains a NUL, a lone surrogate or an "
+                              "unprintable character")
+
+
 CANVAS_JOB_ID = "system.canvas"
 #: The composite kinds a node's ``canvas`` names (a node without it is a task).
 KINDS = ("chain", "group", "chord")

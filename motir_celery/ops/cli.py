@@ -415,6 +415,10 @@ def runs_show(run_id: str, tracebacks: bool, as_json: bool) -> None:
         facts.append(("held by", f"{r.claimed_by}, lease {format_ago(d.lease_expires_at, d.now)}"))
     if r.finished_at:
         facts.append(("finished", f"{format_instant(r.finished_at)} (took {format_duration(r.duration)})"))
+    if d.provider_key:
+        facts.append(("provider", d.provider_key))
+    if d.model_version:
+        facts.append(("model", d.model_version))
     if d.dlq:
         e = d.dlq
         state = {"open": "OPEN — motir dlq replay " + str(e.id) + " --actor YOU",

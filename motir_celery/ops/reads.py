@@ -248,6 +248,9 @@ class RunDetail:
     #: Its latest progress report, and its streams (core/worker/streams.py).
     progress: ProgressRow | None = None
     streams: list[StreamRow] = field(default_factory=list)
+    #: What ran the job, as its body named it (``step.audit``; written when it succeeded).
+    provider_key: str | None = None
+    model_version: str | None = None
 
 
 @dataclass(frozen=True)
@@ -432,6 +435,7 @@ def get_run(session: Session, run_id: uuid.UUID | str) -> RunDetail | None:
         lease_expires_at=row["lease_expires_at"], result=row["result"],
         steps=steps, attempts=attempts, dlq=own, replay_of=replay_of,
         parent=parent, children=children, resumes=resumes, progress=progress, streams=streams,
+        provider_key=row["provider_key"], model_version=row["model_version"],
     )
 
 

@@ -36,6 +36,7 @@ from sqlalchemy import (
     Integer,
     MetaData,
     SmallInteger,
+    String,
     Text,
     UniqueConstraint,
     text,
@@ -408,6 +409,11 @@ class JobQueue(Base):
     # subject needs no schema change; the id is text, not assumed a UUID. Both or neither.
     subject_type: Mapped[str | None] = mapped_column(Text)
     subject_id: Mapped[str | None] = mapped_column(Text)
+    # An audit of what ran the job (seed 003's providerKey / modelVersion): the downstream provider
+    # and the model/version, as the job body named them (``step.audit``). Written by the success
+    # settle only; never read by the claim.
+    provider_key: Mapped[str | None] = mapped_column(String(200))
+    model_version: Mapped[str | None] = mapped_column(String(200))
 
     event: Mapped[JobEvent | None] = relationship(back_populates="runs")
     parent: Mapped[JobQueue | None] = relationship(

@@ -341,7 +341,7 @@ def test_0020_is_expand_only_the_previous_releases_schema_calls_and_rows_are_unt
     """A rolling deploy: the release before (0019) runs on while 0020 is applied. Every column, index,
     policy and function of 0019 is there after it, but four function bodies, whose signatures,
     owner's rights, search_path and grants are unchanged (the previous release's calls still bind);
-    the additions are the registry, four nullable columns and three indexes; a run of the previous release stays; the
+    the additions are the registry, six nullable columns and three indexes; a run of the previous release stays; the
     downgrade leaves 0019's shape exactly."""
     upgrade(empty_url, "0019")
     eng = create_engine(empty_url)
@@ -363,8 +363,12 @@ def test_0020_is_expand_only_the_previous_releases_schema_calls_and_rows_are_unt
         assert {a.split(" ")[1] for a in added if a.startswith("function")} == set(CHECKED) | {WRITER}
         assert {a.split(" ")[1] for a in added if a.startswith("column") and not a.startswith("column job_registry.")} \
             == {"job_queue.cancelled_by", "job_queue.cancel_reason",   # nullable, no default: a metadata-only ALTER
-                "job_queue.subject_type", "job_queue.subject_id"}
+                "job_queue.subject_type", "job_queue.subject_id",
+                "job_queue.provider_key", "job_queue.model_version"}
         assert all(" YES " in a for a in added if a.startswith("column job_queue."))
+        # The audit columns are bounded by Postgres too (200 characters), still with no default.
+        assert {a.split(" ")[1] for a in added if a.startswith("column job_queue.") and " character varying " in a} \
+            == {"job_queue.provider_key", "job_queue.model_version"}
         assert {a.split(" INDEX ")[1].split(" ")[0] for a in added if a.startswith("index")} == {
             "pk_job_registry", "ix_job_queue_recent", "ix_job_queue_workspace_recent", "ix_job_queue_subject_open"}
         # The previous release's .delay() (its call of motir_direct_run, no subject in its data) still

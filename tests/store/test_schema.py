@@ -268,6 +268,7 @@ BY_ID_PARAMS: dict[str, object] = {
     # progress and streams (0019): worker.PROGRESS / STREAM_WRITE / STREAM_TRIM, reads.RUN_PROGRESS / STREAM_ITEMS
     "state": "PROGRESS", "meta": "{}", "stream": "s", "positions": [], "items": [], "sizes": [], "max_streams": 100,
     "last": 0, "offset": 0,
+    "provider_key": None, "model_version": None,  # worker.SETTLE_SUCCEEDED's audit (0020: step.audit)
     "id": uuid.UUID(int=0),  # operator.REPLAY_LINK: a DLQ entry (its replay's run takes the failed run's subject)
 }
 #: job_queue's partial indexes whose predicate is a state alone: what a lookup by id must not read.

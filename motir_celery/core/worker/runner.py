@@ -23,7 +23,7 @@ import logging
 import uuid
 from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 import psycopg
 
@@ -182,7 +182,7 @@ def _attempt(engine: Engine, claim: records.Claim, conn: PooledConnection) -> Ou
         return _settle(engine, claim, conn, exc, exc.delay)
     except Exception as exc:  # noqa: BLE001 — any handler error is a failed attempt
         return _settle(engine, claim, conn, exc, _backoff(claim))
-    outcome = _settle_success(engine, claim, conn, encoded)
+    outcome = _settle_success(engine, claim, conn, encoded, step.audited)
     return replace(outcome, result=result) if outcome.state == "succeeded" else outcome
 
 
@@ -206,9 +206,12 @@ def call_handler(job: Job, event: Any, step: Any) -> Any:
     return result
 
 
-def _settle_success(engine: Engine, claim: records.Claim, conn: PooledConnection, encoded: str) -> Outcome:
+def _settle_success(engine: Engine, claim: records.Claim, conn: PooledConnection, encoded: str,
+                    audited: Mapping[str, str]) -> Outcome:
     try:
-        if not worker_sql.settle_succeeded(conn, claim, encoded, async_commit=engine.tuning.settle_async_commit):
+        if not worker_sql.settle_succeeded(conn, claim, encoded, async_commit=engine.tuning.settle_async_commit,
+                                           provider_key=audited.get("provider_key"),
+                                           model_version=audited.get("model_version")):
             return Outcome(str(claim.run_id), _fenced_state(conn, claim))
     except psycopg.Error as refused:
         return _settle(engine, claim, conn, _refusal(claim, refused), _backoff(claim))

@@ -35,6 +35,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, ContextManager, Mapping, NoReturn, Sequence, TypeVar
 
 from motir_celery.core.runspec import path_of, value_at
+from motir_celery.core.shapes import check_audit
 from motir_celery.core.tracing import step_span
 from motir_celery.core.worker import invoke
 from motir_celery.core.worker.streams import DEFAULT_STATE, Output, StreamWriter, check_state, check_stream_name
@@ -102,6 +103,8 @@ class Step:
         #: end, in the order it reaches them — the same on every attempt (core/worker/streams.py).
         self.segment = 0
         self._output: Output | None = None  # made on the first progress report or stream write
+        #: What ``audit`` set in this attempt, by column: written by the success settle, nothing before.
+        self.audited: dict[str, str] = {}
 
     @property
     def run_id(self) -> str:
@@ -256,6 +259,20 @@ class Step:
         dashboard and ``motir runs show`` while this attempt runs. One statement, no WAL flush
         waited for; fenced on the claim (``LostClaim`` / ``RunCancelled`` if the run is not ours)."""
         self.output().progress(meta, check_state(state))
+
+    def audit(self, *, provider_key: str | None = None, model_version: str | None = None) -> None:
+        """Record what ran the job: which downstream provider handled it and which model/version it
+        ran against (an audit, not an input: "did the incident affect runs on provider X?"). Kept
+        by this attempt and written by its success settle, in the same statement — no statement
+        here, none at all when never called. A value given replaces this attempt's earlier one;
+        ``None`` leaves it. A run that fails, or an attempt that does not succeed, writes none: call
+        it on every attempt, outside ``step.run`` (a stored step's body does not run again).
+        ``AuditValueError`` at the call for a value that is not 1 to ``AUDIT_MAX`` printable characters."""
+        given = {"provider_key": provider_key, "model_version": model_version}
+        for column, value in given.items():
+            if value is not None:
+                check_audit(column, value)
+        self.audited.update((column, value) for column, value in given.items() if value is not None)
 
     def stream(self, name: str) -> StreamWriter:
         """The run's stream ``name``: ``.write(item)`` appends ``item``; readers follow it in order

@@ -101,10 +101,10 @@ def list_runs(conn: Conn, *, job: str | None, state: str | None, workspace: str 
 
 RUN = Statement(
     "run",
-    "One run the caller sees, with its event, lease and result, and the database's now().",
+    "One run the caller sees, with its event, lease, result and audit (step.audit), and the database's now().",
     f"""
     SELECT {_RUN_COLUMNS}, now() AS now, q.event_id, e.data AS event_data, e.idempotency_key,
-           q.scheduled_for, q.lease_expires_at, q.result
+           q.scheduled_for, q.lease_expires_at, q.result, q.provider_key, q.model_version
     FROM job_queue q LEFT JOIN job_event e ON e.id = q.event_id   -- a cron run has no event
     WHERE q.id = %(id)s
     """,

@@ -621,7 +621,11 @@ SETTLE_SUCCEEDED = Statement(
     WITH settled AS (
       UPDATE job_queue
       SET state = 'succeeded', result = CAST(%(result)s AS jsonb), finished_at = now(),
-          claim_token = NULL, lease_expires_at = NULL
+          claim_token = NULL, lease_expires_at = NULL,
+          -- step.audit's values; NULL when the body set none, and coalesce keeps the column as it
+          -- was (never cleared). Not indexed, never read by the claim; no statement of their own.
+          provider_key = coalesce(CAST(%(provider_key)s AS varchar), provider_key),
+          model_version = coalesce(CAST(%(model_version)s AS varchar), model_version)
       WHERE id = %(run_id)s
         AND claim_token = %(token)s            -- fence: only the current holder settles
         AND (state = 'running') IS TRUE        -- a cancelled run stays cancelled
@@ -649,10 +653,13 @@ SETTLE_SUCCEEDED = Statement(
 )
 
 
-def settle_succeeded(conn: Conn, claim_: Claim, result_json: str, *, async_commit: bool) -> bool:
-    """Settle a run that succeeded; ``False`` when fenced (cancelled or reclaimed)."""
+def settle_succeeded(conn: Conn, claim_: Claim, result_json: str, *, async_commit: bool,
+                     provider_key: str | None = None, model_version: str | None = None) -> bool:
+    """Settle a run that succeeded (with what ``step.audit`` set, if anything); ``False`` when fenced
+    (cancelled or reclaimed)."""
     row = first(conn, SETTLE_SUCCEEDED, {"run_id": claim_.run_id, "token": claim_.token, "result": result_json,
-                                         "async_commit": async_commit})
+                                         "async_commit": async_commit, "provider_key": provider_key,
+                                         "model_version": model_version})
     return row is not None and row["settled"] == 1
 
 
