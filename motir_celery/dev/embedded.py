@@ -176,16 +176,16 @@ def _raise_max_connections(socket_dir: Path | None, port: int | None) -> bool:
     """Set ``max_connections`` to ``MAX_CONNECTIONS`` where the server has fewer; True when it must
     restart for it. ``make test`` runs four sessions, each with real workers and their pools beside
     Django's servers: they reached 97 of Postgres's default 100 ("too many clients" in one run)."""
-    from sqlalchemy import text
+    from motir_celery.store.sql import setup
 
     if socket_dir is None or port is None:
         return False  # the caller reports the missing socket
     engine = _admin_engine(socket_dir, port)
     try:
         with engine.connect() as conn:
-            if int(conn.execute(text("SHOW max_connections")).scalar_one()) >= MAX_CONNECTIONS:
+            if setup.max_connections(conn) >= MAX_CONNECTIONS:
                 return False
-            conn.execute(text(f"ALTER SYSTEM SET max_connections = {MAX_CONNECTIONS}"))
+            setup.set_max_connections(conn, MAX_CONNECTIONS)
             return True
     finally:
         engine.dispose()

@@ -59,6 +59,31 @@ def database_exists(conn: Connection, name: str) -> bool:
     return first(conn, DATABASE_EXISTS, {"name": name}) is not None
 
 
+MAX_CONNECTIONS = Statement(
+    "max_connections",
+    "The server's connection slots (the embedded Postgres raises them once: dev/embedded.py).",
+    "SELECT current_setting('max_connections')::int AS slots",
+)
+
+
+def max_connections(conn: Connection) -> int:
+    row = first(conn, MAX_CONNECTIONS, {})
+    return int(row["slots"]) if row is not None else 0
+
+
+SET_MAX_CONNECTIONS = Statement(
+    "set_max_connections",
+    "Set the server's connection slots for its next start (DDL template: the number is a psycopg.sql Literal; in autocommit).",
+    "ALTER SYSTEM SET max_connections = {slots}",
+)
+
+
+def set_max_connections(conn: Connection, slots: int) -> None:
+    """``ALTER SYSTEM SET max_connections`` (read at the server's next start; ``conn`` in autocommit)."""
+    raw = conn.connection.driver_connection
+    conn.exec_driver_sql(sql.SQL(SET_MAX_CONNECTIONS.sql).format(slots=sql.Literal(int(slots))).as_string(raw))
+
+
 LOGIN_PASSWORD = Statement(
     "login_password",
     "Let a role log in with a password (motir migrate --set-role-passwords; DDL template quoted by psycopg.sql).",
