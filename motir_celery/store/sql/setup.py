@@ -29,10 +29,15 @@ CREATE_DATABASE = Statement(
 )
 
 
+def _ddl(conn: Connection, statement: Statement, **parts: sql.Composable) -> None:
+    """Send a DDL template with its parts quoted by psycopg.sql (``conn`` in autocommit)."""
+    raw = conn.connection.driver_connection
+    conn.exec_driver_sql(sql.SQL(statement.sql).format(**parts).as_string(raw))
+
+
 def create_database(conn: Connection, name: str) -> None:
     """``CREATE DATABASE name`` (``conn`` in autocommit)."""
-    raw = conn.connection.driver_connection
-    conn.exec_driver_sql(sql.SQL(CREATE_DATABASE.sql).format(name=sql.Identifier(name)).as_string(raw))
+    _ddl(conn, CREATE_DATABASE, name=sql.Identifier(name))
 
 
 DROP_DATABASE = Statement(
@@ -44,8 +49,7 @@ DROP_DATABASE = Statement(
 
 def drop_database(conn: Connection, name: str) -> None:
     """``DROP DATABASE IF EXISTS name WITH (FORCE)``: its sessions are ended first (``conn`` in autocommit)."""
-    raw = conn.connection.driver_connection
-    conn.exec_driver_sql(sql.SQL(DROP_DATABASE.sql).format(name=sql.Identifier(name)).as_string(raw))
+    _ddl(conn, DROP_DATABASE, name=sql.Identifier(name))
 
 
 DATABASE_EXISTS = Statement(
@@ -80,8 +84,7 @@ SET_MAX_CONNECTIONS = Statement(
 
 def set_max_connections(conn: Connection, slots: int) -> None:
     """``ALTER SYSTEM SET max_connections`` (read at the server's next start; ``conn`` in autocommit)."""
-    raw = conn.connection.driver_connection
-    conn.exec_driver_sql(sql.SQL(SET_MAX_CONNECTIONS.sql).format(slots=sql.Literal(int(slots))).as_string(raw))
+    _ddl(conn, SET_MAX_CONNECTIONS, slots=sql.Literal(int(slots)))
 
 
 LOGIN_PASSWORD = Statement(
